@@ -120,7 +120,9 @@ def write_synthetic(path: Path, alignment: int | None) -> None:
     rng = np.random.default_rng(SEED + (alignment or 0))
     w = GGUFWriter(path, "llama")
     if alignment is not None:
-        w.add_key_value("general.alignment", alignment, VT.UINT32)
+        # add_custom_alignment both writes the key and lays the data out with it
+        # (add_key_value alone would write a file whose offsets break its own alignment).
+        w.add_custom_alignment(alignment)
     w.add_string("general.name", "specula synthetic — ünïcødé ✓")
     w.add_key_value("test.u8", 255, VT.UINT8)
     w.add_key_value("test.i8", -128, VT.INT8)

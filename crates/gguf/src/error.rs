@@ -33,7 +33,9 @@ pub enum GgufError {
         version: u32,
     },
     /// The file ends inside a field.
-    #[error("truncated file: {what} at offset {offset} needs {needed} bytes but only {available} remain")]
+    #[error(
+        "truncated file: {what} at offset {offset} needs {needed} bytes but only {available} remain"
+    )]
     Truncated {
         /// The field being read.
         what: String,
@@ -46,7 +48,9 @@ pub enum GgufError {
     },
     /// A count or length that cannot possibly fit in the rest of the file (or exceeds a hard
     /// limit); rejected before any allocation is made for it.
-    #[error("{what} at offset {offset} declares {count} {unit}, which cannot fit in the {available} bytes left in the file")]
+    #[error(
+        "{what} at offset {offset} declares {count} {unit}, which cannot fit in the {available} bytes left in the file"
+    )]
     ImplausibleCount {
         /// The field being read.
         what: String,
@@ -124,7 +128,9 @@ pub enum GgufError {
         found: String,
     },
     /// The same tensor name twice.
-    #[error("duplicate tensor name `{name}` at offset {offset} (tensor infos #{first} and #{second})")]
+    #[error(
+        "duplicate tensor name `{name}` at offset {offset} (tensor infos #{first} and #{second})"
+    )]
     DuplicateTensor {
         /// The name.
         name: String,
@@ -170,7 +176,9 @@ pub enum GgufError {
         reason: &'static str,
     },
     /// A data offset that is not a multiple of the file's alignment.
-    #[error("tensor `{tensor}`: data offset {offset} is not a multiple of the alignment {alignment}")]
+    #[error(
+        "tensor `{tensor}`: data offset {offset} is not a multiple of the alignment {alignment}"
+    )]
     Misaligned {
         /// The tensor.
         tensor: String,
@@ -180,7 +188,9 @@ pub enum GgufError {
         alignment: u64,
     },
     /// Tensor data that extends past the end of the file.
-    #[error("tensor `{tensor}`: data at file bytes [{start}, {end}) lies past the end of the file ({file_len} bytes)")]
+    #[error(
+        "tensor `{tensor}`: data at file bytes [{start}, {end}) lies past the end of the file ({file_len} bytes)"
+    )]
     OutOfBounds {
         /// The tensor.
         tensor: String,
@@ -192,7 +202,9 @@ pub enum GgufError {
         file_len: u64,
     },
     /// Two tensors whose data ranges overlap.
-    #[error("tensors `{first}` [{first_start}, {first_end}) and `{second}` [{second_start}, {second_end}) overlap in the data section")]
+    #[error(
+        "tensors `{first}` [{first_start}, {first_end}) and `{second}` [{second_start}, {second_end}) overlap in the data section"
+    )]
     Overlap {
         /// The tensor that starts first.
         first: String,

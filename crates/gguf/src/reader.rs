@@ -413,7 +413,10 @@ impl<'a> Reader<'a> {
         unit: &'static str,
         what: impl FnOnce() -> String,
     ) -> Result<()> {
-        if count.checked_mul(min_size).is_none_or(|b| b > self.remaining()) {
+        if count
+            .checked_mul(min_size)
+            .is_none_or(|b| b > self.remaining())
+        {
             return Err(GgufError::ImplausibleCount {
                 what: what(),
                 offset: at,
@@ -499,11 +502,9 @@ impl<'a> Reader<'a> {
             ValueType::U64 => Array::U64(read_vec!(self, n, u64, what)),
             ValueType::I64 => Array::I64(read_vec!(self, n, i64, what)),
             ValueType::F64 => Array::F64(read_vec!(self, n, f64, what)),
-            ValueType::Bool => Array::Bool(
-                (0..n)
-                    .map(|_| self.bool(key))
-                    .collect::<Result<Vec<_>>>()?,
-            ),
+            ValueType::Bool => {
+                Array::Bool((0..n).map(|_| self.bool(key)).collect::<Result<Vec<_>>>()?)
+            }
             ValueType::String => Array::String(
                 (0..n)
                     .map(|i| self.string(|| format!("element {i} of `{key}`")))
@@ -560,10 +561,12 @@ impl Gguf {
     /// [`Header::parse`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let io = |action| move |source| GgufError::Io {
-            action,
-            path: path.to_owned(),
-            source,
+        let io = |action| {
+            move |source| GgufError::Io {
+                action,
+                path: path.to_owned(),
+                source,
+            }
         };
         let file = File::open(path).map_err(io("open"))?;
         let len = file.metadata().map_err(io("stat"))?.len();

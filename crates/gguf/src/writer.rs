@@ -205,10 +205,12 @@ impl GgufWriter {
         data: impl FnMut(usize, &TensorSpec, &mut dyn Write) -> io::Result<()>,
     ) -> Result<u64> {
         let path = path.as_ref();
-        let io = |action| move |source| GgufError::Io {
-            action,
-            path: path.to_owned(),
-            source,
+        let io = |action| {
+            move |source| GgufError::Io {
+                action,
+                path: path.to_owned(),
+                source,
+            }
         };
         let dir = match path.parent() {
             Some(p) if !p.as_os_str().is_empty() => p,

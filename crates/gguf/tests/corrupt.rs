@@ -130,7 +130,12 @@ fn string_length_past_end_of_file() {
 
 #[test]
 fn absurd_array_counts_are_rejected_before_allocating() {
-    for (elem, count) in [(8u32, u64::MAX), (4, u64::MAX / 2), (9, 1 << 60), (0, 1 << 50)] {
+    for (elem, count) in [
+        (8u32, u64::MAX),
+        (4, u64::MAX / 2),
+        (9, 1 << 60),
+        (0, 1 << 50),
+    ] {
         let mut v = elem.to_le_bytes().to_vec();
         v.extend_from_slice(&count.to_le_bytes());
         let f = RawFile::default().kv("tokenizer.ggml.tokens", 9, v);
@@ -298,7 +303,9 @@ fn unknown_tensor_type_ids() {
     for id in [4u32, 31, 38, 42, 9999] {
         let f = valid().tensor("c", &[32], id, 64).data(256);
         match parse(&f) {
-            Err(GgufError::UnknownTensorType { tensor, id: got, .. }) => {
+            Err(GgufError::UnknownTensorType {
+                tensor, id: got, ..
+            }) => {
                 assert_eq!((tensor.as_str(), got), ("c", id));
             }
             other => panic!("id {id}: expected UnknownTensorType, got {other:?}"),
@@ -377,10 +384,15 @@ fn too_many_dims() {
 #[test]
 fn invalid_utf8_in_key_value_and_tensor_name() {
     let f = RawFile::default().kv("k", 8, str_bytes(&[0xff, 0xfe]));
-    assert!(matches!(parse(&f), Err(GgufError::InvalidUtf8 { ref what, .. }) if what.contains("`k`")));
+    assert!(
+        matches!(parse(&f), Err(GgufError::InvalidUtf8 { ref what, .. }) if what.contains("`k`"))
+    );
     let mut f = RawFile::default();
     f.kvs.push((vec![0xc3], 4, 1u32.to_le_bytes().to_vec()));
-    assert!(matches!(parse(&f), Err(GgufError::InvalidUtf8 { offset: 32, .. })));
+    assert!(matches!(
+        parse(&f),
+        Err(GgufError::InvalidUtf8 { offset: 32, .. })
+    ));
     let mut f = RawFile::default().data(32);
     f.tensors.push(common::RawTensor {
         name: vec![0x80],
@@ -388,7 +400,9 @@ fn invalid_utf8_in_key_value_and_tensor_name() {
         ty: F32,
         offset: 0,
     });
-    assert!(matches!(parse(&f), Err(GgufError::InvalidUtf8 { ref what, .. }) if what.contains("tensor info #0")));
+    assert!(
+        matches!(parse(&f), Err(GgufError::InvalidUtf8 { ref what, .. }) if what.contains("tensor info #0"))
+    );
 }
 
 #[test]
@@ -414,7 +428,10 @@ fn nesting_too_deep() {
     let f = RawFile::default().kv("deep", 9, v);
     assert!(matches!(
         parse(&f),
-        Err(GgufError::NestingTooDeep { max: MAX_ARRAY_DEPTH, .. })
+        Err(GgufError::NestingTooDeep {
+            max: MAX_ARRAY_DEPTH,
+            ..
+        })
     ));
 }
 

@@ -1,0 +1,2 @@
+//! The `specula` command line.
+fn main() {}
