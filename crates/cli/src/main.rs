@@ -1,2 +1,54 @@
-//! The `specula` command line.
-fn main() {}
+//! `specula` — the command line of the specula inference engine.
+//!
+//! Subcommands live in their own modules; each builds a plain report value first and renders
+//! it as text or JSON, so tests can check the report without parsing terminal output.
+//!
+//! - `specula inspect [FILE|MODEL] [--json]` — what is inside a GGUF file ([`inspect`]).
+
+mod inspect;
+
+use std::io::Write;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Fast, lossless LLM inference with speculative decoding.
+#[derive(Debug, Parser)]
+#[command(name = "specula", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Show a GGUF file's architecture, hyperparameters, tokenizer, tensors and size.
+    Inspect(inspect::Args),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Inspect(args) => inspect::run(&args),
+    };
+    match result.and_then(|out| emit(&out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes a command's output to stdout. A closed pipe (`specula inspect … | head`) is not an
+/// error: the reader has what it wanted.
+fn emit(out: &str) -> anyhow::Result<()> {
+    let mut stdout = std::io::stdout().lock();
+    match stdout
+        .write_all(out.as_bytes())
+        .and_then(|()| stdout.flush())
+    {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
