@@ -77,8 +77,10 @@ impl RawFile {
         let mut b = Vec::new();
         b.extend_from_slice(&self.magic);
         b.extend_from_slice(&self.version.to_le_bytes());
-        let nt = self.n_tensors.unwrap_or(self.tensors.len() as i64);
-        let nkv = self.n_kv.unwrap_or(self.kvs.len() as i64);
+        let nt = self
+            .n_tensors
+            .unwrap_or(i64::try_from(self.tensors.len()).unwrap());
+        let nkv = self.n_kv.unwrap_or(i64::try_from(self.kvs.len()).unwrap());
         b.extend_from_slice(&nt.to_le_bytes());
         b.extend_from_slice(&nkv.to_le_bytes());
         for (k, ty, v) in &self.kvs {
@@ -88,7 +90,7 @@ impl RawFile {
         }
         for t in &self.tensors {
             b.extend_from_slice(&str_bytes(&t.name));
-            b.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
+            b.extend_from_slice(&u32::try_from(t.dims.len()).unwrap().to_le_bytes());
             for d in &t.dims {
                 b.extend_from_slice(&d.to_le_bytes());
             }
@@ -100,7 +102,7 @@ impl RawFile {
 
     pub fn bytes(&self) -> Vec<u8> {
         let mut b = self.header();
-        let padded = (b.len() as u64).next_multiple_of(self.alignment) as usize;
+        let padded = usize::try_from((b.len() as u64).next_multiple_of(self.alignment)).unwrap();
         b.resize(padded + self.data_len, 0);
         b
     }
