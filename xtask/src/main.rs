@@ -1,2 +1,160 @@
-//! xtask
-fn main() {}
+//! `cargo xtask`: the single entry point for specula's multi-step chores.
+//!
+//! - `cargo xtask ci` — everything CI checks, in order, failing fast: fmt, clippy, tests,
+//!   doctests, rustdoc, fuzz smoke. Never downloads models.
+//! - `cargo xtask fuzz` — builds a libFuzzer target on stable Rust and runs it for a while.
+//! - `cargo xtask fetch-models` — fetches the real models pinned in `models.toml`.
+//! - `cargo xtask golden` — regenerates `golden/` with the Python oracles in `reference/`.
+//!
+//! The alias in `.cargo/config.toml` builds this crate into `target/xtask`, so running a chore
+//! never invalidates the workspace build.
+
+mod ci;
+mod fuzz;
+mod golden;
+mod models;
+mod util;
+
+use std::process::ExitCode;
+
+use clap::{Args, Parser, Subcommand};
+
+/// Project chores for specula.
+#[derive(Debug, Parser)]
+#[command(name = "cargo xtask", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    task: Task,
+}
+
+#[derive(Debug, Subcommand)]
+enum Task {
+    /// Run every CI check: fmt, clippy, tests, doctests, rustdoc, fuzz smoke.
+    Ci(CiArgs),
+    /// Build a fuzz target with libFuzzer instrumentation (stable Rust) and run it.
+    Fuzz(FuzzArgs),
+    /// Fetch the real models of `models.toml` into the model cache.
+    FetchModels(FetchArgs),
+    /// Regenerate `golden/` with the Python oracles in `reference/` (never run by CI).
+    Golden(GoldenArgs),
+}
+
+/// Options of `cargo xtask ci`.
+#[derive(Debug, Args)]
+struct CiArgs {
+    /// How long the fuzz smoke runs each target, in seconds.
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u64).range(1..))]
+    fuzz_seconds: u64,
+}
+
+/// Options of `cargo xtask fuzz`.
+#[derive(Debug, Args)]
+struct FuzzArgs {
+    /// How long to fuzz, in seconds.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    seconds: u64,
+    /// Which target of `fuzz/fuzz_targets/` to run.
+    #[arg(long, default_value = "gguf_header")]
+    target: String,
+    /// Extra libFuzzer flags, after `--` (e.g. `-- -max_len=65536 -jobs=2`).
+    #[arg(last = true)]
+    libfuzzer_args: Vec<String>,
+}
+
+/// Options of `cargo xtask fetch-models`.
+#[derive(Debug, Args)]
+struct FetchArgs {
+    /// Models to fetch (default: all of them).
+    names: Vec<String>,
+    /// List the models with size, licence and whether they are cached; fetch nothing.
+    #[arg(long, conflicts_with = "names")]
+    list: bool,
+}
+
+/// Options of `cargo xtask golden`.
+#[derive(Debug, Args)]
+struct GoldenArgs {
+    /// Where the fetched real models are (default: the specula-fetch model cache).
+    #[arg(long, value_name = "DIR")]
+    models_dir: Option<std::path::PathBuf>,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.task {
+        Task::Ci(args) => ci::run(&args),
+        Task::Fuzz(args) => fuzz::run(&args),
+        Task::FetchModels(args) => models::run(&args),
+        Task::Golden(args) => golden::run(&args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            // The cause chain, without the backtrace of xtask itself that `RUST_BACKTRACE`
+            // would add: the failing command's own output is above it.
+            eprintln!("\nxtask: error: {e}");
+            for cause in e.chain().skip(1) {
+                eprintln!("  caused by: {cause}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("xtask").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn clap_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn ci_defaults_to_a_twenty_second_fuzz_smoke() {
+        let Task::Ci(args) = parse(&["ci"]).unwrap().task else {
+            panic!("not ci");
+        };
+        assert_eq!(args.fuzz_seconds, 20);
+    }
+
+    #[test]
+    fn fuzz_takes_seconds_target_and_raw_libfuzzer_flags() {
+        let cli = parse(&["fuzz", "--seconds", "5", "--", "-max_len=64"]).unwrap();
+        let Task::Fuzz(args) = cli.task else {
+            panic!("not fuzz");
+        };
+        assert_eq!(args.seconds, 5);
+        assert_eq!(args.target, "gguf_header");
+        assert_eq!(args.libfuzzer_args, ["-max_len=64"]);
+    }
+
+    #[test]
+    fn zero_seconds_is_rejected_because_libfuzzer_reads_it_as_forever() {
+        assert!(parse(&["fuzz", "--seconds", "0"]).is_err());
+        assert!(parse(&["ci", "--fuzz-seconds", "0"]).is_err());
+    }
+
+    #[test]
+    fn fetch_models_takes_names_or_list_but_not_both() {
+        let Task::FetchModels(args) = parse(&["fetch-models", "smollm2-135m"]).unwrap().task else {
+            panic!("not fetch-models");
+        };
+        assert_eq!(args.names, ["smollm2-135m"]);
+        assert!(!args.list);
+        assert!(parse(&["fetch-models", "--list", "smollm2-135m"]).is_err());
+    }
+
+    #[test]
+    fn golden_models_dir_is_optional() {
+        let Task::Golden(args) = parse(&["golden"]).unwrap().task else {
+            panic!("not golden");
+        };
+        assert_eq!(args.models_dir, None);
+    }
+}
