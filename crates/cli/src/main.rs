@@ -4,8 +4,10 @@
 //! it as text or JSON, so tests can check the report without parsing terminal output.
 //!
 //! - `specula inspect [FILE|MODEL] [--json]` — what is inside a GGUF file ([`inspect`]).
+//! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
 
 mod inspect;
+mod quantize;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -24,12 +26,15 @@ struct Cli {
 enum Command {
     /// Show a GGUF file's architecture, hyperparameters, tokenizer, tensors and size.
     Inspect(inspect::Args),
+    /// Quantize a GGUF model with llama-quantize's presets (same tensor types, same bytes).
+    Quantize(quantize::Args),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
+        Command::Quantize(args) => quantize::run(&args),
     };
     match result.and_then(|out| emit(&out)) {
         Ok(()) => ExitCode::SUCCESS,
