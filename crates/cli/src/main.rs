@@ -7,6 +7,8 @@
 //! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
 
 mod inspect;
+mod load;
+mod run;
 mod quantize;
 
 use std::io::Write;
@@ -26,6 +28,8 @@ struct Cli {
 enum Command {
     /// Show a GGUF file's architecture, hyperparameters, tokenizer, tensors and size.
     Inspect(inspect::Args),
+    /// Generate text from a prompt (greedy or sampled), like llama-cli.
+    Run(run::Args),
     /// Quantize a GGUF model with llama-quantize's presets (same tensor types, same bytes).
     Quantize(quantize::Args),
 }
@@ -34,6 +38,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
+        Command::Run(args) => run::run(&args),
         Command::Quantize(args) => quantize::run(&args),
     };
     match result.and_then(|out| emit(&out)) {

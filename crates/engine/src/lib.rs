@@ -1,0 +1,376 @@
+//! The engine: one model, its tokenizer, and sessions that run prompts through it.
+//!
+//! - [`Engine`] — a [`Model`] on a [`Backend`] with its [`Tokenizer`].
+//! - [`Session`] — one sequence: its KV cache, activation buffers and how many positions it
+//!   holds. [`Engine::prefill`] runs prompt tokens in chunks of `n_batch`; [`Engine::decode`]
+//!   runs one token.
+//! - [`Engine::generate`] — prefill, then sample (or teacher-force) token by token until the
+//!   budget, an end-of-generation token or the context end; returns ids, text and llama.cpp-style
+//!   [`Timings`].
+//!
+//! Speculative rounds (draft, batched verify, rollback) are added on top of these primitives
+//! by the speculative-decoding issue.
+
+use std::time::Instant;
+
+use specula_models::{Model, ModelError, Scratch};
+use specula_quant::QType;
+use specula_sampling::{Sampler, SamplerParams, SamplingError};
+use specula_tensor::Backend;
+use specula_tokenizer::{DecodeOptions, Tokenizer};
+
+/// Errors of the engine.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum EngineError {
+    /// The request does not fit the context.
+    #[error(
+        "{needed} positions are needed ({prompt} prompt tokens + {predict} to generate) but the context holds {n_ctx}; raise the context size (-c) or shorten the request"
+    )]
+    ContextFull {
+        /// Positions needed.
+        needed: usize,
+        /// Prompt tokens.
+        prompt: usize,
+        /// Tokens to generate.
+        predict: usize,
+        /// Context size.
+        n_ctx: usize,
+    },
+    /// An empty prompt (a model needs at least one token to predict from).
+    #[error("the prompt is empty: nothing to predict from")]
+    EmptyPrompt,
+    /// A token id past the vocabulary.
+    #[error("token id {id} is outside the vocabulary of {n_vocab} tokens")]
+    BadToken {
+        /// The id.
+        id: u32,
+        /// Vocabulary size.
+        n_vocab: usize,
+    },
+    /// Model error.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// Sampler error.
+    #[error(transparent)]
+    Sampling(#[from] SamplingError),
+}
+
+/// Result alias.
+pub type Result<T, E = EngineError> = std::result::Result<T, E>;
+
+/// A model with its tokenizer on a backend.
+pub struct Engine<B: Backend> {
+    /// The device.
+    pub backend: B,
+    /// The model.
+    pub model: Model<B>,
+    /// Its tokenizer.
+    pub tokenizer: Tokenizer,
+    /// Tokens per prefill chunk.
+    pub n_batch: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for Engine<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("backend", &self.backend.name())
+            .field("model", &self.model)
+            .field("n_batch", &self.n_batch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One sequence's state.
+pub struct Session<B: Backend> {
+    kv: B::Kv,
+    scratch: Scratch<B>,
+    n_past: usize,
+    n_ctx: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for Session<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Session")
+            .field("n_past", &self.n_past)
+            .field("n_ctx", &self.n_ctx)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Session<B> {
+    /// Positions filled so far.
+    #[must_use]
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+
+    /// Context size (KV cells).
+    #[must_use]
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
+    /// Forgets everything after the first `n` positions (their cells are overwritten by the
+    /// next tokens).
+    pub fn truncate(&mut self, n: usize) {
+        self.n_past = self.n_past.min(n);
+    }
+}
+
+/// Timings as llama.cpp reports them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Timings {
+    /// Prompt tokens processed.
+    pub prompt_n: usize,
+    /// Milliseconds of prompt processing.
+    pub prompt_ms: f64,
+    /// Tokens generated.
+    pub predicted_n: usize,
+    /// Milliseconds of generation.
+    pub predicted_ms: f64,
+}
+
+/// What [`Engine::generate`] should do.
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    /// Tokens to generate at most.
+    pub n_predict: usize,
+    /// Sampler settings.
+    pub sampler: SamplerParams,
+    /// Teacher forcing: feed these ids instead of sampling (and stop after them).
+    pub force_ids: Option<Vec<u32>>,
+    /// Keep the top-K `(id, logit)` pairs of each generated position.
+    pub top_logits: usize,
+    /// Stop at end-of-generation tokens.
+    pub stop_at_eog: bool,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        Self {
+            n_predict: 128,
+            sampler: SamplerParams::default(),
+            force_ids: None,
+            top_logits: 0,
+            stop_at_eog: true,
+        }
+    }
+}
+
+/// The result of [`Engine::generate`].
+#[derive(Clone, Debug, Default)]
+pub struct Generation {
+    /// Prompt ids.
+    pub prompt_ids: Vec<u32>,
+    /// Generated (or forced) ids.
+    pub generated_ids: Vec<u32>,
+    /// Generated text.
+    pub text: String,
+    /// Top logits per generated position, when asked for.
+    pub top_logits: Vec<Vec<(u32, f32)>>,
+    /// Timings.
+    pub timings: Timings,
+    /// Whether generation stopped at an end-of-generation token.
+    pub stopped_at_eog: bool,
+}
+
+/// The `k` largest `(id, logit)` pairs, largest first, lowest id first among equals.
+#[must_use]
+pub fn top_k_logits(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let mut idx: Vec<u32> = (0..u32::try_from(logits.len()).unwrap_or(u32::MAX)).collect();
+    let cmp = |a: &u32, b: &u32| {
+        logits[*b as usize]
+            .total_cmp(&logits[*a as usize])
+            .then(a.cmp(b))
+    };
+    let k = k.min(idx.len());
+    if k == 0 {
+        return Vec::new();
+    }
+    idx.select_nth_unstable_by(k - 1, cmp);
+    idx.truncate(k);
+    idx.sort_by(cmp);
+    idx.into_iter().map(|i| (i, logits[i as usize])).collect()
+}
+
+fn ms(since: Instant) -> f64 {
+    since.elapsed().as_secs_f64() * 1e3
+}
+
+impl<B: Backend> Engine<B> {
+    /// An engine with the default prefill chunk (512 tokens).
+    pub fn new(backend: B, model: Model<B>, tokenizer: Tokenizer) -> Self {
+        Self {
+            backend,
+            model,
+            tokenizer,
+            n_batch: 512,
+        }
+    }
+
+    /// A fresh session of `n_ctx` positions with the given cache formats.
+    ///
+    /// # Errors
+    /// If the backend cannot allocate the cache.
+    pub fn session(&self, n_ctx: usize, k_type: QType, v_type: QType) -> Result<Session<B>> {
+        Ok(Session {
+            kv: self.model.new_kv(&self.backend, n_ctx, k_type, v_type)?,
+            scratch: self.model.scratch(&self.backend),
+            n_past: 0,
+            n_ctx,
+        })
+    }
+
+    fn check_ids(&self, ids: &[u32]) -> Result<()> {
+        let n_vocab = self.model.hparams().n_vocab;
+        if let Some(&id) = ids.iter().find(|&&id| id as usize >= n_vocab) {
+            return Err(EngineError::BadToken { id, n_vocab });
+        }
+        Ok(())
+    }
+
+    /// Runs `ids` after what the session holds, in chunks of `n_batch`, and returns the
+    /// logits of every token when `all_logits` (row-major), else of the last token only.
+    ///
+    /// # Errors
+    /// Empty input, ids outside the vocabulary, or not enough context left.
+    pub fn prefill(&self, s: &mut Session<B>, ids: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        if ids.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        self.check_ids(ids)?;
+        if s.n_past + ids.len() > s.n_ctx {
+            return Err(EngineError::ContextFull {
+                needed: s.n_past + ids.len(),
+                prompt: s.n_past + ids.len(),
+                predict: 0,
+                n_ctx: s.n_ctx,
+            });
+        }
+        let mut out = Vec::new();
+        let n_batch = self.n_batch.max(1);
+        for (ci, chunk) in ids.chunks(n_batch).enumerate() {
+            let last_chunk = (ci + 1) * n_batch >= ids.len();
+            let start = u32::try_from(s.n_past).unwrap_or(u32::MAX);
+            let pos: Vec<u32> = (start..).take(chunk.len()).collect();
+            let rows: Vec<usize> = if all_logits {
+                (0..chunk.len()).collect()
+            } else if last_chunk {
+                vec![chunk.len() - 1]
+            } else {
+                Vec::new()
+            };
+            let logits = self.model.forward(
+                &self.backend,
+                &mut s.kv,
+                &mut s.scratch,
+                chunk,
+                &pos,
+                &rows,
+                None,
+            )?;
+            out.extend_from_slice(&logits);
+            s.n_past += chunk.len();
+        }
+        Ok(out)
+    }
+
+    /// Runs one token and returns its logits.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill`].
+    pub fn decode(&self, s: &mut Session<B>, id: u32) -> Result<Vec<f32>> {
+        self.prefill(s, &[id], false)
+    }
+
+    /// Prefills `prompt`, then generates up to `opts.n_predict` tokens, calling `on_token`
+    /// with each new id.
+    ///
+    /// # Errors
+    /// [`EngineError::ContextFull`] when prompt + budget exceed the context (checked before
+    /// any work), and the errors of [`Engine::prefill`].
+    pub fn generate(
+        &self,
+        s: &mut Session<B>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Generation> {
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let n_predict = opts
+            .force_ids
+            .as_ref()
+            .map_or(opts.n_predict, |f| f.len().min(opts.n_predict.max(f.len())));
+        let needed = s.n_past + prompt.len() + n_predict;
+        if needed > s.n_ctx {
+            return Err(EngineError::ContextFull {
+                needed,
+                prompt: s.n_past + prompt.len(),
+                predict: n_predict,
+                n_ctx: s.n_ctx,
+            });
+        }
+        if let Some(f) = &opts.force_ids {
+            self.check_ids(f)?;
+        }
+        let mut sampler = Sampler::new(opts.sampler, self.model.hparams().n_vocab)?;
+        for &id in prompt {
+            sampler.accept(id)?;
+        }
+        let mut out = Generation {
+            prompt_ids: prompt.to_vec(),
+            ..Generation::default()
+        };
+        let t0 = Instant::now();
+        let mut logits = self.prefill(s, prompt, false)?;
+        out.timings.prompt_n = prompt.len();
+        out.timings.prompt_ms = ms(t0);
+
+        let t1 = Instant::now();
+        for i in 0..n_predict {
+            if opts.top_logits > 0 {
+                out.top_logits.push(top_k_logits(&logits, opts.top_logits));
+            }
+            let id = match &opts.force_ids {
+                Some(f) => f[i],
+                None => sampler.sample(&logits)?,
+            };
+            sampler.accept(id)?;
+            out.generated_ids.push(id);
+            on_token(id);
+            if opts.force_ids.is_none() && opts.stop_at_eog && self.tokenizer.is_eog(id) {
+                out.stopped_at_eog = true;
+                break;
+            }
+            if i + 1 < n_predict {
+                logits = self.decode(s, id)?;
+            }
+        }
+        out.timings.predicted_n = out.generated_ids.len();
+        out.timings.predicted_ms = ms(t1);
+        out.text = self.tokenizer.decode(
+            &out.generated_ids,
+            DecodeOptions {
+                remove_special: false,
+                render_special: false,
+            },
+        );
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn top_k_orders_by_logit_then_id() {
+        let l = [0.5, 3.0, 3.0, -1.0, 2.0];
+        assert_eq!(top_k_logits(&l, 3), vec![(1, 3.0), (2, 3.0), (4, 2.0)]);
+        assert_eq!(top_k_logits(&l, 10).len(), 5);
+        assert!(top_k_logits(&l, 0).is_empty());
+    }
+}

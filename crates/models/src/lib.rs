@@ -1,0 +1,446 @@
+//! Models: GGUF weights and the forward passes of the architectures specula runs.
+//!
+//! - [`Model`] — a loaded model: [`Hparams`] plus its weights on a [`Backend`]; weights stay
+//!   in their GGUF block format, borrowed from the memory-mapped file.
+//! - [`Model::forward`] — one batch of tokens at given positions through every layer, writing
+//!   K/V into the cache and returning the logits of the rows asked for.
+//! - [`Taps`] — hidden-state capture for drafters: tap `i` is the *input* of layer `i` (the
+//!   output of layer `i − 1`); tap `n_layer` is the state before the final norm.
+//!
+//! Architectures: `llama` (SmolLM2), `qwen2` (Qwen2.5: Q/K/V biases, NeoX RoPE), `qwen3`
+//! (per-head RMS QK-norm). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! # fn demo<B: specula_tensor::Backend>(backend: &B) -> Result<(), Box<dyn std::error::Error>> {
+//! let file = Arc::new(specula_gguf::Gguf::open("model.gguf")?);
+//! let model = specula_models::Model::load(backend, file)?;
+//! let mut kv = model.new_kv(backend, 512, specula_quant::QType::F16, specula_quant::QType::F16)?;
+//! let mut scratch = model.scratch(backend);
+//! let logits = model.forward(backend, &mut kv, &mut scratch, &[1, 2, 3], &[0, 1, 2], &[2], None)?;
+//! assert_eq!(logits.len(), model.hparams().n_vocab);
+//! # Ok(()) }
+//! ```
+
+mod hparams;
+
+use std::sync::Arc;
+
+use specula_gguf::Gguf;
+use specula_quant::QType;
+use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, TensorError, WeightDesc};
+
+pub use hparams::{Arch, Hparams};
+
+/// Errors while loading or running a model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// `general.architecture` names an architecture this crate does not run.
+    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3)")]
+    UnsupportedArch {
+        /// The name found.
+        arch: String,
+    },
+    /// A required metadata key is missing.
+    #[error("missing metadata key `{key}`")]
+    MissingKey {
+        /// The key.
+        key: String,
+    },
+    /// A metadata value that cannot be used.
+    #[error("metadata key `{key}`: {detail}")]
+    BadValue {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A required tensor is missing.
+    #[error("missing tensor `{name}`")]
+    MissingTensor {
+        /// The tensor name.
+        name: String,
+    },
+    /// A tensor whose shape does not match the hyperparameters.
+    #[error("tensor `{name}` has shape {got:?}, expected {expected:?}")]
+    BadShape {
+        /// The tensor name.
+        name: String,
+        /// Shape expected (ggml order).
+        expected: Vec<usize>,
+        /// Shape found.
+        got: Vec<usize>,
+    },
+    /// A tensor type this crate cannot use.
+    #[error("tensor `{name}` has ggml type {ty}, which specula does not implement")]
+    UnsupportedType {
+        /// The tensor name.
+        name: String,
+        /// The type name.
+        ty: String,
+    },
+    /// A batch that does not fit the cache or is malformed.
+    #[error("{0}")]
+    Batch(String),
+    /// An error of the backend.
+    #[error(transparent)]
+    Backend(#[from] TensorError),
+}
+
+/// Result alias.
+pub type Result<T, E = ModelError> = std::result::Result<T, E>;
+
+/// The weights of one transformer block.
+#[derive(Debug)]
+struct Layer<W> {
+    attn_norm: W,
+    wq: W,
+    wk: W,
+    wv: W,
+    wo: W,
+    bq: Option<W>,
+    bk: Option<W>,
+    bv: Option<W>,
+    q_norm: Option<W>,
+    k_norm: Option<W>,
+    ffn_norm: W,
+    ffn_gate: W,
+    ffn_up: W,
+    ffn_down: W,
+}
+
+/// Hidden-state capture: which layer inputs to keep, and what was kept by the last forward
+/// (row-major `[n_tokens, n_embd]` per tap, in the order of `layers`).
+#[derive(Clone, Debug, Default)]
+pub struct Taps {
+    /// Tap indices: `i` is the input of layer `i`; `n_layer` is the pre-final-norm state.
+    pub layers: Vec<usize>,
+    /// One host buffer per tap, filled by [`Model::forward`].
+    pub rows: Vec<Vec<f32>>,
+}
+
+/// Reusable activation buffers of one forward pass.
+#[derive(Debug)]
+pub struct Scratch<B: Backend> {
+    x: B::Tensor,
+    cur: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    proj: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    act: B::Tensor,
+    sel: B::Tensor,
+    norm: B::Tensor,
+    logits: B::Tensor,
+    kv_pos: Vec<u32>,
+    host: Vec<f32>,
+}
+
+/// A loaded model on a backend.
+pub struct Model<B: Backend> {
+    hp: Hparams,
+    tok_embd: B::Weight,
+    output_norm: B::Weight,
+    /// `None` when the embedding is tied (the output projection is `tok_embd`).
+    output: Option<B::Weight>,
+    layers: Vec<Layer<B::Weight>>,
+    file: Arc<Gguf>,
+}
+
+impl<B: Backend> std::fmt::Debug for Model<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Model")
+            .field("hparams", &self.hp)
+            .field("tied_output", &self.output.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Looks a tensor up, checks its shape, and hands it to the backend.
+struct Loader<'a, B: Backend> {
+    backend: &'a B,
+    file: &'a Arc<Gguf>,
+}
+
+impl<B: Backend> Loader<'_, B> {
+    fn get(&self, name: &str, dims: &[usize]) -> Result<Option<B::Weight>> {
+        let Some(idx) = self.file.tensors().iter().position(|t| t.name == name) else {
+            return Ok(None);
+        };
+        let info = &self.file.tensors()[idx];
+        let got: Vec<usize> = info
+            .dims
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        if got != dims {
+            return Err(ModelError::BadShape {
+                name: name.to_owned(),
+                expected: dims.to_vec(),
+                got,
+            });
+        }
+        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
+            name: name.to_owned(),
+            ty: info.ty.name().to_owned(),
+        })?;
+        let owner: Arc<dyn std::any::Any + Send + Sync> = self.file.clone();
+        let w = self.backend.weight(WeightDesc {
+            name,
+            ty,
+            dims: &got,
+            data: self.file.tensor_data(idx),
+            owner,
+        })?;
+        Ok(Some(w))
+    }
+
+    fn req(&self, name: &str, dims: &[usize]) -> Result<B::Weight> {
+        self.get(name, dims)?.ok_or_else(|| ModelError::MissingTensor {
+            name: name.to_owned(),
+        })
+    }
+}
+
+impl<B: Backend> Model<B> {
+    /// Loads a model from an open GGUF file.
+    ///
+    /// # Errors
+    /// Unsupported architecture or tensor type, missing keys or tensors, wrong shapes.
+    pub fn load(backend: &B, file: Arc<Gguf>) -> Result<Self> {
+        let embd = file
+            .tensor("token_embd.weight")
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: "token_embd.weight".into(),
+            })?;
+        let n_vocab = embd
+            .dims
+            .get(1)
+            .and_then(|&d| usize::try_from(d).ok())
+            .unwrap_or(0);
+        let hp = Hparams::from_metadata(file.metadata(), n_vocab)?;
+        let l = Loader {
+            backend,
+            file: &file,
+        };
+        let (e, f) = (hp.n_embd, hp.n_ff);
+        let (qd, kd, vd) = (
+            hp.n_head * hp.head_dim_k,
+            hp.n_head_kv * hp.head_dim_k,
+            hp.n_head_kv * hp.head_dim_v,
+        );
+        let tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;
+        let output_norm = l.req("output_norm.weight", &[e])?;
+        let output = l.get("output.weight", &[e, n_vocab])?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            let qk_norm = hp.arch == Arch::Qwen3;
+            layers.push(Layer {
+                attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
+                wq: l.req(&n("attn_q.weight"), &[e, qd])?,
+                wk: l.req(&n("attn_k.weight"), &[e, kd])?,
+                wv: l.req(&n("attn_v.weight"), &[e, vd])?,
+                wo: l.req(&n("attn_output.weight"), &[hp.n_head * hp.head_dim_v, e])?,
+                bq: l.get(&n("attn_q.bias"), &[qd])?,
+                bk: l.get(&n("attn_k.bias"), &[kd])?,
+                bv: l.get(&n("attn_v.bias"), &[vd])?,
+                q_norm: if qk_norm {
+                    Some(l.req(&n("attn_q_norm.weight"), &[hp.head_dim_k])?)
+                } else {
+                    None
+                },
+                k_norm: if qk_norm {
+                    Some(l.req(&n("attn_k_norm.weight"), &[hp.head_dim_k])?)
+                } else {
+                    None
+                },
+                ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
+                ffn_gate: l.req(&n("ffn_gate.weight"), &[e, f])?,
+                ffn_up: l.req(&n("ffn_up.weight"), &[e, f])?,
+                ffn_down: l.req(&n("ffn_down.weight"), &[f, e])?,
+            });
+        }
+        Ok(Self {
+            hp,
+            tok_embd,
+            output_norm,
+            output,
+            layers,
+            file,
+        })
+    }
+
+    /// The hyperparameters.
+    #[must_use]
+    pub fn hparams(&self) -> &Hparams {
+        &self.hp
+    }
+
+    /// The GGUF file the weights come from.
+    #[must_use]
+    pub fn file(&self) -> &Arc<Gguf> {
+        &self.file
+    }
+
+    /// Allocates a KV cache of `n_ctx` cells.
+    ///
+    /// # Errors
+    /// If the backend cannot store the cache in these formats.
+    pub fn new_kv(&self, backend: &B, n_ctx: usize, k_type: QType, v_type: QType) -> Result<B::Kv> {
+        Ok(backend.kv_new(KvShape {
+            n_layer: self.hp.n_layer,
+            n_ctx,
+            n_kv_head: self.hp.n_head_kv,
+            head_dim_k: self.hp.head_dim_k,
+            head_dim_v: self.hp.head_dim_v,
+            k_type,
+            v_type,
+        })?)
+    }
+
+    /// Fresh activation buffers.
+    #[must_use]
+    pub fn scratch(&self, backend: &B) -> Scratch<B> {
+        let z = || backend.zeros(0, 0);
+        Scratch {
+            x: z(),
+            cur: z(),
+            q: z(),
+            k: z(),
+            v: z(),
+            attn: z(),
+            proj: z(),
+            gate: z(),
+            up: z(),
+            act: z(),
+            sel: z(),
+            norm: z(),
+            logits: z(),
+            kv_pos: Vec::new(),
+            host: Vec::new(),
+        }
+    }
+
+    fn rope(&self) -> RopeConfig {
+        let mut r = RopeConfig::new(self.hp.arch.rope_kind(), self.hp.n_rot, self.hp.rope_freq_base);
+        r.freq_scale = self.hp.rope_freq_scale;
+        r
+    }
+
+    /// Runs `tokens` at positions `pos` (one sequence; cache cell = position) through the
+    /// model, writing their K/V into the cache, and returns the logits of the batch rows in
+    /// `logits_rows` (row-major, `logits_rows.len() · n_vocab`). Positions must be contiguous
+    /// with what the cache holds: the attention reads cells `0..=max(pos)`.
+    ///
+    /// # Errors
+    /// An empty or inconsistent batch, or positions past the cache.
+    #[allow(clippy::too_many_arguments, reason = "the forward pass's inputs are all needed")]
+    pub fn forward(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        s: &mut Scratch<B>,
+        tokens: &[u32],
+        pos: &[u32],
+        logits_rows: &[usize],
+        mut taps: Option<&mut Taps>,
+    ) -> Result<Vec<f32>> {
+        let hp = &self.hp;
+        let n = tokens.len();
+        if n == 0 || pos.len() != n {
+            return Err(ModelError::Batch(format!(
+                "a batch needs one position per token ({n} tokens, {} positions)",
+                pos.len()
+            )));
+        }
+        if let Some(&bad) = logits_rows.iter().find(|&&r| r >= n) {
+            return Err(ModelError::Batch(format!(
+                "logits asked for row {bad} of a {n}-token batch"
+            )));
+        }
+        let cells: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
+        let kv_len = cells.iter().max().map_or(0, |&m| m + 1);
+        s.kv_pos.clear();
+        s.kv_pos.extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
+        if let Some(t) = taps.as_deref_mut() {
+            t.rows.resize(t.layers.len(), Vec::new());
+        }
+
+        let rope = self.rope();
+        #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
+        let scale = 1.0 / (hp.head_dim_k as f32).sqrt();
+        be.get_rows(&self.tok_embd, tokens, &mut s.x);
+        for (il, layer) in self.layers.iter().enumerate() {
+            self.tap(be, il, &s.x, taps.as_deref_mut());
+            be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
+            be.matmul(&s.cur, &layer.wq, &mut s.q);
+            be.matmul(&s.cur, &layer.wk, &mut s.k);
+            be.matmul(&s.cur, &layer.wv, &mut s.v);
+            if let Some(b) = &layer.bq {
+                be.add_vector(&mut s.q, b);
+            }
+            if let Some(b) = &layer.bk {
+                be.add_vector(&mut s.k, b);
+            }
+            if let Some(b) = &layer.bv {
+                be.add_vector(&mut s.v, b);
+            }
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                be.rms_norm_groups(&mut s.q, hp.head_dim_k, qn, hp.rms_eps);
+                be.rms_norm_groups(&mut s.k, hp.head_dim_k, kn, hp.rms_eps);
+            }
+            be.rope(&mut s.q, hp.head_dim_k, pos, &rope);
+            be.rope(&mut s.k, hp.head_dim_k, pos, &rope);
+            be.kv_write(kv, il, &cells, &s.k, &s.v);
+            be.attention(
+                &s.q,
+                kv,
+                &AttentionParams {
+                    layer: il,
+                    n_head: hp.n_head,
+                    q_pos: pos,
+                    kv_pos: &s.kv_pos,
+                    scale,
+                    mask: Mask::Causal,
+                    softcap: None,
+                },
+                &mut s.attn,
+            );
+            be.matmul(&s.attn, &layer.wo, &mut s.proj);
+            be.add(&mut s.x, &s.proj);
+
+            be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
+            be.matmul(&s.cur, &layer.ffn_gate, &mut s.gate);
+            be.matmul(&s.cur, &layer.ffn_up, &mut s.up);
+            be.swiglu(&s.gate, &s.up, &mut s.act);
+            be.matmul(&s.act, &layer.ffn_down, &mut s.proj);
+            be.add(&mut s.x, &s.proj);
+        }
+        self.tap(be, hp.n_layer, &s.x, taps);
+
+        if logits_rows.is_empty() {
+            return Ok(Vec::new());
+        }
+        be.copy_rows(&s.x, logits_rows, &mut s.sel);
+        be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
+        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
+        be.matmul(&s.norm, head, &mut s.logits);
+        be.to_host(&s.logits, &mut s.host);
+        Ok(s.host.clone())
+    }
+
+    fn tap(&self, be: &B, layer: usize, x: &B::Tensor, taps: Option<&mut Taps>) {
+        if let Some(t) = taps {
+            for (i, &l) in t.layers.iter().enumerate() {
+                if l == layer {
+                    be.to_host(x, &mut t.rows[i]);
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,296 @@
+//! The op set every device implements, and the host-side descriptions models hand to it.
+//!
+//! Models are written once against [`Backend`] and run unchanged on the CPU backend
+//! (`specula-cpu`) and, later, the CubeCL backend (`kernels/`). A backend owns three kinds of
+//! device objects:
+//!
+//! - [`Backend::Tensor`] — an f32 activation matrix, row-major `[rows, cols]`; one row per
+//!   token of the batch.
+//! - [`Backend::Weight`] — a weight in its GGUF block format ([`QType`]), created from a
+//!   [`WeightDesc`] that borrows the bytes of the memory-mapped file; never dequantized
+//!   wholesale at load.
+//! - [`Backend::Kv`] — the key/value cache of all layers, in the [`QType`]s chosen for K and V.
+//!
+//! **Batch invariance.** Every op must give, for one row, bit-identical results whether that
+//! row is computed alone (decode) or inside a batch (prefill, speculative verification): the
+//! reduction along the inner dimension runs in one fixed order, and batching only tiles over
+//! rows and output columns. Speculative decoding relies on this to reproduce plain greedy
+//! output exactly.
+//!
+//! ```
+//! use specula_tensor::{RopeConfig, RopeKind};
+//! let rope = RopeConfig::new(RopeKind::Neox, 64, 1e6);
+//! assert_eq!(rope.n_rot, 64);
+//! ```
+
+use std::any::Any;
+use std::sync::Arc;
+
+pub use specula_quant::QType;
+
+/// Errors a backend reports.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TensorError {
+    /// A weight in a format this backend cannot use for the op.
+    #[error("weight `{name}`: format {ty} is not supported by the {backend} backend for {op}")]
+    UnsupportedWeight {
+        /// Tensor name.
+        name: String,
+        /// Its format.
+        ty: QType,
+        /// Backend name.
+        backend: &'static str,
+        /// What it would be used for.
+        op: &'static str,
+    },
+    /// Shapes that do not fit together.
+    #[error("{op}: shape mismatch: {detail}")]
+    Shape {
+        /// The op.
+        op: &'static str,
+        /// What does not fit.
+        detail: String,
+    },
+    /// A weight whose byte length does not match its type and shape.
+    #[error("weight `{name}`: {got} bytes, its type {ty} and shape {dims:?} need {expected}")]
+    WeightSize {
+        /// Tensor name.
+        name: String,
+        /// Format.
+        ty: QType,
+        /// Shape (`ne0` first).
+        dims: Vec<usize>,
+        /// Bytes expected.
+        expected: usize,
+        /// Bytes given.
+        got: usize,
+    },
+    /// The cache cannot hold the requested cells.
+    #[error("KV cache: {detail}")]
+    Kv {
+        /// What went wrong.
+        detail: String,
+    },
+    /// A block-format error from `specula-quant`.
+    #[error(transparent)]
+    Quant(#[from] specula_quant::QuantError),
+}
+
+/// Result alias.
+pub type Result<T, E = TensorError> = std::result::Result<T, E>;
+
+/// A weight as it lies in the model file: what a backend needs to make a [`Backend::Weight`].
+#[derive(Clone)]
+pub struct WeightDesc<'a> {
+    /// Tensor name (for errors).
+    pub name: &'a str,
+    /// Block format.
+    pub ty: QType,
+    /// Dimensions in ggml order: `dims[0]` is the row length (the reduction dimension of a
+    /// matmul), `dims[1]` the number of rows (output features). Vectors have one dim.
+    pub dims: &'a [usize],
+    /// The bytes, borrowed from `owner` (usually the memory map of the file).
+    pub data: &'a [u8],
+    /// Keeps `data` alive: a backend that does not copy the bytes holds on to this.
+    pub owner: Arc<dyn Any + Send + Sync>,
+}
+
+impl std::fmt::Debug for WeightDesc<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("WeightDesc")
+            .field("name", &self.name)
+            .field("ty", &self.ty)
+            .field("dims", &self.dims)
+            .field("bytes", &self.data.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Which pairs of a head RoPE rotates together.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RopeKind {
+    /// Adjacent pairs `(2i, 2i + 1)` (llama.cpp `LLAMA_ROPE_TYPE_NORM`; llama).
+    Normal,
+    /// Halves `(i, i + n_rot/2)` (`LLAMA_ROPE_TYPE_NEOX`; qwen2, qwen3, gemma).
+    Neox,
+}
+
+/// YaRN context extension parameters (`rope.scaling.*`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Yarn {
+    /// Context length the model was trained with.
+    pub orig_ctx: usize,
+    /// Extrapolation mix factor (`ext_factor`).
+    pub ext_factor: f32,
+    /// Attention magnitude factor.
+    pub attn_factor: f32,
+    /// Correction range start (`beta_fast`).
+    pub beta_fast: f32,
+    /// Correction range end (`beta_slow`).
+    pub beta_slow: f32,
+}
+
+/// Rotary position embedding of one model.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RopeConfig {
+    /// Pairing of dimensions.
+    pub kind: RopeKind,
+    /// Rotated dimensions per head (≤ head_dim; the rest pass through — partial RoPE).
+    pub n_rot: usize,
+    /// θ (`rope.freq_base`).
+    pub freq_base: f32,
+    /// Linear position scaling (`1 / rope.scaling.factor`), 1.0 when unscaled.
+    pub freq_scale: f32,
+    /// YaRN, when the model uses it.
+    pub yarn: Option<Yarn>,
+}
+
+impl RopeConfig {
+    /// Plain RoPE with no scaling.
+    #[must_use]
+    pub fn new(kind: RopeKind, n_rot: usize, freq_base: f32) -> Self {
+        Self {
+            kind,
+            n_rot,
+            freq_base,
+            freq_scale: 1.0,
+            yarn: None,
+        }
+    }
+}
+
+/// Which keys a query may attend to. Positions are absolute token positions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mask {
+    /// Keys at positions `≤` the query's.
+    Causal,
+    /// Causal, and only the last `window` positions (`pos_q − pos_k < window`).
+    SlidingWindow(usize),
+    /// Every key in the cache (drafter blocks, encoders).
+    None,
+}
+
+/// Shape of the KV cache a model asks for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KvShape {
+    /// Layers.
+    pub n_layer: usize,
+    /// Cells (the context size).
+    pub n_ctx: usize,
+    /// K/V heads per layer.
+    pub n_kv_head: usize,
+    /// Values per K head.
+    pub head_dim_k: usize,
+    /// Values per V head.
+    pub head_dim_v: usize,
+    /// Format of K.
+    pub k_type: QType,
+    /// Format of V.
+    pub v_type: QType,
+}
+
+/// One attention call: `n_head` query heads over the cache cells of `layer`.
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionParams<'a> {
+    /// Layer index into the cache.
+    pub layer: usize,
+    /// Query heads (a multiple of the cache's K/V heads: grouped-query attention).
+    pub n_head: usize,
+    /// Position of each query row.
+    pub q_pos: &'a [u32],
+    /// Position of each cache cell `0..kv_len` (cells past `kv_len` are not read).
+    pub kv_pos: &'a [u32],
+    /// Score scale, usually `1/√head_dim`.
+    pub scale: f32,
+    /// Mask rule.
+    pub mask: Mask,
+    /// Logit soft-capping (`tanh(x/c)·c`), when the model uses it.
+    pub softcap: Option<f32>,
+}
+
+/// The op set. Shapes are `[rows, cols]` of f32 activations; weights are `[n_out, n_in]` in
+/// ggml order `dims = [n_in, n_out]`. Ops write into caller-provided outputs so a forward pass
+/// can reuse its buffers across tokens.
+pub trait Backend: Send + Sync {
+    /// An f32 activation matrix on the device.
+    type Tensor: Send + Sync;
+    /// A weight (matrix or vector) in its block format.
+    type Weight: Send + Sync;
+    /// The KV cache of all layers.
+    type Kv: Send + Sync;
+
+    /// A short name (`cpu`, `cuda`).
+    fn name(&self) -> &'static str;
+
+    /// Makes a weight from file bytes (may keep `desc.owner` and borrow, or copy to the
+    /// device).
+    ///
+    /// # Errors
+    /// If the byte length does not match type and shape, or the format is unsupported.
+    fn weight(&self, desc: WeightDesc<'_>) -> Result<Self::Weight>;
+
+    /// A zeroed `[rows, cols]` tensor.
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor;
+    /// A tensor holding `data` (row-major, `rows · cols` values).
+    #[allow(
+        clippy::wrong_self_convention,
+        reason = "the backend (self) makes the tensor from host data"
+    )]
+    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Tensor;
+    /// Copies a tensor to the host.
+    fn to_host(&self, t: &Self::Tensor, out: &mut Vec<f32>);
+    /// `(rows, cols)` of a tensor.
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+    /// Changes the number of rows of `t` (reusing its storage when it is large enough); the
+    /// contents become unspecified.
+    fn resize(&self, t: &mut Self::Tensor, rows: usize, cols: usize);
+
+    /// `out[i] = src[rows[i]]`: gathers rows (e.g. the rows whose logits are wanted).
+    fn copy_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor);
+    /// `out[r] = table[ids[r]]` (dequantized embedding rows).
+    fn get_rows(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
+    /// `out = x · wᵀ`: `x` is `[rows, n_in]`, `out` is `[rows, n_out]`.
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor);
+    /// `x[r] += b` for every row (bias).
+    fn add_vector(&self, x: &mut Self::Tensor, b: &Self::Weight);
+    /// `out[r] = x[r] / rms(x[r]) · w` per row (`w` may be absent: no scaling).
+    fn rms_norm(&self, x: &Self::Tensor, w: Option<&Self::Weight>, eps: f32, out: &mut Self::Tensor);
+    /// RMS-normalises each `group`-sized slice of every row in place and multiplies by `w`
+    /// (length `group`): QK-norm per head.
+    fn rms_norm_groups(&self, x: &mut Self::Tensor, group: usize, w: &Self::Weight, eps: f32);
+    /// Rotates each `head_dim` slice of row `r` by position `pos[r]`.
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig);
+    /// `out = silu(gate) ⊙ up`.
+    fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
+    /// `out = gelu_tanh(gate) ⊙ up`.
+    fn geglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
+    /// `a += b`.
+    fn add(&self, a: &mut Self::Tensor, b: &Self::Tensor);
+    /// `a *= s`.
+    fn scale(&self, a: &mut Self::Tensor, s: f32);
+
+    /// Allocates the cache.
+    ///
+    /// # Errors
+    /// If a format cannot be used for the cache on this backend.
+    fn kv_new(&self, shape: KvShape) -> Result<Self::Kv>;
+    /// Writes K and V rows (`[n_tokens, n_kv_head · head_dim]`) of `layer` into `cells`.
+    fn kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        cells: &[usize],
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+    );
+    /// Attention of `q` (`[n_q, n_head · head_dim_k]`) over cells `0..kv_pos.len()` of the
+    /// layer; writes `[n_q, n_head · head_dim_v]`.
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        kv: &Self::Kv,
+        params: &AttentionParams<'_>,
+        out: &mut Self::Tensor,
+    );
+}
