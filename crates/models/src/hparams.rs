@@ -93,7 +93,10 @@ fn get_f32(md: &Metadata, key: &str) -> Option<f32> {
     match md.get(key)? {
         specula_gguf::Value::F32(v) => Some(*v),
         other => {
-            #[allow(clippy::cast_possible_truncation, reason = "hyperparameters fit in f32")]
+            #[allow(
+                clippy::cast_possible_truncation,
+                reason = "hyperparameters fit in f32"
+            )]
             let v = other.as_f64().map(|v| v as f32);
             v
         }
@@ -107,11 +110,11 @@ impl Hparams {
     /// [`ModelError::UnsupportedArch`] for an architecture this crate does not run, or a
     /// missing/invalid key.
     pub fn from_metadata(md: &Metadata, n_vocab: usize) -> Result<Self, ModelError> {
-        let arch_name = md
-            .get_str("general.architecture")
-            .ok_or_else(|| ModelError::MissingKey {
-                key: "general.architecture".into(),
-            })?;
+        let arch_name =
+            md.get_str("general.architecture")
+                .ok_or_else(|| ModelError::MissingKey {
+                    key: "general.architecture".into(),
+                })?;
         let arch = Arch::from_name(arch_name).ok_or_else(|| ModelError::UnsupportedArch {
             arch: arch_name.to_owned(),
         })?;

@@ -28,7 +28,9 @@ use std::sync::Arc;
 
 use specula_gguf::Gguf;
 use specula_quant::QType;
-use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, TensorError, WeightDesc};
+use specula_tensor::{
+    AttentionParams, Backend, KvShape, Mask, RopeConfig, TensorError, WeightDesc,
+};
 
 pub use hparams::{Arch, Hparams};
 
@@ -200,9 +202,10 @@ impl<B: Backend> Loader<'_, B> {
     }
 
     fn req(&self, name: &str, dims: &[usize]) -> Result<B::Weight> {
-        self.get(name, dims)?.ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_owned(),
-        })
+        self.get(name, dims)?
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })
     }
 }
 
@@ -327,7 +330,11 @@ impl<B: Backend> Model<B> {
     }
 
     fn rope(&self) -> RopeConfig {
-        let mut r = RopeConfig::new(self.hp.arch.rope_kind(), self.hp.n_rot, self.hp.rope_freq_base);
+        let mut r = RopeConfig::new(
+            self.hp.arch.rope_kind(),
+            self.hp.n_rot,
+            self.hp.rope_freq_base,
+        );
         r.freq_scale = self.hp.rope_freq_scale;
         r
     }
@@ -339,7 +346,10 @@ impl<B: Backend> Model<B> {
     ///
     /// # Errors
     /// An empty or inconsistent batch, or positions past the cache.
-    #[allow(clippy::too_many_arguments, reason = "the forward pass's inputs are all needed")]
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the forward pass's inputs are all needed"
+    )]
     pub fn forward(
         &self,
         be: &B,
@@ -366,7 +376,8 @@ impl<B: Backend> Model<B> {
         let cells: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
         let kv_len = cells.iter().max().map_or(0, |&m| m + 1);
         s.kv_pos.clear();
-        s.kv_pos.extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
+        s.kv_pos
+            .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
         if let Some(t) = taps.as_deref_mut() {
             t.rows.resize(t.layers.len(), Vec::new());
         }
