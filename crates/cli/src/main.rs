@@ -8,8 +8,10 @@
 
 mod inspect;
 mod load;
+mod perplexity;
 mod run;
 mod quantize;
+mod tokenize;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -30,8 +32,12 @@ enum Command {
     Inspect(inspect::Args),
     /// Generate text from a prompt (greedy or sampled), like llama-cli.
     Run(run::Args),
+    /// Perplexity of a text file, computed as llama-perplexity does.
+    Perplexity(perplexity::Args),
     /// Quantize a GGUF model with llama-quantize's presets (same tensor types, same bytes).
     Quantize(quantize::Args),
+    /// Print the token ids of a prompt, like llama-tokenize.
+    Tokenize(tokenize::Args),
 }
 
 fn main() -> ExitCode {
@@ -39,7 +45,9 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
+        Command::Perplexity(args) => perplexity::run(&args),
         Command::Quantize(args) => quantize::run(&args),
+        Command::Tokenize(args) => tokenize::run(&args),
     };
     match result.and_then(|out| emit(&out)) {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,134 @@
+//! `specula perplexity`: perplexity of a text as `llama-perplexity` computes it.
+//!
+//! The text is tokenized once (BOS per the model); it is cut into windows of `-c` tokens; each
+//! window starts from an empty cache, its first token replaced by BOS when the model adds
+//! one; only the second half of each window is scored (every scored token has at least
+//! `n_ctx/2` tokens of context). PPL = exp(mean NLL), with llama.cpp's standard error.
+
+use std::fmt::Write as _;
+
+use anyhow::{Context, Result, bail};
+use serde::Serialize;
+use specula_tokenizer::EncodeOptions;
+
+use crate::load;
+
+/// Arguments of `specula perplexity`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// GGUF file or manifest model name; default: the default model.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<String>,
+    /// Text file to score.
+    #[arg(short = 'f', long = "file")]
+    pub file: std::path::PathBuf,
+    /// Window (context) size.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 512)]
+    pub ctx_size: usize,
+    /// Windows to score (default: all that fit).
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Threads (0 = all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: usize,
+    /// Tokens per forward batch.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    pub batch_size: usize,
+    /// End with one JSON line `{"ppl", "ppl_stderr", "chunks", "ctx"}`.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Serialize)]
+struct JsonOut {
+    ppl: f64,
+    ppl_stderr: f64,
+    chunks: usize,
+    ctx: usize,
+    tokens: usize,
+}
+
+/// `log p(tok)` under `softmax(logits)`, as llama-perplexity's `log_softmax`: f32 max and
+/// `expf` terms, summed in f64.
+fn log_prob(logits: &[f32], tok: usize) -> f64 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from((l - max).exp())).sum();
+    f64::from(logits[tok] - max) - sum.ln()
+}
+
+/// Runs `specula perplexity`.
+pub fn run(args: &Args) -> Result<String> {
+    if args.ctx_size < 4 {
+        bail!("-c must be at least 4, got {}", args.ctx_size);
+    }
+    if args.chunks == Some(0) {
+        bail!("--chunks must be positive");
+    }
+    let text = std::fs::read_to_string(&args.file)
+        .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let path = load::model_path(args.model.as_deref())?;
+    let mut engine = load::cpu_engine(&path, args.threads)?;
+    engine.n_batch = args.batch_size.max(1);
+    let n_ctx = args.ctx_size;
+    let tokens = engine.tokenizer.encode_with(&text, EncodeOptions::default());
+    if tokens.len() < 2 * n_ctx {
+        bail!(
+            "{} tokenizes to {} tokens; perplexity with a context of {n_ctx} needs at least {}",
+            args.file.display(),
+            tokens.len(),
+            2 * n_ctx
+        );
+    }
+    let n_chunk_max = tokens.len() / n_ctx;
+    let n_chunk = args.chunks.map_or(n_chunk_max, |c| c.min(n_chunk_max));
+    let bos = engine.tokenizer.special_tokens().bos;
+    let add_bos = engine.tokenizer.add_bos();
+    let n_vocab = engine.model.hparams().n_vocab;
+    let first = n_ctx / 2;
+
+    let mut out = String::new();
+    let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
+    let mut session = engine.session(n_ctx, specula_quant::QType::F16, specula_quant::QType::F16)?;
+    for i in 0..n_chunk {
+        let start = i * n_ctx;
+        let mut window = tokens[start..start + n_ctx].to_vec();
+        if add_bos && let Some(b) = bos {
+            window[0] = b;
+        }
+        session.truncate(0);
+        let logits = engine.prefill(&mut session, &window, true)?;
+        for j in first..n_ctx - 1 {
+            let row = &logits[j * n_vocab..(j + 1) * n_vocab];
+            let v = log_prob(row, tokens[start + j + 1] as usize);
+            nll -= v;
+            nll2 += v * v;
+        }
+        count += n_ctx - first - 1;
+        #[allow(clippy::cast_precision_loss, reason = "token counts are small")]
+        let ppl_so_far = (nll / count as f64).exp();
+        let _ = write!(out, "[{}]{ppl_so_far:.4},", i + 1);
+        if !args.json {
+            eprint!("[{}]{ppl_so_far:.4},", i + 1);
+        }
+    }
+    #[allow(clippy::cast_precision_loss, reason = "token counts are small")]
+    let (mean, n) = (nll / count as f64, count as f64);
+    let ppl = mean.exp();
+    let var = nll2 / n - mean * mean;
+    let stderr = if var > 0.0 { (var / (n - 1.0)).sqrt() * ppl } else { 0.0 };
+    out.push('\n');
+    let _ = writeln!(out, "Final estimate: PPL = {ppl:.4} +/- {stderr:.5}");
+    if args.json {
+        let j = JsonOut {
+            ppl,
+            ppl_stderr: stderr,
+            chunks: n_chunk,
+            ctx: n_ctx,
+            tokens: tokens.len(),
+        };
+        let _ = writeln!(out, "{}", serde_json::to_string(&j)?);
+    } else {
+        eprintln!();
+    }
+    Ok(out)
+}

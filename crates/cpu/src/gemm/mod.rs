@@ -1,0 +1,214 @@
+//! The per-tile kernels of [`crate::matmul`]: one weight type against its activation type.
+//!
+//! A tile is a block of weight rows and a block of activation rows. Every output of the tile
+//! is the dot product of one weight row and one activation row with the semantics of the
+//! single-row kernels of [`specula_quant::dot`] — and the same bits. Where this CPU has
+//! micro-kernels for the format (`avx512`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K), groups
+//! of four activation rows go through 2 × 4 and 1 × 4 kernels (weight rows × activation rows:
+//! the weight row is unpacked once for four activation rows) and single activation rows
+//! through 8 × 1 and 4 × 1 kernels; each micro-kernel reduces every output exactly as the
+//! single-row kernel does, and what is left over uses the single-row kernel itself. Which path
+//! an output takes depends on the tile shape, never on its value; `tests/matmul.rs` checks the
+//! bits against the single-row and the scalar kernels.
+//!
+//! Other formats (Q2_K, Q3_K, Q5_K, IQ4_NL, IQ4_XS, MXFP4, NVFP4, f32, f16, bf16) and other
+//! instruction sets (AVX2 without AVX-512, NEON) use the single-row kernels for every output;
+//! micro-kernels for them are the next step.
+
+use bytemuck::cast_slice as c;
+use specula_quant::QType;
+use specula_quant::dot::{Kernels, SimdLevel};
+
+#[cfg(target_arch = "x86_64")]
+mod avx512;
+
+/// A dot product of one weight row and one activation row, as bytes.
+type RowDot = fn(&Kernels, &[u8], &[u8]) -> f32;
+
+/// A micro-kernel: `MR` weight rows against `NR` activation rows (byte rows), up to eight
+/// outputs in weight-row-major order.
+type MicroFn<const MR: usize, const NR: usize> = unsafe fn([&[u8]; MR], [&[u8]; NR]) -> [f32; 8];
+
+/// The micro-kernels of one format: `MR` weight rows against `NR` activation rows at once,
+/// outputs in weight-row-major order (see `avx512`).
+#[derive(Clone, Copy)]
+struct Micro {
+    /// Absent for formats where eight rows at once do not pay (register pressure).
+    w8: Option<MicroFn<8, 1>>,
+    w4: MicroFn<4, 1>,
+    a4: MicroFn<1, 4>,
+    a4x2: MicroFn<2, 4>,
+}
+
+/// The kernels of one weight type.
+#[derive(Clone, Copy)]
+pub(crate) struct Gemm {
+    ty: QType,
+    kernels: &'static Kernels,
+    dot: RowDot,
+    /// Only set when this CPU has the micro-kernels' instruction set (see [`Gemm::new`]).
+    micro: Option<Micro>,
+}
+
+impl Gemm {
+    /// The kernels for weights of `ty` from the table `kernels`.
+    ///
+    /// # Panics
+    /// If `ty` has no dot product (activation-only and KV-only types; weights of those types
+    /// are refused at load).
+    pub(crate) fn new(kernels: &'static Kernels, ty: QType) -> Self {
+        let dot: RowDot = match ty {
+            QType::Q4_0 => |k, w, a| k.q4_0_q8_0(c(w), c(a)),
+            QType::Q4_1 => |k, w, a| k.q4_1_q8_1(c(w), c(a)),
+            QType::Q5_0 => |k, w, a| k.q5_0_q8_0(c(w), c(a)),
+            QType::Q5_1 => |k, w, a| k.q5_1_q8_1(c(w), c(a)),
+            QType::Q8_0 => |k, w, a| k.q8_0_q8_0(c(w), c(a)),
+            QType::IQ4_NL => |k, w, a| k.iq4_nl_q8_0(c(w), c(a)),
+            QType::MXFP4 => |k, w, a| k.mxfp4_q8_0(c(w), c(a)),
+            QType::NVFP4 => |k, w, a| k.nvfp4_q8_0(c(w), c(a)),
+            QType::Q2_K => |k, w, a| k.q2_k_q8_k(c(w), c(a)),
+            QType::Q3_K => |k, w, a| k.q3_k_q8_k(c(w), c(a)),
+            QType::Q4_K => |k, w, a| k.q4_k_q8_k(c(w), c(a)),
+            QType::Q5_K => |k, w, a| k.q5_k_q8_k(c(w), c(a)),
+            QType::Q6_K => |k, w, a| k.q6_k_q8_k(c(w), c(a)),
+            QType::IQ4_XS => |k, w, a| k.iq4_xs_q8_k(c(w), c(a)),
+            QType::F32 => |k, w, a| k.f32_f32(c(w), c(a)),
+            QType::F16 => |k, w, a| k.f16_f32(c(w), c(a)),
+            QType::BF16 => |k, w, a| k.bf16_f32(c(w), c(a)),
+            QType::Q8_1 | QType::Q8_K | QType::Turbo2 | QType::Turbo3 | QType::Turbo4 => {
+                panic!("matmul: {ty} is not a weight format")
+            }
+        };
+        Self {
+            ty,
+            kernels,
+            dot,
+            micro: micro(kernels.level(), ty),
+        }
+    }
+
+    /// The dot product of one weight row and one activation row.
+    #[inline]
+    pub(crate) fn dot(&self, w: &[u8], a: &[u8]) -> f32 {
+        (self.dot)(self.kernels, w, a)
+    }
+
+    /// Every output of a tile: the dot product of each weight row of `w` (`w_rb` bytes each)
+    /// with each activation row of `a` (`a_rb` bytes each), handed to `put(a_row, w_row, v)`.
+    ///
+    /// # Panics
+    /// If the weight rows and the activation rows do not hold the same number of values in
+    /// whole blocks of their types.
+    pub(crate) fn tile(
+        &self,
+        w: &[u8],
+        w_rb: usize,
+        a: &[u8],
+        a_rb: usize,
+        mut put: impl FnMut(usize, usize, f32),
+    ) {
+        let values = |ty: QType, rb: usize| {
+            assert!(
+                rb > 0 && rb.is_multiple_of(ty.type_size()),
+                "{ty}: rows of {rb} bytes are not whole blocks"
+            );
+            rb / ty.type_size() * ty.block_size()
+        };
+        let n_in = values(self.ty, w_rb);
+        assert_eq!(
+            n_in,
+            values(self.ty.vec_dot_type(), a_rb),
+            "matmul: weight and activation rows differ in length"
+        );
+        let (n_w, n_a) = (w.len() / w_rb, a.len() / a_rb);
+        let wr = |i: usize| &w[i * w_rb..(i + 1) * w_rb];
+        let ar = |j: usize| &a[j * a_rb..(j + 1) * a_rb];
+        // SAFETY (every micro-kernel call below): `micro` is only set after this CPU's features
+        // were detected (`micro()`), and every row is whole blocks with weight and activation
+        // rows holding the same number of values (both checked above).
+        let mut j = 0;
+        if let Some(m) = self.micro {
+            // Groups of four activation rows: two weight rows at a time, then one.
+            while j + 4 <= n_a {
+                let a4 = [ar(j), ar(j + 1), ar(j + 2), ar(j + 3)];
+                let mut i = 0;
+                while i + 2 <= n_w {
+                    // SAFETY: see above.
+                    let v = unsafe { (m.a4x2)([wr(i), wr(i + 1)], a4) };
+                    for (p, &v) in v.iter().enumerate() {
+                        put(j + p % 4, i + p / 4, v);
+                    }
+                    i += 2;
+                }
+                if i < n_w {
+                    // SAFETY: see above.
+                    let v = unsafe { (m.a4)([wr(i)], a4) };
+                    for (p, &v) in v[..4].iter().enumerate() {
+                        put(j + p, i, v);
+                    }
+                }
+                j += 4;
+            }
+        }
+        for j in j..n_a {
+            let a_row = ar(j);
+            let mut i = 0;
+            if let Some(m) = self.micro {
+                while let Some(w8) = m.w8.filter(|_| i + 8 <= n_w) {
+                    let rows = std::array::from_fn(|k| wr(i + k));
+                    // SAFETY: see above.
+                    let v = unsafe { w8(rows, [a_row]) };
+                    for (k, &v) in v.iter().enumerate() {
+                        put(j, i + k, v);
+                    }
+                    i += 8;
+                }
+                if i + 4 <= n_w {
+                    // SAFETY: see above.
+                    let v = unsafe { (m.w4)([wr(i), wr(i + 1), wr(i + 2), wr(i + 3)], [a_row]) };
+                    for (k, &v) in v[..4].iter().enumerate() {
+                        put(j, i + k, v);
+                    }
+                    i += 4;
+                }
+            }
+            for i in i..n_w {
+                put(j, i, self.dot(wr(i), a_row));
+            }
+        }
+    }
+}
+
+/// The micro-kernels for weights of `ty` at `level`, if there are any and this CPU runs them.
+fn micro(level: SimdLevel, ty: QType) -> Option<Micro> {
+    #[cfg(target_arch = "x86_64")]
+    if level == SimdLevel::Avx512 && avx512::supported() {
+        macro_rules! set {
+            ($k:ident) => {
+                set!($k, Some(avx512::$k::run::<8, 1>))
+            };
+            ($k:ident, $w8:expr) => {
+                Some(Micro {
+                    w8: $w8,
+                    w4: avx512::$k::run::<4, 1>,
+                    a4: avx512::$k::run::<1, 4>,
+                    a4x2: avx512::$k::run::<2, 4>,
+                })
+            };
+        }
+        return match ty {
+            QType::Q4_0 => set!(q4_0),
+            // Q4_1 / Q5_1 carry four scale fields per pair of blocks: eight weight rows at once
+            // spill registers and measure slower than four.
+            QType::Q4_1 => set!(q4_1, None),
+            QType::Q5_0 => set!(q5_0),
+            QType::Q5_1 => set!(q5_1, None),
+            QType::Q8_0 => set!(q8_0),
+            QType::Q4_K => set!(q4_k),
+            QType::Q6_K => set!(q6_k),
+            _ => None,
+        };
+    }
+    let _ = (level, ty);
+    None
+}

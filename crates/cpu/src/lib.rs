@@ -1,0 +1,290 @@
+//! The CPU backend: [`specula_tensor::Backend`] on host memory, with a persistent thread pool.
+//!
+//! - [`CpuBackend`] — the backend; [`CpuBackend::new`] starts its threads once.
+//! - [`CpuTensor`] — an f32 activation matrix `[rows, cols]` whose storage is reused on resize.
+//! - [`CpuWeight`] — a weight in its GGUF block format, borrowed from the model file's memory;
+//!   only vectors (norm weights, biases) are converted to f32, once, at load.
+//! - [`CpuKv`] — the KV cache, K and V in f32 or f16.
+//!
+//! Where the work is done:
+//!
+//! | module | ops |
+//! |---|---|
+//! | `matmul`, `gemm` | `matmul`: activations quantized to the weight's `vec_dot_type`, tiles of dot products with the bits of [`specula_quant::dot`] (AVX-512 micro-kernels for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K) |
+//! | `ops` | `copy_rows`, `get_rows`, `add_vector`, `rms_norm`, `rms_norm_groups`, `swiglu`, `geglu`, `add`, `scale` |
+//! | `rope` | `rope` (normal and NeoX pairing, partial rotation, linear scaling, YaRN) as ggml-cpu computes it |
+//! | `attention` | the cache, `kv_write`, `attention` (GQA, causal / sliding-window / no mask, soft cap); `attention::simd` its inner loops |
+//! | `pool` | the thread pool and the static split of work |
+//!
+//! **Batch invariance.** Every output value is reduced by one thread, in one fixed order, by
+//! code that does not look at the batch size or the thread count: a row computed alone, in a
+//! batch of 17 or on 3 threads gives the same bits (tested for every op in `tests/`). Results
+//! may differ between instruction sets ([`CpuBackend::with_simd`]) for float dot products; for
+//! quantized weights they are the bits of the scalar reference on every instruction set.
+//!
+//! **Numerics follow ggml-cpu** where it matters for tracking llama.cpp's logits: RMS norm sums
+//! squares in f64 (`1/sqrt(mean + eps)`), RoPE builds its angles with the same f32 recurrence,
+//! SiLU is `x/(1 + e^−x)`, GELU the tanh form (computed in f32, without ggml-cpu's f16 table).
+//!
+//! NVFP4 weights carry a per-tensor scale outside their blocks; `matmul` does not apply it, the
+//! model multiplies the output by it.
+//!
+//! ```
+//! use std::sync::Arc;
+//! use specula_cpu::CpuBackend;
+//! use specula_tensor::{Backend, QType, WeightDesc};
+//!
+//! let be = CpuBackend::new(2);
+//! // A 2 × 32 F32 weight: row 0 is all ones, row 1 all twos.
+//! let w: Vec<u8> = (0..64).flat_map(|i| (if i < 32 { 1.0f32 } else { 2.0 }).to_le_bytes()).collect();
+//! let owner = Arc::new(w.clone());
+//! let w = be.weight(WeightDesc {
+//!     name: "w",
+//!     ty: QType::F32,
+//!     dims: &[32, 2],
+//!     data: &owner[..],
+//!     owner: owner.clone(),
+//! })?;
+//! let x = be.from_host(1, 32, &[0.5; 32]);
+//! let mut y = be.zeros(1, 2);
+//! be.matmul(&x, &w, &mut y);
+//! let mut host = Vec::new();
+//! be.to_host(&y, &mut host);
+//! assert_eq!(host, [16.0, 32.0]);
+//! # Ok::<(), specula_tensor::TensorError>(())
+//! ```
+
+mod attention;
+mod gemm;
+mod matmul;
+mod ops;
+mod pool;
+mod rope;
+mod scratch;
+mod tensor;
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use specula_quant::dot::{Kernels, SimdLevel};
+use specula_tensor::{AttentionParams, Backend, KvShape, Result, RopeConfig, WeightDesc};
+
+pub use attention::CpuKv;
+pub use ops::{gelu_tanh, silu};
+pub use tensor::{CpuTensor, CpuWeight};
+
+/// Values per thread below which a row-wise op runs on the calling thread alone.
+const ROWS_PARALLEL_MIN: usize = 32 * 1024;
+
+/// The CPU backend.
+pub struct CpuBackend {
+    pool: pool::Pool,
+    kernels: &'static Kernels,
+    attn: attention::simd::AttnKernels,
+    /// Quantized activation rows of the current matmul.
+    act: Mutex<Vec<u8>>,
+}
+
+impl std::fmt::Debug for CpuBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuBackend")
+            .field("n_threads", &self.n_threads())
+            .field("simd", &self.kernels.level())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CpuBackend {
+    /// A backend running on `n_threads` threads (the calling thread included; 0 means one per
+    /// available CPU), with the fastest dot-product kernels this CPU supports
+    /// ([`Kernels::active`]).
+    #[must_use]
+    pub fn new(n_threads: usize) -> Self {
+        Self::with_simd(n_threads, None)
+    }
+
+    /// As [`CpuBackend::new`], with the dot-product kernels of `level` when this CPU supports
+    /// it (for comparing levels; `None` or an unsupported level gives the active table).
+    #[must_use]
+    pub fn with_simd(n_threads: usize, level: Option<SimdLevel>) -> Self {
+        let n_threads = if n_threads == 0 {
+            std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+        } else {
+            n_threads
+        };
+        let kernels = matmul::kernels_for(level);
+        Self {
+            pool: pool::Pool::new(n_threads),
+            kernels,
+            attn: attention::simd::AttnKernels::for_level(kernels.level()),
+            act: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Threads, the calling thread included.
+    #[must_use]
+    pub fn n_threads(&self) -> usize {
+        self.pool.n_threads()
+    }
+
+    /// The SIMD level of the dot-product kernels in use.
+    #[must_use]
+    pub fn simd_level(&self) -> SimdLevel {
+        self.kernels.level()
+    }
+
+    pub(crate) fn kernels(&self) -> &'static Kernels {
+        self.kernels
+    }
+
+    pub(crate) fn attn_kernels(&self) -> attention::simd::AttnKernels {
+        self.attn
+    }
+
+    pub(crate) fn pool(&self) -> &pool::Pool {
+        &self.pool
+    }
+
+    /// The buffer for quantized activations (held for the length of one matmul).
+    pub(crate) fn scratch(&self) -> MutexGuard<'_, Vec<u8>> {
+        self.act.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f(r, row)` on every `cols`-value row of `data`, split over the threads when the
+    /// op is large enough to gain from it.
+    pub(crate) fn par_rows(
+        &self,
+        data: &mut [f32],
+        cols: usize,
+        f: impl Fn(usize, &mut [f32]) + Sync,
+    ) {
+        if cols == 0 {
+            return;
+        }
+        let rows = data.len() / cols;
+        let nth = self.n_threads();
+        if nth == 1 || rows < 2 || data.len() < ROWS_PARALLEL_MIN * 2 {
+            for (r, row) in data.chunks_exact_mut(cols).enumerate() {
+                f(r, row);
+            }
+            return;
+        }
+        let nth = nth.min(rows);
+        let dst = pool::Disjoint::new(data);
+        self.pool.run(&|t| {
+            if t >= nth {
+                return;
+            }
+            let mine = pool::split(rows, nth, t);
+            // SAFETY: thread t takes only the rows `split(rows, nth, t)`, disjoint from every
+            // other thread's.
+            let d = unsafe { dst.slice(mine.start * cols..mine.end * cols) };
+            for (r, row) in mine.zip(d.chunks_exact_mut(cols)) {
+                f(r, row);
+            }
+        });
+    }
+}
+
+impl Backend for CpuBackend {
+    type Tensor = CpuTensor;
+    type Weight = CpuWeight;
+    type Kv = CpuKv;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn weight(&self, desc: WeightDesc<'_>) -> Result<CpuWeight> {
+        CpuWeight::from_desc(desc)
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CpuTensor {
+        CpuTensor::zeros(rows, cols)
+    }
+
+    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CpuTensor {
+        CpuTensor::new(rows, cols, data.to_vec())
+    }
+
+    fn to_host(&self, t: &CpuTensor, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(t.as_slice());
+    }
+
+    fn shape(&self, t: &CpuTensor) -> (usize, usize) {
+        (t.rows(), t.cols())
+    }
+
+    fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
+        t.resize(rows, cols);
+    }
+
+    fn copy_rows(&self, src: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
+        ops::copy_rows(src, rows, out);
+    }
+
+    fn get_rows(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
+        ops::get_rows(self, table, ids, out);
+    }
+
+    fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
+        matmul::matmul(self, x, w, out);
+    }
+
+    fn add_vector(&self, x: &mut CpuTensor, b: &CpuWeight) {
+        ops::add_vector(self, x, b);
+    }
+
+    fn rms_norm(&self, x: &CpuTensor, w: Option<&CpuWeight>, eps: f32, out: &mut CpuTensor) {
+        ops::rms_norm(self, x, w, eps, out);
+    }
+
+    fn rms_norm_groups(&self, x: &mut CpuTensor, group: usize, w: &CpuWeight, eps: f32) {
+        ops::rms_norm_groups(self, x, group, w, eps);
+    }
+
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig) {
+        rope::rope(self, x, head_dim, pos, cfg);
+    }
+
+    fn swiglu(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+        ops::swiglu(self, gate, up, out);
+    }
+
+    fn geglu(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+        ops::geglu(self, gate, up, out);
+    }
+
+    fn add(&self, a: &mut CpuTensor, b: &CpuTensor) {
+        ops::add(self, a, b);
+    }
+
+    fn scale(&self, a: &mut CpuTensor, s: f32) {
+        ops::scale(self, a, s);
+    }
+
+    fn kv_new(&self, shape: KvShape) -> Result<CpuKv> {
+        CpuKv::new(shape)
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CpuKv,
+        layer: usize,
+        cells: &[usize],
+        k: &CpuTensor,
+        v: &CpuTensor,
+    ) {
+        attention::kv_write(kv, layer, cells, k, v);
+    }
+
+    fn attention(
+        &self,
+        q: &CpuTensor,
+        kv: &CpuKv,
+        params: &AttentionParams<'_>,
+        out: &mut CpuTensor,
+    ) {
+        attention::attention(self, q, kv, params, out);
+    }
+}

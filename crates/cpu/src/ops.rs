@@ -1,0 +1,201 @@
+//! Row-wise and element-wise ops: embedding rows, bias, RMS norms, gated activations, sums.
+//!
+//! Each output value depends only on its own row, reduced in one fixed order, so none of these
+//! can depend on the batch or the thread count. The formulas follow ggml-cpu (`ops.cpp`,
+//! `vec.h`), so results track llama.cpp's.
+
+use crate::CpuBackend;
+use crate::tensor::{CpuTensor, CpuWeight};
+
+/// `out[i] = src[rows[i]]`.
+pub(crate) fn copy_rows(src: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
+    let cols = src.cols();
+    out.resize(rows.len(), cols);
+    for (i, &r) in rows.iter().enumerate() {
+        assert!(
+            r < src.rows(),
+            "copy_rows: row {r} of a {}-row tensor",
+            src.rows()
+        );
+        out.row_mut(i).copy_from_slice(src.row(r));
+    }
+}
+
+/// `out[r] = dequantize(table row ids[r])`.
+pub(crate) fn get_rows(be: &CpuBackend, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
+    let n = table.row_len();
+    let n_rows = table.n_rows();
+    out.resize(ids.len(), n);
+    be.par_rows(out.as_mut_slice(), n, |r, o| {
+        let id = usize::try_from(ids[r]).unwrap_or(usize::MAX);
+        assert!(
+            id < n_rows,
+            "get_rows: id {} is past the {n_rows} rows of `{}`",
+            ids[r],
+            table.name()
+        );
+        specula_quant::dequantize_row(table.ty(), table.row(id), o)
+            .expect("a weight row has the length of its type and shape");
+    });
+}
+
+/// `x[r] += b`.
+pub(crate) fn add_vector(be: &CpuBackend, x: &mut CpuTensor, b: &CpuWeight) {
+    let cols = x.cols();
+    let b = b.vector(cols, "add_vector");
+    be.par_rows(x.as_mut_slice(), cols, |_, o| {
+        for (o, &b) in o.iter_mut().zip(b) {
+            *o += b;
+        }
+    });
+}
+
+/// `1 / sqrt(mean(x²) + eps)` as ggml's `rms_norm`: each square rounded to f32, summed in f64
+/// in element order, the mean rounded to f32.
+#[inline]
+fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let mut sum = 0.0f64;
+    for &v in x {
+        sum += f64::from(v * v);
+    }
+    #[allow(
+        clippy::cast_precision_loss,
+        clippy::cast_possible_truncation,
+        reason = "row lengths are far below 2^52; the f32 mean is ggml's `const float mean`"
+    )]
+    let mean = (sum / x.len() as f64) as f32;
+    1.0 / (mean + eps).sqrt()
+}
+
+/// `out[r] = x[r] · scale · w`.
+#[inline]
+fn norm_row(x: &[f32], w: Option<&[f32]>, eps: f32, out: &mut [f32]) {
+    let scale = rms_scale(x, eps);
+    match w {
+        Some(w) => {
+            for ((o, &x), &w) in out.iter_mut().zip(x).zip(w) {
+                *o = x * scale * w;
+            }
+        }
+        None => {
+            for (o, &x) in out.iter_mut().zip(x) {
+                *o = x * scale;
+            }
+        }
+    }
+}
+
+/// `out[r] = x[r] / rms(x[r]) · w`.
+pub(crate) fn rms_norm(
+    be: &CpuBackend,
+    x: &CpuTensor,
+    w: Option<&CpuWeight>,
+    eps: f32,
+    out: &mut CpuTensor,
+) {
+    let cols = x.cols();
+    let w = w.map(|w| w.vector(cols, "rms_norm"));
+    out.resize(x.rows(), cols);
+    be.par_rows(out.as_mut_slice(), cols, |r, o| {
+        norm_row(x.row(r), w, eps, o)
+    });
+}
+
+/// RMS norm of every `group`-sized slice of every row, in place.
+pub(crate) fn rms_norm_groups(
+    be: &CpuBackend,
+    x: &mut CpuTensor,
+    group: usize,
+    w: &CpuWeight,
+    eps: f32,
+) {
+    let cols = x.cols();
+    assert!(
+        group > 0 && cols.is_multiple_of(group),
+        "rms_norm_groups: rows of {cols} values are not whole groups of {group}"
+    );
+    let w = w.vector(group, "rms_norm_groups");
+    be.par_rows(x.as_mut_slice(), cols, |_, row| {
+        for g in row.chunks_exact_mut(group) {
+            let scale = rms_scale(g, eps);
+            for (v, &w) in g.iter_mut().zip(w) {
+                *v = *v * scale * w;
+            }
+        }
+    });
+}
+
+/// `silu(x) = x / (1 + e^−x)` (ggml's `ggml_silu_f32`).
+#[inline]
+#[must_use]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+/// The tanh approximation of GELU, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`
+/// (ggml's `ggml_gelu_f32`; ggml-cpu rounds the input through an f16 table, this does not).
+#[inline]
+#[must_use]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const GELU_COEF_A: f32 = 0.044_715;
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+}
+
+/// `out = act(gate) ⊙ up`.
+fn gated(
+    be: &CpuBackend,
+    gate: &CpuTensor,
+    up: &CpuTensor,
+    out: &mut CpuTensor,
+    op: &str,
+    act: fn(f32) -> f32,
+) {
+    assert_eq!(
+        (gate.rows(), gate.cols()),
+        (up.rows(), up.cols()),
+        "{op}: gate and up have different shapes"
+    );
+    let cols = gate.cols();
+    out.resize(gate.rows(), cols);
+    be.par_rows(out.as_mut_slice(), cols, |r, o| {
+        for ((o, &g), &u) in o.iter_mut().zip(gate.row(r)).zip(up.row(r)) {
+            *o = act(g) * u;
+        }
+    });
+}
+
+/// `out = silu(gate) ⊙ up`.
+pub(crate) fn swiglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+    gated(be, gate, up, out, "swiglu", silu);
+}
+
+/// `out = gelu_tanh(gate) ⊙ up`.
+pub(crate) fn geglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
+    gated(be, gate, up, out, "geglu", gelu_tanh);
+}
+
+/// `a += b`.
+pub(crate) fn add(be: &CpuBackend, a: &mut CpuTensor, b: &CpuTensor) {
+    assert_eq!(
+        (a.rows(), a.cols()),
+        (b.rows(), b.cols()),
+        "add: operands have different shapes"
+    );
+    let cols = a.cols();
+    be.par_rows(a.as_mut_slice(), cols, |r, o| {
+        for (o, &b) in o.iter_mut().zip(b.row(r)) {
+            *o += b;
+        }
+    });
+}
+
+/// `a *= s`.
+pub(crate) fn scale(be: &CpuBackend, a: &mut CpuTensor, s: f32) {
+    let cols = a.cols();
+    be.par_rows(a.as_mut_slice(), cols, |_, o| {
+        for o in o {
+            *o *= s;
+        }
+    });
+}

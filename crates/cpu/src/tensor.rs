@@ -1,0 +1,286 @@
+//! The backend's device objects on the host: activation matrices and weights.
+
+use std::any::Any;
+use std::sync::Arc;
+
+use specula_quant::QType;
+use specula_tensor::{Result, TensorError, WeightDesc};
+
+/// An f32 activation matrix, row-major `[rows, cols]`.
+///
+/// Resizing keeps the allocation: a forward pass that reuses its tensors allocates only while
+/// its batches grow.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct CpuTensor {
+    rows: usize,
+    cols: usize,
+    data: Vec<f32>,
+}
+
+impl CpuTensor {
+    /// A `[rows, cols]` tensor holding `data`.
+    ///
+    /// # Panics
+    /// If `data.len() != rows · cols`.
+    #[must_use]
+    pub fn new(rows: usize, cols: usize, data: Vec<f32>) -> Self {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "a [{rows}, {cols}] tensor needs {} values",
+            rows * cols
+        );
+        Self { rows, cols, data }
+    }
+
+    /// A zeroed `[rows, cols]` tensor.
+    #[must_use]
+    pub fn zeros(rows: usize, cols: usize) -> Self {
+        Self::new(rows, cols, vec![0.0; rows * cols])
+    }
+
+    /// Rows.
+    #[must_use]
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Columns (values per row).
+    #[must_use]
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// All values, row-major.
+    #[must_use]
+    pub fn as_slice(&self) -> &[f32] {
+        &self.data
+    }
+
+    /// All values, row-major, mutably.
+    #[must_use]
+    pub fn as_mut_slice(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
+
+    /// Row `r`.
+    ///
+    /// # Panics
+    /// If `r ≥ rows`.
+    #[must_use]
+    pub fn row(&self, r: usize) -> &[f32] {
+        &self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Row `r`, mutably.
+    ///
+    /// # Panics
+    /// If `r ≥ rows`.
+    #[must_use]
+    pub fn row_mut(&mut self, r: usize) -> &mut [f32] {
+        &mut self.data[r * self.cols..(r + 1) * self.cols]
+    }
+
+    /// Gives the tensor the shape `[rows, cols]`, reusing its allocation when it is large
+    /// enough; values already present are kept in memory order, new ones are zero.
+    pub fn resize(&mut self, rows: usize, cols: usize) {
+        self.rows = rows;
+        self.cols = cols;
+        self.data.resize(rows * cols, 0.0);
+    }
+}
+
+/// Where a weight's bytes live.
+enum Storage {
+    /// Inside the memory that `owner` keeps alive (the model file's memory map).
+    Borrowed {
+        /// Never read: holding it keeps `ptr..ptr + len` alive.
+        _owner: Arc<dyn Any + Send + Sync>,
+        ptr: *const u8,
+        len: usize,
+    },
+    /// An F32 matrix whose bytes were not 4-byte aligned, copied once so it can be read as
+    /// `&[f32]` (GGUF aligns tensor data, so this does not happen with real files).
+    OwnedF32(Vec<f32>),
+}
+
+/// A weight in its file format: a matrix `[n_out, n_in]` (ggml `dims = [n_in, n_out]`) or a
+/// vector.
+///
+/// Matrices borrow their bytes from the memory the [`WeightDesc`] came from and are never
+/// dequantized. Vectors (norm weights, biases) are also converted to f32 once at load, since
+/// the ops that use them read them as f32.
+pub struct CpuWeight {
+    name: String,
+    ty: QType,
+    dims: Vec<usize>,
+    storage: Storage,
+    values: Option<Vec<f32>>,
+}
+
+// SAFETY: the only non-Send/Sync field is the raw pointer of `Storage::Borrowed`, which points
+// into immutable memory kept alive by the `Send + Sync` owner stored next to it; the weight only
+// ever reads through it.
+unsafe impl Send for CpuWeight {}
+// SAFETY: as above; shared references only read.
+unsafe impl Sync for CpuWeight {}
+
+impl std::fmt::Debug for CpuWeight {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuWeight")
+            .field("name", &self.name)
+            .field("ty", &self.ty)
+            .field("dims", &self.dims)
+            .field("bytes", &self.bytes().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl CpuWeight {
+    /// Makes a weight from file bytes, checking their length against type and shape.
+    ///
+    /// The bytes are not copied: the weight keeps `desc.owner` and reads `desc.data` for as
+    /// long as it lives, which is sound as long as `desc.data` lies in memory that `desc.owner`
+    /// keeps alive and unchanged — the contract of [`WeightDesc`].
+    pub(crate) fn from_desc(desc: WeightDesc<'_>) -> Result<Self> {
+        let size_error = |expected| TensorError::WeightSize {
+            name: desc.name.to_owned(),
+            ty: desc.ty,
+            dims: desc.dims.to_vec(),
+            expected,
+            got: desc.data.len(),
+        };
+        let (&n_in, rest) = desc.dims.split_first().ok_or_else(|| TensorError::Shape {
+            op: "weight",
+            detail: format!("weight `{}` has no dimensions", desc.name),
+        })?;
+        let n_rows: usize = rest.iter().product();
+        let expected = desc.ty.row_bytes(n_in)? * n_rows;
+        if desc.data.len() != expected {
+            return Err(size_error(expected));
+        }
+        if !is_weight_type(desc.ty) {
+            return Err(TensorError::UnsupportedWeight {
+                name: desc.name.to_owned(),
+                ty: desc.ty,
+                backend: "cpu",
+                op: "weights",
+            });
+        }
+        let storage =
+            if desc.ty == QType::F32 && bytemuck::try_cast_slice::<u8, f32>(desc.data).is_err() {
+                let v = desc
+                    .data
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect();
+                Storage::OwnedF32(v)
+            } else {
+                Storage::Borrowed {
+                    _owner: Arc::clone(&desc.owner),
+                    ptr: desc.data.as_ptr(),
+                    len: desc.data.len(),
+                }
+            };
+        let values = if desc.dims.len() == 1 {
+            let mut v = vec![0.0; n_in];
+            specula_quant::dequantize_row(desc.ty, desc.data, &mut v)?;
+            Some(v)
+        } else {
+            None
+        };
+        Ok(Self {
+            name: desc.name.to_owned(),
+            ty: desc.ty,
+            dims: desc.dims.to_vec(),
+            storage,
+            values,
+        })
+    }
+
+    /// Tensor name.
+    #[must_use]
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Block format.
+    #[must_use]
+    pub fn ty(&self) -> QType {
+        self.ty
+    }
+
+    /// Dimensions in ggml order (`dims[0]` is the row length).
+    #[must_use]
+    pub fn dims(&self) -> &[usize] {
+        &self.dims
+    }
+
+    /// Values per row (`dims[0]`).
+    #[must_use]
+    pub fn row_len(&self) -> usize {
+        self.dims[0]
+    }
+
+    /// Rows (the product of `dims[1..]`; 1 for a vector).
+    #[must_use]
+    pub fn n_rows(&self) -> usize {
+        self.dims[1..].iter().product()
+    }
+
+    /// Bytes of one row.
+    #[must_use]
+    pub fn row_bytes(&self) -> usize {
+        self.bytes().len() / self.n_rows().max(1)
+    }
+
+    /// The bytes in the file format.
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        match &self.storage {
+            Storage::Borrowed { ptr, len, .. } => {
+                // SAFETY: `ptr..ptr + len` was a valid `&[u8]` (`desc.data`) inside memory that
+                // the stored owner keeps alive and unmodified (the `WeightDesc` contract); the
+                // owner lives as long as `self`, and the returned borrow is tied to `self`.
+                unsafe { std::slice::from_raw_parts(*ptr, *len) }
+            }
+            Storage::OwnedF32(v) => bytemuck::cast_slice(v),
+        }
+    }
+
+    /// The bytes of row `r`.
+    #[must_use]
+    pub fn row(&self, r: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.bytes()[r * rb..(r + 1) * rb]
+    }
+
+    /// The f32 values of a vector weight (converted once at load), `None` for a matrix.
+    #[must_use]
+    pub fn values(&self) -> Option<&[f32]> {
+        self.values.as_deref()
+    }
+
+    /// The f32 values of a vector weight of length `n`, or a panic naming the weight and `op`.
+    pub(crate) fn vector(&self, n: usize, op: &str) -> &[f32] {
+        let v = self
+            .values()
+            .unwrap_or_else(|| panic!("{op}: weight `{}` is not a vector", self.name));
+        assert_eq!(
+            v.len(),
+            n,
+            "{op}: weight `{}` has {} values, expected {n}",
+            self.name,
+            v.len()
+        );
+        v
+    }
+}
+
+/// Whether the CPU backend has a dot product and a dequantizer for weights of `ty`.
+fn is_weight_type(ty: QType) -> bool {
+    !matches!(
+        ty,
+        QType::Q8_1 | QType::Q8_K | QType::Turbo2 | QType::Turbo3 | QType::Turbo4
+    )
+}
