@@ -6,6 +6,7 @@
 //! - `specula inspect [FILE|MODEL] [--json]` — what is inside a GGUF file ([`inspect`]).
 //! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
 
+mod bench;
 mod inspect;
 mod load;
 mod perplexity;
@@ -32,6 +33,8 @@ enum Command {
     Inspect(inspect::Args),
     /// Generate text from a prompt (greedy or sampled), like llama-cli.
     Run(run::Args),
+    /// Prompt-processing and generation speed, llama-bench style.
+    Bench(bench::Args),
     /// Perplexity of a text file, computed as llama-perplexity does.
     Perplexity(perplexity::Args),
     /// Quantize a GGUF model with llama-quantize's presets (same tensor types, same bytes).
@@ -45,6 +48,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
+        Command::Bench(args) => bench::run(&args),
         Command::Perplexity(args) => perplexity::run(&args),
         Command::Quantize(args) => quantize::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
