@@ -33,10 +33,20 @@ pub struct Args {
     #[arg(short = 'm', long = "model")]
     pub model: Option<String>,
     /// Prompt lengths to test (0 = skip).
-    #[arg(short = 'p', long = "n-prompt", value_delimiter = ',', default_value = "512")]
+    #[arg(
+        short = 'p',
+        long = "n-prompt",
+        value_delimiter = ',',
+        default_value = "512"
+    )]
     pub n_prompt: Vec<usize>,
     /// Generation lengths to test (0 = skip).
-    #[arg(short = 'n', long = "n-gen", value_delimiter = ',', default_value = "128")]
+    #[arg(
+        short = 'n',
+        long = "n-gen",
+        value_delimiter = ',',
+        default_value = "128"
+    )]
     pub n_gen: Vec<usize>,
     /// Threads.
     #[arg(short = 't', long, default_value_t = 2)]
@@ -93,7 +103,12 @@ fn ids(n: usize, n_vocab: usize, seed: &mut u64) -> Vec<u32> {
         .collect()
 }
 
-fn run_pp(e: &Engine<CpuBackend>, s: &mut Session<CpuBackend>, n: usize, seed: &mut u64) -> Result<()> {
+fn run_pp(
+    e: &Engine<CpuBackend>,
+    s: &mut Session<CpuBackend>,
+    n: usize,
+    seed: &mut u64,
+) -> Result<()> {
     let mut toks = ids(n, e.model.hparams().n_vocab, seed);
     if let (true, Some(bos)) = (e.tokenizer.add_bos(), e.tokenizer.special_tokens().bos) {
         toks[0] = bos;
@@ -103,7 +118,12 @@ fn run_pp(e: &Engine<CpuBackend>, s: &mut Session<CpuBackend>, n: usize, seed: &
     Ok(())
 }
 
-fn run_tg(e: &Engine<CpuBackend>, s: &mut Session<CpuBackend>, n: usize, seed: &mut u64) -> Result<()> {
+fn run_tg(
+    e: &Engine<CpuBackend>,
+    s: &mut Session<CpuBackend>,
+    n: usize,
+    seed: &mut u64,
+) -> Result<()> {
     s.truncate(0);
     let mut tok = e
         .tokenizer
@@ -143,8 +163,16 @@ pub fn run(args: &Args) -> Result<String> {
     engine.n_batch = args.batch_size;
     let hp = engine.model.hparams().clone();
     let file = engine.model.file().clone();
-    let size: u64 = file.tensors().iter().map(specula_gguf::TensorInfo::n_bytes).sum();
-    let params: u64 = file.tensors().iter().map(specula_gguf::TensorInfo::n_elements).sum();
+    let size: u64 = file
+        .tensors()
+        .iter()
+        .map(specula_gguf::TensorInfo::n_bytes)
+        .sum();
+    let params: u64 = file
+        .tensors()
+        .iter()
+        .map(specula_gguf::TensorInfo::n_elements)
+        .sum();
     let model_type = format!(
         "{} {}",
         hp.arch.name(),
@@ -236,7 +264,10 @@ fn render(records: &[Record], output: Output) -> Result<String> {
             }
         }
         Output::Md => {
-            let _ = writeln!(s, "| model | size | params | backend | threads | test | t/s |");
+            let _ = writeln!(
+                s,
+                "| model | size | params | backend | threads | test | t/s |"
+            );
             let _ = writeln!(s, "| --- | ---: | ---: | --- | ---: | ---: | ---: |");
             for r in records {
                 let test = if r.n_prompt > 0 {

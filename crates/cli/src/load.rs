@@ -42,7 +42,8 @@ pub fn cpu_engine(path: &Path, threads: usize) -> Result<Engine<CpuBackend>> {
     } else {
         threads
     };
-    let file = Arc::new(Gguf::open(path).with_context(|| format!("cannot load {}", path.display()))?);
+    let file =
+        Arc::new(Gguf::open(path).with_context(|| format!("cannot load {}", path.display()))?);
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
     let backend = CpuBackend::new(threads);

@@ -10,8 +10,8 @@ mod bench;
 mod inspect;
 mod load;
 mod perplexity;
-mod run;
 mod quantize;
+mod run;
 mod tokenize;
 
 use std::io::Write;

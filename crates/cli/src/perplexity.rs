@@ -70,7 +70,9 @@ pub fn run(args: &Args) -> Result<String> {
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size.max(1);
     let n_ctx = args.ctx_size;
-    let tokens = engine.tokenizer.encode_with(&text, EncodeOptions::default());
+    let tokens = engine
+        .tokenizer
+        .encode_with(&text, EncodeOptions::default());
     if tokens.len() < 2 * n_ctx {
         bail!(
             "{} tokenizes to {} tokens; perplexity with a context of {n_ctx} needs at least {}",
@@ -88,7 +90,8 @@ pub fn run(args: &Args) -> Result<String> {
 
     let mut out = String::new();
     let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
-    let mut session = engine.session(n_ctx, specula_quant::QType::F16, specula_quant::QType::F16)?;
+    let mut session =
+        engine.session(n_ctx, specula_quant::QType::F16, specula_quant::QType::F16)?;
     for i in 0..n_chunk {
         let start = i * n_ctx;
         let mut window = tokens[start..start + n_ctx].to_vec();
@@ -115,7 +118,11 @@ pub fn run(args: &Args) -> Result<String> {
     let (mean, n) = (nll / count as f64, count as f64);
     let ppl = mean.exp();
     let var = nll2 / n - mean * mean;
-    let stderr = if var > 0.0 { (var / (n - 1.0)).sqrt() * ppl } else { 0.0 };
+    let stderr = if var > 0.0 {
+        (var / (n - 1.0)).sqrt() * ppl
+    } else {
+        0.0
+    };
     out.push('\n');
     let _ = writeln!(out, "Final estimate: PPL = {ppl:.4} +/- {stderr:.5}");
     if args.json {

@@ -181,20 +181,20 @@ pub fn run(args: &Args) -> Result<String> {
 
     let stream = !args.json;
     let mut stdout = std::io::stdout();
-    let mut printed = 0usize;
-    let mut ids_so_far: Vec<u32> = Vec::new();
+    let mut pending: Vec<u8> = Vec::new();
     let tokenizer = &engine.tokenizer;
     let out = engine.generate(&mut session, &prompt_ids, &opts, |id| {
         if stream {
-            // Decode the whole suffix each time so multi-byte characters split across
-            // tokens print once they are complete.
-            ids_so_far.push(id);
-            let text = tokenizer.decode(&ids_so_far, specula_tokenizer::DecodeOptions::default());
-            if text.len() > printed && text.is_char_boundary(printed) {
-                let _ = stdout.write_all(text[printed..].as_bytes());
-                let _ = stdout.flush();
-                printed = text.len();
-            }
+            // Print each token's bytes as soon as they form whole UTF-8 characters; a
+            // character split across tokens waits for its last byte.
+            pending.extend_from_slice(tokenizer.token_to_piece(id, false));
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(s) => s.len(),
+                Err(e) => e.valid_up_to(),
+            };
+            let _ = stdout.write_all(&pending[..valid]);
+            let _ = stdout.flush();
+            pending.drain(..valid);
         }
     })?;
     if stream {

@@ -1,7 +1,7 @@
 //! FP4 formats with E2M1 elements: MXFP4 (OCP MX, E8M0 shared scale per 32 values) and NVFP4
 //! (UE4M3 scale per 16 values, 64-value blocks).
 //!
-//! ggml stores *doubled* E2M1 values as int8 ([`KVALUES_FP4`]) and its scale decoders return
+//! ggml stores *doubled* E2M1 values as int8 (`KVALUES_FP4`) and its scale decoders return
 //! half the true scale, so `code · scale_half` is the true value (`ggml-common.h`,
 //! `ggml-impl.h`). NVFP4's per-tensor FP32 second-level scale is a separate GGUF tensor
 //! (`<name>.scale`) that the matmul caller applies; it is not part of the block.

@@ -255,7 +255,13 @@ pub trait Backend: Send + Sync {
     /// `x[r] += b` for every row (bias).
     fn add_vector(&self, x: &mut Self::Tensor, b: &Self::Weight);
     /// `out[r] = x[r] / rms(x[r]) · w` per row (`w` may be absent: no scaling).
-    fn rms_norm(&self, x: &Self::Tensor, w: Option<&Self::Weight>, eps: f32, out: &mut Self::Tensor);
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: Option<&Self::Weight>,
+        eps: f32,
+        out: &mut Self::Tensor,
+    );
     /// RMS-normalises each `group`-sized slice of every row in place and multiplies by `w`
     /// (length `group`): QK-norm per head.
     fn rms_norm_groups(&self, x: &mut Self::Tensor, group: usize, w: &Self::Weight, eps: f32);

@@ -1,7 +1,7 @@
 //! `specula quantize`: `llama-quantize` in Rust — the same presets, the same per-tensor types,
 //! the same bytes.
 //!
-//! [`plan`] decides each tensor's type and the output order exactly as llama.cpp does (see its
+//! [`mod@plan`] decides each tensor's type and the output order exactly as llama.cpp does (see its
 //! module docs); this module reads the input, converts the tensors that change type (rows
 //! split across `--threads` scoped threads; each row is quantized independently, so the bytes
 //! do not depend on the thread count), and writes the output atomically with the metadata
