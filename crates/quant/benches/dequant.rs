@@ -34,11 +34,14 @@ fn dequantize(c: &mut Criterion) {
     group.warm_up_time(std::time::Duration::from_millis(300));
     let mut out = vec![0f32; N];
 
-    // Bandwidth yardstick: summing the f32 input (64 MiB) once.
-    group.throughput(Throughput::Bytes((x.len() * 4) as u64));
-    group.bench_function("read_f32_sum", |b| {
-        b.iter(|| black_box(x.iter().sum::<f32>()));
+    // Bandwidth yardstick: a vectorisable read of 512 MiB (far past the last-level cache): a
+    // wrapping integer sum, since an f32 sum would be bound by the add latency, not by memory.
+    let big = vec![1u32; 128 << 20];
+    group.throughput(Throughput::Bytes((big.len() * 4) as u64));
+    group.bench_function("dram_read_512mib", |b| {
+        b.iter(|| black_box(big.iter().fold(0u32, |a, &v| a.wrapping_add(v))));
     });
+    drop(big);
 
     for &ty in QType::ALL {
         if matches!(ty, QType::Q8_1 | QType::Q8_K) {
