@@ -10,6 +10,7 @@
 # build is incremental. JOBS (default 2) sets the build parallelism. Never run by CI.
 #
 # Then: reference/quant_golden.py --out golden --ggml-lib DEST/build/bin/libggml-base.so
+#       reference/llama_golden.py --out golden --llama-dest DEST   (also uses DEST/build/bin/llama-perplexity)
 set -euo pipefail
 
 VERSION=0.3.36
@@ -47,13 +48,15 @@ if ! grep -q "llama.cpp@$UPSTREAM" "$SRC/CHANGELOG.md"; then
     echo "warning: $SRC/CHANGELOG.md does not name upstream commit $UPSTREAM" >&2
 fi
 
-# 3. Configure and build (shared libraries; the quantizer tools and tests as a sanity check).
+# 3. Configure and build (shared libraries; the quantizer tools and tests as a sanity check; the
+#    perplexity, bench and simple-generation tools for reference/llama_golden.py and speed anchors).
 if [ ! -f "$DEST/build/CMakeCache.txt" ]; then
     "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$DEST/build" \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=ON -DGGML_OPENMP=OFF
 fi
-"$CMAKE" --build "$DEST/build" -j"$JOBS" --target llama-quantize test-quantize-perf test-quantize-fns
+"$CMAKE" --build "$DEST/build" -j"$JOBS" --target llama-quantize test-quantize-perf test-quantize-fns \
+    llama-perplexity llama-bench llama-simple
 
 LIB="$DEST/build/bin/libggml-base.so"
 test -f "$LIB" || { echo "error: $LIB was not built" >&2; exit 1; }
