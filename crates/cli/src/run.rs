@@ -26,7 +26,7 @@ pub struct Args {
     #[arg(short = 'n', long = "n-predict", default_value_t = 128)]
     pub n_predict: usize,
     /// Temperature (0 = greedy).
-    #[arg(long, default_value_t = 0.8)]
+    #[arg(long, default_value_t = 0.8, allow_negative_numbers = true)]
     pub temp: f32,
     /// Top-k (0 = off).
     #[arg(long = "top-k", default_value_t = 40)]
