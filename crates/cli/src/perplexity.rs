@@ -99,9 +99,9 @@ pub fn run(args: &Args) -> Result<String> {
             window[0] = b;
         }
         session.truncate(0);
-        let logits = engine.prefill(&mut session, &window, true)?;
+        let logits = engine.prefill_from(&mut session, &window, first)?;
         for j in first..n_ctx - 1 {
-            let row = &logits[j * n_vocab..(j + 1) * n_vocab];
+            let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
             let v = log_prob(row, tokens[start + j + 1] as usize);
             nll -= v;
             nll2 += v * v;

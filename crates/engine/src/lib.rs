@@ -236,6 +236,21 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// Empty input, ids outside the vocabulary, or not enough context left.
     pub fn prefill(&self, s: &mut Session<B>, ids: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        let first = if all_logits {
+            0
+        } else {
+            ids.len().saturating_sub(1)
+        };
+        self.prefill_from(s, ids, first)
+    }
+
+    /// Like [`Engine::prefill`], returning the logits of `ids[first..]` (row-major) — e.g. the
+    /// scored second half of a perplexity window, without computing the output head for the
+    /// rest.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill`].
+    pub fn prefill_from(&self, s: &mut Session<B>, ids: &[u32], first: usize) -> Result<Vec<f32>> {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -251,16 +266,10 @@ impl<B: Backend> Engine<B> {
         let mut out = Vec::new();
         let n_batch = self.n_batch.max(1);
         for (ci, chunk) in ids.chunks(n_batch).enumerate() {
-            let last_chunk = (ci + 1) * n_batch >= ids.len();
+            let base = ci * n_batch;
             let start = u32::try_from(s.n_past).unwrap_or(u32::MAX);
             let pos: Vec<u32> = (start..).take(chunk.len()).collect();
-            let rows: Vec<usize> = if all_logits {
-                (0..chunk.len()).collect()
-            } else if last_chunk {
-                vec![chunk.len() - 1]
-            } else {
-                Vec::new()
-            };
+            let rows: Vec<usize> = (0..chunk.len()).filter(|&r| base + r >= first).collect();
             let logits = self.model.forward(
                 &self.backend,
                 &mut s.kv,
