@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use anyhow::{Context, Result};
 use serde::Serialize;
@@ -106,7 +106,7 @@ pub struct TypeTotals {
 
 /// Runs `specula inspect` and returns what it prints.
 pub fn run(args: &Args) -> Result<String> {
-    let path = resolve(args.file.as_deref())?;
+    let path = crate::load::model_path(args.file.as_deref())?;
     let file = Gguf::open(&path).with_context(|| format!("cannot inspect {}", path.display()))?;
     let report = build(&file, &path);
     if args.json {
@@ -116,30 +116,6 @@ pub fn run(args: &Args) -> Result<String> {
     } else {
         Ok(render_text(&report, !args.no_tensors))
     }
-}
-
-/// A path that exists is used as is; otherwise a manifest model name is fetched (verified,
-/// cached); no argument means the default model.
-fn resolve(arg: Option<&str>) -> Result<PathBuf> {
-    let name = match arg {
-        Some(a) if Path::new(a).exists() => return Ok(PathBuf::from(a)),
-        Some(a) => {
-            if specula_fetch::model(a).is_err() {
-                let known: Vec<&str> = specula_fetch::models()
-                    .iter()
-                    .map(|m| m.name.as_str())
-                    .collect();
-                anyhow::bail!(
-                    "{a}: no such file, and not a model name (known models: {})",
-                    known.join(", ")
-                );
-            }
-            a
-        }
-        None => specula_fetch::default_model().name.as_str(),
-    };
-    let cache = specula_fetch::ModelCache::from_env()?;
-    Ok(cache.fetch(name, true)?)
 }
 
 /// Builds the report of an open file.
