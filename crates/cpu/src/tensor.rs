@@ -1,10 +1,9 @@
 //! The backend's device objects on the host: activation matrices and weights.
 
-use std::any::Any;
 use std::sync::Arc;
 
 use specula_quant::QType;
-use specula_tensor::{Result, TensorError, WeightDesc};
+use specula_tensor::{ByteSource, Result, TensorError, WeightDesc};
 
 /// An f32 activation matrix, row-major `[rows, cols]`.
 ///
@@ -92,12 +91,12 @@ impl CpuTensor {
 
 /// Where a weight's bytes live.
 enum Storage {
-    /// Inside the memory that `owner` keeps alive (the model file's memory map).
+    /// A range of the memory `source` keeps alive (the model file's memory map).
     Borrowed {
-        /// Never read: holding it keeps `ptr..ptr + len` alive.
-        _owner: Arc<dyn Any + Send + Sync>,
-        ptr: *const u8,
-        len: usize,
+        /// The memory.
+        source: Arc<dyn ByteSource>,
+        /// Where the weight's bytes are in it.
+        range: std::ops::Range<usize>,
     },
     /// An F32 matrix whose bytes were not 4-byte aligned, copied once so it can be read as
     /// `&[f32]` (GGUF aligns tensor data, so this does not happen with real files).
@@ -118,13 +117,6 @@ pub struct CpuWeight {
     values: Option<Vec<f32>>,
 }
 
-// SAFETY: the only non-Send/Sync field is the raw pointer of `Storage::Borrowed`, which points
-// into immutable memory kept alive by the `Send + Sync` owner stored next to it; the weight only
-// ever reads through it.
-unsafe impl Send for CpuWeight {}
-// SAFETY: as above; shared references only read.
-unsafe impl Sync for CpuWeight {}
-
 impl std::fmt::Debug for CpuWeight {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CpuWeight")
@@ -139,9 +131,8 @@ impl std::fmt::Debug for CpuWeight {
 impl CpuWeight {
     /// Makes a weight from file bytes, checking their length against type and shape.
     ///
-    /// The bytes are not copied: the weight keeps `desc.owner` and reads `desc.data` for as
-    /// long as it lives, which is sound as long as `desc.data` lies in memory that `desc.owner`
-    /// keeps alive and unchanged — the contract of [`WeightDesc`].
+    /// The bytes are not copied: the weight keeps `desc.owner` and the range of `desc.data`
+    /// inside it (checked here), and re-borrows that range on every read.
     pub(crate) fn from_desc(desc: WeightDesc<'_>) -> Result<Self> {
         let size_error = |expected| TensorError::WeightSize {
             name: desc.name.to_owned(),
@@ -177,9 +168,8 @@ impl CpuWeight {
                 Storage::OwnedF32(v)
             } else {
                 Storage::Borrowed {
-                    _owner: Arc::clone(&desc.owner),
-                    ptr: desc.data.as_ptr(),
-                    len: desc.data.len(),
+                    source: Arc::clone(&desc.owner),
+                    range: desc.range_in_owner()?,
                 }
             };
         let values = if desc.dims.len() == 1 {
@@ -238,12 +228,8 @@ impl CpuWeight {
     #[must_use]
     pub fn bytes(&self) -> &[u8] {
         match &self.storage {
-            Storage::Borrowed { ptr, len, .. } => {
-                // SAFETY: `ptr..ptr + len` was a valid `&[u8]` (`desc.data`) inside memory that
-                // the stored owner keeps alive and unmodified (the `WeightDesc` contract); the
-                // owner lives as long as `self`, and the returned borrow is tied to `self`.
-                unsafe { std::slice::from_raw_parts(*ptr, *len) }
-            }
+            // The range was checked against the source's bytes when the weight was made.
+            Storage::Borrowed { source, range } => &source.bytes()[range.clone()],
             Storage::OwnedF32(v) => bytemuck::cast_slice(v),
         }
     }

@@ -29,8 +29,17 @@ use std::sync::Arc;
 use specula_gguf::Gguf;
 use specula_quant::QType;
 use specula_tensor::{
-    AttentionParams, Backend, KvShape, Mask, RopeConfig, TensorError, WeightDesc,
+    AttentionParams, Backend, ByteSource, KvShape, Mask, RopeConfig, TensorError, WeightDesc,
 };
+
+/// The bytes of an open GGUF file, lent to the backend's weights.
+struct FileBytes(Arc<Gguf>);
+
+impl ByteSource for FileBytes {
+    fn bytes(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
 
 pub use hparams::{Arch, Hparams};
 
@@ -190,7 +199,7 @@ impl<B: Backend> Loader<'_, B> {
             name: name.to_owned(),
             ty: info.ty.name().to_owned(),
         })?;
-        let owner: Arc<dyn std::any::Any + Send + Sync> = self.file.clone();
+        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
         let w = self.backend.weight(WeightDesc {
             name,
             ty,

@@ -23,7 +23,6 @@
 //! assert_eq!(rope.n_rot, 64);
 //! ```
 
-use std::any::Any;
 use std::sync::Arc;
 
 pub use specula_quant::QType;
@@ -80,6 +79,19 @@ pub enum TensorError {
 /// Result alias.
 pub type Result<T, E = TensorError> = std::result::Result<T, E>;
 
+/// Memory that weights can borrow from for as long as they live (a model file's memory map, a
+/// test's byte vector). It must return the same bytes on every call.
+pub trait ByteSource: Send + Sync {
+    /// All the bytes.
+    fn bytes(&self) -> &[u8];
+}
+
+impl ByteSource for Vec<u8> {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+}
+
 /// A weight as it lies in the model file: what a backend needs to make a [`Backend::Weight`].
 #[derive(Clone)]
 pub struct WeightDesc<'a> {
@@ -92,8 +104,29 @@ pub struct WeightDesc<'a> {
     pub dims: &'a [usize],
     /// The bytes, borrowed from `owner` (usually the memory map of the file).
     pub data: &'a [u8],
-    /// Keeps `data` alive: a backend that does not copy the bytes holds on to this.
-    pub owner: Arc<dyn Any + Send + Sync>,
+    /// Where `data` lives: a backend that does not copy the bytes keeps this and the range
+    /// of `data` inside it ([`WeightDesc::range_in_owner`]), and re-borrows safely.
+    pub owner: Arc<dyn ByteSource>,
+}
+
+impl WeightDesc<'_> {
+    /// The position of `data` inside `owner.bytes()`.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] if `data` does not lie inside the owner's bytes.
+    pub fn range_in_owner(&self) -> Result<std::ops::Range<usize>> {
+        let all = self.owner.bytes();
+        let base = all.as_ptr().addr();
+        let start = self.data.as_ptr().addr().wrapping_sub(base);
+        let end = start.wrapping_add(self.data.len());
+        if self.data.as_ptr().addr() < base || start > end || end > all.len() {
+            return Err(TensorError::Shape {
+                op: "weight",
+                detail: format!("the bytes of `{}` do not lie inside their owner", self.name),
+            });
+        }
+        Ok(start..end)
+    }
 }
 
 impl std::fmt::Debug for WeightDesc<'_> {
@@ -299,4 +332,37 @@ pub trait Backend: Send + Sync {
         params: &AttentionParams<'_>,
         out: &mut Self::Tensor,
     );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc<'a>(data: &'a [u8], owner: Arc<dyn ByteSource>) -> WeightDesc<'a> {
+        WeightDesc {
+            name: "w",
+            ty: QType::F32,
+            dims: &[1],
+            data,
+            owner,
+        }
+    }
+
+    /// A weight may only borrow bytes its owner keeps alive: a slice from elsewhere is refused,
+    /// so backends can re-borrow by range without `unsafe`.
+    #[test]
+    fn weight_bytes_must_lie_inside_their_owner() {
+        let owner = Arc::new(vec![1u8, 2, 3, 4, 5, 6, 7, 8]);
+        let inside = &owner[2..6];
+        assert_eq!(desc(inside, owner.clone()).range_in_owner().unwrap(), 2..6);
+        assert_eq!(
+            desc(&owner[8..], owner.clone()).range_in_owner().unwrap(),
+            8..8
+        );
+        let elsewhere = vec![0u8; 4];
+        let err = desc(&elsewhere, owner.clone())
+            .range_in_owner()
+            .unwrap_err();
+        assert!(err.to_string().contains("do not lie inside"), "{err}");
+    }
 }
