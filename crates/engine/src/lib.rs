@@ -85,6 +85,8 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
 pub struct Session<B: Backend> {
     kv: B::Kv,
     scratch: Scratch<B>,
+    pos: Vec<u32>,
+    rows: Vec<usize>,
     n_past: usize,
     n_ctx: usize,
 }
@@ -217,6 +219,8 @@ impl<B: Backend> Engine<B> {
         Ok(Session {
             kv: self.model.new_kv(&self.backend, n_ctx, k_type, v_type)?,
             scratch: self.model.scratch(&self.backend),
+            pos: Vec::new(),
+            rows: Vec::new(),
             n_past: 0,
             n_ctx,
         })
@@ -251,6 +255,23 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// As [`Engine::prefill`].
     pub fn prefill_from(&self, s: &mut Session<B>, ids: &[u32], first: usize) -> Result<Vec<f32>> {
+        let mut out = Vec::new();
+        self.prefill_into(s, ids, first, &mut out)?;
+        Ok(out)
+    }
+
+    /// [`Engine::prefill_from`] into a caller's buffer (cleared first), so a decode loop
+    /// allocates nothing per token.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill`].
+    pub fn prefill_into(
+        &self,
+        s: &mut Session<B>,
+        ids: &[u32],
+        first: usize,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -263,26 +284,29 @@ impl<B: Backend> Engine<B> {
                 n_ctx: s.n_ctx,
             });
         }
-        let mut out = Vec::new();
+        out.clear();
         let n_batch = self.n_batch.max(1);
         for (ci, chunk) in ids.chunks(n_batch).enumerate() {
             let base = ci * n_batch;
             let start = u32::try_from(s.n_past).unwrap_or(u32::MAX);
-            let pos: Vec<u32> = (start..).take(chunk.len()).collect();
-            let rows: Vec<usize> = (0..chunk.len()).filter(|&r| base + r >= first).collect();
+            s.pos.clear();
+            s.pos.extend((start..).take(chunk.len()));
+            s.rows.clear();
+            s.rows
+                .extend((0..chunk.len()).filter(|&r| base + r >= first));
             let logits = self.model.forward(
                 &self.backend,
                 &mut s.kv,
                 &mut s.scratch,
                 chunk,
-                &pos,
-                &rows,
+                &s.pos,
+                &s.rows,
                 None,
             )?;
-            out.extend_from_slice(&logits);
+            out.extend_from_slice(logits);
             s.n_past += chunk.len();
         }
-        Ok(out)
+        Ok(())
     }
 
     /// Runs one token and returns its logits.
@@ -355,7 +379,7 @@ impl<B: Backend> Engine<B> {
                 break;
             }
             if i + 1 < n_predict {
-                logits = self.decode(s, id)?;
+                self.prefill_into(s, &[id], 0, &mut logits)?;
             }
         }
         out.timings.predicted_n = out.generated_ids.len();

@@ -148,6 +148,7 @@ pub struct Scratch<B: Backend> {
     norm: B::Tensor,
     logits: B::Tensor,
     kv_pos: Vec<u32>,
+    cells: Vec<usize>,
     host: Vec<f32>,
 }
 
@@ -334,6 +335,7 @@ impl<B: Backend> Model<B> {
             norm: z(),
             logits: z(),
             kv_pos: Vec::new(),
+            cells: Vec::new(),
             host: Vec::new(),
         }
     }
@@ -359,16 +361,16 @@ impl<B: Backend> Model<B> {
         clippy::too_many_arguments,
         reason = "the forward pass's inputs are all needed"
     )]
-    pub fn forward(
+    pub fn forward<'s>(
         &self,
         be: &B,
         kv: &mut B::Kv,
-        s: &mut Scratch<B>,
+        s: &'s mut Scratch<B>,
         tokens: &[u32],
         pos: &[u32],
         logits_rows: &[usize],
         mut taps: Option<&mut Taps>,
-    ) -> Result<Vec<f32>> {
+    ) -> Result<&'s [f32]> {
         let hp = &self.hp;
         let n = tokens.len();
         if n == 0 || pos.len() != n {
@@ -382,8 +384,9 @@ impl<B: Backend> Model<B> {
                 "logits asked for row {bad} of a {n}-token batch"
             )));
         }
-        let cells: Vec<usize> = pos.iter().map(|&p| p as usize).collect();
-        let kv_len = cells.iter().max().map_or(0, |&m| m + 1);
+        s.cells.clear();
+        s.cells.extend(pos.iter().map(|&p| p as usize));
+        let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
         s.kv_pos.clear();
         s.kv_pos
             .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
@@ -416,7 +419,7 @@ impl<B: Backend> Model<B> {
             }
             be.rope(&mut s.q, hp.head_dim_k, pos, &rope);
             be.rope(&mut s.k, hp.head_dim_k, pos, &rope);
-            be.kv_write(kv, il, &cells, &s.k, &s.v);
+            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
             be.attention(
                 &s.q,
                 kv,
@@ -444,14 +447,15 @@ impl<B: Backend> Model<B> {
         self.tap(be, hp.n_layer, &s.x, taps);
 
         if logits_rows.is_empty() {
-            return Ok(Vec::new());
+            s.host.clear();
+            return Ok(&s.host);
         }
         be.copy_rows(&s.x, logits_rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         be.matmul(&s.norm, head, &mut s.logits);
         be.to_host(&s.logits, &mut s.host);
-        Ok(s.host.clone())
+        Ok(&s.host)
     }
 
     fn tap(&self, be: &B, layer: usize, x: &B::Tensor, taps: Option<&mut Taps>) {

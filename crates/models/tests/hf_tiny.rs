@@ -526,7 +526,8 @@ fn check(spec: &Spec, expected_arch: Arch) {
         let rows: Vec<usize> = (0..n).collect();
         let batch = model
             .forward(&be, &mut kv, &mut scratch, &tokens, &pos, &rows, None)
-            .expect("batch forward");
+            .expect("batch forward")
+            .to_vec();
 
         // Token by token.
         let mut kv = model
@@ -546,7 +547,7 @@ fn check(spec: &Spec, expected_arch: Arch) {
                 )
                 .expect("decode forward");
             assert_eq!(row.len(), N_VOCAB);
-            decode.extend_from_slice(&row);
+            decode.extend_from_slice(row);
         }
 
         let (e_batch, e_decode) = (nmse(&batch, &hf), nmse(&decode, &hf));
