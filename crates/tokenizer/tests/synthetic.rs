@@ -403,13 +403,15 @@ fn chat_template_renders_from_the_vocabulary() {
 }
 
 proptest! {
-    /// With every byte in the vocabulary, byte-level BPE is lossless: decoding gives back the
-    /// text, whatever the pre-tokenizer makes of it.
+    /// With every byte in the vocabulary, byte-level BPE is lossless: the tokens' pieces give
+    /// back the text, whatever the pre-tokenizer makes of it. (`decode` is not the identity:
+    /// like llama.cpp's detokenize it cleans spaces before punctuation for some vocabularies,
+    /// e.g. `" ?"` → `"?"` with `llama-bpe` — a case this property once found.)
     #[test]
     fn byte_level_bpe_round_trips(text in "\\PC*", pre in prop::sample::select(vec!["qwen2", "smollm", "llama-bpe", "gpt-4o", "deepseek-llm", "kimi-k2"])) {
         let tok = bpe(pre, &[], &["Ġ t", "h e", "Ġt he"], vec![]);
         let ids = tok.encode_with(&text, EncodeOptions { add_special: false, parse_special: false });
-        let back = tok.decode_bytes(&ids, DecodeOptions::default());
+        let back: Vec<u8> = ids.iter().flat_map(|&id| tok.token_to_piece(id, false).to_vec()).collect();
         prop_assert_eq!(back, text.as_bytes());
     }
 }
