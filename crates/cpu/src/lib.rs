@@ -198,6 +198,12 @@ impl Backend for CpuBackend {
         CpuWeight::from_desc(desc)
     }
 
+    fn prepare_matmul(&self, w: &mut CpuWeight) {
+        if let Some(p) = gemm::packing(self.kernels(), w.ty()) {
+            w.pack(p);
+        }
+    }
+
     fn zeros(&self, rows: usize, cols: usize) -> CpuTensor {
         CpuTensor::zeros(rows, cols)
     }

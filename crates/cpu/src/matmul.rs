@@ -157,7 +157,12 @@ fn run_tiles(
 ) {
     let (rows, n_out) = (out.rows(), out.cols());
     let w_rb = w.row_bytes();
-    let wb = w.bytes();
+    let (packing, wb) = match w.packed() {
+        Some((p, b)) => (Some(p), b),
+        None => (None, w.bytes()),
+    };
+    // Rows in whole packed groups (the rest are plain).
+    let n_packed = packing.map_or(0, |p| n_out / p.r * p.r);
     let nth = be.n_threads();
     let tiling = Tiling::new(rows, n_out, w_rb, nth);
     let dst = Disjoint::new(out.as_mut_slice());
@@ -166,7 +171,8 @@ fn run_tiles(
             let (cols, rws) = tiling.tile(i);
             let w_tile = &wb[cols.start * w_rb..cols.end * w_rb];
             let a_tile = &act[rws.start * a_rb..rws.end * a_rb];
-            gemm.tile(w_tile, w_rb, a_tile, a_rb, |r, c, v| {
+            let packed = packing.map(|p| (p, n_packed.min(cols.end).saturating_sub(cols.start)));
+            gemm.tile(w_tile, w_rb, packed, a_tile, a_rb, |r, c, v| {
                 let at = (rws.start + r) * n_out + cols.start + c;
                 // SAFETY: output (row, column) belongs to tile i alone (tiles partition the
                 // outputs), and tile i is computed by this thread alone (the static split).

@@ -5,6 +5,8 @@ use std::sync::Arc;
 use specula_quant::QType;
 use specula_tensor::{ByteSource, Result, TensorError, WeightDesc};
 
+use crate::gemm::Packing;
+
 /// An f32 activation matrix, row-major `[rows, cols]`.
 ///
 /// Resizing keeps the allocation: a forward pass that reuses its tensors allocates only while
@@ -115,6 +117,9 @@ pub struct CpuWeight {
     dims: Vec<usize>,
     storage: Storage,
     values: Option<Vec<f32>>,
+    /// The rows rearranged for the matmul micro-kernels, when the model asked for it
+    /// ([`CpuWeight::pack`]); `storage` keeps the file layout for `get_rows`.
+    packed: Option<(Packing, Vec<u8>)>,
 }
 
 impl std::fmt::Debug for CpuWeight {
@@ -185,7 +190,39 @@ impl CpuWeight {
             dims: desc.dims.to_vec(),
             storage,
             values,
+            packed: None,
         })
+    }
+
+    /// Rearranges the rows of a matrix in `packing` for the matmul (see [`Packing`]): a copy
+    /// that the matmul reads from then on. The file's pages of the weight are handed back to
+    /// the OS as they are copied ([`ByteSource::release`]), so the resident memory stays about
+    /// one copy of the weight (pages that `get_rows` reads later come back from the page cache).
+    pub(crate) fn pack(&mut self, packing: Packing) {
+        if self.dims.len() != 2 || self.packed.is_some() {
+            return;
+        }
+        /// Bytes packed between two releases of the source pages.
+        const CHUNK: usize = 4 << 20;
+        let rb = self.row_bytes();
+        let bs = self.ty.type_size();
+        let group = packing.r * rb;
+        let chunk = (CHUNK / group).max(1) * group;
+        let src = self.bytes();
+        let mut dst = vec![0u8; src.len()];
+        for (at, (s, d)) in src.chunks(chunk).zip(dst.chunks_mut(chunk)).enumerate() {
+            packing.pack(s, d, rb, bs);
+            if let Storage::Borrowed { source, range } = &self.storage {
+                let start = range.start + at * chunk;
+                source.release(start..start + s.len());
+            }
+        }
+        self.packed = Some((packing, dst));
+    }
+
+    /// The packed rows and their packing, if the weight was packed.
+    pub(crate) fn packed(&self) -> Option<(Packing, &[u8])> {
+        self.packed.as_ref().map(|(p, b)| (*p, b.as_slice()))
     }
 
     /// Tensor name.

@@ -229,16 +229,41 @@ fn every_output_is_the_bits_of_the_single_row_dot_product() {
     // The tile micro-kernels reduce each output as `specula_quant::dot` does; tile edges use
     // that kernel itself. Odd shapes put outputs on every path (four weight rows at once, four
     // activation rows at once, leftovers), and odd block counts exercise the kernels' tails.
+    // Weights prepared for the matmul (rows packed in groups for the micro-kernels, the rest
+    // left plain) give the same bits, and `get_rows` still reads the file layout.
     let kernels = specula_quant::dot::Kernels::active();
     let scalar = specula_quant::dot::Kernels::for_level(specula_quant::dot::SimdLevel::Scalar)
         .expect("the scalar level is always supported");
     for &ty in WEIGHT_TYPES {
         let block = ty.block_size().max(ty.vec_dot_type().block_size()).max(32);
-        for (n_in, n_out, rows) in [(block, 7, 9), (3 * block, 13, 6), (5 * block, 4, 1)] {
-            for threads in [1, 3] {
+        let shapes = [
+            (block, 7, 9),
+            (3 * block, 13, 6),
+            (5 * block, 4, 1),
+            (3 * block, 37, 5),
+        ];
+        for ((n_in, n_out, rows), threads, prepared) in shapes
+            .into_iter()
+            .flat_map(|s| [1, 3].map(|t| (s, t)))
+            .flat_map(|(s, t)| [false, true].map(|p| (s, t, p)))
+        {
+            {
                 let be = CpuBackend::new(threads);
                 let mut rng = Rng::new(u64::try_from(n_in * 31 + n_out + threads).unwrap());
-                let (w, w_bytes) = random_weight(&be, &mut rng, ty, n_in, n_out);
+                let (mut w, w_bytes) = random_weight(&be, &mut rng, ty, n_in, n_out);
+                if prepared {
+                    let mut plain = be.zeros(0, 0);
+                    let ids: Vec<u32> = (0..u32::try_from(n_out).unwrap()).collect();
+                    be.get_rows(&w, &ids, &mut plain);
+                    be.prepare_matmul(&mut w);
+                    let mut got = be.zeros(0, 0);
+                    be.get_rows(&w, &ids, &mut got);
+                    assert_eq!(
+                        got.as_slice(),
+                        plain.as_slice(),
+                        "{ty}: get_rows after packing"
+                    );
+                }
                 let x = rng.values(rows * n_in, 1.0);
                 let at = ty.vec_dot_type();
                 let a_bytes = encode(at, &x, n_in);
@@ -271,7 +296,7 @@ fn every_output_is_the_bits_of_the_single_row_dot_product() {
                         assert_eq!(
                             got.to_bits(),
                             want.to_bits(),
-                            "{ty}, n_in {n_in}, row {r}, column {c}: {got} vs {want}"
+                            "{ty}, n_in {n_in}, prepared {prepared}, row {r}, column {c}: {got} vs {want}"
                         );
                     }
                 }

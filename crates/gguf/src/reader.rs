@@ -669,4 +669,29 @@ impl Gguf {
     pub fn bytes(&self) -> &[u8] {
         self.storage.bytes()
     }
+
+    /// Tells the OS that `range` of the file's bytes will not be read soon (a backend copied
+    /// them), so their pages can leave this process's resident memory; they stay readable and
+    /// come back from the page cache on the next read. Only the whole pages inside `range` are
+    /// released; a file held in memory (not mapped) keeps its bytes. Best effort: an OS that
+    /// refuses the advice changes nothing.
+    pub fn release(&self, range: std::ops::Range<usize>) {
+        const PAGE: usize = 4096;
+        let Storage::Mapped(map) = &self.storage else {
+            return;
+        };
+        let start = range.start.next_multiple_of(PAGE);
+        let end = range.end.min(map.len()) / PAGE * PAGE;
+        if start < end {
+            // SAFETY: the map is a read-only private file mapping that this process never
+            // writes, so dropping its pages loses nothing: the next read maps the file's bytes
+            // again — the same bytes, under the assumption `Mmap::map` already makes that the
+            // file is not modified while mapped.
+            let advised = unsafe {
+                map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+            };
+            // Best effort: the bytes stay readable either way.
+            drop(advised);
+        }
+    }
 }

@@ -39,6 +39,10 @@ impl ByteSource for FileBytes {
     fn bytes(&self) -> &[u8] {
         self.0.bytes()
     }
+
+    fn release(&self, range: std::ops::Range<usize>) {
+        self.0.release(range);
+    }
 }
 
 pub use hparams::{Arch, Hparams};
@@ -211,6 +215,14 @@ impl<B: Backend> Loader<'_, B> {
         Ok(Some(w))
     }
 
+    /// A matrix the model multiplies by: loaded, then handed to the backend's
+    /// [`Backend::prepare_matmul`].
+    fn mat(&self, name: &str, dims: &[usize]) -> Result<B::Weight> {
+        let mut w = self.req(name, dims)?;
+        self.backend.prepare_matmul(&mut w);
+        Ok(w)
+    }
+
     fn req(&self, name: &str, dims: &[usize]) -> Result<B::Weight> {
         self.get(name, dims)?
             .ok_or_else(|| ModelError::MissingTensor {
@@ -246,19 +258,21 @@ impl<B: Backend> Model<B> {
             hp.n_head_kv * hp.head_dim_k,
             hp.n_head_kv * hp.head_dim_v,
         );
-        let tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;
+        let mut tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;
         let output_norm = l.req("output_norm.weight", &[e])?;
-        let output = l.get("output.weight", &[e, n_vocab])?;
+        let mut output = l.get("output.weight", &[e, n_vocab])?;
+        // The output projection (the token embedding when tied) is a matmul weight.
+        backend.prepare_matmul(output.as_mut().unwrap_or(&mut tok_embd));
         let mut layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             let qk_norm = hp.arch == Arch::Qwen3;
             layers.push(Layer {
                 attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
-                wq: l.req(&n("attn_q.weight"), &[e, qd])?,
-                wk: l.req(&n("attn_k.weight"), &[e, kd])?,
-                wv: l.req(&n("attn_v.weight"), &[e, vd])?,
-                wo: l.req(&n("attn_output.weight"), &[hp.n_head * hp.head_dim_v, e])?,
+                wq: l.mat(&n("attn_q.weight"), &[e, qd])?,
+                wk: l.mat(&n("attn_k.weight"), &[e, kd])?,
+                wv: l.mat(&n("attn_v.weight"), &[e, vd])?,
+                wo: l.mat(&n("attn_output.weight"), &[hp.n_head * hp.head_dim_v, e])?,
                 bq: l.get(&n("attn_q.bias"), &[qd])?,
                 bk: l.get(&n("attn_k.bias"), &[kd])?,
                 bv: l.get(&n("attn_v.bias"), &[vd])?,
@@ -273,9 +287,9 @@ impl<B: Backend> Model<B> {
                     None
                 },
                 ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
-                ffn_gate: l.req(&n("ffn_gate.weight"), &[e, f])?,
-                ffn_up: l.req(&n("ffn_up.weight"), &[e, f])?,
-                ffn_down: l.req(&n("ffn_down.weight"), &[f, e])?,
+                ffn_gate: l.mat(&n("ffn_gate.weight"), &[e, f])?,
+                ffn_up: l.mat(&n("ffn_up.weight"), &[e, f])?,
+                ffn_down: l.mat(&n("ffn_down.weight"), &[f, e])?,
             });
         }
         Ok(Self {

@@ -84,6 +84,13 @@ pub type Result<T, E = TensorError> = std::result::Result<T, E>;
 pub trait ByteSource: Send + Sync {
     /// All the bytes.
     fn bytes(&self) -> &[u8];
+
+    /// A hint that `range` of the bytes will not be read soon (a backend copied them), so
+    /// memory that holds them may be given back to the OS; they stay readable (a memory map
+    /// reads them again from the page cache). The default does nothing.
+    fn release(&self, range: std::ops::Range<usize>) {
+        let _ = range;
+    }
 }
 
 impl ByteSource for Vec<u8> {
@@ -262,6 +269,14 @@ pub trait Backend: Send + Sync {
     /// # Errors
     /// If the byte length does not match type and shape, or the format is unsupported.
     fn weight(&self, desc: WeightDesc<'_>) -> Result<Self::Weight>;
+
+    /// Tells the backend that `w` is a matrix the model multiplies by (`matmul`), so that it
+    /// may rearrange it for its matmul kernels (the CPU backend packs rows for its
+    /// micro-kernels); `get_rows` keeps working on it. Weights only gathered by `get_rows` (an
+    /// untied token embedding) are not passed here. The default does nothing.
+    fn prepare_matmul(&self, w: &mut Self::Weight) {
+        let _ = w;
+    }
 
     /// A zeroed `[rows, cols]` tensor.
     fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor;

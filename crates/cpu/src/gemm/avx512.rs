@@ -15,6 +15,8 @@
 
 use std::arch::x86_64::*;
 
+use super::Rows;
+
 use specula_quant::blocks::{
     BlockQ4_0, BlockQ4_1, BlockQ4K, BlockQ5_0, BlockQ5_1, BlockQ6K, BlockQ8_0, BlockQ8_1, BlockQ8K,
     Half,
@@ -102,6 +104,73 @@ kernel! {
     }
 }
 
+/// One weight row of a micro-kernel: row `k` of a group of `R` rows stored block-interleaved
+/// (block 0 of rows 0, 1, …, `R − 1`, then block 1 of each, …), as `data` starting at the
+/// row's first block; a row as it lies in the file is the group `R = 1`. The kernels read
+/// their rows block by block, so a packed group is read from memory in order (see
+/// `Packing`).
+#[derive(Clone, Copy)]
+pub(super) struct WRow<'a, B, const R: usize> {
+    data: &'a [B],
+    /// Blocks per row.
+    nb: usize,
+}
+
+impl<'a, B, const R: usize> WRow<'a, B, R> {
+    /// Row `k` of the group of `R` rows of `nb` blocks in `group`.
+    ///
+    /// # Panics
+    /// If `group` does not hold `R` rows of `nb` blocks or `k ≥ R`.
+    fn new(group: &'a [B], k: usize, nb: usize) -> Self {
+        assert!(
+            k < R && group.len() == R * nb,
+            "weight group: {} blocks for row {k} of {R} rows of {nb}",
+            group.len()
+        );
+        Self {
+            data: &group[k..],
+            nb,
+        }
+    }
+
+    /// Block `b` of the row.
+    ///
+    /// # Safety
+    /// `b` must be below the row's block count `nb`.
+    #[inline(always)]
+    unsafe fn at(&self, b: usize) -> &'a B {
+        debug_assert!(b < self.nb, "block {b} of a row of {}", self.nb);
+        // SAFETY: `b < nb` (the caller's contract), and `data` holds `R·nb − k ≥ (nb − 1)·R
+        // + 1` blocks (`new`: the group's `R·nb` blocks from the row's first, `k < R`), so
+        // `b·R` is inside it.
+        unsafe { self.data.get_unchecked(b * R) }
+    }
+}
+
+/// Block access shared by weight rows ([`WRow`]) and activation rows (slices).
+trait At<B> {
+    /// Block `b`.
+    ///
+    /// # Safety
+    /// `b` must be below the row's block count.
+    unsafe fn at(&self, b: usize) -> &B;
+}
+
+impl<B> At<B> for &[B] {
+    #[inline(always)]
+    unsafe fn at(&self, b: usize) -> &B {
+        &self[b]
+    }
+}
+
+impl<B, const R: usize> At<B> for WRow<'_, B, R> {
+    #[inline(always)]
+    unsafe fn at(&self, b: usize) -> &B {
+        // SAFETY: the caller's contract is `WRow::at`'s.
+        unsafe { WRow::at(self, b) }
+    }
+}
+
 /// Whether `(MR, NR)` is one of the shapes the kernels are written for: the outputs come in
 /// groups of four pairs, and in each group one side has four rows and the other one.
 const fn shape_ok(mr: usize, nr: usize) -> bool {
@@ -173,10 +242,10 @@ kernel! {
     ///
     /// Per super-block and pair: `isum = Σ_j sc_j · Σ q·y` (sub-block j), `summs = Σ bsums ·
     /// mins`, term `(d_w·d_a)·isum − (dmin_w·d_a)·summs` (the quant crate's `kmin_term`).
-    fn q4_k<const MR: usize, const NR: usize>(w: [&[BlockQ4K]; MR], a: [&[BlockQ8K]; NR]) -> [f32; 8] {
+    fn q4_k<const MR: usize, const NR: usize, const R: usize>(w: [WRow<'_, BlockQ4K, R>; MR], a: [&[BlockQ8K]; NR]) -> [f32; 8] {
         const { assert!(shape_ok(MR, NR)) };
         let nb = a[0].len();
-        assert!(w.iter().all(|r| r.len() == nb) && a.iter().all(|r| r.len() == nb));
+        assert!(w.iter().all(|r| r.nb == nb) && a.iter().all(|r| r.len() == nb));
         let m4 = _mm512_set1_epi8(0x0F);
         let half = _mm512_cvtepu8_epi16(ld256(&K4_HALF));
         // Per chunk c, the lanes [2c ×16 | 2c + 1 ×16]: which scale each 16-bit lane takes.
@@ -184,6 +253,7 @@ kernel! {
             _mm512_add_epi16(half, _mm512_set1_epi16(i16::try_from(2 * c).unwrap_or(0)))
         });
         let mut sumf = [_mm_setzero_ps(); 2];
+        #[allow(clippy::needless_range_loop, reason = "`b` indexes the blocks of the weight rows (through `WRow`) and of the activation rows alike")]
         for b in 0..nb {
             // Per weight row: the eight scales as i16 lanes, the mins matched to the sixteen
             // 16-value bsums, and the f16 scales.
@@ -192,7 +262,8 @@ kernel! {
             let mut dw = [0.0f32; 8];
             let mut dminw = [0.0f32; 8];
             for i in 0..MR {
-                let x = &w[i][b];
+                // SAFETY: `b < nb`, the rows' block count (checked on entry).
+                let x = unsafe { w[i].at(b) };
                 let (s, m) = k4_scales_mins(&x.scales);
                 s16[i] = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(i64::from_le_bytes(s))));
                 // [m0, m0, m1, m1, …] as i16.
@@ -213,7 +284,8 @@ kernel! {
                     ys[j] = ld512i(&yc[c]);
                 }
                 for i in 0..MR {
-                    let (qc, _) = w[i][b].qs.as_chunks::<32>();
+                    // SAFETY: `b < nb`, the rows' block count (checked on entry).
+                    let (qc, _) = unsafe { w[i].at(b) }.qs.as_chunks::<32>();
                     // Chunk c's 32 bytes in both halves; the high half shifted down a nibble
                     // gives elements 64c..64c + 64 in order.
                     let q = _mm512_broadcast_i64x4(ld256(&qc[c]));
@@ -255,10 +327,10 @@ const Q6_SUB: [u8; 32] = [
 kernel! {
     /// Q6_K · Q8_K for `MR × NR` pairs: `isum = Σ scale_s · Σ (q − 32)·y` over the sixteen
     /// 16-value sub-blocks, term `(d_w·d_a)·isum` (the quant crate's `k_term`).
-    fn q6_k<const MR: usize, const NR: usize>(w: [&[BlockQ6K]; MR], a: [&[BlockQ8K]; NR]) -> [f32; 8] {
+    fn q6_k<const MR: usize, const NR: usize, const R: usize>(w: [WRow<'_, BlockQ6K, R>; MR], a: [&[BlockQ8K]; NR]) -> [f32; 8] {
         const { assert!(shape_ok(MR, NR)) };
         let nb = a[0].len();
-        assert!(w.iter().all(|r| r.len() == nb) && a.iter().all(|r| r.len() == nb));
+        assert!(w.iter().all(|r| r.nb == nb) && a.iter().all(|r| r.len() == nb));
         let m4 = _mm512_set1_epi8(0x0F);
         let m30 = _mm512_set1_epi8(0x30);
         let z32 = _mm512_set1_epi8(32);
@@ -270,12 +342,15 @@ kernel! {
             _mm512_add_epi16(sub, _mm512_set1_epi16(i16::try_from(4 * g).unwrap_or(0)))
         });
         let mut sumf = [_mm_setzero_ps(); 2];
+        #[allow(clippy::needless_range_loop, reason = "`b` indexes the blocks of the weight rows (through `WRow`) and of the activation rows alike")]
         for b in 0..nb {
             let mut dw = [0.0f32; 8];
             let mut sc = [_mm512_setzero_si512(); 8];
             for i in 0..MR {
-                dw[i] = h2f(w[i][b].d);
-                sc[i] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128i(&w[i][b].scales)));
+                // SAFETY: `b < nb`, the rows' block count (checked on entry).
+                let x = unsafe { w[i].at(b) };
+                dw[i] = h2f(x.d);
+                sc[i] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128i(&x.scales)));
             }
             let mut da = [0.0f32; 4];
             for j in 0..NR {
@@ -294,8 +369,10 @@ kernel! {
                     }
                 }
                 for i in 0..MR {
-                    let (ql, _) = w[i][b].ql.as_chunks::<64>();
-                    let (qh, _) = w[i][b].qh.as_chunks::<32>();
+                    // SAFETY: `b < nb`, the rows' block count (checked on entry).
+                    let x = unsafe { w[i].at(b) };
+                    let (ql, _) = x.ql.as_chunks::<64>();
+                    let (qh, _) = x.qh.as_chunks::<32>();
                     let zql = ld512(&ql[h]);
                     let zqh = _mm512_broadcast_i64x4(ld256(&qh[h]));
                     let lo = _mm512_or_si512(
@@ -414,21 +491,25 @@ macro_rules! side8 {
         if rows.len() == 4 {
             let mut h = [Half::default(); 8];
             for k in 0..4 {
-                let $x = &rows[k][$b];
+                // SAFETY: the kernels pass `b < nb` and set `two` only when `b + 1 < nb`.
+                let $x = unsafe { rows[k].at($b) };
                 h[k] = $field;
                 if $two {
-                    let $x = &rows[k][$b + 1];
+                    // SAFETY: as above.
+                    let $x = unsafe { rows[k].at($b + 1) };
                     h[k + 4] = $field;
                 }
             }
             halves8(h)
         } else {
             let lo = {
-                let $x = &rows[0][$b];
+                // SAFETY: as above.
+                let $x = unsafe { rows[0].at($b) };
                 $field
             };
             let hi = if $two {
-                let $x = &rows[0][$b + 1];
+                // SAFETY: as above.
+                let $x = unsafe { rows[0].at($b + 1) };
                 $field
             } else {
                 Half::default()
@@ -458,10 +539,10 @@ macro_rules! legacy_kernel {
     ) => {
         kernel! {
             $(#[$m])*
-            fn $name<const MR: usize, const NR: usize>(w: [&[$wb]; MR], a: [&[$ab]; NR]) -> [f32; 8] {
+            fn $name<const MR: usize, const NR: usize, const R: usize>(w: [WRow<'_, $wb, R>; MR], a: [&[$ab]; NR]) -> [f32; 8] {
                 const { assert!(shape_ok(MR, NR)) };
                 let nb = a[0].len();
-                assert!(w.iter().all(|r| r.len() == nb) && a.iter().all(|r| r.len() == nb));
+                assert!(w.iter().all(|r| r.nb == nb) && a.iter().all(|r| r.len() == nb));
                 let zero: u8 = $zero;
                 let zv = _mm512_set1_epi8(zero.cast_signed());
                 let mut sumf = [_mm_setzero_ps(); 2];
@@ -480,7 +561,9 @@ macro_rules! legacy_kernel {
                     let mut z = [_mm512_setzero_si512(); 8];
                     for i in 0..MR {
                         let row = w[i];
-                        let ($x0, $x1) = (&row[$b], if $two { Some(&row[$b + 1]) } else { None });
+                        // SAFETY: `b < nb`, and `two` only when `b + 1 < nb` (the rows' block
+                        // count, checked on entry).
+                        let ($x0, $x1) = unsafe { (row.at($b), if $two { Some(row.at($b + 1)) } else { None }) };
                         let u: __m512i = $codes;
                         for j in 0..NR {
                             let s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, ys[j]);
@@ -505,7 +588,7 @@ macro_rules! legacy_kernel {
                         let $s = _mm256_cvtepi32_ps(_mm256_set_m128i(hi, lo));
                         // The group's rows: four weight rows and one activation row, or the
                         // other way round.
-                        let $w: &[&[$wb]] = if NR == 1 { &w[4 * g..4 * g + 4] } else { &w[g..=g] };
+                        let $w: &[WRow<'_, $wb, R>] = if NR == 1 { &w[4 * g..4 * g + 4] } else { &w[g..=g] };
                         let $a: &[&[$ab]] = if NR == 1 { &a[..1] } else { &a[..4] };
                         let t: __m256 = $terms;
                         *sumf = _mm_add_ps(*sumf, _mm256_castps256_ps128(t));
@@ -602,21 +685,38 @@ macro_rules! entries {
             /// The CPU must support AVX2, FMA, F16C and AVX-512 F/BW/VL/VNNI.
             ///
             /// # Panics
-            /// If the rows are not whole blocks of one count.
+            /// If the rows are not whole blocks of one count, or a packed group does not hold
+            /// `r` rows of that count.
             #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
             pub(in super::super) unsafe fn run<const MR: usize, const NR: usize>(
-                w: [&[u8]; MR],
+                w: Rows<'_, MR>,
                 a: [&[u8]; NR],
             ) -> [f32; 8] {
-                let mut wt: [&[$wb]; MR] = [&[]; MR];
-                for (t, r) in wt.iter_mut().zip(w) {
-                    *t = bytemuck::cast_slice(r);
-                }
                 let mut at: [&[$ab]; NR] = [&[]; NR];
                 for (t, r) in at.iter_mut().zip(a) {
                     *t = bytemuck::cast_slice(r);
                 }
-                super::$kernel::<MR, NR>(wt, at)
+                let nb = at[0].len();
+                match w {
+                    Rows::Plain(rows) => {
+                        let wt = rows.map(|r| WRow::<$wb, 1>::new(bytemuck::cast_slice(r), 0, nb));
+                        super::$kernel::<MR, NR, 1>(wt, at)
+                    }
+                    Rows::Packed { group, r, k0 } => {
+                        let data: &[$wb] = bytemuck::cast_slice(group);
+                        match r {
+                            8 => super::$kernel::<MR, NR, 8>(
+                                std::array::from_fn(|i| WRow::new(data, k0 + i, nb)),
+                                at,
+                            ),
+                            4 => super::$kernel::<MR, NR, 4>(
+                                std::array::from_fn(|i| WRow::new(data, k0 + i, nb)),
+                                at,
+                            ),
+                            _ => panic!("weight groups of {r} rows are not packed for kernels"),
+                        }
+                    }
+                }
             }
         }
     };
