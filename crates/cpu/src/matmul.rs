@@ -48,10 +48,11 @@ struct Tiling {
 }
 
 impl Tiling {
-    fn new(rows: usize, n_out: usize, w_row_bytes: usize, n_threads: usize) -> Self {
-        // Whole groups of eight weight rows for the micro-kernels, as far as the shape allows.
-        let cb = (WEIGHT_BLOCK_BYTES / w_row_bytes.max(1)).clamp(8, 64) / 8 * 8;
-        let cb = cb.min(n_out.div_ceil(n_threads).next_multiple_of(8)).max(1);
+    fn new(rows: usize, n_out: usize, w_row_bytes: usize, n_threads: usize, align: usize) -> Self {
+        // Whole groups of weight rows (`align`: eight for the micro-kernels, or the packing's
+        // group), as far as the shape allows.
+        let cb = (WEIGHT_BLOCK_BYTES / w_row_bytes.max(1)).clamp(align, 64.max(align)) / align * align;
+        let cb = cb.min(n_out.div_ceil(n_threads).next_multiple_of(align)).max(1);
         let n_cb = n_out.div_ceil(cb);
         let want = TILES_PER_THREAD * n_threads;
         let n_rb = if n_cb >= want || rows == 1 {
@@ -108,16 +109,29 @@ pub(crate) fn matmul(be: &CpuBackend, x: &CpuTensor, w: &CpuWeight, out: &mut Cp
     let gemm = Gemm::new(be.kernels(), w.ty());
     if at == QType::F32 {
         let act: &[u8] = bytemuck::cast_slice(x.as_slice());
-        run_tiles(be, &gemm, w, act, n_in * 4, out);
+        run_tiles(be, &gemm, w, act, n_in * 4, &[], out);
         return;
     }
     let a_rb = at
         .row_bytes(n_in)
         .expect("a weight row is a whole number of activation blocks");
+    // The lane kernels' zero-point term needs each activation block's value sum.
+    let s_rb = if w.packed().is_some_and(|(p, _)| p.needs_sums()) {
+        4 * (a_rb / at.type_size())
+    } else {
+        0
+    };
     let mut scratch = be.scratch();
-    scratch.resize(rows * a_rb, 0);
-    quantize_rows(be, at, x, a_rb, &mut scratch);
-    run_tiles(be, &gemm, w, &scratch, a_rb, out);
+    scratch.resize(rows * (a_rb + s_rb), 0);
+    let (act, sums) = scratch.split_at_mut(rows * a_rb);
+    quantize_rows(be, at, x, a_rb, act);
+    if s_rb > 0 {
+        for (row, s) in act.chunks_exact(a_rb).zip(sums.chunks_exact_mut(s_rb)) {
+            crate::gemm::lanes::block_sums(at, row, s);
+        }
+    }
+    let (act, sums) = (&*act, &*sums);
+    run_tiles(be, &gemm, w, act, a_rb, sums, out);
 }
 
 /// Quantizes every row of `x` to `at` into `dst` (`a_rb` bytes per row).
@@ -153,6 +167,7 @@ fn run_tiles(
     w: &CpuWeight,
     act: &[u8],
     a_rb: usize,
+    sums: &[u8],
     out: &mut CpuTensor,
 ) {
     let (rows, n_out) = (out.rows(), out.cols());
@@ -164,15 +179,18 @@ fn run_tiles(
     // Rows in whole packed groups (the rest are plain).
     let n_packed = packing.map_or(0, |p| n_out / p.r * p.r);
     let nth = be.n_threads();
-    let tiling = Tiling::new(rows, n_out, w_rb, nth);
+    let tiling = Tiling::new(rows, n_out, w_rb, nth, packing.map_or(8, |p| p.r.max(8)));
+    // Bytes of block sums per activation row (absent unless the lane kernels need them).
+    let s_rb = if sums.is_empty() { 0 } else { sums.len() / rows };
     let dst = Disjoint::new(out.as_mut_slice());
     let work = |t: usize| {
         for i in split(tiling.n_tiles, nth, t) {
             let (cols, rws) = tiling.tile(i);
             let w_tile = &wb[cols.start * w_rb..cols.end * w_rb];
             let a_tile = &act[rws.start * a_rb..rws.end * a_rb];
+            let s_tile = &sums[rws.start * s_rb..rws.end * s_rb];
             let packed = packing.map(|p| (p, n_packed.min(cols.end).saturating_sub(cols.start)));
-            gemm.tile(w_tile, w_rb, packed, a_tile, a_rb, |r, c, v| {
+            gemm.tile(w_tile, w_rb, packed, a_tile, a_rb, s_tile, |r, c, v| {
                 let at = (rws.start + r) * n_out + cols.start + c;
                 // SAFETY: output (row, column) belongs to tile i alone (tiles partition the
                 // outputs), and tile i is computed by this thread alone (the static split).

@@ -21,6 +21,8 @@ use specula_quant::dot::{Kernels, SimdLevel};
 
 #[cfg(target_arch = "x86_64")]
 mod avx512;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod lanes;
 
 /// A dot product of one weight row and one activation row, as bytes.
 type RowDot = fn(&Kernels, &[u8], &[u8]) -> f32;
@@ -46,17 +48,23 @@ pub(crate) enum Rows<'a, const MR: usize> {
     },
 }
 
-/// How the matmul of a weight type wants its rows laid out in memory: groups of `r`
-/// consecutive rows stored block-interleaved — block 0 of each of the `r` rows, then block 1
-/// of each, … — which is the order in which a micro-kernel over the group reads them. The
-/// decode micro-kernels read `r` rows at once; as laid out in the file those are `r` short
-/// interleaved streams that the hardware prefetchers follow badly (a Q8_0 GEMV over 896-value
-/// rows streamed 6.6 GB/s from DRAM on one thread); packed, they are one stream. Rows after
-/// the last whole group stay as they are.
+/// How the matmul of a weight type wants its rows laid out in memory, in groups of `r`
+/// consecutive rows (rows after the last whole group stay as they are):
+///
+/// - *blocks* (K-quants): block-interleaved — block 0 of each of the `r` rows, then block 1 of
+///   each, … — the order in which a row-major micro-kernel over the group reads them. As laid
+///   out in the file, the `r` rows a decode micro-kernel reads at once are `r` short
+///   interleaved streams that the hardware prefetchers follow badly (a Q8_0 GEMV over
+///   896-value rows streamed 6.6 GB/s from DRAM on one thread); packed, they are one stream.
+/// - *lanes* (32-value formats): one row per 32-bit vector lane, see `lanes`; also read in
+///   memory order, and no reduction across lanes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct Packing {
     /// Rows per group.
     pub(crate) r: usize,
+    /// The lane layout's format, `None` for the block layout.
+    #[cfg(target_arch = "x86_64")]
+    lanes: Option<lanes::Fmt>,
 }
 
 impl Packing {
@@ -77,10 +85,12 @@ impl Packing {
         );
         let group = self.r * rb;
         let full = src.len() / group * group;
-        for (s, d) in src[..full]
-            .chunks_exact(group)
-            .zip(dst[..full].chunks_exact_mut(group))
-        {
+        for (s, d) in src[..full].chunks_exact(group).zip(dst[..full].chunks_exact_mut(group)) {
+            #[cfg(target_arch = "x86_64")]
+            if let Some(fmt) = self.lanes {
+                lanes::pack_group(fmt, s, d, rb);
+                continue;
+            }
             for (b, d) in d.chunks_exact_mut(self.r * bs).enumerate() {
                 for (k, d) in d.chunks_exact_mut(bs).enumerate() {
                     let at = k * rb + b * bs;
@@ -89,6 +99,16 @@ impl Packing {
             }
         }
         dst[full..].copy_from_slice(&src[full..]);
+    }
+
+    /// Whether the lane kernels need the activation blocks' value sums (see
+    /// `lanes::block_sums`).
+    pub(crate) fn needs_sums(self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(f) = self.lanes {
+            return f.needs_sums();
+        }
+        false
     }
 }
 
@@ -116,8 +136,17 @@ pub(crate) struct Gemm {
 /// The packing the matmul of `ty` uses with `kernels`, if any (see [`Packing`]).
 pub(crate) fn packing(kernels: &Kernels, ty: QType) -> Option<Packing> {
     let m = micro(kernels.level(), ty)?;
+    #[cfg(target_arch = "x86_64")]
+    if let Some(fmt) = lanes::Fmt::of(ty) {
+        return Some(Packing {
+            r: lanes::ROWS,
+            lanes: Some(fmt),
+        });
+    }
     Some(Packing {
         r: if m.w8.is_some() { 8 } else { 4 },
+        #[cfg(target_arch = "x86_64")]
+        lanes: None,
     })
 }
 
@@ -180,8 +209,76 @@ impl Gemm {
         packed: Option<(Packing, usize)>,
         a: &[u8],
         a_rb: usize,
+        sums: &[u8],
         mut put: impl FnMut(usize, usize, f32),
     ) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some((p @ Packing { lanes: Some(fmt), .. }, n)) = packed {
+            assert!(
+                self.micro.is_some() && n.is_multiple_of(p.r) && n * w_rb <= w.len(),
+                "matmul: {n} lane-packed rows do not fit the tile"
+            );
+            let n_a = a.len() / a_rb;
+            let nb = w_rb / self.ty.type_size();
+            let s_rb = if fmt.needs_sums() { 4 * nb } else { 0 };
+            assert!(sums.len() >= n_a * s_rb, "matmul: missing activation block sums");
+            let ar = |j: usize| &a[j * a_rb..(j + 1) * a_rb];
+            let sr = |j: usize| &sums[j * s_rb..(j + 1) * s_rb];
+            for g0 in (0..n).step_by(p.r) {
+                let group = &w[g0 * w_rb..(g0 + p.r) * w_rb];
+                let mut j = 0;
+                while j + 4 <= n_a {
+                    // SAFETY: lane packings are only made when this CPU runs the
+                    // micro-kernels' instruction set (`packing`), which is the lane kernels'.
+                    let v = unsafe {
+                        lanes::run::<4>(
+                            fmt,
+                            group,
+                            nb,
+                            [ar(j), ar(j + 1), ar(j + 2), ar(j + 3)],
+                            [sr(j), sr(j + 1), sr(j + 2), sr(j + 3)],
+                        )
+                    };
+                    for (dj, v) in v.iter().enumerate() {
+                        for (k, &v) in v.iter().enumerate() {
+                            put(j + dj, g0 + k, v);
+                        }
+                    }
+                    j += 4;
+                }
+                for j in j..n_a {
+                    // SAFETY: as above.
+                    let v = unsafe { lanes::run::<1>(fmt, group, nb, [ar(j)], [sr(j)]) };
+                    for (k, &v) in v[0].iter().enumerate() {
+                        put(j, g0 + k, v);
+                    }
+                }
+            }
+            // The rows after the last whole group are plain.
+            self.tile_rows(&w[n * w_rb..], w_rb, None, a, a_rb, n, &mut put);
+            return;
+        }
+        let _ = sums;
+        self.tile_rows(w, w_rb, packed, a, a_rb, 0, &mut put);
+    }
+
+    /// [`Gemm::tile`] for plain rows and rows packed in blocks, handing weight row `i` of
+    /// `w` to `put` as row `off + i`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the tile's two operands with their row sizes, its layout and its output"
+    )]
+    fn tile_rows(
+        &self,
+        w: &[u8],
+        w_rb: usize,
+        packed: Option<(Packing, usize)>,
+        a: &[u8],
+        a_rb: usize,
+        off: usize,
+        put: &mut impl FnMut(usize, usize, f32),
+    ) {
+        let mut put = |j: usize, i: usize, v: f32| put(j, off + i, v);
         let values = |ty: QType, rb: usize| {
             assert!(
                 rb > 0 && rb.is_multiple_of(ty.type_size()),

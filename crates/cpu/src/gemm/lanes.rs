@@ -1,0 +1,306 @@
+//! AVX-512 "lane" kernels for the 32-value block formats (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) on
+//! weights packed in groups of [`ROWS`] rows, one weight row per 32-bit lane.
+//!
+//! The row-major kernels of `avx512` compute each block's integer sum in a vector and then
+//! reduce it across lanes — once per output and block, which costs more than the products
+//! themselves when many activation rows share a weight row (prefill). Here the packed group
+//! puts four code bytes of each of its 16 rows side by side (one 64-byte vector = the same four
+//! values of 16 rows), so one `vpdpbusd` against four activation bytes broadcast to every lane
+//! adds four products to each row's own lane: after the block's 32 values every lane holds its
+//! row's exact integer block sum, with no reduction at all. The block's f32 term is then formed
+//! for the 16 rows at once with the scalar formula's operations in its order and added to the
+//! rows' running sums in block order — the semantics and the bits of the single-row kernels of
+//! `specula_quant::dot`, so batching stays bit-invariant.
+//!
+//! # Packed layout
+//! Per block `b`, the group's `16 × block bytes` hold, in order: the 16 rows' `d` (f16); for
+//! Q4_1 / Q5_1 their `m`; for Q5_0 / Q5_1 the fifth bits as two 64-bit lane masks per
+//! four-value unit `t` (bit `4k + i` = the fifth bit of value `4t + i`, then of value
+//! `16 + 4t + i`, of row `k`); then the codes, unit by unit: 64 bytes holding bytes
+//! `4t..4t + 4` of each row's `qs` (Q4/Q5: values `4t..4t + 4` in the low nibbles and
+//! `16 + 4t..` in the high nibbles; Q8_0: values `4t..4t + 4`, eight units). Same bytes as the
+//! file, rearranged.
+
+use std::arch::x86_64::*;
+
+use specula_quant::QType;
+
+/// Rows per packed group (one per 32-bit lane of a 512-bit vector).
+pub(crate) const ROWS: usize = 16;
+
+/// A format the lane kernels run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Fmt {
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Q8_0,
+}
+
+impl Fmt {
+    /// The lane format for weights of `ty`, if there is one.
+    pub(crate) fn of(ty: QType) -> Option<Self> {
+        Some(match ty {
+            QType::Q4_0 => Self::Q4_0,
+            QType::Q4_1 => Self::Q4_1,
+            QType::Q5_0 => Self::Q5_0,
+            QType::Q5_1 => Self::Q5_1,
+            QType::Q8_0 => Self::Q8_0,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of one block of one row.
+    const fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    const fn has_min(self) -> bool {
+        matches!(self, Self::Q4_1 | Self::Q5_1)
+    }
+
+    const fn has_qh(self) -> bool {
+        matches!(self, Self::Q5_0 | Self::Q5_1)
+    }
+
+    /// Four-byte units of codes per row and block.
+    const fn units(self) -> usize {
+        match self {
+            Self::Q8_0 => 8,
+            _ => 4,
+        }
+    }
+
+    /// The codes' zero point: `isum = Σ (u − zero)·y`.
+    const fn zero(self) -> i32 {
+        match self {
+            Self::Q4_0 => 8,
+            Self::Q5_0 => 16,
+            Self::Q8_0 => 128,
+            Self::Q4_1 | Self::Q5_1 => 0,
+        }
+    }
+
+    /// Whether the kernels need the activation blocks' value sums `Σy` (zero point ≠ 0).
+    pub(crate) const fn needs_sums(self) -> bool {
+        self.zero() != 0
+    }
+
+    /// Offset of the fifth-bit masks in a packed group block.
+    const fn off_qh(self) -> usize {
+        2 * ROWS + if self.has_min() { 2 * ROWS } else { 0 }
+    }
+
+    /// Offset of the codes in a packed group block.
+    const fn off_codes(self) -> usize {
+        self.off_qh() + if self.has_qh() { 16 * 4 } else { 0 }
+    }
+
+    /// Where the codes (`qs`) begin in a plain block.
+    const fn qs_at(self) -> usize {
+        match self {
+            Self::Q8_0 => 2,
+            _ => self.block_bytes() - 16,
+        }
+    }
+
+    /// Where the fifth bits (`qh`) are in a plain block.
+    const fn qh_at(self) -> usize {
+        if self.has_min() { 4 } else { 2 }
+    }
+}
+
+/// Packs `ROWS` plain rows (`src`, `rb` bytes each) into `dst` (same length) in the layout of
+/// the module docs.
+///
+/// # Panics
+/// If the lengths are not `ROWS` rows of whole blocks.
+pub(crate) fn pack_group(fmt: Fmt, src: &[u8], dst: &mut [u8], rb: usize) {
+    let bb = fmt.block_bytes();
+    assert!(
+        rb.is_multiple_of(bb) && src.len() == ROWS * rb && dst.len() == src.len(),
+        "lane packing: {} bytes into {} in rows of {rb}",
+        src.len(),
+        dst.len()
+    );
+    let gb = ROWS * bb;
+    for (b, d) in dst.chunks_exact_mut(gb).enumerate() {
+        d.fill(0);
+        for k in 0..ROWS {
+            let blk = &src[k * rb + b * bb..][..bb];
+            d[2 * k..2 * k + 2].copy_from_slice(&blk[..2]);
+            if fmt.has_min() {
+                d[2 * ROWS + 2 * k..2 * ROWS + 2 * k + 2].copy_from_slice(&blk[2..4]);
+            }
+            if fmt.has_qh() {
+                let qa = fmt.qh_at();
+                let qh = u32::from_le_bytes([blk[qa], blk[qa + 1], blk[qa + 2], blk[qa + 3]]);
+                for t in 0..4 {
+                    for (half, shift) in [(0, 4 * t), (1, 16 + 4 * t)] {
+                        let at = fmt.off_qh() + 16 * t + 8 * half;
+                        let mut m = u64::from_le_bytes(d[at..at + 8].try_into().unwrap_or([0; 8]));
+                        m |= u64::from((qh >> shift) & 0xF) << (4 * k);
+                        d[at..at + 8].copy_from_slice(&m.to_le_bytes());
+                    }
+                }
+            }
+            let qs = &blk[fmt.qs_at()..];
+            for t in 0..fmt.units() {
+                let at = fmt.off_codes() + 64 * t + 4 * k;
+                d[at..at + 4].copy_from_slice(&qs[4 * t..4 * t + 4]);
+            }
+        }
+    }
+}
+
+/// The value sums `Σy` of each 32-value block of an activation row of `at` (Q8_0 or Q8_1),
+/// into `out` as little-endian i32 (four bytes per block).
+pub(crate) fn block_sums(at: QType, row: &[u8], out: &mut [u8]) {
+    let (bb, qs) = if at == QType::Q8_1 { (36, 4) } else { (34, 2) };
+    for (blk, o) in row.chunks_exact(bb).zip(out.chunks_exact_mut(4)) {
+        let s: i32 = blk[qs..].iter().map(|&v| i32::from(v.cast_signed())).sum();
+        o.copy_from_slice(&s.to_le_bytes());
+    }
+}
+
+/// The four bytes at `at` as one i32 (little-endian).
+#[inline(always)]
+fn word(b: &[u8], at: usize) -> i32 {
+    i32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// An f16 at `at` as f32.
+#[inline(always)]
+fn half(b: &[u8], at: usize) -> f32 {
+    specula_quant::blocks::Half([b[at], b[at + 1]]).to_f32()
+}
+
+/// `ROWS` weight rows (the packed group `group`, `nb` blocks per row) against `NR` activation
+/// rows `a` (blocks of `ab` bytes: Q8_0 34, Q8_1 36) with their block sums `sums` (see
+/// [`block_sums`]; empty when the format has no zero point): for each activation row, the 16
+/// dot products as f32 lanes.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI and F16C.
+///
+/// # Panics
+/// If the rows do not all hold `nb` blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn run<const NR: usize>(
+    fmt: Fmt,
+    group: &[u8],
+    nb: usize,
+    a: [&[u8]; NR],
+    sums: [&[u8]; NR],
+) -> [[f32; ROWS]; NR] {
+    match fmt {
+        Fmt::Q4_0 => kernel::<NR, 0>(group, nb, a, sums),
+        Fmt::Q4_1 => kernel::<NR, 1>(group, nb, a, sums),
+        Fmt::Q5_0 => kernel::<NR, 2>(group, nb, a, sums),
+        Fmt::Q5_1 => kernel::<NR, 3>(group, nb, a, sums),
+        Fmt::Q8_0 => kernel::<NR, 4>(group, nb, a, sums),
+    }
+}
+
+/// [`run`] for the format numbered `F` (the order of [`Fmt`]), so that every format test
+/// folds away.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+fn kernel<const NR: usize, const F: u8>(
+    group: &[u8],
+    nb: usize,
+    a: [&[u8]; NR],
+    sums: [&[u8]; NR],
+) -> [[f32; ROWS]; NR] {
+    let fmt = [Fmt::Q4_0, Fmt::Q4_1, Fmt::Q5_0, Fmt::Q5_1, Fmt::Q8_0][usize::from(F)];
+    let gb = ROWS * fmt.block_bytes();
+    let ab = if fmt.has_min() { 36 } else { 34 };
+    let a_qs = ab - 32;
+    assert!(
+        group.len() == nb * gb
+            && a.iter().all(|r| r.len() == nb * ab)
+            && (!fmt.needs_sums() || sums.iter().all(|s| s.len() == nb * 4)),
+        "lane kernel: rows of unequal block counts"
+    );
+    let m4 = _mm512_set1_epi8(0x0F);
+    let x10 = _mm512_set1_epi8(0x10);
+    let x80 = _mm512_set1_epi8(-128);
+    let mut sumf = [_mm512_setzero_ps(); NR];
+    for b in 0..nb {
+        let g = &group[b * gb..(b + 1) * gb];
+        let mut acc = [_mm512_setzero_si512(); NR];
+        for t in 0..fmt.units() {
+            let (u, _) = g[fmt.off_codes() + 64 * t..].as_chunks::<64>();
+            // SAFETY: reads the 64 bytes of `u[0]`.
+            let w = unsafe { _mm512_loadu_si512(u[0].as_ptr().cast()) };
+            if fmt == Fmt::Q8_0 {
+                // Signed codes as unsigned `w + 128` (zero point 128).
+                let u = _mm512_xor_si512(w, x80);
+                for j in 0..NR {
+                    let y = _mm512_set1_epi32(word(a[j], b * ab + a_qs + 4 * t));
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], u, y);
+                }
+                continue;
+            }
+            let mut lo = _mm512_and_si512(w, m4);
+            let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
+            if fmt.has_qh() {
+                let at = fmt.off_qh() + 16 * t;
+                let ml = u64::from_le_bytes(g[at..at + 8].try_into().unwrap_or([0; 8]));
+                let mh = u64::from_le_bytes(g[at + 8..at + 16].try_into().unwrap_or([0; 8]));
+                lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, x10));
+                hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, x10));
+            }
+            for j in 0..NR {
+                let ylo = _mm512_set1_epi32(word(a[j], b * ab + a_qs + 4 * t));
+                let yhi = _mm512_set1_epi32(word(a[j], b * ab + a_qs + 16 + 4 * t));
+                acc[j] = _mm512_dpbusd_epi32(acc[j], lo, ylo);
+                acc[j] = _mm512_dpbusd_epi32(acc[j], hi, yhi);
+            }
+        }
+        // SAFETY: reads the 32 bytes of the group's d (16 f16).
+        let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(g.as_ptr().cast()) });
+        let mw = if fmt.has_min() {
+            // SAFETY: reads the 32 bytes of the group's m (16 f16).
+            _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(g[2 * ROWS..].as_ptr().cast()) })
+        } else {
+            _mm512_setzero_ps()
+        };
+        for j in 0..NR {
+            let mut isum = acc[j];
+            if fmt.needs_sums() {
+                let zy = fmt.zero() * word(sums[j], 4 * b);
+                isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zy));
+            }
+            let s = _mm512_cvtepi32_ps(isum);
+            let da = _mm512_set1_ps(half(a[j], b * ab));
+            // The scalar formulas' operations in their order (no fused multiply-add).
+            let t = match fmt {
+                Fmt::Q8_0 => _mm512_mul_ps(s, _mm512_mul_ps(dw, da)),
+                Fmt::Q4_0 => _mm512_mul_ps(_mm512_mul_ps(s, dw), da),
+                Fmt::Q5_0 => _mm512_mul_ps(_mm512_mul_ps(dw, da), s),
+                Fmt::Q4_1 | Fmt::Q5_1 => {
+                    let sa = _mm512_set1_ps(half(a[j], b * ab + 2));
+                    _mm512_add_ps(
+                        _mm512_mul_ps(_mm512_mul_ps(dw, da), s),
+                        _mm512_mul_ps(mw, sa),
+                    )
+                }
+            };
+            sumf[j] = _mm512_add_ps(sumf[j], t);
+        }
+    }
+    let mut out = [[0.0f32; ROWS]; NR];
+    for (o, v) in out.iter_mut().zip(sumf) {
+        // SAFETY: writes the 64 bytes of `o`.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
+    out
+}
