@@ -235,17 +235,23 @@ fn kernel<const NR: usize, const F: u8>(
     let mut sumf = [_mm512_setzero_ps(); NR];
     for b in 0..nb {
         let g = &group[b * gb..(b + 1) * gb];
+        let gp = g.as_ptr();
+        let ap: [*const u8; NR] = std::array::from_fn(|j| a[j][b * ab + a_qs..][..32].as_ptr());
+        // SAFETY (the reads below): `g` is the group's block, `gb` bytes: the codes' units
+        // end at `off_codes + 64·units = gb` and the fifth-bit masks lie below the codes;
+        // each `ap[j]` points at the 32 code bytes of activation block `b` (sliced above) and
+        // the reads stay inside them (`4t + 4 ≤ 16` for the low and `16 + 4t + 4 ≤ 32` for the
+        // high half of the nibble formats, `4t + 4 ≤ 32` for Q8_0). Unaligned reads.
+        let y = |j: usize, at: usize| unsafe { ap[j].add(at).cast::<i32>().read_unaligned() };
         let mut acc = [_mm512_setzero_si512(); NR];
         for t in 0..fmt.units() {
-            let (u, _) = g[fmt.off_codes() + 64 * t..].as_chunks::<64>();
-            // SAFETY: reads the 64 bytes of `u[0]`.
-            let w = unsafe { _mm512_loadu_si512(u[0].as_ptr().cast()) };
+            // SAFETY: see above.
+            let w = unsafe { _mm512_loadu_si512(gp.add(fmt.off_codes() + 64 * t).cast()) };
             if fmt == Fmt::Q8_0 {
                 // Signed codes as unsigned `w + 128` (zero point 128).
                 let u = _mm512_xor_si512(w, x80);
                 for j in 0..NR {
-                    let y = _mm512_set1_epi32(word(a[j], b * ab + a_qs + 4 * t));
-                    acc[j] = _mm512_dpbusd_epi32(acc[j], u, y);
+                    acc[j] = _mm512_dpbusd_epi32(acc[j], u, _mm512_set1_epi32(y(j, 4 * t)));
                 }
                 continue;
             }
@@ -253,16 +259,19 @@ fn kernel<const NR: usize, const F: u8>(
             let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
             if fmt.has_qh() {
                 let at = fmt.off_qh() + 16 * t;
-                let ml = u64::from_le_bytes(g[at..at + 8].try_into().unwrap_or([0; 8]));
-                let mh = u64::from_le_bytes(g[at + 8..at + 16].try_into().unwrap_or([0; 8]));
+                // SAFETY: see above.
+                let (ml, mh) = unsafe {
+                    (
+                        gp.add(at).cast::<u64>().read_unaligned(),
+                        gp.add(at + 8).cast::<u64>().read_unaligned(),
+                    )
+                };
                 lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, x10));
                 hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, x10));
             }
             for j in 0..NR {
-                let ylo = _mm512_set1_epi32(word(a[j], b * ab + a_qs + 4 * t));
-                let yhi = _mm512_set1_epi32(word(a[j], b * ab + a_qs + 16 + 4 * t));
-                acc[j] = _mm512_dpbusd_epi32(acc[j], lo, ylo);
-                acc[j] = _mm512_dpbusd_epi32(acc[j], hi, yhi);
+                acc[j] = _mm512_dpbusd_epi32(acc[j], lo, _mm512_set1_epi32(y(j, 4 * t)));
+                acc[j] = _mm512_dpbusd_epi32(acc[j], hi, _mm512_set1_epi32(y(j, 16 + 4 * t)));
             }
         }
         // SAFETY: reads the 32 bytes of the group's d (16 f16).
