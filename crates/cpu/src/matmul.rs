@@ -51,8 +51,11 @@ impl Tiling {
     fn new(rows: usize, n_out: usize, w_row_bytes: usize, n_threads: usize, align: usize) -> Self {
         // Whole groups of weight rows (`align`: eight for the micro-kernels, or the packing's
         // group), as far as the shape allows.
-        let cb = (WEIGHT_BLOCK_BYTES / w_row_bytes.max(1)).clamp(align, 64.max(align)) / align * align;
-        let cb = cb.min(n_out.div_ceil(n_threads).next_multiple_of(align)).max(1);
+        let cb =
+            (WEIGHT_BLOCK_BYTES / w_row_bytes.max(1)).clamp(align, 64.max(align)) / align * align;
+        let cb = cb
+            .min(n_out.div_ceil(n_threads).next_multiple_of(align))
+            .max(1);
         let n_cb = n_out.div_ceil(cb);
         let want = TILES_PER_THREAD * n_threads;
         let n_rb = if n_cb >= want || rows == 1 {
@@ -181,7 +184,11 @@ fn run_tiles(
     let nth = be.n_threads();
     let tiling = Tiling::new(rows, n_out, w_rb, nth, packing.map_or(8, |p| p.r.max(8)));
     // Bytes of block sums per activation row (absent unless the lane kernels need them).
-    let s_rb = if sums.is_empty() { 0 } else { sums.len() / rows };
+    let s_rb = if sums.is_empty() {
+        0
+    } else {
+        sums.len() / rows
+    };
     let dst = Disjoint::new(out.as_mut_slice());
     let work = |t: usize| {
         for i in split(tiling.n_tiles, nth, t) {

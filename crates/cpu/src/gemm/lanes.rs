@@ -242,7 +242,10 @@ fn kernel<const NR: usize, const F: u8>(
         // each `ap[j]` points at the 32 code bytes of activation block `b` (sliced above) and
         // the reads stay inside them (`4t + 4 ≤ 16` for the low and `16 + 4t + 4 ≤ 32` for the
         // high half of the nibble formats, `4t + 4 ≤ 32` for Q8_0). Unaligned reads.
-        let y = |j: usize, at: usize| unsafe { ap[j].add(at).cast::<i32>().read_unaligned() };
+        let y = |j: usize, at: usize| {
+            // SAFETY: see above.
+            unsafe { ap[j].add(at).cast::<i32>().read_unaligned() }
+        };
         let mut acc = [_mm512_setzero_si512(); NR];
         for t in 0..fmt.units() {
             // SAFETY: see above.
@@ -250,8 +253,8 @@ fn kernel<const NR: usize, const F: u8>(
             if fmt == Fmt::Q8_0 {
                 // Signed codes as unsigned `w + 128` (zero point 128).
                 let u = _mm512_xor_si512(w, x80);
-                for j in 0..NR {
-                    acc[j] = _mm512_dpbusd_epi32(acc[j], u, _mm512_set1_epi32(y(j, 4 * t)));
+                for (j, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_dpbusd_epi32(*acc, u, _mm512_set1_epi32(y(j, 4 * t)));
                 }
                 continue;
             }
@@ -269,9 +272,9 @@ fn kernel<const NR: usize, const F: u8>(
                 lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, x10));
                 hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, x10));
             }
-            for j in 0..NR {
-                acc[j] = _mm512_dpbusd_epi32(acc[j], lo, _mm512_set1_epi32(y(j, 4 * t)));
-                acc[j] = _mm512_dpbusd_epi32(acc[j], hi, _mm512_set1_epi32(y(j, 16 + 4 * t)));
+            for (j, acc) in acc.iter_mut().enumerate() {
+                *acc = _mm512_dpbusd_epi32(*acc, lo, _mm512_set1_epi32(y(j, 4 * t)));
+                *acc = _mm512_dpbusd_epi32(*acc, hi, _mm512_set1_epi32(y(j, 16 + 4 * t)));
             }
         }
         // SAFETY: reads the 32 bytes of the group's d (16 f16).

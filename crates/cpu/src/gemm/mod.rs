@@ -85,7 +85,10 @@ impl Packing {
         );
         let group = self.r * rb;
         let full = src.len() / group * group;
-        for (s, d) in src[..full].chunks_exact(group).zip(dst[..full].chunks_exact_mut(group)) {
+        for (s, d) in src[..full]
+            .chunks_exact(group)
+            .zip(dst[..full].chunks_exact_mut(group))
+        {
             #[cfg(target_arch = "x86_64")]
             if let Some(fmt) = self.lanes {
                 lanes::pack_group(fmt, s, d, rb);
@@ -202,6 +205,10 @@ impl Gemm {
     /// # Panics
     /// If the weight rows and the activation rows do not hold the same number of values in
     /// whole blocks of their types, or the packed rows are not whole groups.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the tile's two operands with their row sizes, the weights' layout, the activations' block sums and the output"
+    )]
     pub(crate) fn tile(
         &self,
         w: &[u8],
@@ -213,7 +220,13 @@ impl Gemm {
         mut put: impl FnMut(usize, usize, f32),
     ) {
         #[cfg(target_arch = "x86_64")]
-        if let Some((p @ Packing { lanes: Some(fmt), .. }, n)) = packed {
+        if let Some((
+            p @ Packing {
+                lanes: Some(fmt), ..
+            },
+            n,
+        )) = packed
+        {
             assert!(
                 self.micro.is_some() && n.is_multiple_of(p.r) && n * w_rb <= w.len(),
                 "matmul: {n} lane-packed rows do not fit the tile"
@@ -221,7 +234,10 @@ impl Gemm {
             let n_a = a.len() / a_rb;
             let nb = w_rb / self.ty.type_size();
             let s_rb = if fmt.needs_sums() { 4 * nb } else { 0 };
-            assert!(sums.len() >= n_a * s_rb, "matmul: missing activation block sums");
+            assert!(
+                sums.len() >= n_a * s_rb,
+                "matmul: missing activation block sums"
+            );
             let ar = |j: usize| &a[j * a_rb..(j + 1) * a_rb];
             let sr = |j: usize| &sums[j * s_rb..(j + 1) * s_rb];
             for g0 in (0..n).step_by(p.r) {
