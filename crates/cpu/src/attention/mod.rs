@@ -18,7 +18,7 @@ use specula_quant::blocks::Half;
 use specula_tensor::{AttentionParams, KvShape, Mask, Result, TensorError};
 
 use crate::CpuBackend;
-use crate::pool::{Disjoint, split};
+use crate::pool::Disjoint;
 
 pub(crate) mod simd;
 use crate::tensor::CpuTensor;
@@ -283,11 +283,13 @@ pub(crate) fn attention(
     };
 
     let work = |t: usize| {
-        let mine = split(n_tasks, nth, t);
+        // Every nth task: under a causal mask later rows see more cells, so contiguous runs
+        // of rows would leave the last thread the most work.
+        let mine = (t..n_tasks).step_by(nth);
         crate::scratch::with_f32(kv_len, |scores| {
             for i in mine {
                 // SAFETY: task i writes only output chunk i (`hd_v` values: query row i / n_head,
-                // head i % n_head), and each task belongs to exactly one thread of the split.
+                // head i % n_head), and each task belongs to exactly one thread (i mod nth).
                 let o = unsafe { dst.slice(i * hd_v..(i + 1) * hd_v) };
                 task(i, o, scores);
             }
