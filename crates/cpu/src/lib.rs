@@ -136,6 +136,17 @@ impl CpuBackend {
         self.kernels
     }
 
+    /// Whether the element-wise activations may use AVX-512 (this CPU has it and the
+    /// backend's SIMD level is AVX-512).
+    pub(crate) fn simd_act(&self) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        {
+            self.kernels.level() == SimdLevel::Avx512 && is_x86_feature_detected!("avx512f")
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        false
+    }
+
     pub(crate) fn attn_kernels(&self) -> attention::simd::AttnKernels {
         self.attn
     }

@@ -142,14 +142,85 @@ pub fn gelu_tanh(x: f32) -> f32 {
     0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
 }
 
-/// `out = act(gate) ⊙ up`.
+/// `out = act(gate) ⊙ up` for one row, with `act` one value at a time.
+fn gated_row(act: fn(f32) -> f32, o: &mut [f32], gate: &[f32], up: &[f32]) {
+    for ((o, &g), &u) in o.iter_mut().zip(gate).zip(up) {
+        *o = act(g) * u;
+    }
+}
+
+/// `out = silu(gate) ⊙ up` for one row: sixteen values at a time where the CPU has AVX-512
+/// (an exponential accurate to about one ulp instead of libm's), else [`silu`].
+fn swiglu_row(simd: bool, o: &mut [f32], gate: &[f32], up: &[f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if simd {
+        let n = o.len() / 16 * 16;
+        // SAFETY: `simd` is only set when this CPU has AVX-512 F (`CpuBackend::simd_act`).
+        unsafe { vexp::swiglu16(&mut o[..n], &gate[..n], &up[..n]) };
+        gated_row(silu, &mut o[n..], &gate[n..], &up[n..]);
+        return;
+    }
+    let _ = simd;
+    gated_row(silu, o, gate, up);
+}
+
+/// Vectorised `silu` on AVX-512.
+#[cfg(target_arch = "x86_64")]
+mod vexp {
+    use std::arch::x86_64::*;
+
+    /// `e^x` in every lane: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2` (Cody–Waite, two-part
+    /// `ln 2`), `e^r` by its degree-7 Taylor polynomial (truncation below 2⁻²⁶ relative),
+    /// times `2^n` with `vscalefps` (which takes care of overflow to ∞ and underflow
+    /// through the subnormals to 0).
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    fn exp16(x: __m512) -> __m512 {
+        const LN2_HI: f32 = 0.693_145_75;
+        const LN2_LO: f32 = 1.428_606_8e-6;
+        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-150.0)), _mm512_set1_ps(128.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+        let c = |v: f32| _mm512_set1_ps(v);
+        let mut p = c(1.0 / 5040.0);
+        for k in [720.0f32, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+            p = _mm512_fmadd_ps(p, r, c(1.0 / k));
+        }
+        _mm512_scalef_ps(p, n)
+    }
+
+    /// `o = silu(g) ⊙ u`, 16 values at a time (the lengths are whole vectors).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn swiglu16(o: &mut [f32], g: &[f32], u: &[f32]) {
+        let one = _mm512_set1_ps(1.0);
+        let (oc, _) = o.as_chunks_mut::<16>();
+        let (gc, _) = g.as_chunks::<16>();
+        let (uc, _) = u.as_chunks::<16>();
+        for ((o, g), u) in oc.iter_mut().zip(gc).zip(uc) {
+            // SAFETY: reads the 16 values of `g` and `u`.
+            let (x, y) = unsafe { (_mm512_loadu_ps(g.as_ptr()), _mm512_loadu_ps(u.as_ptr())) };
+            let e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            let v = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), y);
+            // SAFETY: writes the 16 values of `o`.
+            unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+        }
+    }
+}
+
+/// `out = act(gate) ⊙ up`, one row at a time with `row`.
 fn gated(
     be: &CpuBackend,
     gate: &CpuTensor,
     up: &CpuTensor,
     out: &mut CpuTensor,
     op: &str,
-    act: fn(f32) -> f32,
+    row: impl Fn(&mut [f32], &[f32], &[f32]) + Sync,
 ) {
     assert_eq!(
         (gate.rows(), gate.cols()),
@@ -158,21 +229,18 @@ fn gated(
     );
     let cols = gate.cols();
     out.resize(gate.rows(), cols);
-    be.par_rows(out.as_mut_slice(), cols, |r, o| {
-        for ((o, &g), &u) in o.iter_mut().zip(gate.row(r)).zip(up.row(r)) {
-            *o = act(g) * u;
-        }
-    });
+    be.par_rows(out.as_mut_slice(), cols, |r, o| row(o, gate.row(r), up.row(r)));
 }
 
 /// `out = silu(gate) ⊙ up`.
 pub(crate) fn swiglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
-    gated(be, gate, up, out, "swiglu", silu);
+    let simd = be.simd_act();
+    gated(be, gate, up, out, "swiglu", |o, g, u| swiglu_row(simd, o, g, u));
 }
 
 /// `out = gelu_tanh(gate) ⊙ up`.
 pub(crate) fn geglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
-    gated(be, gate, up, out, "geglu", gelu_tanh);
+    gated(be, gate, up, out, "geglu", |o, g, u| gated_row(gelu_tanh, o, g, u));
 }
 
 /// `a += b`.
