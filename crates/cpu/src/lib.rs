@@ -211,7 +211,7 @@ impl Backend for CpuBackend {
 
     fn prepare_matmul(&self, w: &mut CpuWeight) {
         if let Some(p) = gemm::packing(self.kernels(), w.ty()) {
-            w.pack(p);
+            w.pack(p, &self.pool);
         }
     }
 

@@ -6,6 +6,7 @@ use specula_quant::QType;
 use specula_tensor::{ByteSource, Result, TensorError, WeightDesc};
 
 use crate::gemm::Packing;
+use crate::pool::{Disjoint, Pool, split};
 
 /// An f32 activation matrix, row-major `[rows, cols]`.
 ///
@@ -119,7 +120,46 @@ pub struct CpuWeight {
     values: Option<Vec<f32>>,
     /// The rows rearranged for the matmul micro-kernels, when the model asked for it
     /// ([`CpuWeight::pack`]); `storage` keeps the file layout for `get_rows`.
-    packed: Option<(Packing, Vec<u8>)>,
+    packed: Option<(Packing, PackedBytes)>,
+}
+
+/// The memory of a packed weight: an anonymous map, which Linux may back with 2 MiB pages
+/// (fewer page faults while packing and fewer TLB misses while streaming it), or a vector
+/// where the OS refuses the map.
+enum PackedBytes {
+    Map(memmap2::MmapMut),
+    Vec(Vec<u8>),
+}
+
+impl PackedBytes {
+    fn zeroed(len: usize) -> Self {
+        match memmap2::MmapMut::map_anon(len) {
+            Ok(map) => {
+                #[cfg(target_os = "linux")]
+                {
+                    // Best effort: without huge pages the map works the same.
+                    let advised = map.advise(memmap2::Advice::HugePage);
+                    drop(advised);
+                }
+                Self::Map(map)
+            }
+            Err(_) => Self::Vec(vec![0; len]),
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Self::Map(m) => m,
+            Self::Vec(v) => v,
+        }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        match self {
+            Self::Map(m) => m,
+            Self::Vec(v) => v,
+        }
+    }
 }
 
 impl std::fmt::Debug for CpuWeight {
@@ -195,34 +235,53 @@ impl CpuWeight {
     }
 
     /// Rearranges the rows of a matrix in `packing` for the matmul (see [`Packing`]): a copy
-    /// that the matmul reads from then on. The file's pages of the weight are handed back to
-    /// the OS as they are copied ([`ByteSource::release`]), so the resident memory stays about
-    /// one copy of the weight (pages that `get_rows` reads later come back from the page cache).
-    pub(crate) fn pack(&mut self, packing: Packing) {
+    /// that the matmul reads from then on, made by the threads of `pool`. The file's pages of
+    /// the weight are handed back to the OS as they are copied ([`ByteSource::release`]), so
+    /// the resident memory stays about one copy of the weight (pages that `get_rows` reads
+    /// later come back from the page cache).
+    pub(crate) fn pack(&mut self, packing: Packing, pool: &Pool) {
         if self.dims.len() != 2 || self.packed.is_some() {
             return;
         }
         /// Bytes packed between two releases of the source pages.
-        const CHUNK: usize = 4 << 20;
+        const CHUNK: usize = 256 << 10;
         let rb = self.row_bytes();
         let bs = self.ty.type_size();
         let group = packing.r * rb;
         let chunk = (CHUNK / group).max(1) * group;
         let src = self.bytes();
-        let mut dst = vec![0u8; src.len()];
-        for (at, (s, d)) in src.chunks(chunk).zip(dst.chunks_mut(chunk)).enumerate() {
-            packing.pack(s, d, rb, bs);
+        let mut dst = PackedBytes::zeroed(src.len());
+        let n_chunks = src.len().div_ceil(chunk);
+        let nth = pool.n_threads();
+        let out = Disjoint::new(dst.bytes_mut());
+        let release = |r: std::ops::Range<usize>| {
             if let Storage::Borrowed { source, range } = &self.storage {
-                let start = range.start + at * chunk;
-                source.release(start..start + s.len());
+                source.release(range.start + r.start..range.start + r.end);
             }
+        };
+        let work = |t: usize| {
+            for c in split(n_chunks, nth, t) {
+                let r = c * chunk..((c + 1) * chunk).min(src.len());
+                // SAFETY: chunk c's bytes are written by the one thread whose split holds c,
+                // and the splits are disjoint.
+                let d = unsafe { out.slice(r.clone()) };
+                packing.pack(&src[r.clone()], d, rb, bs);
+                release(r);
+            }
+        };
+        if nth == 1 || n_chunks == 1 {
+            for t in 0..nth {
+                work(t);
+            }
+        } else {
+            pool.run(&work);
         }
         self.packed = Some((packing, dst));
     }
 
     /// The packed rows and their packing, if the weight was packed.
     pub(crate) fn packed(&self) -> Option<(Packing, &[u8])> {
-        self.packed.as_ref().map(|(p, b)| (*p, b.as_slice()))
+        self.packed.as_ref().map(|(p, b)| (*p, b.bytes()))
     }
 
     /// Tensor name.

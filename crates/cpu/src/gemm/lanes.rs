@@ -131,8 +131,10 @@ pub(crate) fn pack_group(fmt: Fmt, src: &[u8], dst: &mut [u8], rb: usize) {
         dst.len()
     );
     let gb = ROWS * bb;
+    let (qh_at, qs_at, units) = (fmt.qh_at(), fmt.qs_at(), fmt.units());
+    let (off_qh, off_codes) = (fmt.off_qh(), fmt.off_codes());
     for (b, d) in dst.chunks_exact_mut(gb).enumerate() {
-        d.fill(0);
+        let mut masks = [0u64; 8];
         for k in 0..ROWS {
             let blk = &src[k * rb + b * bb..][..bb];
             d[2 * k..2 * k + 2].copy_from_slice(&blk[..2]);
@@ -140,21 +142,22 @@ pub(crate) fn pack_group(fmt: Fmt, src: &[u8], dst: &mut [u8], rb: usize) {
                 d[2 * ROWS + 2 * k..2 * ROWS + 2 * k + 2].copy_from_slice(&blk[2..4]);
             }
             if fmt.has_qh() {
-                let qa = fmt.qh_at();
-                let qh = u32::from_le_bytes([blk[qa], blk[qa + 1], blk[qa + 2], blk[qa + 3]]);
+                let q = &blk[qh_at..qh_at + 4];
+                let qh = u32::from_le_bytes([q[0], q[1], q[2], q[3]]);
                 for t in 0..4 {
-                    for (half, shift) in [(0, 4 * t), (1, 16 + 4 * t)] {
-                        let at = fmt.off_qh() + 16 * t + 8 * half;
-                        let mut m = u64::from_le_bytes(d[at..at + 8].try_into().unwrap_or([0; 8]));
-                        m |= u64::from((qh >> shift) & 0xF) << (4 * k);
-                        d[at..at + 8].copy_from_slice(&m.to_le_bytes());
-                    }
+                    masks[2 * t] |= u64::from((qh >> (4 * t)) & 0xF) << (4 * k);
+                    masks[2 * t + 1] |= u64::from((qh >> (16 + 4 * t)) & 0xF) << (4 * k);
                 }
             }
-            let qs = &blk[fmt.qs_at()..];
-            for t in 0..fmt.units() {
-                let at = fmt.off_codes() + 64 * t + 4 * k;
-                d[at..at + 4].copy_from_slice(&qs[4 * t..4 * t + 4]);
+            let (qs, _) = blk[qs_at..].as_chunks::<4>();
+            let codes = &mut d[off_codes..];
+            for (t, q) in qs.iter().take(units).enumerate() {
+                codes[64 * t + 4 * k..64 * t + 4 * k + 4].copy_from_slice(q);
+            }
+        }
+        if fmt.has_qh() {
+            for (m, o) in masks.iter().zip(d[off_qh..off_qh + 64].chunks_exact_mut(8)) {
+                o.copy_from_slice(&m.to_le_bytes());
             }
         }
     }
