@@ -220,6 +220,8 @@ impl CpuWeight {
         let values = if desc.dims.len() == 1 {
             let mut v = vec![0.0; n_in];
             specula_quant::dequantize_row(desc.ty, desc.data, &mut v)?;
+            // Read as f32 from now on: the file's pages need not stay resident.
+            let _ = &storage;
             Some(v)
         } else {
             None

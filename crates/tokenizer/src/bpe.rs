@@ -119,6 +119,8 @@ impl Bpe {
                 byte_fallback.push(vocab.lookup(&hex).into_iter().collect());
             }
         }
+        // Sized for every token and merge operand, filled with far fewer distinct strings.
+        interner.shrink_to_fit();
         Self {
             pre,
             merges: merge_map,
