@@ -1,0 +1,208 @@
+//! Speculative decoding without changing the output.
+//!
+//! A [`Drafter`] proposes the next tokens cheaply; the target model runs the anchor and the
+//! proposals in one batched forward, and a verifier ([`verify`]) keeps the longest prefix the
+//! target itself would have produced, plus one token of its own. With batch-invariant target
+//! kernels (row `i` of a verify batch has the bits of a one-token decode) greedy speculative
+//! output is the plain greedy output token for token, and sampled output has exactly the
+//! target's distribution.
+//!
+//! - [`Drafter`]: the lifecycle `begin / process / draft / accept / state · restore`, shared by
+//!   every method (n-gram here, a draft model in `specula-engine`, DFlash and EAGLE3 later);
+//!   [`DrafterChain`] asks several in priority order, the first non-empty draft wins.
+//! - [`ngram`]: prompt lookup ([`ngram::NgramSimple`]) and an n-gram cache
+//!   ([`ngram::NgramCache`]), drafters that need no second model.
+//! - [`verify`]: sample-and-match (greedy is its temperature-0 case) and standard rejection
+//!   sampling for drafters that give their distribution `q`.
+//! - [`SpecStats`]: drafted, accepted, rounds, per-position acceptance — counted once per
+//!   verified round.
+//! - [`policy::Adaptive`]: the draft length of each round from measured acceptance and measured
+//!   costs, down to not drafting, so that speculation does not make generation slower.
+//!
+//! ```
+//! use specula_spec::{DraftParams, Drafter, ngram::NgramSimple};
+//! let mut d = NgramSimple::new(1, 3);
+//! d.begin(&[5, 6, 7, 8, 5]).unwrap();
+//! // After `… 5` comes `6 7 8` earlier in the history.
+//! let draft = d.draft(&DraftParams { history: &[5, 6, 7, 8, 5], n_max: 3, p_min: 0.0 }).unwrap();
+//! assert_eq!(draft, vec![6, 7, 8]);
+//! ```
+
+pub mod ngram;
+pub mod policy;
+pub mod verify;
+
+mod stats;
+
+pub use stats::SpecStats;
+
+/// Errors of drafters and verifiers.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// The sampler refused a step (e.g. logits of the wrong length).
+    #[error(transparent)]
+    Sampling(#[from] specula_sampling::SamplingError),
+    /// A drafter's own failure (a draft model's forward pass, …), with its message.
+    #[error("{drafter}: {message}")]
+    Drafter {
+        /// The drafter's name.
+        drafter: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+    /// The verifier was given rows that do not match the draft.
+    #[error("verify: {0}")]
+    Shape(String),
+    /// A state handed to [`Drafter::restore`] was not made by that drafter.
+    #[error("{0}: not a state of this drafter")]
+    ForeignState(&'static str),
+}
+
+/// A drafter's saved state, opaque to the loop.
+pub type DrafterState = Box<dyn std::any::Any + Send>;
+
+/// What a drafter is asked for in a round.
+#[derive(Clone, Copy, Debug)]
+pub struct DraftParams<'a> {
+    /// Every committed token of the sequence, prompt included; the last one is the anchor
+    /// the target has not run yet, which the draft continues.
+    pub history: &'a [u32],
+    /// At most this many tokens.
+    pub n_max: usize,
+    /// Model drafters stop at the first position whose top-1 probability is below this.
+    pub p_min: f32,
+}
+
+/// A source of draft tokens, with the lifecycle llama.cpp's speculative framework uses.
+pub trait Drafter {
+    /// A short name (`ngram-simple`, `draft-simple`, …) for statistics and errors.
+    fn name(&self) -> &'static str;
+
+    /// A new sequence: `prompt` is what the target is about to hold.
+    ///
+    /// # Errors
+    /// A drafter's own failure (e.g. a draft model's prefill).
+    fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError>;
+
+    /// The target ran `tokens` at positions `pos0..` (a prompt chunk or a verify batch, before
+    /// its rejected rows are rolled back). Drafters that learn from the target's batches
+    /// (DFlash's feature injection) hook in here; the default ignores it.
+    ///
+    /// # Errors
+    /// A drafter's own failure.
+    fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        let _ = (tokens, pos0);
+        Ok(())
+    }
+
+    /// Up to `p.n_max` tokens to follow `p.history` (possibly none).
+    ///
+    /// # Errors
+    /// A drafter's own failure.
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError>;
+
+    /// The target accepted the first `n` tokens of this drafter's last draft.
+    fn accept(&mut self, n: usize) {
+        let _ = n;
+    }
+
+    /// A snapshot of the drafter's per-sequence state (for checkpoints and prompt caches).
+    fn state(&self) -> DrafterState;
+
+    /// Goes back to a snapshot made by [`Drafter::state`].
+    ///
+    /// # Errors
+    /// [`SpecError::ForeignState`] for a snapshot of another drafter.
+    fn restore(&mut self, state: &DrafterState) -> Result<(), SpecError>;
+}
+
+/// Several drafters asked in priority order: the first non-empty draft wins, and only the
+/// drafter that made it hears [`Drafter::accept`].
+pub struct DrafterChain {
+    drafters: Vec<Box<dyn Drafter>>,
+    last: Option<usize>,
+}
+
+impl std::fmt::Debug for DrafterChain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DrafterChain")
+            .field(
+                "drafters",
+                &self.drafters.iter().map(|d| d.name()).collect::<Vec<_>>(),
+            )
+            .finish_non_exhaustive()
+    }
+}
+
+impl DrafterChain {
+    /// The drafters in priority order.
+    #[must_use]
+    pub fn new(drafters: Vec<Box<dyn Drafter>>) -> Self {
+        Self {
+            drafters,
+            last: None,
+        }
+    }
+
+    /// The drafter that made the last non-empty draft.
+    #[must_use]
+    pub fn last_name(&self) -> Option<&'static str> {
+        self.last.map(|i| self.drafters[i].name())
+    }
+}
+
+impl Drafter for DrafterChain {
+    fn name(&self) -> &'static str {
+        "chain"
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
+        self.last = None;
+        self.drafters.iter_mut().try_for_each(|d| d.begin(prompt))
+    }
+
+    fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        self.drafters
+            .iter_mut()
+            .try_for_each(|d| d.process(tokens, pos0))
+    }
+
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.last = None;
+        for (i, d) in self.drafters.iter_mut().enumerate() {
+            let draft = d.draft(p)?;
+            if !draft.is_empty() {
+                self.last = Some(i);
+                return Ok(draft);
+            }
+        }
+        Ok(Vec::new())
+    }
+
+    fn accept(&mut self, n: usize) {
+        if let Some(i) = self.last {
+            self.drafters[i].accept(n);
+        }
+    }
+
+    fn state(&self) -> DrafterState {
+        Box::new(
+            self.drafters
+                .iter()
+                .map(|d| d.state())
+                .collect::<Vec<DrafterState>>(),
+        )
+    }
+
+    fn restore(&mut self, state: &DrafterState) -> Result<(), SpecError> {
+        let states = state
+            .downcast_ref::<Vec<DrafterState>>()
+            .filter(|s| s.len() == self.drafters.len())
+            .ok_or(SpecError::ForeignState("chain"))?;
+        for (d, s) in self.drafters.iter_mut().zip(states) {
+            d.restore(s)?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,197 @@
+//! How many tokens to draft in a round, from measured acceptance and measured costs.
+//!
+//! A round with a draft of `k` tokens commits `E(k) = 1 + Σ_{i<k} Π_{j≤i} a_j` tokens on
+//! average (`a_j`: the measured chance that draft position `j` is accepted when reached) and
+//! costs `v(k) + k·d` (`v(k)`: the target's forward over `k + 1` rows, `d`: drafting one
+//! token). [`Adaptive`] picks the `k ≤ n_max` with the most tokens per second — `0`, a plain
+//! decode step, when drafting does not pay — and keeps learning: `v(k)` from every round
+//! (measured sizes directly, the others from a line fitted through the measured ones),
+//! acceptance per position with a weak prior, and a short probe draft every
+//! [`PROBE_EVERY`] plain steps so that a drafter that starts to fit again is noticed.
+
+/// Plain steps between two probe drafts while drafting does not pay.
+pub const PROBE_EVERY: usize = 16;
+
+/// Weight of a new measurement in the cost averages.
+const EMA: f64 = 0.2;
+
+/// The adaptive draft-length policy.
+#[derive(Clone, Debug)]
+pub struct Adaptive {
+    n_max: usize,
+    /// `v(k)` averages (seconds), `None` until measured.
+    verify: Vec<Option<f64>>,
+    /// Seconds per drafted token.
+    draft: Option<f64>,
+    /// Rounds that reached / accepted each draft position.
+    reached: Vec<f64>,
+    kept: Vec<f64>,
+    plain_streak: usize,
+}
+
+impl Adaptive {
+    /// A policy that drafts at most `n_max` tokens.
+    #[must_use]
+    pub fn new(n_max: usize) -> Self {
+        Self {
+            n_max,
+            verify: vec![None; n_max + 1],
+            draft: None,
+            reached: vec![0.0; n_max],
+            kept: vec![0.0; n_max],
+            plain_streak: 0,
+        }
+    }
+
+    /// The upper bound.
+    #[must_use]
+    pub fn n_max(&self) -> usize {
+        self.n_max
+    }
+
+    /// Chance that position `j` is accepted when reached: measured, with a prior of one
+    /// accepted out of two.
+    fn accept_at(&self, j: usize) -> f64 {
+        (self.kept[j] + 1.0) / (self.reached[j] + 2.0)
+    }
+
+    /// Expected committed tokens of a round that drafts `k`.
+    #[must_use]
+    pub fn expected_tokens(&self, k: usize) -> f64 {
+        let mut e = 1.0;
+        let mut reach = 1.0;
+        for j in 0..k.min(self.n_max) {
+            reach *= self.accept_at(j);
+            e += reach;
+        }
+        e
+    }
+
+    /// `v(k)`: measured, else from the line through the measured sizes (least squares), else
+    /// `None` when nothing was measured yet.
+    #[must_use]
+    pub fn verify_cost(&self, k: usize) -> Option<f64> {
+        if let Some(v) = self.verify.get(k).copied().flatten() {
+            return Some(v);
+        }
+        let pts: Vec<(f64, f64)> = self
+            .verify
+            .iter()
+            .enumerate()
+            .filter_map(|(k, v)| v.map(|v| (to_f64(k), v)))
+            .collect();
+        match pts.len() {
+            0 => None,
+            // One size measured: assume a verify row costs a tenth of a decode step more
+            // (weights are streamed once per batch on a CPU).
+            1 => Some(pts[0].1 * (1.0 + 0.1 * (to_f64(k) - pts[0].0)).max(0.5)),
+            _ => {
+                let n = to_f64(pts.len());
+                let (sx, sy) = pts.iter().fold((0.0, 0.0), |(a, b), p| (a + p.0, b + p.1));
+                let (mx, my) = (sx / n, sy / n);
+                let sxx: f64 = pts.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+                let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+                Some((my + slope * (to_f64(k) - mx)).max(1e-9))
+            }
+        }
+    }
+
+    /// The draft length for the next round, at most `room` (what context and budget allow).
+    #[must_use]
+    pub fn next(&self, room: usize) -> usize {
+        let cap = self.n_max.min(room);
+        if cap == 0 {
+            return 0;
+        }
+        let Some(v0) = self.verify_cost(0) else {
+            // Nothing measured: draft as much as allowed and learn.
+            return cap;
+        };
+        let d = self.draft.unwrap_or(0.0);
+        let rate = |k: usize| {
+            let cost = self.verify_cost(k).unwrap_or(v0) + to_f64(k) * d;
+            self.expected_tokens(k) / cost.max(1e-12)
+        };
+        let best = (0..=cap)
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
+            .unwrap_or(0);
+        if best == 0 && self.plain_streak >= PROBE_EVERY {
+            return cap.min(2);
+        }
+        best
+    }
+
+    /// Records a round: a draft of `drafted` tokens (0 for a plain step), `accepted` of them
+    /// kept, the target's forward took `verify_s` seconds and drafting `draft_s`.
+    pub fn record(&mut self, drafted: usize, accepted: usize, verify_s: f64, draft_s: f64) {
+        let k = drafted.min(self.n_max);
+        if let Some(slot) = self.verify.get_mut(k) {
+            *slot = Some(slot.map_or(verify_s, |v| v + EMA * (verify_s - v)));
+        }
+        if drafted > 0 {
+            let per = draft_s / to_f64(drafted);
+            self.draft = Some(self.draft.map_or(per, |d| d + EMA * (per - d)));
+            for j in 0..k {
+                self.reached[j] += 1.0;
+                if j < accepted {
+                    self.kept[j] += 1.0;
+                }
+            }
+            self.plain_streak = 0;
+        } else {
+            self.plain_streak += 1;
+        }
+    }
+}
+
+fn to_f64(n: usize) -> f64 {
+    #[allow(clippy::cast_precision_loss, reason = "small counts")]
+    let v = n as f64;
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn drafts_fully_before_measuring_then_follows_the_numbers() {
+        let mut p = Adaptive::new(8);
+        assert_eq!(p.next(100), 8);
+        assert_eq!(p.next(3), 3);
+        assert_eq!(p.next(0), 0);
+        // A cheap drafter that is always right: draft the most.
+        for _ in 0..20 {
+            p.record(8, 8, 0.012, 0.0);
+            p.record(0, 0, 0.010, 0.0);
+        }
+        assert_eq!(p.next(100), 8);
+    }
+
+    #[test]
+    fn stops_drafting_when_nothing_is_accepted_and_probes_later() {
+        let mut p = Adaptive::new(8);
+        for _ in 0..30 {
+            p.record(4, 0, 0.014, 0.002);
+        }
+        p.record(0, 0, 0.010, 0.0);
+        assert_eq!(p.next(100), 0);
+        for _ in 0..PROBE_EVERY {
+            p.record(0, 0, 0.010, 0.0);
+        }
+        assert_eq!(p.next(100), 2);
+    }
+
+    #[test]
+    fn expected_tokens_grow_with_acceptance() {
+        let mut p = Adaptive::new(4);
+        assert!((p.expected_tokens(0) - 1.0).abs() < 1e-12);
+        for _ in 0..100 {
+            p.record(4, 4, 0.01, 0.0);
+        }
+        assert!(p.expected_tokens(4) > 4.5);
+        let v = p.verify_cost(2).unwrap();
+        assert!(v > 0.0);
+    }
+}
