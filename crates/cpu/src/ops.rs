@@ -178,7 +178,10 @@ mod vexp {
     fn exp16(x: __m512) -> __m512 {
         const LN2_HI: f32 = 0.693_145_75;
         const LN2_LO: f32 = 1.428_606_8e-6;
-        let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-150.0)), _mm512_set1_ps(128.0));
+        let x = _mm512_min_ps(
+            _mm512_max_ps(x, _mm512_set1_ps(-150.0)),
+            _mm512_set1_ps(128.0),
+        );
         let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
             _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
         );
@@ -229,18 +232,24 @@ fn gated(
     );
     let cols = gate.cols();
     out.resize(gate.rows(), cols);
-    be.par_rows(out.as_mut_slice(), cols, |r, o| row(o, gate.row(r), up.row(r)));
+    be.par_rows(out.as_mut_slice(), cols, |r, o| {
+        row(o, gate.row(r), up.row(r))
+    });
 }
 
 /// `out = silu(gate) ⊙ up`.
 pub(crate) fn swiglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
     let simd = be.simd_act();
-    gated(be, gate, up, out, "swiglu", |o, g, u| swiglu_row(simd, o, g, u));
+    gated(be, gate, up, out, "swiglu", |o, g, u| {
+        swiglu_row(simd, o, g, u)
+    });
 }
 
 /// `out = gelu_tanh(gate) ⊙ up`.
 pub(crate) fn geglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
-    gated(be, gate, up, out, "geglu", |o, g, u| gated_row(gelu_tanh, o, g, u));
+    gated(be, gate, up, out, "geglu", |o, g, u| {
+        gated_row(gelu_tanh, o, g, u)
+    });
 }
 
 /// `a += b`.

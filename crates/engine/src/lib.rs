@@ -8,8 +8,11 @@
 //!   budget, an end-of-generation token or the context end; returns ids, text and llama.cpp-style
 //!   [`Timings`].
 //!
-//! Speculative rounds (draft, batched verify, rollback) are added on top of these primitives
-//! by the speculative-decoding issue.
+//! - [`Engine::generate_speculative`] — the same with speculative rounds from any
+//!   [`specula_spec::Drafter`] (draft, one batched verify forward, rollback of the rejected
+//!   rows), and [`DraftModel`], a smaller model of the same vocabulary as a drafter.
+
+mod spec;
 
 use std::time::Instant;
 
@@ -54,7 +57,15 @@ pub enum EngineError {
     /// Sampler error.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// A drafter or verifier failed.
+    #[error(transparent)]
+    Spec(specula_spec::SpecError),
+    /// A draft model's vocabulary is not the target's.
+    #[error("the draft model cannot draft for this target: {0}")]
+    Vocab(#[from] VocabMismatch),
 }
+
+pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab};
 
 /// Result alias.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
@@ -175,6 +186,8 @@ pub struct Generation {
     pub timings: Timings,
     /// Whether generation stopped at an end-of-generation token.
     pub stopped_at_eog: bool,
+    /// Drafted and accepted tokens, for a speculative generation.
+    pub spec: Option<specula_spec::SpecStats>,
 }
 
 /// The `k` largest `(id, logit)` pairs, largest first, lowest id first among equals.

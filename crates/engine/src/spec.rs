@@ -1,0 +1,429 @@
+//! The speculative decode loop, and a second model as a drafter.
+//!
+//! Each round drafts up to `k` tokens after the anchor (the last committed token, not yet in
+//! the target's cache), runs `[anchor, d1..dk]` through the target in one forward, keeps what
+//! [`specula_spec::verify::sample_and_match`] accepts plus one token of the target's own, and
+//! rolls the rejected rows back out of the cache. The target's kernels are batch-invariant, so
+//! every verify row has the bits of a one-token decode and greedy output is the plain greedy
+//! output token for token (`tests/spec.rs` checks it for random drafters on a tiny model and
+//! on a real pair). `k` comes from [`specula_spec::policy::Adaptive`] unless fixed.
+
+use std::time::Instant;
+
+use specula_sampling::Sampler;
+use specula_spec::policy::Adaptive;
+use specula_spec::verify::sample_and_match;
+use specula_spec::{DraftParams, Drafter, DrafterState, SpecError, SpecStats};
+use specula_tensor::Backend;
+use specula_tokenizer::{DecodeOptions, Tokenizer};
+
+use crate::{Engine, EngineError, GenerateOptions, Generation, Result, Session, ms, top_k_logits};
+
+/// How a generation drafts.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SpecOptions {
+    /// At most this many draft tokens per round (`--spec-draft-n-max`).
+    pub n_max: usize,
+    /// Drafts shorter than this are not verified (`--spec-draft-n-min`).
+    pub n_min: usize,
+    /// Model drafters stop at a position whose top-1 probability is below this
+    /// (`--spec-draft-p-min`).
+    pub p_min: f32,
+    /// Choose each round's draft length from measured acceptance and costs (else always ask
+    /// for `n_max`).
+    pub adaptive: bool,
+}
+
+impl Default for SpecOptions {
+    fn default() -> Self {
+        Self {
+            n_max: 16,
+            n_min: 0,
+            p_min: 0.75,
+            adaptive: true,
+        }
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// [`Engine::generate`] with speculative rounds from `drafter`: the same tokens for greedy
+    /// sampling, the same distribution otherwise, and the acceptance statistics in
+    /// [`Generation::spec`]. Teacher forcing (`force_ids`) has nothing to speculate on and
+    /// runs [`Engine::generate`].
+    ///
+    /// # Errors
+    /// As [`Engine::generate`], and a drafter's own failures.
+    pub fn generate_speculative(
+        &self,
+        s: &mut Session<B>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        drafter: &mut dyn Drafter,
+        spec: &SpecOptions,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Generation> {
+        if opts.force_ids.is_some() {
+            return self.generate(s, prompt, opts, on_token);
+        }
+        if prompt.is_empty() {
+            return Err(EngineError::EmptyPrompt);
+        }
+        let n_predict = opts.n_predict;
+        let needed = s.n_past + prompt.len() + n_predict;
+        if needed > s.n_ctx {
+            return Err(EngineError::ContextFull {
+                needed,
+                prompt: s.n_past + prompt.len(),
+                predict: n_predict,
+                n_ctx: s.n_ctx,
+            });
+        }
+        self.check_ids(prompt)?;
+        let n_vocab = self.model.hparams().n_vocab;
+        let mut sampler = Sampler::new(opts.sampler, n_vocab)?;
+        for &id in prompt {
+            sampler.accept(id)?;
+        }
+        let mut out = Generation {
+            prompt_ids: prompt.to_vec(),
+            ..Generation::default()
+        };
+        let t0 = Instant::now();
+        // The cache holds everything but the anchor, which opens the first round.
+        let (head, _) = prompt.split_at(prompt.len() - 1);
+        let pos0 = s.n_past;
+        let mut logits = Vec::new();
+        if !head.is_empty() {
+            self.prefill_into(s, head, head.len(), &mut logits)?;
+        }
+        drafter.begin(prompt).map_err(EngineError::Spec)?;
+        if !head.is_empty() {
+            drafter.process(head, pos0).map_err(EngineError::Spec)?;
+        }
+        out.timings.prompt_n = prompt.len();
+        out.timings.prompt_ms = ms(t0);
+
+        let t1 = Instant::now();
+        let mut stats = SpecStats::default();
+        let mut policy = Adaptive::new(spec.n_max);
+        let mut history = prompt.to_vec();
+        let mut batch = Vec::with_capacity(spec.n_max + 1);
+        'rounds: while out.generated_ids.len() < n_predict {
+            let left = n_predict - out.generated_ids.len();
+            // Room for drafts: the context after the anchor, and the budget after the token
+            // the target adds.
+            let room = (s.n_ctx - s.n_past - 1).min(left - 1);
+            let k = if spec.adaptive {
+                policy.next(room)
+            } else {
+                spec.n_max.min(room)
+            };
+            let td = Instant::now();
+            let mut draft = if k > 0 {
+                drafter
+                    .draft(&DraftParams {
+                        history: &history,
+                        n_max: k,
+                        p_min: spec.p_min,
+                    })
+                    .map_err(EngineError::Spec)?
+            } else {
+                Vec::new()
+            };
+            draft.truncate(k);
+            if draft.len() < spec.n_min || draft.iter().any(|&d| d as usize >= n_vocab) {
+                draft.clear();
+            }
+            let draft_s = td.elapsed().as_secs_f64();
+
+            let anchor = *history.last().unwrap_or(&0);
+            batch.clear();
+            batch.push(anchor);
+            batch.extend_from_slice(&draft);
+            let base = s.n_past;
+            let tv = Instant::now();
+            self.prefill_into(s, &batch, 0, &mut logits)?;
+            let verify_s = tv.elapsed().as_secs_f64();
+            drafter.process(&batch, base).map_err(EngineError::Spec)?;
+
+            let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
+                .map_err(EngineError::Spec)?;
+            stats.record(draft.len(), verdict.accepted);
+            policy.record(draft.len(), verdict.accepted, verify_s, draft_s);
+            if !draft.is_empty() {
+                drafter.accept(verdict.accepted);
+            }
+            // The cache keeps the anchor and the accepted drafts.
+            s.truncate(base + 1 + verdict.accepted);
+            for (i, &id) in verdict.tokens.iter().enumerate() {
+                if opts.top_logits > 0 {
+                    let row = &logits[i * n_vocab..(i + 1) * n_vocab];
+                    out.top_logits.push(top_k_logits(row, opts.top_logits));
+                }
+                out.generated_ids.push(id);
+                history.push(id);
+                on_token(id);
+                if opts.stop_at_eog && self.tokenizer.is_eog(id) {
+                    out.stopped_at_eog = true;
+                    break 'rounds;
+                }
+                if out.generated_ids.len() == n_predict {
+                    break 'rounds;
+                }
+            }
+        }
+        out.timings.predicted_n = out.generated_ids.len();
+        out.timings.predicted_ms = ms(t1);
+        out.text = self.tokenizer.decode(
+            &out.generated_ids,
+            DecodeOptions {
+                remove_special: false,
+                render_special: false,
+            },
+        );
+        out.spec = Some(stats);
+        Ok(out)
+    }
+}
+
+/// Why a draft model cannot draft for a target.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum VocabMismatch {
+    /// Different tokenizer families.
+    #[error("the draft's vocabulary is {draft}, the target's {target}")]
+    Kind {
+        /// The target's.
+        target: String,
+        /// The draft's.
+        draft: String,
+    },
+    /// Vocabulary sizes further apart than llama.cpp allows (128).
+    #[error("the draft has {draft} tokens, the target {target} (more than 128 apart)")]
+    Size {
+        /// The target's.
+        target: usize,
+        /// The draft's.
+        draft: usize,
+    },
+    /// A token that means different things.
+    #[error("token {id} is `{draft}` in the draft but `{target}` in the target")]
+    Token {
+        /// The id.
+        id: u32,
+        /// The target's text.
+        target: String,
+        /// The draft's text.
+        draft: String,
+    },
+    /// Different special tokens.
+    #[error("the draft's {what} token is {draft:?}, the target's {target:?}")]
+    Special {
+        /// Which one (`BOS`, `EOS`).
+        what: &'static str,
+        /// The target's.
+        target: Option<u32>,
+        /// The draft's.
+        draft: Option<u32>,
+    },
+}
+
+/// Whether a draft model's tokens mean the target's (llama.cpp's rules for `draft-simple`:
+/// same vocabulary type, same BOS/EOS, sizes within 128, identical texts from id 5 on).
+///
+/// # Errors
+/// The first difference found.
+pub fn check_vocab(
+    target: &Tokenizer,
+    draft: &Tokenizer,
+) -> std::result::Result<(), VocabMismatch> {
+    if target.kind() != draft.kind() {
+        return Err(VocabMismatch::Kind {
+            target: format!("{:?}", target.kind()),
+            draft: format!("{:?}", draft.kind()),
+        });
+    }
+    let (nt, nd) = (target.n_tokens(), draft.n_tokens());
+    if nt.abs_diff(nd) > 128 {
+        return Err(VocabMismatch::Size {
+            target: nt,
+            draft: nd,
+        });
+    }
+    let (st, sd) = (target.special_tokens(), draft.special_tokens());
+    for (what, t, d) in [("BOS", st.bos, sd.bos), ("EOS", st.eos, sd.eos)] {
+        if t != d {
+            return Err(VocabMismatch::Special {
+                what,
+                target: t,
+                draft: d,
+            });
+        }
+    }
+    for id in 5..u32::try_from(nt.min(nd)).unwrap_or(u32::MAX) {
+        let (t, d) = (target.token_text(id), draft.token_text(id));
+        if t != d {
+            return Err(VocabMismatch::Token {
+                id,
+                target: t.unwrap_or("").to_owned(),
+                draft: d.unwrap_or("").to_owned(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// A smaller model of the same vocabulary as a drafter (llama.cpp's `draft-simple`): it keeps
+/// its own cache in step with the committed history (only the part that changed is run again)
+/// and drafts greedily, stopping where its top-1 probability falls below `p_min`.
+pub struct DraftModel<B: Backend> {
+    engine: Engine<B>,
+    session: Session<B>,
+    /// The tokens in the draft cache, in order.
+    cached: Vec<u32>,
+    logits: Vec<f32>,
+}
+
+impl<B: Backend> std::fmt::Debug for DraftModel<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DraftModel")
+            .field("engine", &self.engine)
+            .field("cached", &self.cached.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> DraftModel<B> {
+    /// A drafter from `engine` with its own session of `n_ctx` cells; `target` is the
+    /// tokenizer of the model it drafts for.
+    ///
+    /// # Errors
+    /// [`EngineError::Vocab`] when the vocabularies differ; errors making the session.
+    pub fn new(
+        engine: Engine<B>,
+        target: &Tokenizer,
+        n_ctx: usize,
+        k_type: specula_tensor::QType,
+        v_type: specula_tensor::QType,
+    ) -> Result<Self> {
+        check_vocab(target, &engine.tokenizer)?;
+        let session = engine.session(n_ctx, k_type, v_type)?;
+        Ok(Self {
+            engine,
+            session,
+            cached: Vec::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    fn err(e: &EngineError) -> SpecError {
+        SpecError::Drafter {
+            drafter: "draft-simple",
+            message: e.to_string(),
+        }
+    }
+
+    /// Brings the cache to `tokens` (rerunning only what differs) and returns the logits of
+    /// the last one.
+    fn sync(&mut self, tokens: &[u32]) -> std::result::Result<(), SpecError> {
+        let common = self
+            .cached
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count()
+            // The last token is always run: its logits start the draft.
+            .min(tokens.len().saturating_sub(1));
+        self.session.truncate(common);
+        self.cached.truncate(common);
+        let feed = &tokens[common..];
+        self.engine
+            .prefill_into(&mut self.session, feed, feed.len() - 1, &mut self.logits)
+            .map_err(|e| Self::err(&e))?;
+        self.cached.extend_from_slice(feed);
+        Ok(())
+    }
+}
+
+/// The argmax (lowest id among equals) and its softmax probability.
+fn top1(logits: &[f32]) -> (u32, f32) {
+    let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
+    for (i, &x) in logits.iter().enumerate() {
+        if x > max {
+            (best, max) = (i, x);
+        }
+    }
+    let sum: f64 = logits.iter().map(|&x| f64::from((x - max).exp())).sum();
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "a probability in [0, 1] as f32"
+    )]
+    let p = (1.0 / sum) as f32;
+    (u32::try_from(best).unwrap_or(0), p)
+}
+
+impl<B: Backend> Drafter for DraftModel<B> {
+    fn name(&self) -> &'static str {
+        "draft-simple"
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> std::result::Result<(), SpecError> {
+        self.session.truncate(0);
+        self.cached.clear();
+        // Everything but the anchor, as the target holds it; too long a prompt for the draft
+        // context leaves the cache empty and the drafter idle.
+        let head = &prompt[..prompt.len().saturating_sub(1)];
+        if !head.is_empty() && head.len() < self.session.n_ctx() {
+            self.engine
+                .prefill_into(&mut self.session, head, head.len(), &mut self.logits)
+                .map_err(|e| Self::err(&e))?;
+            self.cached.extend_from_slice(head);
+        }
+        Ok(())
+    }
+
+    fn draft(&mut self, p: &DraftParams<'_>) -> std::result::Result<Vec<u32>, SpecError> {
+        let n_ctx = self.session.n_ctx();
+        if p.history.is_empty() || p.history.len() + 1 > n_ctx || p.n_max == 0 {
+            return Ok(Vec::new());
+        }
+        self.sync(p.history)?;
+        let mut out = Vec::with_capacity(p.n_max);
+        loop {
+            let (tok, prob) = top1(&self.logits);
+            if prob < p.p_min {
+                break;
+            }
+            out.push(tok);
+            if out.len() == p.n_max || self.session.n_past() + 1 >= n_ctx {
+                break;
+            }
+            self.engine
+                .prefill_into(&mut self.session, &[tok], 0, &mut self.logits)
+                .map_err(|e| Self::err(&e))?;
+            self.cached.push(tok);
+        }
+        Ok(out)
+    }
+
+    fn state(&self) -> DrafterState {
+        // The cache follows the history by itself (`sync`); the tokens are the state.
+        Box::new(self.cached.clone())
+    }
+
+    fn restore(&mut self, state: &DrafterState) -> std::result::Result<(), SpecError> {
+        let tokens = state
+            .downcast_ref::<Vec<u32>>()
+            .ok_or(SpecError::ForeignState("draft-simple"))?;
+        // Keep the cache's common prefix; the next draft runs the rest.
+        let common = self
+            .cached
+            .iter()
+            .zip(tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.session.truncate(common);
+        self.cached.truncate(common);
+        Ok(())
+    }
+}

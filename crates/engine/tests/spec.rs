@@ -1,0 +1,374 @@
+//! Speculative decoding is lossless: on a tiny random llama with quantized weights (Q8_0 and
+//! Q4_0, so the packed micro-kernels and lane kernels run), greedy speculative output equals
+//! plain greedy output token for token for any drafter — random, adversarial, the target itself
+//! as a draft model, truncated — across draft lengths 1..16, `p_min`, a context that is exactly
+//! full, and an end-of-generation token inside an accepted block. Sampled runs repeat with the
+//! same seed. Also: the statistics add up, and mismatched vocabularies are refused by name.
+
+use std::sync::Arc;
+
+use proptest::prelude::*;
+use specula_cpu::CpuBackend;
+use specula_engine::{
+    DraftModel, Engine, GenerateOptions, SpecOptions, VocabMismatch, check_vocab,
+};
+use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
+use specula_models::Model;
+use specula_quant::QType;
+use specula_sampling::SamplerParams;
+use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_tokenizer::Tokenizer;
+
+const N_VOCAB: usize = 256;
+const N_EMBD: usize = 64;
+const N_FF: usize = 128;
+const N_HEAD: usize = 4;
+const N_HEAD_KV: usize = 2;
+const HEAD_DIM: usize = 16;
+const N_LAYER: usize = 2;
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `x mod n` as an index.
+fn pick(x: u64, n: usize) -> usize {
+    usize::try_from(x % n as u64).unwrap()
+}
+
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let z = splitmix64(seed.wrapping_mul(1_000_003) ^ i);
+            let u = f32::from(u16::try_from(z >> 48).unwrap()) / 65_536.0;
+            (u - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+/// GPT-2's byte alphabet as the 256 token texts.
+fn byte_symbols() -> Vec<String> {
+    let mut n = 0u32;
+    (0u8..=255)
+        .map(|b| {
+            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+                char::from(b).to_string()
+            } else {
+                n += 1;
+                char::from_u32(255 + n).unwrap().to_string()
+            }
+        })
+        .collect()
+}
+
+/// A tiny llama GGUF with random weights (`seed`), its end-of-generation token `eos` and,
+/// when `rename` is set, token 7 renamed (to test the vocabulary check).
+fn tiny(seed: u64, eos: u32, rename: bool) -> Vec<u8> {
+    let u = |v: usize| Value::U32(u32::try_from(v).unwrap());
+    let mut w = GgufWriter::new();
+    let mut tokens = byte_symbols();
+    if rename {
+        tokens[7] = "renamed".into();
+    }
+    let md: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("llama".into())),
+        ("llama.block_count", u(N_LAYER)),
+        ("llama.context_length", u(512)),
+        ("llama.embedding_length", u(N_EMBD)),
+        ("llama.feed_forward_length", u(N_FF)),
+        ("llama.attention.head_count", u(N_HEAD)),
+        ("llama.attention.head_count_kv", u(N_HEAD_KV)),
+        ("llama.rope.freq_base", Value::F32(10_000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", Value::F32(1e-5)),
+        ("llama.rope.dimension_count", u(HEAD_DIM)),
+        ("llama.vocab_size", u(N_VOCAB)),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("default".into())),
+        ("tokenizer.ggml.tokens", Value::Array(Array::String(tokens))),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(Array::I32(vec![1; N_VOCAB])),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            Value::Array(Array::String(vec!["a b".into()])),
+        ),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(eos)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+    ];
+    for (k, v) in md {
+        w.add(k, v).unwrap();
+    }
+    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let mut t: Vec<(String, QType, usize, usize)> = vec![
+        ("token_embd.weight".into(), QType::Q8_0, N_EMBD, N_VOCAB),
+        ("output_norm.weight".into(), QType::F32, N_EMBD, 1),
+        ("output.weight".into(), QType::Q8_0, N_EMBD, N_VOCAB),
+    ];
+    for l in 0..N_LAYER {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        t.extend([
+            (n("attn_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("ffn_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("attn_q.weight"), QType::Q8_0, N_EMBD, q),
+            (n("attn_k.weight"), QType::Q4_0, N_EMBD, kv),
+            (n("attn_v.weight"), QType::Q8_0, N_EMBD, kv),
+            (n("attn_output.weight"), QType::Q4_0, q, N_EMBD),
+            (n("ffn_gate.weight"), QType::Q4_0, N_EMBD, N_FF),
+            (n("ffn_up.weight"), QType::Q8_0, N_EMBD, N_FF),
+            (n("ffn_down.weight"), QType::Q4_0, N_FF, N_EMBD),
+        ]);
+    }
+    let mut data = Vec::new();
+    for (i, (name, ty, n_in, n_out)) in t.iter().enumerate() {
+        let vector = *n_out == 1;
+        let dims: Vec<u64> = if vector {
+            vec![*n_in as u64]
+        } else {
+            vec![*n_in as u64, *n_out as u64]
+        };
+        let ggml = GgmlType::from_id(ty.ggml_id().unwrap()).unwrap();
+        w.add_tensor(name.as_str(), ggml, &dims).unwrap();
+        let x = if vector {
+            values(seed + i as u64, *n_in, 0.2)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect()
+        } else {
+            values(seed + i as u64, n_in * n_out, 0.6)
+        };
+        let rb = ty.row_bytes(*n_in).unwrap();
+        let mut bytes = vec![0u8; rb * n_out];
+        for (row, b) in x.chunks_exact(*n_in).zip(bytes.chunks_exact_mut(rb)) {
+            specula_quant::quantize_row(*ty, row, b).unwrap();
+        }
+        data.push(bytes);
+    }
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    w.to_vec(&refs).unwrap()
+}
+
+fn engine(bytes: Vec<u8>) -> Engine<CpuBackend> {
+    let file = Arc::new(Gguf::from_bytes(bytes).unwrap());
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let be = CpuBackend::new(2);
+    let model = Model::load(&be, file).unwrap();
+    Engine::new(be, model, tokenizer)
+}
+
+fn greedy(n_predict: usize, stop_at_eog: bool) -> GenerateOptions {
+    GenerateOptions {
+        n_predict,
+        sampler: SamplerParams::greedy(),
+        force_ids: None,
+        top_logits: 0,
+        stop_at_eog,
+    }
+}
+
+/// A drafter driven by a closure of (history, n_max, round).
+struct Scripted<F: FnMut(&[u32], usize, usize) -> Vec<u32>> {
+    f: F,
+    round: usize,
+}
+
+impl<F: FnMut(&[u32], usize, usize) -> Vec<u32>> Drafter for Scripted<F> {
+    fn name(&self) -> &'static str {
+        "scripted"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+        self.round = 0;
+        Ok(())
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.round += 1;
+        Ok((self.f)(p.history, p.n_max, self.round))
+    }
+    fn state(&self) -> DrafterState {
+        Box::new(self.round)
+    }
+    fn restore(&mut self, s: &DrafterState) -> Result<(), SpecError> {
+        self.round = *s
+            .downcast_ref::<usize>()
+            .ok_or(SpecError::ForeignState("scripted"))?;
+        Ok(())
+    }
+}
+
+fn plain(e: &Engine<CpuBackend>, prompt: &[u32], opts: &GenerateOptions, n_ctx: usize) -> Vec<u32> {
+    let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    e.generate(&mut s, prompt, opts, |_| {})
+        .unwrap()
+        .generated_ids
+}
+
+fn speculative(
+    e: &Engine<CpuBackend>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    n_ctx: usize,
+    drafter: &mut dyn Drafter,
+    spec: &SpecOptions,
+) -> specula_engine::Generation {
+    let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    e.generate_speculative(&mut s, prompt, opts, drafter, spec, |_| {})
+        .unwrap()
+}
+
+const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100];
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    #[test]
+    fn greedy_speculation_equals_plain_greedy_for_any_drafter(
+        kind in 0usize..4,
+        n_max in 1usize..=16,
+        seed in any::<u64>(),
+        adaptive in any::<bool>(),
+        p_min in prop::sample::select(vec![0.0f32, 0.5, 0.9]),
+    ) {
+        let e = engine(tiny(11, 0, false));
+        let n = 40;
+        let opts = greedy(n, false);
+        // A context exactly as large as prompt + budget: the draft length must shrink to 0.
+        let n_ctx = PROMPT.len() + n;
+        let want = plain(&e, PROMPT, &opts, n_ctx);
+        let spec = SpecOptions { n_max, n_min: 0, p_min, adaptive };
+        let got = match kind {
+            // Random tokens.
+            0 => {
+                let mut d = Scripted { f: |_: &[u32], k: usize, r: usize| {
+                    (0..k).map(|i| (splitmix64(seed ^ (r * 64 + i) as u64) % 256) as u32).collect()
+                }, round: 0 };
+                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+            }
+            // Adversarial: the true continuation, with one token changed at a random place.
+            1 => {
+                let truth = want.clone();
+                let mut d = Scripted { f: move |h: &[u32], k: usize, r: usize| {
+                    let at = h.len() - PROMPT.len();
+                    let mut v: Vec<u32> = truth.iter().skip(at).take(k).copied().collect();
+                    if !v.is_empty() {
+                        let i = pick(splitmix64(seed ^ r as u64), v.len());
+                        v[i] = (v[i] + 1) % 256;
+                    }
+                    v
+                }, round: 0 };
+                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+            }
+            // The target itself as the draft model (accepts everything it drafts).
+            2 => {
+                let mut d = DraftModel::new(engine(tiny(11, 0, false)), &e.tokenizer, n_ctx, QType::F16, QType::F16).unwrap();
+                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+            }
+            // Another random model as draft, its drafts truncated at random.
+            _ => {
+                let mut inner = DraftModel::new(engine(tiny(99, 0, false)), &e.tokenizer, n_ctx, QType::F16, QType::F16).unwrap();
+                let mut d = Scripted { f: move |h: &[u32], k: usize, r: usize| {
+                    let mut v = inner.draft(&DraftParams { history: h, n_max: k, p_min: 0.0 }).unwrap();
+                    v.truncate(pick(splitmix64(seed ^ r as u64), k + 1));
+                    v
+                }, round: 0 };
+                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+            }
+        };
+        prop_assert_eq!(&got.generated_ids, &want);
+        let st = got.spec.unwrap();
+        prop_assert!(st.accepted <= st.drafted);
+        prop_assert_eq!(st.accepted_at.iter().sum::<usize>(), st.accepted);
+    }
+}
+
+#[test]
+fn a_self_draft_is_accepted_whole_and_eos_inside_a_block_stops_there() {
+    let e = engine(tiny(11, 0, false));
+    let want = plain(&e, PROMPT, &greedy(40, false), 256);
+    // Make the 9th generated token the end-of-generation token.
+    let eos = want[8];
+    let first = want.iter().position(|&t| t == eos).unwrap();
+    let e = engine(tiny(11, eos, false));
+    let opts = greedy(40, true);
+    let want = plain(&e, PROMPT, &opts, 256);
+    assert_eq!(want.len(), first + 1);
+    let mut d = DraftModel::new(
+        engine(tiny(11, eos, false)),
+        &e.tokenizer,
+        256,
+        QType::F16,
+        QType::F16,
+    )
+    .unwrap();
+    let spec = SpecOptions {
+        n_max: 8,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    let got = speculative(&e, PROMPT, &opts, 256, &mut d, &spec);
+    assert_eq!(got.generated_ids, want);
+    assert!(got.stopped_at_eog);
+    let st = got.spec.unwrap();
+    // The target drafting for itself: every drafted token accepted.
+    assert_eq!(st.accepted, st.drafted);
+    assert!(st.rounds >= 1 && st.mean_accept_len() > 2.0, "{st:?}");
+}
+
+#[test]
+fn seeded_sampled_speculation_repeats() {
+    let e = engine(tiny(11, 0, false));
+    let opts = GenerateOptions {
+        n_predict: 30,
+        sampler: SamplerParams {
+            temperature: 0.9,
+            seed: 5,
+            ..SamplerParams::default()
+        },
+        force_ids: None,
+        top_logits: 0,
+        stop_at_eog: false,
+    };
+    let spec = SpecOptions {
+        n_max: 4,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    let run = || {
+        let mut d = DraftModel::new(
+            engine(tiny(99, 0, false)),
+            &e.tokenizer,
+            256,
+            QType::F16,
+            QType::F16,
+        )
+        .unwrap();
+        speculative(&e, PROMPT, &opts, 256, &mut d, &spec).generated_ids
+    };
+    assert_eq!(run(), run());
+}
+
+#[test]
+fn a_draft_model_of_another_vocabulary_is_refused_by_name() {
+    let e = engine(tiny(11, 0, false));
+    let other = engine(tiny(11, 0, true));
+    assert_eq!(
+        check_vocab(&e.tokenizer, &other.tokenizer),
+        Err(VocabMismatch::Token {
+            id: 7,
+            target: byte_symbols()[7].clone(),
+            draft: "renamed".into(),
+        })
+    );
+    let other = engine(tiny(11, 3, false));
+    assert!(matches!(
+        check_vocab(&e.tokenizer, &other.tokenizer),
+        Err(VocabMismatch::Special { what: "EOS", .. })
+    ));
+    let err = DraftModel::new(other, &e.tokenizer, 64, QType::F16, QType::F16).unwrap_err();
+    assert!(err.to_string().contains("EOS"), "{err}");
+}
