@@ -43,8 +43,39 @@ enum Command {
     Tokenize(tokenize::Args),
 }
 
+/// llama.cpp's multi-letter single-dash flags, as the long flags clap knows.
+const LLAMA_SHORT: &[(&str, &str)] = &[
+    ("-md", "--model-draft"),
+    ("-cd", "--ctx-size-draft"),
+    ("-td", "--threads-draft"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
+    ("-ctkd", "--cache-type-k-draft"),
+    ("-ctvd", "--cache-type-v-draft"),
+];
+
+/// The arguments with llama.cpp's multi-letter single-dash flags (`-md FILE`, `-ctk q8_0`,
+/// also `-ctk=q8_0`) spelled as long flags.
+fn llama_args(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    args.map(|a| {
+        let Some(s) = a.to_str() else { return a };
+        let (flag, value) = match s.split_once('=') {
+            Some((f, v)) => (f, Some(v)),
+            None => (s, None),
+        };
+        match LLAMA_SHORT.iter().find(|(short, _)| *short == flag) {
+            Some((_, long)) => match value {
+                Some(v) => format!("{long}={v}").into(),
+                None => (*long).into(),
+            },
+            None => a,
+        }
+    })
+    .collect()
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(llama_args(std::env::args_os()));
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
@@ -72,5 +103,30 @@ fn emit(out: &str) -> anyhow::Result<()> {
     {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn llama_multi_letter_flags_become_long_flags() {
+        let args = ["specula", "run", "-md", "d.gguf", "-ctk=q8_0", "-m", "t.gguf", "-cd", "64"];
+        let got = llama_args(args.iter().map(std::ffi::OsString::from));
+        let want = [
+            "specula",
+            "run",
+            "--model-draft",
+            "d.gguf",
+            "--cache-type-k=q8_0",
+            "-m",
+            "t.gguf",
+            "--ctx-size-draft",
+            "64",
+        ];
+        assert_eq!(got, want.map(std::ffi::OsString::from));
+        let cli = Cli::try_parse_from(got).unwrap();
+        assert!(matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.ctx_size_draft == 64));
     }
 }

@@ -4,7 +4,10 @@ use std::io::Write as _;
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use specula_engine::{GenerateOptions, Timings};
+use clap::ValueEnum as _;
+use specula_engine::{DraftModel, GenerateOptions, SpecOptions, Timings};
+use specula_spec::ngram::{NgramCache, NgramSimple};
+use specula_spec::{Drafter, SpecStats};
 use specula_sampling::SamplerParams;
 use specula_tokenizer::{ChatMessage, EncodeOptions};
 
@@ -73,6 +76,54 @@ pub struct Args {
     /// Do not stop at end-of-generation tokens.
     #[arg(long = "ignore-eos")]
     pub ignore_eos: bool,
+    /// Draft model (GGUF file or manifest name) for speculative decoding.
+    #[arg(long = "model-draft", visible_alias = "md")]
+    pub model_draft: Option<String>,
+    /// Speculative method; default: `draft-simple` with `-md`, else `ngram-simple`.
+    #[arg(long = "spec-type", value_enum)]
+    pub spec_type: Option<SpecType>,
+    /// Most draft tokens per round.
+    #[arg(long = "spec-draft-n-max", visible_alias = "draft-max", default_value_t = 16)]
+    pub spec_n_max: usize,
+    /// Drafts shorter than this are not verified.
+    #[arg(long = "spec-draft-n-min", visible_alias = "draft-min", default_value_t = 0)]
+    pub spec_n_min: usize,
+    /// A draft model stops where its top-1 probability falls below this.
+    #[arg(long = "spec-draft-p-min", visible_alias = "draft-p-min", default_value_t = 0.75)]
+    pub spec_p_min: f32,
+    /// Always ask for `--spec-draft-n-max` tokens instead of choosing each round's draft
+    /// length from measured acceptance and costs.
+    #[arg(long = "spec-fixed")]
+    pub spec_fixed: bool,
+    /// Context size of the draft model (0 = as -c).
+    #[arg(long = "ctx-size-draft", visible_alias = "cd", default_value_t = 0)]
+    pub ctx_size_draft: usize,
+    /// Threads of the draft model (0 = as -t).
+    #[arg(long = "threads-draft", visible_alias = "td", default_value_t = 0)]
+    pub threads_draft: usize,
+    /// K cache type of the draft model.
+    #[arg(long = "cache-type-k-draft", visible_alias = "ctkd", default_value = "f16")]
+    pub cache_type_k_draft: String,
+    /// V cache type of the draft model.
+    #[arg(long = "cache-type-v-draft", visible_alias = "ctvd", default_value = "f16")]
+    pub cache_type_v_draft: String,
+}
+
+/// `--spec-type` (llama.cpp's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecType {
+    /// No speculation.
+    None,
+    /// A draft model (`-md`).
+    DraftSimple,
+    /// Prompt lookup: continue the most recent earlier match of the last tokens.
+    NgramSimple,
+    /// Frequent continuations of the last tokens seen so far.
+    NgramCache,
+    /// An EAGLE-3 head (`-md`).
+    DraftEagle3,
+    /// A DFlash block drafter (`-md`).
+    DraftDflash,
 }
 
 #[derive(Serialize)]
@@ -81,17 +132,36 @@ struct JsonTimings {
     prompt_ms: f64,
     predicted_n: usize,
     predicted_ms: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_n: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_n_accepted: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_rounds: Option<usize>,
 }
 
-impl From<Timings> for JsonTimings {
-    fn from(t: Timings) -> Self {
+impl JsonTimings {
+    fn new(t: Timings, spec: Option<&SpecStats>) -> Self {
         Self {
             prompt_n: t.prompt_n,
             prompt_ms: t.prompt_ms,
             predicted_n: t.predicted_n,
             predicted_ms: t.predicted_ms,
+            draft_n: spec.map(|s| s.drafted),
+            draft_n_accepted: spec.map(|s| s.accepted),
+            draft_rounds: spec.map(|s| s.rounds),
         }
     }
+}
+
+/// The speculative details of a run.
+#[derive(Serialize)]
+struct JsonSpec {
+    #[serde(rename = "type")]
+    kind: String,
+    mean_accept_len: f64,
+    acceptance: f64,
+    accept_by_position: Vec<f64>,
 }
 
 #[derive(Serialize)]
@@ -103,6 +173,8 @@ struct JsonOut {
     timings: JsonTimings,
     #[serde(skip_serializing_if = "Option::is_none")]
     top_logits: Option<Vec<Vec<(u32, f32)>>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spec: Option<JsonSpec>,
 }
 
 /// Runs `specula run`; streams text to stdout (or returns the JSON).
@@ -178,12 +250,19 @@ pub fn run(args: &Args) -> Result<String> {
         stop_at_eog: !args.ignore_eos,
     };
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
+    let (kind, mut drafter) = drafter(args, &engine)?;
+    let spec = SpecOptions {
+        n_max: args.spec_n_max,
+        n_min: args.spec_n_min,
+        p_min: args.spec_p_min,
+        adaptive: !args.spec_fixed,
+    };
 
     let stream = !args.json;
     let mut stdout = std::io::stdout();
     let mut pending: Vec<u8> = Vec::new();
     let tokenizer = &engine.tokenizer;
-    let out = engine.generate(&mut session, &prompt_ids, &opts, |id| {
+    let on_token = |id| {
         if stream {
             // Print each token's bytes as soon as they form whole UTF-8 characters; a
             // character split across tokens waits for its last byte.
@@ -196,7 +275,11 @@ pub fn run(args: &Args) -> Result<String> {
             let _ = stdout.flush();
             pending.drain(..valid);
         }
-    })?;
+    };
+    let out = match drafter.as_deref_mut() {
+        Some(d) => engine.generate_speculative(&mut session, &prompt_ids, &opts, d, &spec, on_token)?,
+        None => engine.generate(&mut session, &prompt_ids, &opts, on_token)?,
+    };
     if stream {
         let t = out.timings;
         eprintln!(
@@ -208,6 +291,16 @@ pub fn run(args: &Args) -> Result<String> {
             t.predicted_ms,
             per_second(t.predicted_n, t.predicted_ms)
         );
+        if let Some(st) = &out.spec {
+            eprintln!(
+                "speculative ({kind}): {} drafted, {} accepted ({:.1} %), {} rounds, mean accepted length {:.2}",
+                st.drafted,
+                st.accepted,
+                100.0 * st.acceptance(),
+                st.rounds,
+                st.mean_accept_len()
+            );
+        }
         return Ok(String::from("\n"));
     }
     let json = JsonOut {
@@ -215,12 +308,76 @@ pub fn run(args: &Args) -> Result<String> {
         prompt_ids: out.prompt_ids,
         generated_ids: out.generated_ids,
         text: out.text,
-        timings: out.timings.into(),
+        timings: JsonTimings::new(out.timings, out.spec.as_ref()),
         top_logits: (args.top_logits > 0).then_some(out.top_logits),
+        spec: out.spec.as_ref().map(|st| JsonSpec {
+            kind: kind.clone(),
+            mean_accept_len: st.mean_accept_len(),
+            acceptance: st.acceptance(),
+            accept_by_position: st.acceptance_by_position(),
+        }),
     };
     let mut s = serde_json::to_string(&json)?;
     s.push('\n');
     Ok(s)
+}
+
+/// The drafter the flags ask for (`None`: no speculation), with its `--spec-type` name.
+fn drafter(
+    args: &Args,
+    target: &specula_engine::Engine<specula_cpu::CpuBackend>,
+) -> Result<(String, Option<Box<dyn Drafter>>)> {
+    if args.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
+        bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
+    }
+    if !(0.0..=1.0).contains(&args.spec_p_min) {
+        bail!("--spec-draft-p-min must be in [0, 1], got {}", args.spec_p_min);
+    }
+    let kind = match (args.spec_type, &args.model_draft) {
+        (Some(t), _) => t,
+        (None, Some(_)) => SpecType::DraftSimple,
+        (None, None) => SpecType::NgramSimple,
+    };
+    let needs_model = matches!(
+        kind,
+        SpecType::DraftSimple | SpecType::DraftEagle3 | SpecType::DraftDflash
+    );
+    if needs_model != args.model_draft.is_some() {
+        bail!(
+            "--spec-type {} {}",
+            kind.to_possible_value().map_or_else(String::new, |v| v.get_name().to_owned()),
+            if needs_model { "needs a draft model (-md FILE)" } else { "takes no draft model (-md)" }
+        );
+    }
+    let name = kind
+        .to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_owned());
+    let drafter: Option<Box<dyn Drafter>> = match kind {
+        SpecType::None => None,
+        SpecType::NgramSimple => Some(Box::new(NgramSimple::default())),
+        SpecType::NgramCache => Some(Box::new(NgramCache::default())),
+        SpecType::DraftEagle3 | SpecType::DraftDflash => {
+            bail!("--spec-type {name} is not available yet: EAGLE-3 and DFlash drafters come with the next release; use draft-simple or an n-gram type")
+        }
+        SpecType::DraftSimple => {
+            let path = load::model_path(args.model_draft.as_deref())?;
+            let threads = if args.threads_draft == 0 { args.threads } else { args.threads_draft };
+            let mut draft = load::cpu_engine(&path, threads)?;
+            draft.n_batch = args.batch_size;
+            let arch = draft.model.hparams().arch;
+            let n_ctx = if args.ctx_size_draft == 0 { args.ctx_size } else { args.ctx_size_draft };
+            let d = DraftModel::new(
+                draft,
+                &target.tokenizer,
+                n_ctx,
+                load::cache_type(&args.cache_type_k_draft)?,
+                load::cache_type(&args.cache_type_v_draft)?,
+            )
+            .with_context(|| format!("cannot use {} ({arch:?}) as the draft model", path.display()))?;
+            Some(Box::new(d))
+        }
+    };
+    Ok((name, drafter))
 }
 
 #[allow(clippy::cast_precision_loss, reason = "token counts are small")]
