@@ -12,6 +12,9 @@
 /// Plain steps between two probe drafts while drafting does not pay.
 pub const PROBE_EVERY: usize = 16;
 
+/// Length of a probe draft.
+pub const PROBE_LEN: usize = 2;
+
 /// Weight of a new measurement in the cost averages.
 const EMA: f64 = 0.2;
 
@@ -105,9 +108,14 @@ impl Adaptive {
             return 0;
         }
         let Some(v0) = self.verify_cost(0) else {
-            // Nothing measured: draft as much as allowed and learn.
-            return cap;
+            // Nothing measured: a short draft, cheap to verify whatever the costs turn out
+            // to be, starts the measurements.
+            return cap.min(PROBE_LEN);
         };
+        if self.verify.iter().skip(1).all(Option::is_none) {
+            // Only plain steps measured: probe.
+            return cap.min(PROBE_LEN);
+        }
         let d = self.draft.unwrap_or(0.0);
         let rate = |k: usize| {
             let cost = self.verify_cost(k).unwrap_or(v0) + to_f64(k) * d;
@@ -117,7 +125,7 @@ impl Adaptive {
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
             .unwrap_or(0);
         if best == 0 && self.plain_streak >= PROBE_EVERY {
-            return cap.min(2);
+            return cap.min(PROBE_LEN);
         }
         best
     }
@@ -158,8 +166,8 @@ mod tests {
     #[test]
     fn drafts_fully_before_measuring_then_follows_the_numbers() {
         let mut p = Adaptive::new(8);
-        assert_eq!(p.next(100), 8);
-        assert_eq!(p.next(3), 3);
+        assert_eq!(p.next(100), PROBE_LEN);
+        assert_eq!(p.next(1), 1);
         assert_eq!(p.next(0), 0);
         // A cheap drafter that is always right: draft the most.
         for _ in 0..20 {
