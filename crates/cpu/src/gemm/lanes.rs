@@ -36,6 +36,9 @@ pub(crate) enum Fmt {
     Q5_0,
     Q5_1,
     Q8_0,
+    /// Super-blocks of 256 with packed 6-bit scales: its own packer and kernel
+    /// ([`pack_group_q4k`], [`run_q4k`]).
+    Q4K,
 }
 
 impl Fmt {
@@ -47,6 +50,7 @@ impl Fmt {
             QType::Q5_0 => Self::Q5_0,
             QType::Q5_1 => Self::Q5_1,
             QType::Q8_0 => Self::Q8_0,
+            QType::Q4_K => Self::Q4K,
             _ => return None,
         })
     }
@@ -59,6 +63,7 @@ impl Fmt {
             Self::Q5_0 => 22,
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
+            Self::Q4K => Q4K_BYTES,
         }
     }
 
@@ -84,7 +89,7 @@ impl Fmt {
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
             Self::Q8_0 => 128,
-            Self::Q4_1 | Self::Q5_1 => 0,
+            Self::Q4_1 | Self::Q5_1 | Self::Q4K => 0,
         }
     }
 
@@ -209,6 +214,8 @@ pub(crate) unsafe fn run<const NR: usize>(
         Fmt::Q5_0 => kernel::<NR, 2>(group, nb, a, sums),
         Fmt::Q5_1 => kernel::<NR, 3>(group, nb, a, sums),
         Fmt::Q8_0 => kernel::<NR, 4>(group, nb, a, sums),
+        // SAFETY: the caller's CPU runs these kernels.
+        Fmt::Q4K => unsafe { run_q4k::<NR>(group, nb, a) },
     }
 }
 
@@ -301,7 +308,7 @@ fn kernel<const NR: usize, const F: u8>(
                 Fmt::Q8_0 => _mm512_mul_ps(s, _mm512_mul_ps(dw, da)),
                 Fmt::Q4_0 => _mm512_mul_ps(_mm512_mul_ps(s, dw), da),
                 Fmt::Q5_0 => _mm512_mul_ps(_mm512_mul_ps(dw, da), s),
-                Fmt::Q4_1 | Fmt::Q5_1 => {
+                Fmt::Q4_1 | Fmt::Q5_1 | Fmt::Q4K => {
                     let sa = _mm512_set1_ps(half(a[j], b * ab + 2));
                     _mm512_add_ps(
                         _mm512_mul_ps(_mm512_mul_ps(dw, da), s),
@@ -309,6 +316,182 @@ fn kernel<const NR: usize, const F: u8>(
                     )
                 }
             };
+            sumf[j] = _mm512_add_ps(sumf[j], t);
+        }
+    }
+    let mut out = [[0.0f32; ROWS]; NR];
+    for (o, v) in out.iter_mut().zip(sumf) {
+        // SAFETY: writes the 64 bytes of `o`.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
+    out
+}
+
+/// Bytes of a Q4_K super-block of one row.
+const Q4K_BYTES: usize = 144;
+/// Offsets in a packed Q4_K group block: the 16 rows' `d`, `dmin`, the three 32-bit words of
+/// their packed scales (word `w` of every row, then the next word), then the codes unit by unit
+/// (chunk `c` of 64 values, unit `t`: bytes `32c + 4t..32c + 4t + 4` of each row's `qs`).
+const Q4K_DMIN: usize = 2 * ROWS;
+const Q4K_SCALES: usize = 4 * ROWS;
+const Q4K_CODES: usize = Q4K_SCALES + 12 * ROWS;
+
+/// Packs `ROWS` plain Q4_K rows (`src`, `rb` bytes each) into `dst` (same length).
+///
+/// # Panics
+/// If the lengths are not `ROWS` rows of whole super-blocks.
+pub(crate) fn pack_group_q4k(src: &[u8], dst: &mut [u8], rb: usize) {
+    assert!(
+        rb.is_multiple_of(Q4K_BYTES) && src.len() == ROWS * rb && dst.len() == src.len(),
+        "Q4_K lane packing: {} bytes into {} in rows of {rb}",
+        src.len(),
+        dst.len()
+    );
+    for (b, d) in dst.chunks_exact_mut(ROWS * Q4K_BYTES).enumerate() {
+        for k in 0..ROWS {
+            let blk = &src[k * rb + b * Q4K_BYTES..][..Q4K_BYTES];
+            d[2 * k..2 * k + 2].copy_from_slice(&blk[..2]);
+            d[Q4K_DMIN + 2 * k..Q4K_DMIN + 2 * k + 2].copy_from_slice(&blk[2..4]);
+            for w in 0..3 {
+                let at = Q4K_SCALES + 4 * ROWS * w + 4 * k;
+                d[at..at + 4].copy_from_slice(&blk[4 + 4 * w..8 + 4 * w]);
+            }
+            let (qs, _) = blk[16..].as_chunks::<4>();
+            for (u, q) in qs.iter().enumerate() {
+                // Unit u = 8c + t covers bytes 4u..4u + 4 of qs.
+                let at = Q4K_CODES + 64 * u + 4 * k;
+                d[at..at + 4].copy_from_slice(q);
+            }
+        }
+    }
+}
+
+/// Q4_K lane kernel: `ROWS` weight rows (the packed group, `nb` super-blocks per row) against
+/// `NR` Q8_K activation rows; per super-block and row the quant crate's `kmin_term` of the
+/// exact integer sums `isum = Σ_j sc_j · Σ q·y` and `summs = Σ_j m_j · (bsum_2j + bsum_2j+1)`,
+/// added in super-block order.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI and F16C.
+///
+/// # Panics
+/// If the rows do not all hold `nb` super-blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn run_q4k<const NR: usize>(
+    group: &[u8],
+    nb: usize,
+    a: [&[u8]; NR],
+) -> [[f32; ROWS]; NR] {
+    const AB: usize = 292;
+    let gb = ROWS * Q4K_BYTES;
+    assert!(
+        group.len() == nb * gb && a.iter().all(|r| r.len() == nb * AB),
+        "Q4_K lane kernel: rows of unequal block counts"
+    );
+    let m4 = _mm512_set1_epi8(0x0F);
+    let k1 = _mm512_set1_epi32(0x3f3f_3f3f);
+    let k2 = _mm512_set1_epi32(0x0f0f_0f0f);
+    let k3 = _mm512_set1_epi32(0x0303_0303);
+    let xff = _mm512_set1_epi32(0xFF);
+    let mut sumf = [_mm512_setzero_ps(); NR];
+    for b in 0..nb {
+        let g = &group[b * gb..(b + 1) * gb];
+        let gp = g.as_ptr();
+        let ld = |at: usize| {
+            // SAFETY: the offsets used stay inside the group block of `gb` bytes (the scales
+            // end at `Q4K_CODES`, the 32 code units at `Q4K_CODES + 2048 = gb`).
+            unsafe { _mm512_loadu_si512(gp.add(at).cast()) }
+        };
+        // The eight 6-bit scales and mins of every row (`get_scale_min_k4` on 16 lanes).
+        let (u0, u1, u2) = (
+            ld(Q4K_SCALES),
+            ld(Q4K_SCALES + 4 * ROWS),
+            ld(Q4K_SCALES + 8 * ROWS),
+        );
+        let sc_lo = _mm512_and_si512(u0, k1);
+        let sc_hi = _mm512_or_si512(
+            _mm512_and_si512(u2, k2),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u0), k3)),
+        );
+        let m_lo = _mm512_and_si512(u1, k1);
+        let m_hi = _mm512_or_si512(
+            _mm512_and_si512(_mm512_srli_epi32::<4>(u2), k2),
+            _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), k3)),
+        );
+        // Byte j of a word, as i32 lanes.
+        let byte = |v: __m512i, j: u32| _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j.cast_signed())), xff);
+        // Mins as i16 pairs (m_2i, m_2i+1) per 32-bit lane, for `vpdpwssd` with bsum pairs.
+        let pairs = |v: __m512i| {
+            let lo = _mm512_or_si512(
+                _mm512_and_si512(v, xff),
+                _mm512_slli_epi32::<16>(_mm512_and_si512(_mm512_srli_epi32::<8>(v), xff)),
+            );
+            let hi = _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi32::<16>(v), xff),
+                _mm512_slli_epi32::<16>(_mm512_srli_epi32::<24>(v)),
+            );
+            (lo, hi)
+        };
+        let (mp0, mp1) = pairs(m_lo);
+        let (mp2, mp3) = pairs(m_hi);
+        let mp = [mp0, mp1, mp2, mp3];
+        let ap: [*const u8; NR] = std::array::from_fn(|j| a[j][b * AB..][..AB].as_ptr());
+        let y = |j: usize, at: usize| {
+            // SAFETY: `at + 4 ≤ 260` for the values (`4 + 256`) and `≤ 292` for the bsums:
+            // inside activation block `b` of `AB` bytes (sliced above).
+            unsafe { ap[j].add(at).cast::<i32>().read_unaligned() }
+        };
+        let mut isum = [_mm512_setzero_si512(); NR];
+        for c in 0..4 {
+            let mut s_lo = [_mm512_setzero_si512(); NR];
+            let mut s_hi = [_mm512_setzero_si512(); NR];
+            for t in 0..8 {
+                let w = ld(Q4K_CODES + 64 * (8 * c + t));
+                let lo = _mm512_and_si512(w, m4);
+                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(w), m4);
+                for j in 0..NR {
+                    let qa = 4 + 64 * c + 4 * t;
+                    s_lo[j] = _mm512_dpbusd_epi32(s_lo[j], lo, _mm512_set1_epi32(y(j, qa)));
+                    s_hi[j] = _mm512_dpbusd_epi32(s_hi[j], hi, _mm512_set1_epi32(y(j, qa + 32)));
+                }
+            }
+            let (src, jj) = if c < 2 { (sc_lo, 2 * c) } else { (sc_hi, 2 * c - 4) };
+            let jj = u32::try_from(jj).unwrap_or(0);
+            let (sa, sb) = (byte(src, jj), byte(src, jj + 1));
+            for j in 0..NR {
+                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(sa, s_lo[j]));
+                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(sb, s_hi[j]));
+            }
+        }
+        // SAFETY: reads the 32 bytes of the group's d and dmin (16 f16 each).
+        let (dw, dminw) = unsafe {
+            (
+                _mm512_cvtph_ps(_mm256_loadu_si256(gp.cast())),
+                _mm512_cvtph_ps(_mm256_loadu_si256(gp.add(Q4K_DMIN).cast())),
+            )
+        };
+        for j in 0..NR {
+            // Pairs (bsum_2j + bsum_2j+1) for sub-blocks (2i, 2i + 1) as two i16 in an i32.
+            // The two i16 bsums of 32-value sub-block k, summed.
+            let bs = |k: usize| {
+                let [b0, b1, b2, b3] = y(j, 260 + 4 * k).to_le_bytes();
+                i32::from(i16::from_le_bytes([b0, b1])) + i32::from(i16::from_le_bytes([b2, b3]))
+            };
+            let mut summs = _mm512_setzero_si512();
+            for (i, mp) in mp.iter().enumerate() {
+                let (s0, s1) = (bs(2 * i), bs(2 * i + 1));
+                let pair = (s0 & 0xFFFF) | (s1 << 16);
+                summs = _mm512_dpwssd_epi32(summs, *mp, _mm512_set1_epi32(pair));
+            }
+            let da = _mm512_set1_ps(f32::from_le_bytes(
+                a[j][b * AB..b * AB + 4].try_into().unwrap_or([0; 4]),
+            ));
+            let d = _mm512_mul_ps(dw, da);
+            let dmin = _mm512_mul_ps(dminw, da);
+            let t = _mm512_sub_ps(
+                _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[j])),
+                _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(summs)),
+            );
             sumf[j] = _mm512_add_ps(sumf[j], t);
         }
     }

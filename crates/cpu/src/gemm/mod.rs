@@ -91,7 +91,11 @@ impl Packing {
         {
             #[cfg(target_arch = "x86_64")]
             if let Some(fmt) = self.lanes {
-                lanes::pack_group(fmt, s, d, rb);
+                if fmt == lanes::Fmt::Q4K {
+                    lanes::pack_group_q4k(s, d, rb);
+                } else {
+                    lanes::pack_group(fmt, s, d, rb);
+                }
                 continue;
             }
             for (b, d) in d.chunks_exact_mut(self.r * bs).enumerate() {
