@@ -112,7 +112,17 @@ mod tests {
 
     #[test]
     fn llama_multi_letter_flags_become_long_flags() {
-        let args = ["specula", "run", "-md", "d.gguf", "-ctk=q8_0", "-m", "t.gguf", "-cd", "64"];
+        let args = [
+            "specula",
+            "run",
+            "-md",
+            "d.gguf",
+            "-ctk=q8_0",
+            "-m",
+            "t.gguf",
+            "-cd",
+            "64",
+        ];
         let got = llama_args(args.iter().map(std::ffi::OsString::from));
         let want = [
             "specula",
@@ -127,6 +137,8 @@ mod tests {
         ];
         assert_eq!(got, want.map(std::ffi::OsString::from));
         let cli = Cli::try_parse_from(got).unwrap();
-        assert!(matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.ctx_size_draft == 64));
+        assert!(
+            matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.ctx_size_draft == 64)
+        );
     }
 }

@@ -3,12 +3,12 @@
 use std::io::Write as _;
 
 use anyhow::{Context, Result, bail};
-use serde::Serialize;
 use clap::ValueEnum as _;
+use serde::Serialize;
 use specula_engine::{DraftModel, GenerateOptions, SpecOptions, Timings};
+use specula_sampling::SamplerParams;
 use specula_spec::ngram::{NgramCache, NgramSimple};
 use specula_spec::{Drafter, SpecStats};
-use specula_sampling::SamplerParams;
 use specula_tokenizer::{ChatMessage, EncodeOptions};
 
 use crate::load;
@@ -83,13 +83,25 @@ pub struct Args {
     #[arg(long = "spec-type", value_enum)]
     pub spec_type: Option<SpecType>,
     /// Most draft tokens per round.
-    #[arg(long = "spec-draft-n-max", visible_alias = "draft-max", default_value_t = 16)]
+    #[arg(
+        long = "spec-draft-n-max",
+        visible_alias = "draft-max",
+        default_value_t = 16
+    )]
     pub spec_n_max: usize,
     /// Drafts shorter than this are not verified.
-    #[arg(long = "spec-draft-n-min", visible_alias = "draft-min", default_value_t = 0)]
+    #[arg(
+        long = "spec-draft-n-min",
+        visible_alias = "draft-min",
+        default_value_t = 0
+    )]
     pub spec_n_min: usize,
     /// A draft model stops where its top-1 probability falls below this.
-    #[arg(long = "spec-draft-p-min", visible_alias = "draft-p-min", default_value_t = 0.75)]
+    #[arg(
+        long = "spec-draft-p-min",
+        visible_alias = "draft-p-min",
+        default_value_t = 0.75
+    )]
     pub spec_p_min: f32,
     /// Always ask for `--spec-draft-n-max` tokens instead of choosing each round's draft
     /// length from measured acceptance and costs.
@@ -102,10 +114,18 @@ pub struct Args {
     #[arg(long = "threads-draft", visible_alias = "td", default_value_t = 0)]
     pub threads_draft: usize,
     /// K cache type of the draft model.
-    #[arg(long = "cache-type-k-draft", visible_alias = "ctkd", default_value = "f16")]
+    #[arg(
+        long = "cache-type-k-draft",
+        visible_alias = "ctkd",
+        default_value = "f16"
+    )]
     pub cache_type_k_draft: String,
     /// V cache type of the draft model.
-    #[arg(long = "cache-type-v-draft", visible_alias = "ctvd", default_value = "f16")]
+    #[arg(
+        long = "cache-type-v-draft",
+        visible_alias = "ctvd",
+        default_value = "f16"
+    )]
     pub cache_type_v_draft: String,
 }
 
@@ -277,7 +297,9 @@ pub fn run(args: &Args) -> Result<String> {
         }
     };
     let out = match drafter.as_deref_mut() {
-        Some(d) => engine.generate_speculative(&mut session, &prompt_ids, &opts, d, &spec, on_token)?,
+        Some(d) => {
+            engine.generate_speculative(&mut session, &prompt_ids, &opts, d, &spec, on_token)?
+        }
         None => engine.generate(&mut session, &prompt_ids, &opts, on_token)?,
     };
     if stream {
@@ -331,7 +353,10 @@ fn drafter(
         bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
     }
     if !(0.0..=1.0).contains(&args.spec_p_min) {
-        bail!("--spec-draft-p-min must be in [0, 1], got {}", args.spec_p_min);
+        bail!(
+            "--spec-draft-p-min must be in [0, 1], got {}",
+            args.spec_p_min
+        );
     }
     let kind = match (args.spec_type, &args.model_draft) {
         (Some(t), _) => t,
@@ -345,8 +370,13 @@ fn drafter(
     if needs_model != args.model_draft.is_some() {
         bail!(
             "--spec-type {} {}",
-            kind.to_possible_value().map_or_else(String::new, |v| v.get_name().to_owned()),
-            if needs_model { "needs a draft model (-md FILE)" } else { "takes no draft model (-md)" }
+            kind.to_possible_value()
+                .map_or_else(String::new, |v| v.get_name().to_owned()),
+            if needs_model {
+                "needs a draft model (-md FILE)"
+            } else {
+                "takes no draft model (-md)"
+            }
         );
     }
     let name = kind
@@ -357,15 +387,25 @@ fn drafter(
         SpecType::NgramSimple => Some(Box::new(NgramSimple::default())),
         SpecType::NgramCache => Some(Box::new(NgramCache::default())),
         SpecType::DraftEagle3 | SpecType::DraftDflash => {
-            bail!("--spec-type {name} is not available yet: EAGLE-3 and DFlash drafters come with the next release; use draft-simple or an n-gram type")
+            bail!(
+                "--spec-type {name} is not available yet: EAGLE-3 and DFlash drafters come with the next release; use draft-simple or an n-gram type"
+            )
         }
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
-            let threads = if args.threads_draft == 0 { args.threads } else { args.threads_draft };
+            let threads = if args.threads_draft == 0 {
+                args.threads
+            } else {
+                args.threads_draft
+            };
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
             let arch = draft.model.hparams().arch;
-            let n_ctx = if args.ctx_size_draft == 0 { args.ctx_size } else { args.ctx_size_draft };
+            let n_ctx = if args.ctx_size_draft == 0 {
+                args.ctx_size
+            } else {
+                args.ctx_size_draft
+            };
             let d = DraftModel::new(
                 draft,
                 &target.tokenizer,
@@ -373,7 +413,12 @@ fn drafter(
                 load::cache_type(&args.cache_type_k_draft)?,
                 load::cache_type(&args.cache_type_v_draft)?,
             )
-            .with_context(|| format!("cannot use {} ({arch:?}) as the draft model", path.display()))?;
+            .with_context(|| {
+                format!(
+                    "cannot use {} ({arch:?}) as the draft model",
+                    path.display()
+                )
+            })?;
             Some(Box::new(d))
         }
     };

@@ -39,6 +39,9 @@ pub(crate) enum Fmt {
     /// Super-blocks of 256 with packed 6-bit scales: its own packer and kernel
     /// ([`pack_group_q4k`], [`run_q4k`]).
     Q4K,
+    /// Super-blocks of 256 in sixteen scaled sub-blocks of 16: [`pack_group_q6k`],
+    /// [`run_q6k`].
+    Q6K,
 }
 
 impl Fmt {
@@ -51,6 +54,7 @@ impl Fmt {
             QType::Q5_1 => Self::Q5_1,
             QType::Q8_0 => Self::Q8_0,
             QType::Q4_K => Self::Q4K,
+            QType::Q6_K => Self::Q6K,
             _ => return None,
         })
     }
@@ -64,6 +68,7 @@ impl Fmt {
             Self::Q5_1 => 24,
             Self::Q8_0 => 34,
             Self::Q4K => Q4K_BYTES,
+            Self::Q6K => Q6K_BYTES,
         }
     }
 
@@ -89,7 +94,7 @@ impl Fmt {
             Self::Q4_0 => 8,
             Self::Q5_0 => 16,
             Self::Q8_0 => 128,
-            Self::Q4_1 | Self::Q5_1 | Self::Q4K => 0,
+            Self::Q4_1 | Self::Q5_1 | Self::Q4K | Self::Q6K => 0,
         }
     }
 
@@ -216,6 +221,8 @@ pub(crate) unsafe fn run<const NR: usize>(
         Fmt::Q8_0 => kernel::<NR, 4>(group, nb, a, sums),
         // SAFETY: the caller's CPU runs these kernels.
         Fmt::Q4K => unsafe { run_q4k::<NR>(group, nb, a) },
+        // SAFETY: as above.
+        Fmt::Q6K => unsafe { run_q6k::<NR>(group, nb, a) },
     }
 }
 
@@ -308,7 +315,7 @@ fn kernel<const NR: usize, const F: u8>(
                 Fmt::Q8_0 => _mm512_mul_ps(s, _mm512_mul_ps(dw, da)),
                 Fmt::Q4_0 => _mm512_mul_ps(_mm512_mul_ps(s, dw), da),
                 Fmt::Q5_0 => _mm512_mul_ps(_mm512_mul_ps(dw, da), s),
-                Fmt::Q4_1 | Fmt::Q5_1 | Fmt::Q4K => {
+                Fmt::Q4_1 | Fmt::Q5_1 | Fmt::Q4K | Fmt::Q6K => {
                     let sa = _mm512_set1_ps(half(a[j], b * ab + 2));
                     _mm512_add_ps(
                         _mm512_mul_ps(_mm512_mul_ps(dw, da), s),
@@ -419,7 +426,12 @@ pub(crate) unsafe fn run_q4k<const NR: usize>(
             _mm512_slli_epi32::<4>(_mm512_and_si512(_mm512_srli_epi32::<6>(u1), k3)),
         );
         // Byte j of a word, as i32 lanes.
-        let byte = |v: __m512i, j: u32| _mm512_and_si512(_mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j.cast_signed())), xff);
+        let byte = |v: __m512i, j: u32| {
+            _mm512_and_si512(
+                _mm512_srlv_epi32(v, _mm512_set1_epi32(8 * j.cast_signed())),
+                xff,
+            )
+        };
         // Mins as i16 pairs (m_2i, m_2i+1) per 32-bit lane, for `vpdpwssd` with bsum pairs.
         let pairs = |v: __m512i| {
             let lo = _mm512_or_si512(
@@ -455,7 +467,11 @@ pub(crate) unsafe fn run_q4k<const NR: usize>(
                     s_hi[j] = _mm512_dpbusd_epi32(s_hi[j], hi, _mm512_set1_epi32(y(j, qa + 32)));
                 }
             }
-            let (src, jj) = if c < 2 { (sc_lo, 2 * c) } else { (sc_hi, 2 * c - 4) };
+            let (src, jj) = if c < 2 {
+                (sc_lo, 2 * c)
+            } else {
+                (sc_hi, 2 * c - 4)
+            };
             let jj = u32::try_from(jj).unwrap_or(0);
             let (sa, sb) = (byte(src, jj), byte(src, jj + 1));
             for j in 0..NR {
@@ -492,6 +508,170 @@ pub(crate) unsafe fn run_q4k<const NR: usize>(
                 _mm512_mul_ps(d, _mm512_cvtepi32_ps(isum[j])),
                 _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(summs)),
             );
+            sumf[j] = _mm512_add_ps(sumf[j], t);
+        }
+    }
+    let mut out = [[0.0f32; ROWS]; NR];
+    for (o, v) in out.iter_mut().zip(sumf) {
+        // SAFETY: writes the 64 bytes of `o`.
+        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+    }
+    out
+}
+
+/// Bytes of a Q6_K super-block of one row (`ql[128]`, `qh[64]`, `scales[16]`, `d`).
+const Q6K_BYTES: usize = 210;
+/// Offsets in a packed Q6_K group block: the 16 rows' `d`, their sixteen i8 scales (scale `s`
+/// of every row, then the next), then 16 units (half `n` of 128 values, `l = 4u` for unit
+/// `8n + u`), each three 64-byte vectors: `ql[64n + l..+4]`, `ql[64n + 32 + l..+4]` and
+/// `qh[32n + l..+4]` of every row.
+const Q6K_SCALES: usize = 2 * ROWS;
+const Q6K_CODES: usize = Q6K_SCALES + 16 * ROWS;
+
+/// Packs `ROWS` plain Q6_K rows (`src`, `rb` bytes each) into `dst` (same length).
+///
+/// # Panics
+/// If the lengths are not `ROWS` rows of whole super-blocks.
+pub(crate) fn pack_group_q6k(src: &[u8], dst: &mut [u8], rb: usize) {
+    assert!(
+        rb.is_multiple_of(Q6K_BYTES) && src.len() == ROWS * rb && dst.len() == src.len(),
+        "Q6_K lane packing: {} bytes into {} in rows of {rb}",
+        src.len(),
+        dst.len()
+    );
+    for (b, d) in dst.chunks_exact_mut(ROWS * Q6K_BYTES).enumerate() {
+        for k in 0..ROWS {
+            let blk = &src[k * rb + b * Q6K_BYTES..][..Q6K_BYTES];
+            let (ql, rest) = blk.split_at(128);
+            let (qh, rest) = rest.split_at(64);
+            let (sc, dd) = rest.split_at(16);
+            d[2 * k..2 * k + 2].copy_from_slice(dd);
+            for (s, &v) in sc.iter().enumerate() {
+                d[Q6K_SCALES + ROWS * s + k] = v;
+            }
+            for n in 0..2 {
+                for u in 0..8 {
+                    let l = 4 * u;
+                    let at = Q6K_CODES + 192 * (8 * n + u) + 4 * k;
+                    d[at..at + 4].copy_from_slice(&ql[64 * n + l..64 * n + l + 4]);
+                    d[at + 64..at + 68].copy_from_slice(&ql[64 * n + 32 + l..64 * n + 36 + l]);
+                    d[at + 128..at + 132].copy_from_slice(&qh[32 * n + l..32 * n + l + 4]);
+                }
+            }
+        }
+    }
+}
+
+/// Q6_K lane kernel: `ROWS` weight rows (the packed group, `nb` super-blocks per row) against
+/// `NR` Q8_K activation rows; per super-block and row the quant crate's `k_term` of the exact
+/// `isum = Σ_s scale_s · (Σ q·y − 32·bsum_s)` over the sixteen 16-value sub-blocks, added in
+/// super-block order.
+///
+/// # Safety
+/// The CPU must support AVX-512 F, BW, VL and VNNI and F16C.
+///
+/// # Panics
+/// If the rows do not all hold `nb` super-blocks.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+pub(crate) unsafe fn run_q6k<const NR: usize>(
+    group: &[u8],
+    nb: usize,
+    a: [&[u8]; NR],
+) -> [[f32; ROWS]; NR] {
+    const AB: usize = 292;
+    let gb = ROWS * Q6K_BYTES;
+    assert!(
+        group.len() == nb * gb && a.iter().all(|r| r.len() == nb * AB),
+        "Q6_K lane kernel: rows of unequal block counts"
+    );
+    let m4 = _mm512_set1_epi8(0x0F);
+    let m03 = _mm512_set1_epi8(0x03);
+    let m0c = _mm512_set1_epi8(0x0C);
+    let m30 = _mm512_set1_epi8(0x30);
+    let mut sumf = [_mm512_setzero_ps(); NR];
+    for b in 0..nb {
+        let g = &group[b * gb..(b + 1) * gb];
+        let gp = g.as_ptr();
+        let ld = |at: usize| {
+            // SAFETY: the code vectors end at `Q6K_CODES + 16·192 = gb`, inside the group
+            // block.
+            unsafe { _mm512_loadu_si512(gp.add(at).cast()) }
+        };
+        let scale = |s: usize| {
+            // SAFETY: the 16 scales of sub-block `s < 16` lie below `Q6K_CODES`.
+            _mm512_cvtepi8_epi32(unsafe { _mm_loadu_si128(gp.add(Q6K_SCALES + ROWS * s).cast()) })
+        };
+        let ap: [*const u8; NR] = std::array::from_fn(|j| a[j][b * AB..][..AB].as_ptr());
+        let y = |j: usize, at: usize| {
+            // SAFETY: `at + 4 ≤ 260`: inside activation block `b` (sliced above).
+            unsafe { ap[j].add(at).cast::<i32>().read_unaligned() }
+        };
+        let bsum = |j: usize, s: usize| {
+            let at = b * AB + 260 + 2 * s;
+            i32::from(i16::from_le_bytes([a[j][at], a[j][at + 1]]))
+        };
+        let mut isum = [_mm512_setzero_si512(); NR];
+        for n in 0..2 {
+            for h in 0..2 {
+                // Units l = 16h..16h + 16 of half n: sub-blocks 8n + h + {0, 2, 4, 6}.
+                let mut acc = [[_mm512_setzero_si512(); 4]; NR];
+                for u in 4 * h..4 * h + 4 {
+                    let base = Q6K_CODES + 192 * (8 * n + u);
+                    let (qa, qb, qh) = (ld(base), ld(base + 64), ld(base + 128));
+                    let q = [
+                        _mm512_or_si512(
+                            _mm512_and_si512(qa, m4),
+                            _mm512_slli_epi16::<4>(_mm512_and_si512(qh, m03)),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(qb, m4),
+                            _mm512_slli_epi16::<2>(_mm512_and_si512(qh, m0c)),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(qa), m4),
+                            _mm512_and_si512(qh, m30),
+                        ),
+                        _mm512_or_si512(
+                            _mm512_and_si512(_mm512_srli_epi16::<4>(qb), m4),
+                            _mm512_and_si512(_mm512_srli_epi16::<2>(qh), m30),
+                        ),
+                    ];
+                    let at = 4 + 128 * n + 4 * u;
+                    #[allow(
+                        clippy::needless_range_loop,
+                        reason = "`j` picks the activation row and its accumulators alike"
+                    )]
+                    for j in 0..NR {
+                        for (g, q) in q.iter().enumerate() {
+                            acc[j][g] = _mm512_dpbusd_epi32(
+                                acc[j][g],
+                                *q,
+                                _mm512_set1_epi32(y(j, at + 32 * g)),
+                            );
+                        }
+                    }
+                }
+                #[allow(
+                    clippy::needless_range_loop,
+                    reason = "`g` picks the sub-block and its accumulators alike"
+                )]
+                for g in 0..4 {
+                    let s = 8 * n + h + 2 * g;
+                    let sc = scale(s);
+                    for j in 0..NR {
+                        let v = _mm512_sub_epi32(acc[j][g], _mm512_set1_epi32(32 * bsum(j, s)));
+                        isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(sc, v));
+                    }
+                }
+            }
+        }
+        // SAFETY: reads the 32 bytes of the group's d (16 f16).
+        let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(gp.cast()) });
+        for j in 0..NR {
+            let da = _mm512_set1_ps(f32::from_le_bytes(
+                a[j][b * AB..b * AB + 4].try_into().unwrap_or([0; 4]),
+            ));
+            let t = _mm512_mul_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(isum[j]));
             sumf[j] = _mm512_add_ps(sumf[j], t);
         }
     }

@@ -91,10 +91,10 @@ impl Packing {
         {
             #[cfg(target_arch = "x86_64")]
             if let Some(fmt) = self.lanes {
-                if fmt == lanes::Fmt::Q4K {
-                    lanes::pack_group_q4k(s, d, rb);
-                } else {
-                    lanes::pack_group(fmt, s, d, rb);
+                match fmt {
+                    lanes::Fmt::Q4K => lanes::pack_group_q4k(s, d, rb),
+                    lanes::Fmt::Q6K => lanes::pack_group_q6k(s, d, rb),
+                    _ => lanes::pack_group(fmt, s, d, rb),
                 }
                 continue;
             }
