@@ -43,8 +43,27 @@ enum Command {
     Tokenize(tokenize::Args),
 }
 
+/// llama.cpp spells some long options with one dash (`-ctk q8_0`, `-ctv turbo4`); clap's short
+/// options are one character, so those spellings are rewritten to their long forms first.
+fn llama_style_args(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    const SPELLINGS: [(&str, &str); 2] = [("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v")];
+    args.map(|a| {
+        let Some(s) = a.to_str() else { return a };
+        for (short, long) in SPELLINGS {
+            if s == short {
+                return long.into();
+            }
+            if let Some(v) = s.strip_prefix(short).and_then(|r| r.strip_prefix('=')) {
+                return format!("{long}={v}").into();
+            }
+        }
+        a
+    })
+    .collect()
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = Cli::parse_from(llama_style_args(std::env::args_os()));
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
