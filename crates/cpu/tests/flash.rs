@@ -6,7 +6,7 @@ mod common;
 
 use common::{Rng, nmse, tensor};
 use specula_cpu::{CpuBackend, CpuKv};
-use specula_kv::{CACHE_TYPES, is_turbo};
+use specula_kv::{CACHE_TYPES, Rotation, hadamard, is_turbo, k_rotation, v_rotation};
 use specula_quant::dot::SimdLevel;
 use specula_quant::{QType, wht};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask};
@@ -139,19 +139,26 @@ fn flash_attention_equals_naive_attention_over_the_dequantized_cache() {
             let q = rng.values(q_pos.len() * N_HEAD * HD, 1.5);
             for mask in [Mask::Causal, Mask::SlidingWindow(20), Mask::None] {
                 let got = run(&be, &kv, &q, &q_pos, n, mask);
-                // Block-format keys take the query quantized to Q8_0/Q8_1, as ggml-cpu does:
-                // the reference sees that query.
+                // Block-format keys take the query rotated like the keys (Hadamard) and
+                // quantized to Q8_0/Q8_1, as llama.cpp does: the reference sees that query,
+                // rotated back.
                 let qref: Vec<f32> = match kt {
                     QType::F32 | QType::F16 | QType::BF16 => q.clone(),
                     t if is_turbo(t) => q.clone(),
                     t => {
                         let qty = t.vec_dot_type();
                         let mut out = Vec::new();
+                        let Rotation::Hadamard(rn) = k_rotation(t, HD) else {
+                            panic!("{t}: a 64-value head is rotated");
+                        };
                         for h in q.chunks_exact(HD) {
+                            let mut h = h.to_vec();
+                            hadamard(&mut h, rn);
                             let mut b = vec![0u8; qty.row_bytes(HD).unwrap()];
-                            specula_quant::quantize_row(qty, h, &mut b).unwrap();
+                            specula_quant::quantize_row(qty, &h, &mut b).unwrap();
                             let mut d = vec![0f32; HD];
                             specula_quant::dequantize_row(qty, &b, &mut d).unwrap();
+                            hadamard(&mut d, rn);
                             out.extend(d);
                         }
                         out
@@ -159,12 +166,14 @@ fn flash_attention_equals_naive_attention_over_the_dequantized_cache() {
                 };
                 let want = naive(&qref, &k, &v, &q_pos, mask);
                 let e = nmse(&got, &want);
-                // Turbo goes through two extra f32 rotations (query, output); Q8_1 queries (for
+                // Rotations add f32 rounding (query, output, the reference's own); Q8_1 queries (for
                 // q4_1 / q5_1 keys) carry their block sum rounded to f16, which the block dot
                 // product uses for the min term, as ggml's does.
                 let tol = if matches!(kt, QType::Q4_1 | QType::Q5_1) {
                     1e-7
-                } else if is_turbo(kt) || is_turbo(vt) {
+                } else if k_rotation(kt, HD) != Rotation::None
+                    || v_rotation(vt, HD) != Rotation::None
+                {
                     1e-9
                 } else {
                     1e-10

@@ -10,9 +10,10 @@
 //!   `seq_add` (recording the RoPE shift K needs), visibility under a [`Mask`], and pruning of
 //!   sliding-window sub-caches.
 //!
-//! TurboQuant caches are stored in the rotated domain (research note `quant.md` §5): the
-//! quantizer rotates each 128-value group, attention rotates queries forward and, when V is
-//! turbo, its output back.
+//! Quantized caches are stored in a rotated domain ([`Rotation`]): block formats (q8_0, q4_0,
+//! …) under upstream llama.cpp's Hadamard rotation, TurboQuant formats under the fork's
+//! randomized 128-group Walsh–Hadamard transform (research note `quant.md` §5). Attention
+//! rotates queries forward for a rotated K and its output back for a rotated V.
 //!
 //! ```
 //! use specula_kv::{KvLayout, parse_cache_type};
@@ -34,7 +35,8 @@ mod plane;
 
 pub use cells::{Cells, MAX_SEQ, SeqId};
 pub use layout::{
-    CACHE_TYPES, KvLayout, LayerLayout, LayerTypes, is_turbo, parse_cache_type, stored_head_dim,
+    CACHE_TYPES, KvLayout, LayerLayout, LayerTypes, Rotation, hadamard, is_turbo, k_rotation,
+    parse_cache_type, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query, v_rotation,
 };
 pub use plane::{Plane, quantize_head};
 use specula_quant::QType;

@@ -4,6 +4,7 @@
 use specula_quant::blocks::BlockIq4Nl;
 use specula_quant::{QType, iq4};
 
+use crate::layout::{Rotation, hadamard, turbo_pad};
 use crate::{KvError, Result};
 
 /// The K or V rows of one layer: `n_cells` cells × `n_head` heads, each head `dim` stored values
@@ -18,22 +19,35 @@ pub struct Plane {
     head_dim: usize,
     dim: usize,
     head_bytes: usize,
+    rot: Rotation,
+    /// Per-head offset subtracted before quantization (`n_head · head_dim` values), set once by
+    /// [`Plane::calibrate`]; `None` for float formats and before calibration.
+    center: Option<Vec<f32>>,
     words: Vec<u64>,
 }
 
 impl Plane {
-    /// A zeroed plane.
+    /// A zeroed plane whose heads are rotated by `rot` before they are quantized.
     ///
     /// # Errors
     /// [`KvError::Shape`] when `dim` is not a whole number of `ty`'s blocks or smaller than
-    /// `head_dim`, or the plane would not fit in memory.
+    /// `head_dim`, a Hadamard group does not divide the head, or the plane would not fit in
+    /// memory.
     pub fn new(
         ty: QType,
         n_cells: usize,
         n_head: usize,
         head_dim: usize,
         dim: usize,
+        rot: Rotation,
     ) -> Result<Self> {
+        if let Rotation::Hadamard(n) = rot
+            && (!n.is_power_of_two() || !head_dim.is_multiple_of(n))
+        {
+            return Err(KvError::Shape(format!(
+                "a Hadamard rotation of {n} values does not tile a {head_dim}-value head"
+            )));
+        }
         if dim < head_dim {
             return Err(KvError::Shape(format!(
                 "a {head_dim}-value head cannot be stored in {dim} values"
@@ -51,6 +65,8 @@ impl Plane {
             head_dim,
             dim,
             head_bytes,
+            rot,
+            center: None,
             words: vec![0; total.div_ceil(8)],
         })
     }
@@ -59,6 +75,61 @@ impl Plane {
     #[must_use]
     pub fn ty(&self) -> QType {
         self.ty
+    }
+
+    /// Sets the per-head offset that quantized formats subtract before quantizing, once per
+    /// plane, to the mean of `rows` (whole rows, `n_head · head_dim` values each): the first
+    /// rows written. Float formats and an already calibrated plane are left as they are.
+    ///
+    /// Keys and values of real models share a large common part (Qwen2.5's K biases, massive
+    /// activations in a few channels) that carries no information for attention but dominates
+    /// the scale of every quantization block; stored without it, the quantization error shrinks
+    /// with the part that matters. Attention adds the offset back exactly: `q·k = q·(k − m) +
+    /// q·m`, and `Σ p·v = Σ p·(v − m) + m` because the weights sum to one.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `rows` is not a positive whole number of rows.
+    pub fn calibrate(&mut self, rows: &[f32]) -> Result<()> {
+        let w = self.n_head * self.head_dim;
+        if rows.is_empty() || !rows.len().is_multiple_of(w) {
+            return Err(KvError::Shape(format!(
+                "calibration rows of {} values, expected a positive multiple of {w}",
+                rows.len()
+            )));
+        }
+        if self.center.is_some() || matches!(self.ty, QType::F32 | QType::F16 | QType::BF16) {
+            return Ok(());
+        }
+        let mut sum = vec![0.0f64; w];
+        for r in rows.chunks_exact(w) {
+            for (s, &x) in sum.iter_mut().zip(r) {
+                *s += f64::from(x);
+            }
+        }
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            reason = "a row count; the mean back to f32"
+        )]
+        let n = (rows.len() / w) as f64;
+        #[allow(clippy::cast_possible_truncation, reason = "the mean back to f32")]
+        let center = sum.iter().map(|s| (s / n) as f32).collect();
+        self.center = Some(center);
+        Ok(())
+    }
+
+    /// The offset of head `head` subtracted before quantization, if any.
+    #[must_use]
+    pub fn center(&self, head: usize) -> Option<&[f32]> {
+        self.center
+            .as_deref()
+            .map(|c| &c[head * self.head_dim..(head + 1) * self.head_dim])
+    }
+
+    /// The rotation applied before quantization.
+    #[must_use]
+    pub fn rotation(&self) -> Rotation {
+        self.rot
     }
 
     /// Values per stored head (padded).
@@ -97,11 +168,6 @@ impl Plane {
         &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.n_cells * self.row_bytes()]
     }
 
-    fn bytes_mut(&mut self) -> &mut [u8] {
-        let n = self.n_cells * self.row_bytes();
-        &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..n]
-    }
-
     /// The stored bytes of head `head` of `cell`.
     ///
     /// # Panics
@@ -127,10 +193,11 @@ impl Plane {
         &self.bytes()[cell * rb..(cell + 1) * rb]
     }
 
-    /// Quantizes one row (`n_head · head_dim` values) into `cell`: each head is zero-padded to
-    /// the stored width and encoded with the cache quantizer of the format (for IQ4_NL the
-    /// `ntry = −1` reference ggml-cpu uses for caches; for turbo the rotation happens inside the
-    /// quantizer, so `row` is in the model's domain). `pad` is scratch space.
+    /// Quantizes one row (`n_head · head_dim` values) into `cell`: each head is rotated (a
+    /// Hadamard rotation here; for turbo inside the quantizer, so `row` is in the model's
+    /// domain), padded to the stored width (turbo: [`crate::turbo_pad`]) and encoded with the cache quantizer of the
+    /// format (for IQ4_NL the `ntry = −1` reference ggml-cpu uses for caches). `pad` is scratch
+    /// space.
     ///
     /// # Errors
     /// [`KvError::Shape`] when the row has the wrong length or the cell is out of range.
@@ -149,7 +216,8 @@ impl Plane {
                 self.head_dim
             )));
         }
-        let (ty, hd, dim, hb, nh) = (
+        let (rot, ty, hd, dim, hb, nh) = (
+            self.rot,
             self.ty,
             self.head_dim,
             self.dim,
@@ -158,16 +226,33 @@ impl Plane {
         );
         pad.clear();
         pad.resize(dim, 0.0);
-        let dst = &mut self.bytes_mut()[cell * nh * hb..(cell + 1) * nh * hb];
-        for (src, dst) in row.chunks_exact(hd).zip(dst.chunks_exact_mut(hb)) {
+        let len = self.n_cells * nh * hb;
+        let center = self.center.as_deref();
+        let all = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len];
+        let dst = &mut all[cell * nh * hb..(cell + 1) * nh * hb];
+        for (h, (src, dst)) in row
+            .chunks_exact(hd)
+            .zip(dst.chunks_exact_mut(hb))
+            .enumerate()
+        {
             pad[..hd].copy_from_slice(src);
+            if let Some(c) = center {
+                for (p, m) in pad[..hd].iter_mut().zip(&c[h * hd..(h + 1) * hd]) {
+                    *p -= m;
+                }
+            }
+            match rot {
+                Rotation::Hadamard(n) => hadamard(&mut pad[..hd], n),
+                Rotation::Turbo => turbo_pad(pad, hd),
+                Rotation::None => {}
+            }
             quantize_head(ty, pad, dst)?;
         }
         Ok(())
     }
 
-    /// Dequantizes head `head` of `cell` into `out` (`dim` values; turbo heads stay in the
-    /// rotated domain).
+    /// Dequantizes head `head` of `cell` into `out` (`dim` values, still in the rotated domain
+    /// of [`Plane::rotation`]).
     ///
     /// # Errors
     /// [`KvError::Shape`] when `out` does not hold `dim` values.

@@ -106,7 +106,7 @@ fn seq_rm_then_reappend_gives_the_same_bytes() {
     for &ty in CACHE_TYPES {
         let (n_head, hd) = (2, 64);
         let dim = stored_head_dim("K", ty, hd).unwrap();
-        let mut a = Plane::new(ty, 6, n_head, hd, dim).unwrap();
+        let mut a = Plane::new(ty, 6, n_head, hd, dim, k_rotation(ty, hd)).unwrap();
         let mut b = a.clone();
         let mut ca = Cells::new(6);
         let mut cb = Cells::new(6);
@@ -140,15 +140,19 @@ fn plane_heads_round_trip() {
     for &ty in CACHE_TYPES {
         let hd = 64;
         let dim = stored_head_dim("V", ty, hd).unwrap();
-        let mut p = Plane::new(ty, 2, 2, hd, dim).unwrap();
+        let mut p = Plane::new(ty, 2, 2, hd, dim, v_rotation(ty, hd)).unwrap();
         let x = row(7, 2 * hd);
         p.write(1, &x, &mut Vec::new()).unwrap();
         for h in 0..2 {
             let mut out = vec![0.0; dim];
             p.dequantize_head(1, h, &mut out).unwrap();
-            if is_turbo(ty) {
-                let arr: &mut [f32; 128] = (&mut out[..]).try_into().unwrap();
-                specula_quant::wht::inverse(arr);
+            match p.rotation() {
+                Rotation::Turbo => {
+                    specula_quant::wht::inverse_row(&mut out);
+                    turbo_fold(&mut out, hd);
+                }
+                Rotation::Hadamard(n) => hadamard(&mut out, n),
+                Rotation::None => {}
             }
             let src = &x[h * hd..(h + 1) * hd];
             let err: f32 = src
@@ -166,13 +170,6 @@ fn plane_heads_round_trip() {
                 _ => 0.03,
             };
             assert!(err <= tol, "{ty}: relative error {err}");
-            if is_turbo(ty) {
-                let tail: f32 = out[hd..].iter().map(|v| v * v).sum::<f32>();
-                assert!(
-                    tail < 0.1 * src.iter().map(|a| a * a).sum::<f32>(),
-                    "{ty}: pad {tail}"
-                );
-            }
         }
         assert!(p.write(2, &x, &mut Vec::new()).is_err());
         assert!(p.write(0, &x[1..], &mut Vec::new()).is_err());
@@ -224,4 +221,77 @@ fn sequence_operations() {
     }
     assert_eq!(s.prune_swa(0, 5, 4).unwrap(), 2);
     assert_eq!(s.seq_pos_min(0), Some(2));
+}
+
+/// The Hadamard rotation is orthonormal and its own inverse; block formats get llama.cpp's
+/// group sizes.
+#[test]
+fn hadamard_rotation() {
+    let x = row(3, 256);
+    let mut y = x.clone();
+    hadamard(&mut y, 128);
+    let n2 = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+    assert!((n2(&x) - n2(&y)).abs() < 1e-3 * n2(&x));
+    hadamard(&mut y, 128);
+    assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5));
+    // H_2 / √2 on [1, 0] is [1, 1] / √2.
+    let mut e = [1.0f32, 0.0];
+    hadamard(&mut e, 2);
+    assert!((e[0] - std::f32::consts::FRAC_1_SQRT_2).abs() < 1e-7 && (e[0] - e[1]).abs() < 1e-7);
+    assert_eq!(k_rotation(QType::Q4_0, 64), Rotation::Hadamard(64));
+    assert_eq!(k_rotation(QType::Q8_0, 128), Rotation::Hadamard(128));
+    assert_eq!(k_rotation(QType::Q8_0, 192), Rotation::Hadamard(64));
+    assert_eq!(v_rotation(QType::Q8_0, 128), Rotation::Hadamard(64));
+    assert_eq!(k_rotation(QType::Q8_0, 96), Rotation::None);
+    assert_eq!(k_rotation(QType::F16, 128), Rotation::None);
+    assert_eq!(v_rotation(QType::Turbo2, 64), Rotation::Turbo);
+}
+
+/// Padding a 64-value turbo head with signed copies (instead of the fork's zeros) halves its
+/// error at the same memory; padded query · padded key is the query · the mean of the copies.
+#[test]
+fn turbo_padding_with_copies_halves_the_error() {
+    let mse = |ty: QType, copies: bool| {
+        let hd = 64;
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for seed in 0..300 {
+            let x = row(seed, hd);
+            let mut p = vec![0.0f32; 128];
+            p[..hd].copy_from_slice(&x);
+            if copies {
+                turbo_pad(&mut p, hd);
+            }
+            let mut q = vec![0u8; ty.row_bytes(128).unwrap()];
+            quantize_head(ty, &p, &mut q).unwrap();
+            let mut out = vec![0.0f32; 128];
+            specula_quant::dequantize_row(ty, &q, &mut out).unwrap();
+            specula_quant::wht::inverse_row(&mut out);
+            if copies {
+                turbo_fold(&mut out, hd);
+            }
+            for (a, b) in x.iter().zip(&out) {
+                num += f64::from(a - b).powi(2);
+                den += f64::from(*a).powi(2);
+            }
+        }
+        num / den
+    };
+    for ty in [QType::Turbo2, QType::Turbo3, QType::Turbo4] {
+        let (zeros, copies) = (mse(ty, false), mse(ty, true));
+        assert!(
+            copies < 0.6 * zeros,
+            "{ty}: {copies} vs {zeros} with zero padding"
+        );
+    }
+    // ⟨pad_query(q), pad(k)⟩ = q · k for an unquantized key.
+    let (q, k) = (row(1, 80), row(2, 80));
+    let (mut qp, mut kp) = (vec![0.0f32; 128], vec![0.0f32; 128]);
+    qp[..80].copy_from_slice(&q);
+    kp[..80].copy_from_slice(&k);
+    turbo_pad_query(&mut qp, 80);
+    turbo_pad(&mut kp, 80);
+    let d = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    assert!((d(&qp, &kp) - d(&q, &k)).abs() < 1e-4);
+    turbo_fold(&mut kp, 80);
+    assert!(kp[..80].iter().zip(&k).all(|(a, b)| (a - b).abs() < 1e-6));
 }

@@ -16,9 +16,16 @@
 //!   cache's Walsh–Hadamard transform once per call, then dotted with `centroid · norm` values
 //!   decoded one tile at a time (the rotation is orthogonal, so `⟨Wq, Wk⟩ = ⟨q, k⟩`).
 //!
-//! Values are decoded one tile at a time into f32 and accumulated as `acc += p·v`; with a turbo
-//! V the accumulator is in the rotated domain and is rotated back once at the end, then cut to
-//! the model's head dim. Nothing decodes the whole cache.
+//! Block-format caches are stored under llama.cpp's Hadamard rotation
+//! ([`specula_kv::Rotation::Hadamard`]): the query head is rotated the same way before it is
+//! quantized for the dot product.
+//!
+//! Quantized planes store K and V minus a per-head offset fixed at the first write
+//! ([`specula_kv::Plane::calibrate`]); the scores get `q·m` back and the output `m_v`, exactly.
+//!
+//! Values are decoded one tile at a time into f32 and accumulated as `acc += p·v`; with a
+//! rotated V (turbo or Hadamard) the accumulator is in the rotated domain and is rotated back
+//! once at the end, then cut to the model's head dim. Nothing decodes the whole cache.
 //!
 //! Work is split into tasks of (a block of query rows, one K/V head, some of the query heads
 //! that share it) so that a decoded K/V tile serves every row and head of the task (GQA). A
@@ -29,7 +36,7 @@
 
 use std::cell::RefCell;
 
-use specula_kv::{KvLayout, Plane, is_turbo};
+use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_fold, turbo_pad_query};
 use specula_quant::blocks::{BlockTurbo2, BlockTurbo3, BlockTurbo4, QK_TURBO};
 use specula_quant::dot::Kernels;
 use specula_quant::{QType, turbo, wht};
@@ -74,6 +81,7 @@ impl CpuKv {
                         shape.n_kv_head,
                         shape.head_dim_k,
                         l.k_dim,
+                        l.k_rot,
                     )?,
                     v: Plane::new(
                         l.types.v,
@@ -81,6 +89,7 @@ impl CpuKv {
                         shape.n_kv_head,
                         shape.head_dim_v,
                         l.v_dim,
+                        l.v_rot,
                     )?,
                 })
             })
@@ -136,8 +145,18 @@ fn row_of(p: &Plane, cell: usize) -> Vec<f32> {
     let mut buf = vec![0.0; dim];
     for h in 0..n_head {
         decode_head(p.ty(), p.head(cell, h), &mut buf);
-        if is_turbo(p.ty()) {
-            wht::inverse_row(&mut buf);
+        match p.rotation() {
+            Rotation::Turbo => {
+                wht::inverse_row(&mut buf);
+                turbo_fold(&mut buf, hd);
+            }
+            Rotation::Hadamard(n) => hadamard(&mut buf, n),
+            Rotation::None => {}
+        }
+        if let Some(c) = p.center(h) {
+            for (b, m) in buf.iter_mut().zip(c) {
+                *b += m;
+            }
         }
         out.extend_from_slice(&buf[..hd]);
     }
@@ -243,6 +262,14 @@ pub(crate) fn kv_write(
         cells.len()
     );
     let l = &mut kv.layers[layer];
+    if !cells.is_empty() {
+        let calibrated =
+            l.k.calibrate(k.as_slice())
+                .and_then(|()| l.v.calibrate(v.as_slice()));
+        if let Err(e) = calibrated {
+            panic!("kv_write: {e}");
+        }
+    }
     let mut pad = Vec::new();
     for (t, &cell) in cells.iter().enumerate() {
         assert!(
@@ -316,6 +343,8 @@ struct TaskBufs {
     s: Vec<f32>,
     /// Accumulators (`rows · heads · v_dim`).
     acc: Vec<f32>,
+    /// `q·m` per (row, head): the key offset's part of every score.
+    qm: Vec<f32>,
     /// Running maximum and sum per (row, head).
     m: Vec<f32>,
     l: Vec<f32>,
@@ -368,7 +397,6 @@ impl Ctx<'_> {
         let (nr, nh) = (rows.len(), heads.len());
         let nq = nr * nh;
         let (k_dim, v_dim, hd_k, hd_v) = (self.k_dim, self.v_dim, self.hd_k, self.hd_v);
-        let k_turbo = is_turbo(self.k.ty());
         let kv_len = self.p.kv_pos.len();
 
         // Queries, prepared once for the key format.
@@ -378,15 +406,23 @@ impl Ctx<'_> {
         };
         fit(&mut b.qf, nq * k_dim);
         fit(&mut b.qb, nq * qbytes);
+        fit(&mut b.qm, nq);
+        let k_center = self.k.center(kvh);
         for (ri, r) in rows.clone().enumerate() {
             let qrow = self.q.row(r);
             for (hi, h) in heads.clone().enumerate() {
                 let i = ri * nh + hi;
                 let src = &qrow[h * hd_k..(h + 1) * hd_k];
+                b.qm[i] = k_center.map_or(0.0, |c| (self.attn.dot_f32)(src, c));
                 match self.key {
                     KeyDot::Quant { qty, .. } => {
                         let dst = &mut b.qb[i * qbytes..(i + 1) * qbytes];
-                        if let Err(e) = specula_quant::quantize_row(qty, src, dst) {
+                        let rotated = &mut b.qf[i * k_dim..i * k_dim + hd_k];
+                        rotated.copy_from_slice(src);
+                        if let Rotation::Hadamard(n) = self.k.rotation() {
+                            hadamard(rotated, n);
+                        }
+                        if let Err(e) = specula_quant::quantize_row(qty, rotated, dst) {
                             panic!("attention: query head to {qty}: {e}");
                         }
                     }
@@ -394,8 +430,13 @@ impl Ctx<'_> {
                         let dst = &mut b.qf[i * k_dim..(i + 1) * k_dim];
                         dst[..hd_k].copy_from_slice(src);
                         dst[hd_k..].fill(0.0);
-                        if k_turbo {
-                            wht::forward_row(dst);
+                        match self.k.rotation() {
+                            Rotation::Turbo => {
+                                turbo_pad_query(dst, hd_k);
+                                wht::forward_row(dst);
+                            }
+                            Rotation::Hadamard(n) => hadamard(&mut dst[..hd_k], n),
+                            Rotation::None => {}
                         }
                     }
                 }
@@ -460,7 +501,7 @@ impl Ctx<'_> {
                                 }
                                 _ => (self.attn.dot_f32)(&b.qf[i * k_dim..(i + 1) * k_dim], kf),
                             };
-                            let mut x = d * self.p.scale;
+                            let mut x = (d + b.qm[i]) * self.p.scale;
                             if let Some(c) = self.p.softcap {
                                 x = c * (x / c).tanh();
                             }
@@ -527,7 +568,8 @@ impl Ctx<'_> {
             j0 += n;
         }
 
-        let v_turbo = is_turbo(self.v.ty());
+        let v_rot = self.v.rotation();
+        let v_center = self.v.center(kvh);
         for i in 0..nq {
             let dst = &mut o[i * hd_v..(i + 1) * hd_v];
             if b.l[i] == 0.0 {
@@ -539,10 +581,20 @@ impl Ctx<'_> {
             for a in acc.iter_mut() {
                 *a *= inv;
             }
-            if v_turbo {
-                wht::inverse_row(acc);
+            match v_rot {
+                Rotation::Turbo => {
+                    wht::inverse_row(acc);
+                    turbo_fold(acc, hd_v);
+                }
+                Rotation::Hadamard(n) => hadamard(&mut acc[..hd_v], n),
+                Rotation::None => {}
             }
             dst.copy_from_slice(&acc[..hd_v]);
+            if let Some(c) = v_center {
+                for (d, m) in dst.iter_mut().zip(c) {
+                    *d += m;
+                }
+            }
         }
     }
 }
