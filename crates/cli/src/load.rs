@@ -58,10 +58,12 @@ pub fn cache_type(s: &str) -> Result<QType> {
     Ok(specula_kv::parse_cache_type(s)?)
 }
 
-/// GQA ratio (query heads per K/V head) from which a symmetric turbo K is known to break a
-/// model: the TurboQuant fork switches K to q8_0 there (`TURBO_AUTO_ASYMMETRIC`, ratio ≥ 6, after
-/// Qwen2.5 at 7:1 went from PPL 7.4 to 2887 with turbo3 K), and our own measurement on
-/// Qwen2.5-Coder-0.5B (7:1) agrees (`docs/perf.md`, KV cache quality).
+/// GQA ratio (query heads per K/V head) from which a turbo K is known to hurt a model: the
+/// TurboQuant fork switches K to q8_0 there (`TURBO_AUTO_ASYMMETRIC`, ratio ≥ 6, after Qwen2.5
+/// at 7:1 went from PPL 7.4 to 2887 with turbo3 K). Measured here on Qwen2.5-Coder-0.5B (7:1,
+/// textwrap.py, 2 × 512, KLD vs the f16 cache): turbo3 K + q8_0 V 3.37 (collapsed, PPL 151),
+/// q8_0 K + turbo3 V 0.0126; turbo4 K + q8_0 V 0.060 against 0.0019 for q8_0/q8_0
+/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K without collapse.
 pub const TURBO_K_GQA_LIMIT: usize = 6;
 
 /// The start-up warning for a turbo K on a model whose GQA ratio makes it harmful, naming the
@@ -70,8 +72,9 @@ pub const TURBO_K_GQA_LIMIT: usize = 6;
 pub fn turbo_k_warning(n_head: usize, n_head_kv: usize, k: QType, v: QType) -> Option<String> {
     let ratio = n_head / n_head_kv.max(1);
     (specula_kv::is_turbo(k) && ratio >= TURBO_K_GQA_LIMIT).then(|| {
+        let fix_v = if specula_kv::is_turbo(v) { v } else { k };
         format!(
-            "a {k} K cache degrades this model badly ({n_head}:{n_head_kv} grouped-query attention: each K head serves {ratio} query heads, so its quantization error is amplified); use -ctk q8_0 -ctv {v} to keep the compact V with an accurate K"
+            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads; Qwen2.5 collapses with turbo3 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
         )
     })
 }
