@@ -380,6 +380,16 @@ struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
+    /// [`decode_head`] with this backend's f16 conversion (F16C where the CPU has it).
+    #[inline]
+    fn decode(&self, ty: QType, src: &[u8], out: &mut [f32]) {
+        if ty == QType::F16 {
+            (self.attn.f16_to_f32)(bytemuck::cast_slice(src), out);
+        } else {
+            decode_head(ty, src, out);
+        }
+    }
+
     /// Computes rows `rows` × query heads `heads` (all sharing K/V head `kvh`) into `o`
     /// (row-major over `rows`, each row `heads.len() · hd_v` values, heads contiguous).
     #[allow(
@@ -474,7 +484,7 @@ impl Ctx<'_> {
             if matches!(self.key, KeyDot::Decoded) {
                 for jj in 0..n {
                     if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
-                        decode_head(
+                        self.decode(
                             self.k.ty(),
                             self.k.head(j0 + jj, kvh),
                             &mut b.kt[jj * k_dim..(jj + 1) * k_dim],
@@ -555,7 +565,7 @@ impl Ctx<'_> {
                     bytemuck::cast_slice(vb)
                 } else {
                     let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
-                    decode_head(self.v.ty(), vb, d);
+                    self.decode(self.v.ty(), vb, d);
                     d
                 };
                 for i in 0..nq {

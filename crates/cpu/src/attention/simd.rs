@@ -8,6 +8,7 @@
 //! same loop for each instruction set and does not contract it), so it gives the same bits
 //! everywhere.
 
+use specula_quant::blocks::Half;
 use specula_quant::dot::SimdLevel;
 
 /// The loops of one instruction set.
@@ -17,6 +18,8 @@ pub(crate) struct AttnKernels {
     pub(crate) dot_f32: fn(&[f32], &[f32]) -> f32,
     /// `acc[i] += p·v[i]`.
     pub(crate) axpy: fn(&mut [f32], f32, &[f32]),
+    /// `out[i] = f32(h[i])` (exact on every path).
+    pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
 }
 
 impl std::fmt::Debug for AttnKernels {
@@ -45,7 +48,16 @@ impl AttnKernels {
 const PORTABLE: AttnKernels = AttnKernels {
     dot_f32: |q, k| dot_portable(q, k, |x| x),
     axpy: axpy_portable,
+    f16_to_f32: f16_to_f32_portable,
 };
+
+/// `out[i] = f32(h[i])`.
+pub(crate) fn f16_to_f32_portable(h: &[Half], out: &mut [f32]) {
+    assert_eq!(h.len(), out.len(), "attention: f16 row length");
+    for (o, &x) in out.iter_mut().zip(h) {
+        *o = x.to_f32();
+    }
+}
 
 /// `acc[i] += p·v[i]`, multiply and add rounded separately.
 #[inline]
@@ -83,7 +95,7 @@ fn dot_portable<K: Copy>(q: &[f32], k: &[K], f: impl Fn(K) -> f32) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{AttnKernels, axpy_portable};
+    use super::{AttnKernels, Half, axpy_portable};
 
     pub(super) fn avx512_supported() -> bool {
         is_x86_feature_detected!("avx512f")
@@ -103,7 +115,7 @@ mod x86 {
     /// instruction set. Each table is only handed out by [`AttnKernels::for_level`] after the
     /// matching `*_supported` check.
     macro_rules! table {
-        ($dot32:ident, $axpy:ident) => {
+        ($dot32:ident, $axpy:ident, $cvt:ident) => {
             AttnKernels {
                 dot_f32: |q, k| {
                     assert_eq!(q.len(), k.len(), "attention: q and k lengths differ");
@@ -117,12 +129,61 @@ mod x86 {
                     // SAFETY: as above.
                     unsafe { $axpy(acc, p, v) }
                 },
+                f16_to_f32: |h, out| {
+                    assert_eq!(h.len(), out.len(), "attention: f16 row length");
+                    // SAFETY: as above; both slices have one length.
+                    unsafe { $cvt(h, out) }
+                },
             }
         };
     }
 
-    pub(super) const AVX512: AttnKernels = table!(dot_f32_512, axpy_512);
-    pub(super) const AVX2: AttnKernels = table!(dot_f32_256, axpy_256);
+    pub(super) const AVX512: AttnKernels = table!(dot_f32_512, axpy_512, cvt_f16_512);
+    pub(super) const AVX2: AttnKernels = table!(dot_f32_256, axpy_256, cvt_f16_256);
+
+    /// `out = f32(h)`, 16 values per conversion.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL and F16C; `h` and `out` have one length.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    unsafe fn cvt_f16_512(h: &[Half], out: &mut [f32]) {
+        let n = h.len();
+        let hp = h.as_ptr().cast::<u16>();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n = h.len() = out.len(); `Half` is two bytes.
+            unsafe {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(hp.add(i).cast()));
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+            i += 16;
+        }
+        for (o, x) in out[i..].iter_mut().zip(&h[i..]) {
+            *o = x.to_f32();
+        }
+    }
+
+    /// `out = f32(h)`, 8 values per conversion.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `h` and `out` have one length.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn cvt_f16_256(h: &[Half], out: &mut [f32]) {
+        let n = h.len();
+        let hp = h.as_ptr().cast::<u16>();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 ≤ n = h.len() = out.len(); `Half` is two bytes.
+            unsafe {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(hp.add(i).cast()));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+            i += 8;
+        }
+        for (o, x) in out[i..].iter_mut().zip(&h[i..]) {
+            *o = x.to_f32();
+        }
+    }
 
     /// The mask of the first `n` (< 16) lanes.
     fn tail16(n: usize) -> __mmask16 {
