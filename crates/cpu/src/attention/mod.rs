@@ -383,10 +383,10 @@ impl Ctx<'_> {
     /// [`decode_head`] with this backend's f16 conversion (F16C where the CPU has it).
     #[inline]
     fn decode(&self, ty: QType, src: &[u8], out: &mut [f32]) {
-        if ty == QType::F16 {
-            (self.attn.f16_to_f32)(bytemuck::cast_slice(src), out);
-        } else {
-            decode_head(ty, src, out);
+        match ty {
+            QType::F16 => (self.attn.f16_to_f32)(bytemuck::cast_slice(src), out),
+            QType::Turbo4 => (self.attn.turbo4_decode)(bytemuck::cast_slice(src), out),
+            _ => decode_head(ty, src, out),
         }
     }
 
@@ -714,6 +714,39 @@ pub(crate) fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The SIMD turbo4 and f16 decoders give the bits of the reference dequantizers.
+    #[test]
+    fn simd_decoders_equal_the_reference() {
+        use specula_quant::dot::SimdLevel;
+        let x: Vec<f32> = (0..256u16)
+            .map(|i| (f32::from(i) * 0.61).cos() * (1.0 + f32::from(i % 5)))
+            .collect();
+        let mut q = vec![0u8; QType::Turbo4.row_bytes(256).unwrap()];
+        specula_kv::quantize_head(QType::Turbo4, &x, &mut q).unwrap();
+        let mut want = vec![0f32; 256];
+        specula_quant::dequantize_row(QType::Turbo4, &q, &mut want).unwrap();
+        let h: Vec<specula_quant::blocks::Half> = x
+            .iter()
+            .map(|&v| specula_quant::blocks::Half::from_f32(v))
+            .collect();
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2, SimdLevel::Scalar] {
+            let k = simd::AttnKernels::for_level(level);
+            let mut got = vec![0f32; 256];
+            (k.turbo4_decode)(bytemuck::cast_slice(&q), &mut got);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{level:?}"
+            );
+            (k.f16_to_f32)(&h, &mut got);
+            assert!(
+                got.iter()
+                    .zip(&h)
+                    .all(|(a, b)| a.to_bits() == b.to_f32().to_bits())
+            );
+        }
+    }
 
     /// The table decoders give the bits of the reference dequantizers.
     #[test]

@@ -8,8 +8,9 @@
 //! same loop for each instruction set and does not contract it), so it gives the same bits
 //! everywhere.
 
-use specula_quant::blocks::Half;
+use specula_quant::blocks::{BlockTurbo4, Half, QK_TURBO};
 use specula_quant::dot::SimdLevel;
+use specula_quant::turbo::CENTROIDS_4;
 
 /// The loops of one instruction set.
 #[derive(Clone, Copy)]
@@ -20,6 +21,8 @@ pub(crate) struct AttnKernels {
     pub(crate) axpy: fn(&mut [f32], f32, &[f32]),
     /// `out[i] = f32(h[i])` (exact on every path).
     pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
+    /// turbo4 blocks → `centroid · norm` values (the bits of the scalar decoder on every path).
+    pub(crate) turbo4_decode: fn(&[BlockTurbo4], &mut [f32]),
 }
 
 impl std::fmt::Debug for AttnKernels {
@@ -49,7 +52,24 @@ const PORTABLE: AttnKernels = AttnKernels {
     dot_f32: |q, k| dot_portable(q, k, |x| x),
     axpy: axpy_portable,
     f16_to_f32: f16_to_f32_portable,
+    turbo4_decode: turbo4_decode_portable,
 };
+
+/// turbo4 blocks → `centroid · norm`, nibble by nibble (low nibble first).
+pub(crate) fn turbo4_decode_portable(x: &[BlockTurbo4], out: &mut [f32]) {
+    assert_eq!(
+        x.len() * QK_TURBO,
+        out.len(),
+        "attention: turbo4 row length"
+    );
+    for (b, o) in x.iter().zip(out.chunks_exact_mut(QK_TURBO)) {
+        let n = b.norm.to_f32();
+        for (&q, o) in b.qs.iter().zip(o.chunks_exact_mut(2)) {
+            o[0] = CENTROIDS_4[usize::from(q & 15)] * n;
+            o[1] = CENTROIDS_4[usize::from(q >> 4)] * n;
+        }
+    }
+}
 
 /// `out[i] = f32(h[i])`.
 pub(crate) fn f16_to_f32_portable(h: &[Half], out: &mut [f32]) {
@@ -95,7 +115,7 @@ fn dot_portable<K: Copy>(q: &[f32], k: &[K], f: impl Fn(K) -> f32) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{AttnKernels, Half, axpy_portable};
+    use super::{AttnKernels, BlockTurbo4, CENTROIDS_4, Half, QK_TURBO, axpy_portable};
 
     pub(super) fn avx512_supported() -> bool {
         is_x86_feature_detected!("avx512f")
@@ -115,7 +135,7 @@ mod x86 {
     /// instruction set. Each table is only handed out by [`AttnKernels::for_level`] after the
     /// matching `*_supported` check.
     macro_rules! table {
-        ($dot32:ident, $axpy:ident, $cvt:ident) => {
+        ($dot32:ident, $axpy:ident, $cvt:ident, $t4:ident) => {
             AttnKernels {
                 dot_f32: |q, k| {
                     assert_eq!(q.len(), k.len(), "attention: q and k lengths differ");
@@ -134,12 +154,21 @@ mod x86 {
                     // SAFETY: as above; both slices have one length.
                     unsafe { $cvt(h, out) }
                 },
+                turbo4_decode: |x, out| {
+                    assert_eq!(
+                        x.len() * QK_TURBO,
+                        out.len(),
+                        "attention: turbo4 row length"
+                    );
+                    // SAFETY: as above; `out` holds 128 values per block.
+                    unsafe { $t4(x, out) }
+                },
             }
         };
     }
 
-    pub(super) const AVX512: AttnKernels = table!(dot_f32_512, axpy_512, cvt_f16_512);
-    pub(super) const AVX2: AttnKernels = table!(dot_f32_256, axpy_256, cvt_f16_256);
+    pub(super) const AVX512: AttnKernels = table!(dot_f32_512, axpy_512, cvt_f16_512, turbo4_512);
+    pub(super) const AVX2: AttnKernels = table!(dot_f32_256, axpy_256, cvt_f16_256, turbo4_256);
 
     /// `out = f32(h)`, 16 values per conversion.
     ///
@@ -182,6 +211,79 @@ mod x86 {
         }
         for (o, x) in out[i..].iter_mut().zip(&h[i..]) {
             *o = x.to_f32();
+        }
+    }
+
+    /// The 32 nibbles of 16 code bytes as 32 bytes `[lo0, hi0, lo1, hi1, …]`: the code order.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn nibbles(b: __m128i) -> (__m128i, __m128i) {
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(b, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), m);
+        (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+    }
+
+    /// turbo4 decode, 16 codes per `permutexvar` lookup.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL and F16C; `out.len() == 128 · x.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    unsafe fn turbo4_512(x: &[BlockTurbo4], out: &mut [f32]) {
+        // SAFETY: CENTROIDS_4 holds 16 f32.
+        let table = unsafe { _mm512_loadu_ps(CENTROIDS_4.as_ptr()) };
+        for (bi, b) in x.iter().enumerate() {
+            let n = _mm512_set1_ps(b.norm.to_f32());
+            let o = &mut out[bi * QK_TURBO..(bi + 1) * QK_TURBO];
+            for c in 0..4 {
+                // SAFETY: 16 bytes at 16·c inside the 64-byte `qs`.
+                let bytes = unsafe { _mm_loadu_si128(b.qs.as_ptr().add(16 * c).cast()) };
+                let (a, z) = nibbles(bytes);
+                for (k, v) in [a, z].into_iter().enumerate() {
+                    let idx = _mm512_cvtepu8_epi32(v);
+                    let y = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), n);
+                    // SAFETY: 16 values at 32·c + 16·k inside the 128 of this block.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(32 * c + 16 * k), y) };
+                }
+            }
+        }
+    }
+
+    /// turbo4 decode, 8 codes per pair of `permutevar8x32` lookups.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `out.len() == 128 · x.len()`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn turbo4_256(x: &[BlockTurbo4], out: &mut [f32]) {
+        // SAFETY: CENTROIDS_4 holds 16 f32.
+        let (t_lo, t_hi) = unsafe {
+            (
+                _mm256_loadu_ps(CENTROIDS_4.as_ptr()),
+                _mm256_loadu_ps(CENTROIDS_4.as_ptr().add(8)),
+            )
+        };
+        for (bi, b) in x.iter().enumerate() {
+            let n = _mm256_set1_ps(b.norm.to_f32());
+            let o = &mut out[bi * QK_TURBO..(bi + 1) * QK_TURBO];
+            for c in 0..4 {
+                // SAFETY: 16 bytes at 16·c inside the 64-byte `qs`.
+                let bytes = unsafe { _mm_loadu_si128(b.qs.as_ptr().add(16 * c).cast()) };
+                let (a, z) = nibbles(bytes);
+                for (k, v) in [a, z].into_iter().enumerate() {
+                    for h in 0..2 {
+                        let v8 = if h == 0 { v } else { _mm_srli_si128::<8>(v) };
+                        let idx = _mm256_cvtepu8_epi32(v8);
+                        let lo = _mm256_permutevar8x32_ps(t_lo, idx);
+                        let hi = _mm256_permutevar8x32_ps(t_hi, idx);
+                        let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+                        let y = _mm256_mul_ps(_mm256_blendv_ps(lo, hi, sel), n);
+                        // SAFETY: 8 values at 32·c + 16·k + 8·h inside this block's 128.
+                        unsafe {
+                            _mm256_storeu_ps(o.as_mut_ptr().add(32 * c + 16 * k + 8 * h), y);
+                        };
+                    }
+                }
+            }
         }
     }
 
