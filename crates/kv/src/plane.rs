@@ -79,7 +79,9 @@ impl Plane {
 
     /// Sets the per-head offset that quantized formats subtract before quantizing, once per
     /// plane, to the mean of `rows` (whole rows, `n_head · head_dim` values each): the first
-    /// rows written. Float formats and an already calibrated plane are left as they are.
+    /// rows written. Float formats and an already calibrated plane are left as they are. The
+    /// offset stays for the life of the plane (rolled-back cells are rewritten with the same
+    /// offset, so a rewrite gives the bytes it would have given without the rollback).
     ///
     /// Keys and values of real models share a large common part (Qwen2.5's K biases, massive
     /// activations in a few channels) that carries no information for attention but dominates

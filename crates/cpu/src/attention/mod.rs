@@ -119,8 +119,8 @@ impl CpuKv {
         if v { l.v.bytes() } else { l.k.bytes() }
     }
 
-    /// The K row (`n_kv_head · head_dim_k` values) stored in `cell` of `layer`, dequantized and,
-    /// for turbo, rotated back to the model's domain.
+    /// The K row (`n_kv_head · head_dim_k` values) stored in `cell` of `layer`, as attention
+    /// reads it: dequantized, rotated back to the model's domain, padding folded, offset added.
     ///
     /// # Panics
     /// If `layer` or `cell` is out of range.
@@ -661,11 +661,22 @@ pub(crate) fn attention(
         v_dim: ly.v_dim,
     };
     let nth = be.n_threads();
-    // Tasks: row blocks × K/V heads × slices of the query heads of a group, enough of them to
-    // keep every thread busy in decode. The split changes no result (see the module docs).
+    // Tasks: row blocks × K/V heads × slices of the query heads of a group. Every task decodes
+    // the K/V tiles it reads: for block and turbo formats, where decoding costs about as much
+    // as a head's arithmetic, a group is split only as far as it takes to give each thread a
+    // task; float tiles are cheap to convert, so the split aims at four tasks per thread for
+    // balance. The split changes no result (see the module docs).
     let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
     let rows_per = n_q.div_ceil(n_rb).max(1);
-    let n_sub = (4 * nth).div_ceil(n_rb * n_kv_head).clamp(1, group);
+    let float = |t: QType| matches!(t, QType::F32 | QType::F16 | QType::BF16);
+    let per_thread = if float(ly.types.k) && float(ly.types.v) {
+        4
+    } else {
+        1
+    };
+    let n_sub = (per_thread * nth)
+        .div_ceil(n_rb * n_kv_head)
+        .clamp(1, group);
     let heads_per = group.div_ceil(n_sub);
     let n_sub = group.div_ceil(heads_per);
     let n_tasks = n_rb * n_kv_head * n_sub;
