@@ -88,7 +88,8 @@ pub fn check_cache(
     v: QType,
 ) -> Result<specula_kv::KvLayout> {
     let hp = engine.model.hparams();
-    let layout = specula_kv::KvLayout::new(&engine.model.kv_shape(n_ctx, k, v))
+    let layout = engine
+        .kv_layout(n_ctx, k, v)
         .with_context(|| format!("cannot use -ctk {k} -ctv {v} with this model"))?;
     if let Some(w) = turbo_k_warning(hp.n_head, hp.n_head_kv, k, v) {
         eprintln!("warning: {w}");

@@ -171,3 +171,40 @@ fn qwen25_cache_types_meet_their_kld_gates() {
     ];
     measure("qwen2.5-coder-0.5b", 2, &settings);
 }
+
+/// Memory accounting on a real model: bytes per token are the formats' bits per value over
+/// every layer's K and V heads (turbo: 64-wide heads padded to 128), and a session reports
+/// what its filled positions occupy.
+#[test]
+fn smollm2_cache_bytes_per_token_are_the_formats_bits() {
+    let Some(path) = specula_fetch::cached_model_path("smollm2-135m") else {
+        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+        return;
+    };
+    let e = engine(&path);
+    let hp = e.model.hparams().clone();
+    let heads = hp.n_layer * hp.n_head_kv;
+    for (ty, bits_per_value) in [
+        (QType::F16, 16.0),
+        (QType::Q8_0, 8.5),
+        (QType::Q4_0, 4.5),
+        (QType::Turbo4, 4.125 * 128.0 / 64.0),
+        (QType::Turbo3, 3.125 * 128.0 / 64.0),
+        (QType::Turbo2, 2.125 * 128.0 / 64.0),
+    ] {
+        let layout = e.kv_layout(4096, ty, ty).unwrap();
+        #[allow(clippy::cast_precision_loss, reason = "small sizes")]
+        let want = bits_per_value * (heads * (hp.head_dim_k + hp.head_dim_v)) as f64 / 8.0;
+        #[allow(clippy::cast_precision_loss, reason = "small sizes")]
+        let got = layout.bytes_per_token() as f64;
+        assert!((got - want).abs() < 1e-9, "{ty}: {got} bytes per token, want {want}");
+        assert_eq!(layout.total_bytes(), 4096 * layout.bytes_per_token());
+    }
+    let mut s = e.session(64, QType::Q8_0, QType::Turbo4).unwrap();
+    e.prefill(&mut s, &[1, 2, 3, 4, 5], false).unwrap();
+    assert_eq!(
+        s.kv_bytes_used(),
+        5 * heads * (2 * 34 + 66),
+        "q8_0 K (2 blocks of 34 bytes) + turbo4 V (one 66-byte block) per head"
+    );
+}
