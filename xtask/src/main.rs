@@ -5,10 +5,12 @@
 //! - `cargo xtask fuzz` — builds a libFuzzer target on stable Rust and runs it for a while.
 //! - `cargo xtask fetch-models` — fetches the real models pinned in `models.toml`.
 //! - `cargo xtask golden` — regenerates `golden/` with the Python oracles in `reference/`.
+//! - `cargo xtask bench kv` — speed and memory of the KV cache formats against depth.
 //!
 //! The alias in `.cargo/config.toml` builds this crate into `target/xtask`, so running a chore
 //! never invalidates the workspace build.
 
+mod bench;
 mod ci;
 mod fuzz;
 mod golden;
@@ -16,6 +18,8 @@ mod models;
 mod util;
 
 use std::process::ExitCode;
+
+use std::path::PathBuf;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -37,6 +41,54 @@ enum Task {
     FetchModels(FetchArgs),
     /// Regenerate `golden/` with the Python oracles in `reference/` (never run by CI).
     Golden(GoldenArgs),
+    /// Benchmark sweeps (tables and plots in `benches/results/`).
+    #[command(subcommand)]
+    Bench(BenchTask),
+}
+
+/// The sweeps of `cargo xtask bench`.
+#[derive(Debug, Subcommand)]
+enum BenchTask {
+    /// Speed and memory of KV cache formats against context depth.
+    Kv(KvBenchArgs),
+}
+
+/// Options of `cargo xtask bench kv`.
+#[derive(Debug, Args)]
+struct KvBenchArgs {
+    /// Model (file or manifest name).
+    #[arg(short = 'm', long, default_value = "smollm2-135m")]
+    model: String,
+    /// Cache settings: `T` (K and V) or `K/V`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "f16,q8_0,q4_0,turbo4,turbo3,turbo2,q8_0/turbo4"
+    )]
+    types: Vec<String>,
+    /// Depths.
+    #[arg(
+        short = 'd',
+        long,
+        value_delimiter = ',',
+        default_value = "0,1024,4096"
+    )]
+    depths: Vec<u64>,
+    /// Prompt length of the pp test.
+    #[arg(short = 'p', long, default_value_t = 512)]
+    n_prompt: usize,
+    /// Tokens of the tg test.
+    #[arg(short = 'n', long, default_value_t = 32)]
+    n_gen: usize,
+    /// Repetitions.
+    #[arg(short = 'r', long, default_value_t = 2)]
+    repetitions: usize,
+    /// Threads.
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: usize,
+    /// Output directory (relative to the repository root).
+    #[arg(long, default_value = "benches/results")]
+    out: PathBuf,
 }
 
 /// Options of `cargo xtask ci`.
@@ -86,6 +138,7 @@ fn main() -> ExitCode {
         Task::Fuzz(args) => fuzz::run(&args),
         Task::FetchModels(args) => models::run(&args),
         Task::Golden(args) => golden::run(&args),
+        Task::Bench(BenchTask::Kv(args)) => bench::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

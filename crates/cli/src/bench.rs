@@ -1,9 +1,12 @@
 //! `specula bench`: llama-bench's pp/tg tests and output formats.
 //!
-//! `pp N` processes an N-token prompt from an empty cache in batches of `-b` (first token BOS
-//! when the model adds one, the rest pseudo-random ids); `tg N` decodes N single tokens after
-//! BOS. Each test runs once as warm-up, then `-r` times; `avg_ts`/`stddev_ts` are tokens per
-//! second over the repetitions, as llama-bench reports them.
+//! `pp N` processes an N-token prompt in batches of `-b` (first token BOS when the model adds
+//! one, the rest pseudo-random ids); `tg N` decodes N single tokens after BOS. With `-d D`
+//! (llama-bench's `--n-depth`) every test runs after a prefilled context of D tokens: the
+//! depth is prefilled once per test, untimed, and each repetition trims the cache back to it.
+//! Each test runs once as warm-up, then `-r` times; `avg_ts`/`stddev_ts` are tokens per
+//! second over the repetitions, as llama-bench reports them. The KV cache formats (`-ctk`,
+//! `-ctv`) and the cache's size are reported with each test.
 
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -48,6 +51,14 @@ pub struct Args {
         default_value = "128"
     )]
     pub n_gen: Vec<usize>,
+    /// Context depths to run each test at (tokens prefilled before the timed part).
+    #[arg(
+        short = 'd',
+        long = "n-depth",
+        value_delimiter = ',',
+        default_value = "0"
+    )]
+    pub n_depth: Vec<usize>,
     /// Threads.
     #[arg(short = 't', long, default_value_t = 2)]
     pub threads: usize,
@@ -82,6 +93,11 @@ struct Record {
     type_v: String,
     n_prompt: usize,
     n_gen: usize,
+    n_depth: usize,
+    /// Bytes of KV cache per token (all layers, K and V).
+    kv_bytes_per_token: usize,
+    /// Bytes of KV cache holding depth + test tokens.
+    kv_bytes_used: usize,
     test_time: String,
     avg_ns: u64,
     stddev_ns: u64,
@@ -103,38 +119,53 @@ fn ids(n: usize, n_vocab: usize, seed: &mut u64) -> Vec<u32> {
         .collect()
 }
 
-fn run_pp(
+/// Fills the first `depth` positions of the session (untimed part of a `-d` test).
+fn prefill_depth(
     e: &Engine<CpuBackend>,
     s: &mut Session<CpuBackend>,
-    n: usize,
+    depth: usize,
     seed: &mut u64,
 ) -> Result<()> {
-    let mut toks = ids(n, e.model.hparams().n_vocab, seed);
+    s.truncate(0);
+    if depth == 0 {
+        return Ok(());
+    }
+    let mut toks = ids(depth, e.model.hparams().n_vocab, seed);
     if let (true, Some(bos)) = (e.tokenizer.add_bos(), e.tokenizer.special_tokens().bos) {
         toks[0] = bos;
     }
-    s.truncate(0);
     e.prefill(s, &toks, false)?;
     Ok(())
 }
 
-fn run_tg(
+/// One timed repetition after `depth` positions: returns its nanoseconds.
+fn run_once(
     e: &Engine<CpuBackend>,
     s: &mut Session<CpuBackend>,
-    n: usize,
+    (pp, tg, depth): (usize, usize, usize),
     seed: &mut u64,
-) -> Result<()> {
-    s.truncate(0);
-    let mut tok = e
-        .tokenizer
-        .special_tokens()
-        .bos
-        .unwrap_or_else(|| ids(1, e.model.hparams().n_vocab, seed)[0]);
-    for _ in 0..n {
-        e.decode(s, tok)?;
-        tok = ids(1, e.model.hparams().n_vocab, seed)[0];
+) -> Result<u64> {
+    s.truncate(depth);
+    let n_vocab = e.model.hparams().n_vocab;
+    let bos = e.tokenizer.special_tokens().bos;
+    let t = Instant::now();
+    if pp > 0 {
+        let mut toks = ids(pp, n_vocab, seed);
+        if let (0, true, Some(b)) = (depth, e.tokenizer.add_bos(), bos) {
+            toks[0] = b;
+        }
+        e.prefill(s, &toks, false)?;
+    } else {
+        let mut tok = match (depth, bos) {
+            (0, Some(b)) => b,
+            _ => ids(1, n_vocab, seed)[0],
+        };
+        for _ in 0..tg {
+            e.decode(s, tok)?;
+            tok = ids(1, n_vocab, seed)[0];
+        }
     }
-    Ok(())
+    Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
 }
 
 #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
@@ -185,68 +216,68 @@ pub fn run(args: &Args) -> Result<String> {
         .copied()
         .max()
         .unwrap_or(1)
-        .max(1);
+        .max(1)
+        + args.n_depth.iter().copied().max().unwrap_or(0);
+    let layout = load::check_cache(&engine, n_ctx, k_type, v_type)?;
     let mut session = engine.session(n_ctx, k_type, v_type)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
 
     let mut records = Vec::new();
-    let tests = args
+    let tests: Vec<(usize, usize)> = args
         .n_prompt
         .iter()
         .filter(|&&n| n > 0)
         .map(|&n| (n, 0))
-        .chain(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| (0, n)));
-    for (pp, tg) in tests {
-        let one = |s: &mut Session<CpuBackend>, seed: &mut u64| -> Result<()> {
-            if pp > 0 {
-                run_pp(&engine, s, pp, seed)
-            } else {
-                run_tg(&engine, s, tg, seed)
+        .chain(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| (0, n)))
+        .collect();
+    for &depth in &args.n_depth {
+        for &(pp, tg) in &tests {
+            prefill_depth(&engine, &mut session, depth, &mut seed)?;
+            run_once(&engine, &mut session, (pp, tg, depth), &mut seed)?; // warm-up
+            let mut samples_ns = Vec::with_capacity(args.repetitions);
+            for _ in 0..args.repetitions {
+                samples_ns.push(run_once(&engine, &mut session, (pp, tg, depth), &mut seed)?);
             }
-        };
-        one(&mut session, &mut seed)?; // warm-up
-        let mut samples_ns = Vec::with_capacity(args.repetitions);
-        for _ in 0..args.repetitions {
-            let t = Instant::now();
-            one(&mut session, &mut seed)?;
-            samples_ns.push(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+            #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
+            let samples_ts: Vec<f64> = samples_ns
+                .iter()
+                .map(|&ns| (pp + tg) as f64 * 1e9 / ns as f64)
+                .collect();
+            #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
+            let ns_f: Vec<f64> = samples_ns.iter().map(|&v| v as f64).collect();
+            let (avg_ns, sd_ns) = stats(&ns_f);
+            let (avg_ts, stddev_ts) = stats(&samples_ts);
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                reason = "non-negative nanosecond statistics"
+            )]
+            let (avg_ns, stddev_ns) = (avg_ns as u64, sd_ns as u64);
+            records.push(Record {
+                build_commit: env!("CARGO_PKG_VERSION"),
+                model_filename: path.display().to_string(),
+                model_type: model_type.clone(),
+                model_size: size,
+                model_n_params: params,
+                backends: "CPU",
+                n_threads: args.threads,
+                n_batch: args.batch_size,
+                type_k: k_type.name().to_owned(),
+                type_v: v_type.name().to_owned(),
+                n_prompt: pp,
+                n_gen: tg,
+                n_depth: depth,
+                kv_bytes_per_token: layout.bytes_per_token(),
+                kv_bytes_used: layout.bytes_per_token() * (depth + pp + tg),
+                test_time: format!("{:?}", std::time::SystemTime::now()),
+                avg_ns,
+                stddev_ns,
+                avg_ts,
+                stddev_ts,
+                samples_ns,
+                samples_ts,
+            });
         }
-        #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
-        let samples_ts: Vec<f64> = samples_ns
-            .iter()
-            .map(|&ns| (pp + tg) as f64 * 1e9 / ns as f64)
-            .collect();
-        #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
-        let ns_f: Vec<f64> = samples_ns.iter().map(|&v| v as f64).collect();
-        let (avg_ns, sd_ns) = stats(&ns_f);
-        let (avg_ts, stddev_ts) = stats(&samples_ts);
-        #[allow(
-            clippy::cast_possible_truncation,
-            clippy::cast_sign_loss,
-            reason = "non-negative nanosecond statistics"
-        )]
-        let (avg_ns, stddev_ns) = (avg_ns as u64, sd_ns as u64);
-        records.push(Record {
-            build_commit: env!("CARGO_PKG_VERSION"),
-            model_filename: path.display().to_string(),
-            model_type: model_type.clone(),
-            model_size: size,
-            model_n_params: params,
-            backends: "CPU",
-            n_threads: args.threads,
-            n_batch: args.batch_size,
-            type_k: k_type.name().to_owned(),
-            type_v: v_type.name().to_owned(),
-            n_prompt: pp,
-            n_gen: tg,
-            test_time: format!("{:?}", std::time::SystemTime::now()),
-            avg_ns,
-            stddev_ns,
-            avg_ts,
-            stddev_ts,
-            samples_ns,
-            samples_ts,
-        });
     }
     render(&records, args.output)
 }
@@ -266,15 +297,23 @@ fn render(records: &[Record], output: Output) -> Result<String> {
         Output::Md => {
             let _ = writeln!(
                 s,
-                "| model | size | params | backend | threads | test | t/s |"
+                "| model | size | params | backend | threads | type_k | type_v | kv MiB | test | t/s |"
             );
-            let _ = writeln!(s, "| --- | ---: | ---: | --- | ---: | ---: | ---: |");
+            let _ = writeln!(
+                s,
+                "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: |"
+            );
             for r in records {
-                let test = if r.n_prompt > 0 {
+                let mut test = if r.n_prompt > 0 {
                     format!("pp{}", r.n_prompt)
                 } else {
                     format!("tg{}", r.n_gen)
                 };
+                if r.n_depth > 0 {
+                    let _ = write!(test, " @ d{}", r.n_depth);
+                }
+                #[allow(clippy::cast_precision_loss, reason = "display")]
+                let kv_mib = r.kv_bytes_used as f64 / f64::from(1u32 << 20);
                 #[allow(clippy::cast_precision_loss, reason = "display")]
                 let (gib, m) = (
                     r.model_size as f64 / (1u64 << 30) as f64,
@@ -282,8 +321,14 @@ fn render(records: &[Record], output: Output) -> Result<String> {
                 );
                 let _ = writeln!(
                     s,
-                    "| {} | {gib:.2} GiB | {m:.2} M | {} | {} | {test} | {:.2} ± {:.2} |",
-                    r.model_type, r.backends, r.n_threads, r.avg_ts, r.stddev_ts
+                    "| {} | {gib:.2} GiB | {m:.2} M | {} | {} | {} | {} | {kv_mib:.2} | {test} | {:.2} ± {:.2} |",
+                    r.model_type,
+                    r.backends,
+                    r.n_threads,
+                    r.type_k,
+                    r.type_v,
+                    r.avg_ts,
+                    r.stddev_ts
                 );
             }
         }

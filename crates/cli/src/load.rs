@@ -8,6 +8,7 @@ use specula_cpu::CpuBackend;
 use specula_engine::Engine;
 use specula_gguf::Gguf;
 use specula_models::Model;
+use specula_quant::QType;
 use specula_tokenizer::Tokenizer;
 
 /// A path that exists is used as is; otherwise a manifest model name is fetched (verified,
@@ -52,8 +53,46 @@ pub fn cpu_engine(path: &Path, threads: usize) -> Result<Engine<CpuBackend>> {
     Ok(Engine::new(backend, model, tokenizer))
 }
 
-/// Parses a KV cache type flag (`f16`, `f32`, …).
-pub fn cache_type(s: &str) -> Result<specula_quant::QType> {
-    specula_quant::QType::from_name(s)
-        .with_context(|| format!("unknown cache type `{s}` (try f16 or f32)"))
+/// Parses a KV cache type flag (`f16`, `q8_0`, `turbo4`, …).
+pub fn cache_type(s: &str) -> Result<QType> {
+    Ok(specula_kv::parse_cache_type(s)?)
+}
+
+/// GQA ratio (query heads per K/V head) from which a turbo K is known to hurt a model: the
+/// TurboQuant fork switches K to q8_0 there (`TURBO_AUTO_ASYMMETRIC`, ratio ≥ 6, after Qwen2.5
+/// at 7:1 went from PPL 7.4 to 2887 with turbo3 K). Measured here on Qwen2.5-Coder-0.5B (7:1,
+/// textwrap.py, 2 × 512, KLD vs the f16 cache): turbo3 K + q8_0 V 3.37 (collapsed, PPL 151),
+/// q8_0 K + turbo3 V 0.0126; turbo4 K + q8_0 V 0.060 against 0.0019 for q8_0/q8_0
+/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K without collapse.
+pub const TURBO_K_GQA_LIMIT: usize = 6;
+
+/// The start-up warning for a turbo K on a model whose GQA ratio makes it harmful, naming the
+/// asymmetric setting that fixes it; `None` when the formats are fine for the model.
+#[must_use]
+pub fn turbo_k_warning(n_head: usize, n_head_kv: usize, k: QType, v: QType) -> Option<String> {
+    let ratio = n_head / n_head_kv.max(1);
+    (specula_kv::is_turbo(k) && ratio >= TURBO_K_GQA_LIMIT).then(|| {
+        let fix_v = if specula_kv::is_turbo(v) { v } else { k };
+        format!(
+            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads; Qwen2.5 collapses with turbo3 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
+        )
+    })
+}
+
+/// Checks that the model's heads can be stored in `k` / `v` (a clear error at start, before
+/// any work) and prints the turbo-K warning when it applies. Returns the cache layout.
+pub fn check_cache(
+    engine: &Engine<CpuBackend>,
+    n_ctx: usize,
+    k: QType,
+    v: QType,
+) -> Result<specula_kv::KvLayout> {
+    let hp = engine.model.hparams();
+    let layout = engine
+        .kv_layout(n_ctx, k, v)
+        .with_context(|| format!("cannot use -ctk {k} -ctv {v} with this model"))?;
+    if let Some(w) = turbo_k_warning(hp.n_head, hp.n_head_kv, k, v) {
+        eprintln!("warning: {w}");
+    }
+    Ok(layout)
 }

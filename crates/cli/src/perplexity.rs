@@ -4,6 +4,15 @@
 //! window starts from an empty cache, its first token replaced by BOS when the model adds
 //! one; only the second half of each window is scored (every scored token has at least
 //! `n_ctx/2` tokens of context). PPL = exp(mean NLL), with llama.cpp's standard error.
+//!
+//! **KL divergence** (llama-perplexity's `--kl-divergence-base` / `--kl-divergence`): a first
+//! run with `--kl-divergence-base FILE` saves the log-probabilities of every scored token
+//! ([`kld`] describes the file); a second run (another cache type, another quantization) with
+//! `--kl-divergence-base FILE --kl-divergence` scores the same windows and reports, against the
+//! saved distribution, mean/median/p99/max KLD, how often the top token agrees, and the
+//! perplexity ratio.
+
+mod kld;
 
 use std::fmt::Write as _;
 
@@ -34,7 +43,22 @@ pub struct Args {
     /// Tokens per forward batch.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
-    /// End with one JSON line `{"ppl", "ppl_stderr", "chunks", "ctx"}`.
+    /// K cache type.
+    #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
+    pub cache_type_k: String,
+    /// V cache type.
+    #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
+    pub cache_type_v: String,
+    /// Save the scored log-probabilities to FILE (alone), or read them from FILE (with
+    /// `--kl-divergence`).
+    #[arg(long = "kl-divergence-base", value_name = "FILE")]
+    pub kl_divergence_base: Option<std::path::PathBuf>,
+    /// Compare against the distribution saved with `--kl-divergence-base`.
+    #[arg(long = "kl-divergence", requires = "kl_divergence_base")]
+    pub kl_divergence: bool,
+    /// End with one JSON line `{"ppl", "ppl_stderr", "chunks", "ctx", "tokens"}` (plus
+    /// `"kld_mean"`, `"kld_median"`, `"kld_p99"`, `"kld_max"`, `"top1_agree"`, `"ppl_base"` with
+    /// `--kl-divergence`).
     #[arg(long)]
     pub json: bool,
 }
@@ -46,6 +70,10 @@ struct JsonOut {
     chunks: usize,
     ctx: usize,
     tokens: usize,
+    type_k: String,
+    type_v: String,
+    #[serde(flatten, skip_serializing_if = "Option::is_none")]
+    kld: Option<kld::Summary>,
 }
 
 /// `log p(tok)` under `softmax(logits)`, as llama-perplexity's `log_softmax`: f32 max and
@@ -64,10 +92,15 @@ pub fn run(args: &Args) -> Result<String> {
     if args.chunks == Some(0) {
         bail!("--chunks must be positive");
     }
+    let (k_type, v_type) = (
+        load::cache_type(&args.cache_type_k)?,
+        load::cache_type(&args.cache_type_v)?,
+    );
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
+    load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     engine.n_batch = args.batch_size.max(1);
     let n_ctx = args.ctx_size;
     let tokens = engine
@@ -90,21 +123,53 @@ pub fn run(args: &Args) -> Result<String> {
 
     let mut out = String::new();
     let (mut nll, mut nll2, mut count) = (0.0f64, 0.0f64, 0usize);
-    let mut session =
-        engine.session(n_ctx, specula_quant::QType::F16, specula_quant::QType::F16)?;
+    let mut session = engine.session(n_ctx, k_type, v_type)?;
+    let geometry = kld::Geometry {
+        n_ctx,
+        n_vocab,
+        n_chunk,
+        first,
+    };
+    let mut base_out = match (&args.kl_divergence_base, args.kl_divergence) {
+        (Some(p), false) => Some(kld::Writer::create(p, geometry)?),
+        _ => None,
+    };
+    let mut base_in = match (&args.kl_divergence_base, args.kl_divergence) {
+        (Some(p), true) => Some(kld::Reader::open(p, geometry)?),
+        _ => None,
+    };
+    let mut cmp = kld::Comparison::default();
+    let mut logp = Vec::with_capacity(n_vocab);
     for i in 0..n_chunk {
         let start = i * n_ctx;
         let mut window = tokens[start..start + n_ctx].to_vec();
         if add_bos && let Some(b) = bos {
             window[0] = b;
         }
+        if let Some(w) = &mut base_out {
+            w.window(&window)?;
+        }
+        if let Some(r) = &mut base_in {
+            r.window(&window)?;
+        }
         session.truncate(0);
         let logits = engine.prefill_from(&mut session, &window, first)?;
         for j in first..n_ctx - 1 {
             let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
-            let v = log_prob(row, tokens[start + j + 1] as usize);
+            let tok = tokens[start + j + 1] as usize;
+            let v = log_prob(row, tok);
             nll -= v;
             nll2 += v * v;
+            if base_out.is_some() || base_in.is_some() {
+                kld::log_softmax(row, &mut logp);
+            }
+            if let Some(w) = &mut base_out {
+                w.row(&logp)?;
+            }
+            if let Some(r) = &mut base_in {
+                let base = r.row()?;
+                cmp.add(base, &logp, tok);
+            }
         }
         count += n_ctx - first - 1;
         #[allow(clippy::cast_precision_loss, reason = "token counts are small")]
@@ -125,6 +190,14 @@ pub fn run(args: &Args) -> Result<String> {
     };
     out.push('\n');
     let _ = writeln!(out, "Final estimate: PPL = {ppl:.4} +/- {stderr:.5}");
+    if let Some(w) = base_out {
+        let p = w.finish()?;
+        let _ = writeln!(out, "saved the base log-probabilities to {}", p.display());
+    }
+    let summary = base_in.map(|_| cmp.summary(ppl));
+    if let Some(sm) = &summary {
+        out.push_str(&sm.render());
+    }
     if args.json {
         let j = JsonOut {
             ppl,
@@ -132,6 +205,9 @@ pub fn run(args: &Args) -> Result<String> {
             chunks: n_chunk,
             ctx: n_ctx,
             tokens: tokens.len(),
+            type_k: k_type.name().to_owned(),
+            type_v: v_type.name().to_owned(),
+            kld: summary,
         };
         let _ = writeln!(out, "{}", serde_json::to_string(&j)?);
     } else {

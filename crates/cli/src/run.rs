@@ -269,6 +269,7 @@ pub fn run(args: &Args) -> Result<String> {
         top_logits: args.top_logits,
         stop_at_eog: !args.ignore_eos,
     };
+    load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
     let (kind, mut drafter) = drafter(args, &engine)?;
     let spec = SpecOptions {

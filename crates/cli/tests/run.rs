@@ -51,13 +51,31 @@ fn bad_flags_are_one_line_errors() {
     assert_clean_error(&specula(&["run", "-m", m, "-c", "0"]), "must be positive");
     assert_clean_error(
         &specula(&["run", "-m", m, "--cache-type-k", "q9_9"]),
-        "unknown cache type",
+        "unknown KV cache type `q9_9`",
     );
+    // llama.cpp's one-dash spellings, on every command that takes them; weight-only formats
+    // are no cache formats.
+    assert_clean_error(
+        &specula(&["run", "-m", m, "-ctv", "q4_k"]),
+        "unknown KV cache type `q4_k`",
+    );
+    assert_clean_error(
+        &specula(&["bench", "-m", m, "-ctk=turbo5"]),
+        "unknown KV cache type `turbo5`",
+    );
+    assert_clean_error(
+        &specula(&["perplexity", "-m", m, "-f", m, "-ctk", "x"]),
+        "unknown KV cache type `x`",
+    );
+
     assert_clean_error(&specula(&["bench", "-m", m, "-r", "0"]), "must be positive");
     // clap's own errors exit with 2 and name the flag.
     let out = specula(&["run", "-n", "many"]);
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("--n-predict"));
+    let out = specula(&["perplexity", "-m", m, "-f", m, "--kl-divergence"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--kl-divergence-base"));
 }
 
 /// The architecture check on a real file of an architecture we do not run yet (Gemma-3), when

@@ -4,7 +4,8 @@
 //! - [`CpuTensor`] — an f32 activation matrix `[rows, cols]` whose storage is reused on resize.
 //! - [`CpuWeight`] — a weight in its GGUF block format, borrowed from the model file's memory;
 //!   only vectors (norm weights, biases) are converted to f32, once, at load.
-//! - [`CpuKv`] — the KV cache, K and V in f32 or f16.
+//! - [`CpuKv`] — the KV cache: K and V each in any format of [`specula_kv::CACHE_TYPES`]
+//!   (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, turbo2/3/4), quantized on write.
 //!
 //! Where the work is done:
 //!
@@ -13,7 +14,7 @@
 //! | `matmul`, `gemm` | `matmul`: activations quantized to the weight's `vec_dot_type`, tiles of dot products with the bits of [`specula_quant::dot`] (AVX-512 micro-kernels for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q6_K) |
 //! | `ops` | `copy_rows`, `get_rows`, `add_vector`, `rms_norm`, `rms_norm_groups`, `swiglu`, `geglu`, `add`, `scale` |
 //! | `rope` | `rope` (normal and NeoX pairing, partial rotation, linear scaling, YaRN) as ggml-cpu computes it |
-//! | `attention` | the cache, `kv_write`, `attention` (GQA, causal / sliding-window / no mask, soft cap); `attention::simd` its inner loops |
+//! | `attention` | the cache, `kv_write` (quantizing set_rows), flash `attention` over every cache format (online softmax, key tiles, GQA, causal / sliding-window / no mask, soft cap, turbo rotation of Q and of the output); `attention::simd` its inner loops |
 //! | `pool` | the thread pool and the static split of work |
 //!
 //! **Batch invariance.** Every output value is reduced by one thread, in one fixed order, by

@@ -216,7 +216,7 @@ fn attention_matches_the_definition() {
 }
 
 #[test]
-fn the_cache_stores_f16_rounded_values_and_refuses_other_types() {
+fn the_cache_stores_f16_rounded_values_and_refuses_bad_heads() {
     let be = CpuBackend::new(1);
     let c = Case {
         n_head: 2,
@@ -238,7 +238,8 @@ fn the_cache_stores_f16_rounded_values_and_refuses_other_types() {
     assert_eq!(kv.k_row(0, 2), want);
     assert_eq!(kv.v_row(0, 2), want);
     assert_eq!(kv.k_row(0, 1), [0.0; 4]);
-    for ty in [QType::Q8_0, QType::Turbo3, QType::Q4_0] {
+    // Block formats need whole blocks per head; weight-only formats are no cache formats.
+    for ty in [QType::Q8_0, QType::Q4_0, QType::IQ4_NL, QType::Q4_K] {
         let err = be
             .kv_new(KvShape {
                 k_type: ty,
@@ -250,4 +251,12 @@ fn the_cache_stores_f16_rounded_values_and_refuses_other_types() {
             "{err}"
         );
     }
+    // Turbo pads a 4-value head to one 128-value group.
+    let kv = be
+        .kv_new(KvShape {
+            k_type: QType::Turbo3,
+            ..shape(&c, 3)
+        })
+        .unwrap();
+    assert_eq!(kv.layout().layers[0].k_dim, 128);
 }

@@ -63,6 +63,9 @@ pub enum EngineError {
     /// A draft model's vocabulary is not the target's.
     #[error("the draft model cannot draft for this target: {0}")]
     Vocab(#[from] VocabMismatch),
+    /// KV cache formats the model's heads cannot be stored in.
+    #[error(transparent)]
+    Kv(#[from] specula_kv::KvError),
 }
 
 pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab};
@@ -95,6 +98,7 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
 /// One sequence's state.
 pub struct Session<B: Backend> {
     kv: B::Kv,
+    layout: specula_kv::KvLayout,
     scratch: Scratch<B>,
     pos: Vec<u32>,
     rows: Vec<usize>,
@@ -122,6 +126,18 @@ impl<B: Backend> Session<B> {
     #[must_use]
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    /// The cache's formats and memory accounting (bytes per token, per layer, in all).
+    #[must_use]
+    pub fn kv_layout(&self) -> &specula_kv::KvLayout {
+        &self.layout
+    }
+
+    /// Bytes of KV cache the filled positions occupy.
+    #[must_use]
+    pub fn kv_bytes_used(&self) -> usize {
+        self.layout.bytes_per_token() * self.n_past
     }
 
     /// Forgets everything after the first `n` positions (their cells are overwritten by the
@@ -230,6 +246,7 @@ impl<B: Backend> Engine<B> {
     /// If the backend cannot allocate the cache.
     pub fn session(&self, n_ctx: usize, k_type: QType, v_type: QType) -> Result<Session<B>> {
         Ok(Session {
+            layout: self.kv_layout(n_ctx, k_type, v_type)?,
             kv: self.model.new_kv(&self.backend, n_ctx, k_type, v_type)?,
             scratch: self.model.scratch(&self.backend),
             pos: Vec::new(),
@@ -237,6 +254,23 @@ impl<B: Backend> Engine<B> {
             n_past: 0,
             n_ctx,
         })
+    }
+
+    /// The layout (formats, stored head widths, bytes per token) a session of `n_ctx` cells
+    /// with these cache formats would have, without allocating it: for planning memory and for
+    /// rejecting a format the model's heads cannot use before any work.
+    ///
+    /// # Errors
+    /// [`EngineError::Kv`] when the heads cannot be stored in `k_type` / `v_type`.
+    pub fn kv_layout(
+        &self,
+        n_ctx: usize,
+        k_type: QType,
+        v_type: QType,
+    ) -> Result<specula_kv::KvLayout> {
+        Ok(specula_kv::KvLayout::new(
+            &self.model.kv_shape(n_ctx, k_type, v_type),
+        )?)
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {

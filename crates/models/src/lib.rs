@@ -319,7 +319,14 @@ impl<B: Backend> Model<B> {
     /// # Errors
     /// If the backend cannot store the cache in these formats.
     pub fn new_kv(&self, backend: &B, n_ctx: usize, k_type: QType, v_type: QType) -> Result<B::Kv> {
-        Ok(backend.kv_new(KvShape {
+        Ok(backend.kv_new(self.kv_shape(n_ctx, k_type, v_type))?)
+    }
+
+    /// The shape of a cache of `n_ctx` cells for this model (for memory accounting and checks
+    /// before allocating).
+    #[must_use]
+    pub fn kv_shape(&self, n_ctx: usize, k_type: QType, v_type: QType) -> KvShape {
+        KvShape {
             n_layer: self.hp.n_layer,
             n_ctx,
             n_kv_head: self.hp.n_head_kv,
@@ -327,7 +334,7 @@ impl<B: Backend> Model<B> {
             head_dim_v: self.hp.head_dim_v,
             k_type,
             v_type,
-        })?)
+        }
     }
 
     /// Fresh activation buffers.

@@ -1,73 +1,57 @@
-//! The KV cache and attention over it.
+//! The KV cache and flash attention over it.
 //!
-//! [`CpuKv`] keeps, per layer, K and V rows (`n_kv_head · head_dim` values per cell) in f32 or
-//! f16; compact types (q8_0, turbo) are not stored by this backend yet.
+//! [`CpuKv`] keeps, per layer, K and V as [`specula_kv::Plane`]s in any cache format of
+//! [`specula_kv::CACHE_TYPES`], chosen independently for K and V; rows are quantized on write.
 //!
-//! Attention is computed per (query row, query head), one task each, split statically over the
-//! threads. A task makes two passes over the cells `0..kv_len` in cell order: the first computes
-//! each visible key's score (`q·k`, times `scale`, then the optional soft cap `c·tanh(s/c)`)
-//! and the maximum; the second turns the scores into weights `e^(s − max)` and adds them to the
-//! denominator (in f64); then the output row is `Σ weight · v` (in f32, cell order) scaled by
-//! `1/denominator`. The inner loops (`q·k`, the weighted sum of value rows) are in [`simd`],
-//! one instruction set per backend. Masked cells are skipped outright, so the result of a query row
-//! depends only on its position, its values and the cells it can see — not on the rest of the
-//! batch, nor on cells past it. A query that sees no cell gets zeros.
+//! **Attention** is a flash attention: for each query row and head, one pass over the cells
+//! `0..kv_len` in tiles of [`TILE`] cells with an online softmax (running maximum `m`, running
+//! sum `l`, output accumulator rescaled by `e^(m_old − m_new)` when the maximum grows), all in
+//! f32. Keys are read straight from their format:
+//!
+//! - f32 / f16 / bf16 keys: `q·k` in f32 against the stored values;
+//! - q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl keys: the query head is quantized once to the format's
+//!   dot-product type (Q8_0 or Q8_1, as ggml-cpu does) and `q·k` is the block dot product of
+//!   `specula-quant` (SIMD);
+//! - turbo keys: the query head is zero-padded to the stored width and rotated forward by the
+//!   cache's Walsh–Hadamard transform once per call, then dotted with `centroid · norm` values
+//!   decoded one tile at a time (the rotation is orthogonal, so `⟨Wq, Wk⟩ = ⟨q, k⟩`).
+//!
+//! Block-format caches are stored under llama.cpp's Hadamard rotation
+//! ([`specula_kv::Rotation::Hadamard`]): the query head is rotated the same way before it is
+//! quantized for the dot product.
+//!
+//! Quantized planes store K and V minus a per-head offset fixed at the first write
+//! ([`specula_kv::Plane::calibrate`]); the scores get `q·m` back and the output `m_v`, exactly.
+//!
+//! Values are decoded one tile at a time into f32 and accumulated as `acc += p·v`; with a
+//! rotated V (turbo or Hadamard) the accumulator is in the rotated domain and is rotated back
+//! once at the end, then cut to the model's head dim. Nothing decodes the whole cache.
+//!
+//! Work is split into tasks of (a block of query rows, one K/V head, some of the query heads
+//! that share it) so that a decoded K/V tile serves every row and head of the task (GQA). A
+//! query's result is computed by the same operations in the same order whatever task it lands
+//! in — tiles are fixed in cell space, and masked cells are skipped — so it depends only on its
+//! position, its values and the cells it can see: not on the rest of the batch, the thread
+//! count or the split. A query that sees no cell gets zeros.
 
-use specula_quant::QType;
-use specula_quant::blocks::Half;
-use specula_tensor::{AttentionParams, KvShape, Mask, Result, TensorError};
+use std::cell::RefCell;
+
+use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_fold, turbo_pad_query};
+use specula_quant::blocks::{BlockTurbo2, BlockTurbo3, BlockTurbo4, QK_TURBO};
+use specula_quant::dot::Kernels;
+use specula_quant::{QType, turbo, wht};
+use specula_tensor::{AttentionParams, KvShape, Mask, Result};
 
 use crate::CpuBackend;
-use crate::pool::Disjoint;
+use crate::pool::{Disjoint, split};
 
 pub(crate) mod simd;
 use crate::tensor::CpuTensor;
 
-/// The K or V rows of one layer.
-#[derive(Clone, Debug)]
-enum Plane {
-    F32(Vec<f32>),
-    F16(Vec<Half>),
-}
-
-impl Plane {
-    fn new(ty: QType, len: usize, what: &str) -> Result<Self> {
-        match ty {
-            QType::F32 => Ok(Self::F32(vec![0.0; len])),
-            QType::F16 => Ok(Self::F16(vec![Half::default(); len])),
-            _ => Err(TensorError::Kv {
-                detail: format!(
-                    "{what} type {ty} is not supported by the cpu backend (it stores f32 and f16)"
-                ),
-            }),
-        }
-    }
-
-    /// Writes `src` at `offset`.
-    fn write(&mut self, offset: usize, src: &[f32]) {
-        match self {
-            Self::F32(d) => d[offset..offset + src.len()].copy_from_slice(src),
-            Self::F16(d) => {
-                for (d, &s) in d[offset..offset + src.len()].iter_mut().zip(src) {
-                    *d = Half::from_f32(s);
-                }
-            }
-        }
-    }
-
-    /// Reads `out.len()` values at `offset` as f32.
-    fn read(&self, offset: usize, out: &mut [f32]) {
-        match self {
-            Self::F32(d) => out.copy_from_slice(&d[offset..offset + out.len()]),
-            Self::F16(d) => {
-                let n = out.len();
-                for (o, h) in out.iter_mut().zip(&d[offset..offset + n]) {
-                    *o = h.to_f32();
-                }
-            }
-        }
-    }
-}
+/// Cells per tile of the key loop.
+pub(crate) const TILE: usize = 32;
+/// Query rows per task when a batch has many.
+const ROWS_PER_TASK: usize = 8;
 
 /// The K and V planes of one layer.
 #[derive(Clone, Debug)]
@@ -79,62 +63,175 @@ struct Layer {
 /// The key/value cache of all layers, `n_ctx` cells each.
 #[derive(Clone, Debug)]
 pub struct CpuKv {
-    shape: KvShape,
+    layout: KvLayout,
     layers: Vec<Layer>,
 }
 
 impl CpuKv {
     pub(crate) fn new(shape: KvShape) -> Result<Self> {
-        let k_len = shape.n_ctx * shape.n_kv_head * shape.head_dim_k;
-        let v_len = shape.n_ctx * shape.n_kv_head * shape.head_dim_v;
-        let layers = (0..shape.n_layer)
-            .map(|_| {
+        let layout = KvLayout::new(&shape)?;
+        let layers = layout
+            .layers
+            .iter()
+            .map(|l| {
                 Ok(Layer {
-                    k: Plane::new(shape.k_type, k_len, "K cache")?,
-                    v: Plane::new(shape.v_type, v_len, "V cache")?,
+                    k: Plane::new(
+                        l.types.k,
+                        shape.n_ctx,
+                        shape.n_kv_head,
+                        shape.head_dim_k,
+                        l.k_dim,
+                        l.k_rot,
+                    )?,
+                    v: Plane::new(
+                        l.types.v,
+                        shape.n_ctx,
+                        shape.n_kv_head,
+                        shape.head_dim_v,
+                        l.v_dim,
+                        l.v_rot,
+                    )?,
                 })
             })
-            .collect::<Result<_>>()?;
-        Ok(Self { shape, layers })
+            .collect::<Result<_, specula_kv::KvError>>()?;
+        Ok(Self { layout, layers })
     }
 
     /// The shape the cache was made with.
     #[must_use]
     pub fn shape(&self) -> KvShape {
-        self.shape
+        self.layout.shape
     }
 
-    fn k_width(&self) -> usize {
-        self.shape.n_kv_head * self.shape.head_dim_k
+    /// Formats, stored widths and memory accounting.
+    #[must_use]
+    pub fn layout(&self) -> &KvLayout {
+        &self.layout
     }
 
-    fn v_width(&self) -> usize {
-        self.shape.n_kv_head * self.shape.head_dim_v
+    /// The stored bytes of the K (`v = false`) or V plane of `layer`.
+    ///
+    /// # Panics
+    /// If `layer` is out of range.
+    #[must_use]
+    pub fn plane_bytes(&self, layer: usize, v: bool) -> &[u8] {
+        let l = &self.layers[layer];
+        if v { l.v.bytes() } else { l.k.bytes() }
     }
 
-    /// The K row (`n_kv_head · head_dim_k` values) stored in `cell` of `layer`, as f32.
+    /// The K row (`n_kv_head · head_dim_k` values) stored in `cell` of `layer`, as attention
+    /// reads it: dequantized, rotated back to the model's domain, padding folded, offset added.
     ///
     /// # Panics
     /// If `layer` or `cell` is out of range.
     #[must_use]
     pub fn k_row(&self, layer: usize, cell: usize) -> Vec<f32> {
-        let w = self.k_width();
-        let mut out = vec![0.0; w];
-        self.layers[layer].k.read(cell * w, &mut out);
-        out
+        row_of(&self.layers[layer].k, cell)
     }
 
-    /// The V row stored in `cell` of `layer`, as f32.
+    /// The V row stored in `cell` of `layer`, as [`CpuKv::k_row`].
     ///
     /// # Panics
     /// If `layer` or `cell` is out of range.
     #[must_use]
     pub fn v_row(&self, layer: usize, cell: usize) -> Vec<f32> {
-        let w = self.v_width();
-        let mut out = vec![0.0; w];
-        self.layers[layer].v.read(cell * w, &mut out);
-        out
+        row_of(&self.layers[layer].v, cell)
     }
+}
+
+fn row_of(p: &Plane, cell: usize) -> Vec<f32> {
+    let (n_head, hd, dim) = (p.row_bytes() / p.head_bytes(), p.head_dim(), p.dim());
+    let mut out = Vec::with_capacity(n_head * hd);
+    let mut buf = vec![0.0; dim];
+    for h in 0..n_head {
+        decode_head(p.ty(), p.head(cell, h), &mut buf);
+        match p.rotation() {
+            Rotation::Turbo => {
+                wht::inverse_row(&mut buf);
+                turbo_fold(&mut buf, hd);
+            }
+            Rotation::Hadamard(n) => hadamard(&mut buf, n),
+            Rotation::None => {}
+        }
+        if let Some(c) = p.center(h) {
+            for (b, m) in buf.iter_mut().zip(c) {
+                *b += m;
+            }
+        }
+        out.extend_from_slice(&buf[..hd]);
+    }
+    out
+}
+
+/// Decodes one stored head into f32 (turbo: `centroid · norm`, rotated domain), with table
+/// lookups for the turbo types and the reference dequantizers for the rest. Gives the bits of
+/// [`specula_quant::dequantize_row`].
+pub(crate) fn decode_head(ty: QType, src: &[u8], out: &mut [f32]) {
+    match ty {
+        QType::F32 => {
+            for (o, c) in out.iter_mut().zip(src.chunks_exact(4)) {
+                *o = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+        }
+        QType::Turbo4 => {
+            let lut = turbo4_lut();
+            for (b, o) in bytemuck::cast_slice::<u8, BlockTurbo4>(src)
+                .iter()
+                .zip(out.chunks_exact_mut(QK_TURBO))
+            {
+                let n = b.norm.to_f32();
+                for (&q, o) in b.qs.iter().zip(o.chunks_exact_mut(2)) {
+                    let [a, c] = lut[usize::from(q)];
+                    o[0] = a * n;
+                    o[1] = c * n;
+                }
+            }
+        }
+        QType::Turbo2 => {
+            for (b, o) in bytemuck::cast_slice::<u8, BlockTurbo2>(src)
+                .iter()
+                .zip(out.chunks_exact_mut(QK_TURBO))
+            {
+                let n = b.norm.to_f32();
+                for (&q, o) in b.qs.iter().zip(o.chunks_exact_mut(4)) {
+                    for (k, o) in o.iter_mut().enumerate() {
+                        *o = turbo::CENTROIDS_2[usize::from((q >> (2 * k)) & 3)] * n;
+                    }
+                }
+            }
+        }
+        QType::Turbo3 => {
+            for (b, o) in bytemuck::cast_slice::<u8, BlockTurbo3>(src)
+                .iter()
+                .zip(out.chunks_exact_mut(QK_TURBO))
+            {
+                let n = b.norm.to_f32();
+                for (g, o) in o.chunks_exact_mut(8).enumerate() {
+                    let (lo, hi) = (
+                        u16::from(b.qs[2 * g]) | (u16::from(b.qs[2 * g + 1]) << 8),
+                        b.signs[g],
+                    );
+                    for (k, o) in o.iter_mut().enumerate() {
+                        let c = ((lo >> (2 * k)) & 3) as u8 | (((hi >> k) & 1) << 2);
+                        *o = turbo::CENTROIDS_3[usize::from(c)] * n;
+                    }
+                }
+            }
+        }
+        _ => {
+            if let Err(e) = specula_quant::dequantize_row(ty, src, out) {
+                panic!("attention: a stored {ty} head does not decode: {e}");
+            }
+        }
+    }
+}
+
+/// The two centroids of every turbo4 byte (low nibble first).
+fn turbo4_lut() -> &'static [[f32; 2]; 256] {
+    static LUT: std::sync::OnceLock<[[f32; 2]; 256]> = std::sync::OnceLock::new();
+    LUT.get_or_init(|| {
+        std::array::from_fn(|b| [turbo::CENTROIDS_4[b & 15], turbo::CENTROIDS_4[b >> 4]])
+    })
 }
 
 /// Writes K and V rows of `layer` into `cells`.
@@ -145,7 +242,8 @@ pub(crate) fn kv_write(
     k: &CpuTensor,
     v: &CpuTensor,
 ) {
-    let (kw, vw, n_ctx) = (kv.k_width(), kv.v_width(), kv.shape.n_ctx);
+    let s = kv.layout.shape;
+    let (kw, vw) = (s.n_kv_head * s.head_dim_k, s.n_kv_head * s.head_dim_v);
     assert!(
         layer < kv.layers.len(),
         "kv_write: layer {layer} of a {}-layer cache",
@@ -164,13 +262,27 @@ pub(crate) fn kv_write(
         cells.len()
     );
     let l = &mut kv.layers[layer];
+    if !cells.is_empty() {
+        let calibrated =
+            l.k.calibrate(k.as_slice())
+                .and_then(|()| l.v.calibrate(v.as_slice()));
+        if let Err(e) = calibrated {
+            panic!("kv_write: {e}");
+        }
+    }
+    let mut pad = Vec::new();
     for (t, &cell) in cells.iter().enumerate() {
         assert!(
-            cell < n_ctx,
-            "kv_write: cell {cell} of a {n_ctx}-cell cache"
+            cell < s.n_ctx,
+            "kv_write: cell {cell} of a {}-cell cache",
+            s.n_ctx
         );
-        l.k.write(cell * kw, k.row(t));
-        l.v.write(cell * vw, v.row(t));
+        if let Err(e) = l.k.write(cell, k.row(t), &mut pad) {
+            panic!("kv_write: K: {e}");
+        }
+        if let Err(e) = l.v.write(cell, v.row(t), &mut pad) {
+            panic!("kv_write: V: {e}");
+        }
     }
 }
 
@@ -184,6 +296,319 @@ fn visible(mask: Mask, qp: u32, kp: u32) -> bool {
     }
 }
 
+/// How `q·k` is computed for a key format.
+#[derive(Clone, Copy)]
+enum KeyDot {
+    /// f32 keys, read in place.
+    F32,
+    /// Keys decoded per tile to f32 (f16, bf16, turbo), dotted in f32.
+    Decoded,
+    /// Block formats: the query quantized to `qty`, dotted with `f`.
+    Quant {
+        qty: QType,
+        f: fn(&Kernels, &[u8], &[u8]) -> f32,
+    },
+}
+
+fn key_dot(ty: QType) -> KeyDot {
+    use bytemuck::cast_slice as c;
+    let quant = |f: fn(&Kernels, &[u8], &[u8]) -> f32| KeyDot::Quant {
+        qty: ty.vec_dot_type(),
+        f,
+    };
+    match ty {
+        QType::F32 => KeyDot::F32,
+        QType::Q8_0 => quant(|k, w, a| k.q8_0_q8_0(c(w), c(a))),
+        QType::Q4_0 => quant(|k, w, a| k.q4_0_q8_0(c(w), c(a))),
+        QType::Q4_1 => quant(|k, w, a| k.q4_1_q8_1(c(w), c(a))),
+        QType::Q5_0 => quant(|k, w, a| k.q5_0_q8_0(c(w), c(a))),
+        QType::Q5_1 => quant(|k, w, a| k.q5_1_q8_1(c(w), c(a))),
+        QType::IQ4_NL => quant(|k, w, a| k.iq4_nl_q8_0(c(w), c(a))),
+        _ => KeyDot::Decoded,
+    }
+}
+
+/// Per-thread buffers of a task.
+#[derive(Default)]
+struct TaskBufs {
+    /// Prepared queries: f32 (`rows · heads · k_dim`).
+    qf: Vec<f32>,
+    /// Prepared queries: quantized bytes (`rows · heads · qbytes`).
+    qb: Vec<u8>,
+    /// Decoded K tile (`TILE · k_dim`).
+    kt: Vec<f32>,
+    /// Decoded V tile (`TILE · v_dim`).
+    vt: Vec<f32>,
+    /// Scores, then weights (`rows · heads · TILE`).
+    s: Vec<f32>,
+    /// Accumulators (`rows · heads · v_dim`).
+    acc: Vec<f32>,
+    /// `q·m` per (row, head): the key offset's part of every score.
+    qm: Vec<f32>,
+    /// Running maximum and sum per (row, head).
+    m: Vec<f32>,
+    l: Vec<f32>,
+    /// Which rows see each cell of the tile.
+    vis: Vec<bool>,
+    /// The task's output before it is copied into place.
+    out: Vec<f32>,
+}
+
+thread_local! {
+    static BUFS: RefCell<TaskBufs> = RefCell::new(TaskBufs::default());
+}
+
+fn fit<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
+    if v.len() < n {
+        v.resize(n, T::default());
+    }
+}
+
+/// Everything a task reads.
+struct Ctx<'a> {
+    q: &'a CpuTensor,
+    p: &'a AttentionParams<'a>,
+    k: &'a Plane,
+    v: &'a Plane,
+    kernels: &'static Kernels,
+    attn: simd::AttnKernels,
+    key: KeyDot,
+    hd_k: usize,
+    hd_v: usize,
+    k_dim: usize,
+    v_dim: usize,
+}
+
+impl Ctx<'_> {
+    /// [`decode_head`] with this backend's f16 conversion (F16C where the CPU has it).
+    #[inline]
+    fn decode(&self, ty: QType, src: &[u8], out: &mut [f32]) {
+        match ty {
+            QType::F16 => (self.attn.f16_to_f32)(bytemuck::cast_slice(src), out),
+            QType::Turbo4 => (self.attn.turbo4_decode)(bytemuck::cast_slice(src), out),
+            _ => decode_head(ty, src, out),
+        }
+    }
+
+    /// Computes rows `rows` × query heads `heads` (all sharing K/V head `kvh`) into `o`
+    /// (row-major over `rows`, each row `heads.len() · hd_v` values, heads contiguous).
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one flash-attention loop, kept in one piece to read in order"
+    )]
+    fn task(
+        &self,
+        rows: std::ops::Range<usize>,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        o: &mut [f32],
+        b: &mut TaskBufs,
+    ) {
+        let (nr, nh) = (rows.len(), heads.len());
+        let nq = nr * nh;
+        let (k_dim, v_dim, hd_k, hd_v) = (self.k_dim, self.v_dim, self.hd_k, self.hd_v);
+        let kv_len = self.p.kv_pos.len();
+
+        // Queries, prepared once for the key format.
+        let qbytes = match self.key {
+            KeyDot::Quant { qty, .. } => qty.row_bytes(hd_k).unwrap_or(0),
+            _ => 0,
+        };
+        fit(&mut b.qf, nq * k_dim);
+        fit(&mut b.qb, nq * qbytes);
+        fit(&mut b.qm, nq);
+        let k_center = self.k.center(kvh);
+        for (ri, r) in rows.clone().enumerate() {
+            let qrow = self.q.row(r);
+            for (hi, h) in heads.clone().enumerate() {
+                let i = ri * nh + hi;
+                let src = &qrow[h * hd_k..(h + 1) * hd_k];
+                b.qm[i] = k_center.map_or(0.0, |c| (self.attn.dot_f32)(src, c));
+                match self.key {
+                    KeyDot::Quant { qty, .. } => {
+                        let dst = &mut b.qb[i * qbytes..(i + 1) * qbytes];
+                        let rotated = &mut b.qf[i * k_dim..i * k_dim + hd_k];
+                        rotated.copy_from_slice(src);
+                        if let Rotation::Hadamard(n) = self.k.rotation() {
+                            hadamard(rotated, n);
+                        }
+                        if let Err(e) = specula_quant::quantize_row(qty, rotated, dst) {
+                            panic!("attention: query head to {qty}: {e}");
+                        }
+                    }
+                    _ => {
+                        let dst = &mut b.qf[i * k_dim..(i + 1) * k_dim];
+                        dst[..hd_k].copy_from_slice(src);
+                        dst[hd_k..].fill(0.0);
+                        match self.k.rotation() {
+                            Rotation::Turbo => {
+                                turbo_pad_query(dst, hd_k);
+                                wht::forward_row(dst);
+                            }
+                            Rotation::Hadamard(n) => hadamard(&mut dst[..hd_k], n),
+                            Rotation::None => {}
+                        }
+                    }
+                }
+            }
+        }
+        fit(&mut b.acc, nq * v_dim);
+        b.acc[..nq * v_dim].fill(0.0);
+        fit(&mut b.m, nq);
+        fit(&mut b.l, nq);
+        b.m[..nq].fill(f32::NEG_INFINITY);
+        b.l[..nq].fill(0.0);
+        fit(&mut b.s, nq * TILE);
+        fit(&mut b.kt, TILE * k_dim);
+        fit(&mut b.vt, TILE * v_dim);
+        fit(&mut b.vis, nr * TILE);
+
+        let mut j0 = 0;
+        while j0 < kv_len {
+            let n = TILE.min(kv_len - j0);
+            // Visibility of each cell to each row; skip the tile if no row sees any cell.
+            let mut any = false;
+            for (ri, r) in rows.clone().enumerate() {
+                let qp = self.p.q_pos[r];
+                for jj in 0..n {
+                    let v = visible(self.p.mask, qp, self.p.kv_pos[j0 + jj]);
+                    b.vis[ri * TILE + jj] = v;
+                    any |= v;
+                }
+            }
+            if !any {
+                j0 += n;
+                continue;
+            }
+            // Decode the tile's keys when their format is read in f32.
+            if matches!(self.key, KeyDot::Decoded) {
+                for jj in 0..n {
+                    if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
+                        self.decode(
+                            self.k.ty(),
+                            self.k.head(j0 + jj, kvh),
+                            &mut b.kt[jj * k_dim..(jj + 1) * k_dim],
+                        );
+                    }
+                }
+            }
+            // Scores.
+            for jj in 0..n {
+                let kb = self.k.head(j0 + jj, kvh);
+                let kf: &[f32] = match self.key {
+                    KeyDot::F32 => bytemuck::cast_slice(kb),
+                    KeyDot::Decoded => &b.kt[jj * k_dim..(jj + 1) * k_dim],
+                    KeyDot::Quant { .. } => &[],
+                };
+                for ri in 0..nr {
+                    let seen = b.vis[ri * TILE + jj];
+                    for hi in 0..nh {
+                        let i = ri * nh + hi;
+                        b.s[i * TILE + jj] = if seen {
+                            let d = match self.key {
+                                KeyDot::Quant { f, .. } => {
+                                    f(self.kernels, kb, &b.qb[i * qbytes..(i + 1) * qbytes])
+                                }
+                                _ => (self.attn.dot_f32)(&b.qf[i * k_dim..(i + 1) * k_dim], kf),
+                            };
+                            let mut x = (d + b.qm[i]) * self.p.scale;
+                            if let Some(c) = self.p.softcap {
+                                x = c * (x / c).tanh();
+                            }
+                            x
+                        } else {
+                            f32::NEG_INFINITY
+                        };
+                    }
+                }
+            }
+            // Online softmax: new maxima, rescaled accumulators, weights.
+            for i in 0..nq {
+                let s = &mut b.s[i * TILE..i * TILE + n];
+                let tmax = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                if tmax == f32::NEG_INFINITY {
+                    s.fill(0.0);
+                    continue;
+                }
+                let m_old = b.m[i];
+                let m_new = m_old.max(tmax);
+                if m_new > m_old {
+                    let corr = if m_old == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (m_old - m_new).exp()
+                    };
+                    b.l[i] *= corr;
+                    for a in &mut b.acc[i * v_dim..(i + 1) * v_dim] {
+                        *a *= corr;
+                    }
+                    b.m[i] = m_new;
+                }
+                let mut l = b.l[i];
+                for x in s.iter_mut() {
+                    *x = if *x == f32::NEG_INFINITY {
+                        0.0
+                    } else {
+                        (*x - m_new).exp()
+                    };
+                    l += *x;
+                }
+                b.l[i] = l;
+            }
+            // Values.
+            for jj in 0..n {
+                if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
+                    continue;
+                }
+                let vb = self.v.head(j0 + jj, kvh);
+                let vf: &[f32] = if self.v.ty() == QType::F32 {
+                    bytemuck::cast_slice(vb)
+                } else {
+                    let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
+                    self.decode(self.v.ty(), vb, d);
+                    d
+                };
+                for i in 0..nq {
+                    let w = b.s[i * TILE + jj];
+                    if w != 0.0 {
+                        (self.attn.axpy)(&mut b.acc[i * v_dim..(i + 1) * v_dim], w, vf);
+                    }
+                }
+            }
+            j0 += n;
+        }
+
+        let v_rot = self.v.rotation();
+        let v_center = self.v.center(kvh);
+        for i in 0..nq {
+            let dst = &mut o[i * hd_v..(i + 1) * hd_v];
+            if b.l[i] == 0.0 {
+                dst.fill(0.0);
+                continue;
+            }
+            let inv = 1.0 / b.l[i];
+            let acc = &mut b.acc[i * v_dim..(i + 1) * v_dim];
+            for a in acc.iter_mut() {
+                *a *= inv;
+            }
+            match v_rot {
+                Rotation::Turbo => {
+                    wht::inverse_row(acc);
+                    turbo_fold(acc, hd_v);
+                }
+                Rotation::Hadamard(n) => hadamard(&mut acc[..hd_v], n),
+                Rotation::None => {}
+            }
+            dst.copy_from_slice(&acc[..hd_v]);
+            if let Some(c) = v_center {
+                for (d, m) in dst.iter_mut().zip(c) {
+                    *d += m;
+                }
+            }
+        }
+    }
+}
+
 /// Attention of every query head of every row of `q` over the cells of one layer.
 pub(crate) fn attention(
     be: &CpuBackend,
@@ -192,7 +617,7 @@ pub(crate) fn attention(
     p: &AttentionParams<'_>,
     out: &mut CpuTensor,
 ) {
-    let s = kv.shape;
+    let s = kv.layout.shape;
     let (hd_k, hd_v, n_kv_head, n_head) = (s.head_dim_k, s.head_dim_v, s.n_kv_head, p.n_head);
     let n_q = q.rows();
     let kv_len = p.kv_pos.len();
@@ -221,78 +646,71 @@ pub(crate) fn attention(
     out.resize(n_q, n_head * hd_v);
     let group = n_head / n_kv_head;
     let layer = &kv.layers[p.layer];
-    let (kw, vw) = (kv.k_width(), kv.v_width());
-    let kernels = be.attn_kernels();
-    let n_tasks = n_q * n_head;
-    let nth = be.n_threads();
-    let dst = Disjoint::new(out.as_mut_slice());
-
-    let task = |i: usize, o: &mut [f32], scores: &mut [f32]| {
-        let (r, h) = (i / n_head, i % n_head);
-        let kvh = h / group;
-        let qh = &q.row(r)[h * hd_k..(h + 1) * hd_k];
-        let qp = p.q_pos[r];
-        let mut max = f32::NEG_INFINITY;
-        let mut any = false;
-        for (j, sc) in scores.iter_mut().enumerate() {
-            if !visible(p.mask, qp, p.kv_pos[j]) {
-                *sc = f32::NEG_INFINITY;
-                continue;
-            }
-            let off = j * kw + kvh * hd_k;
-            let dot = match &layer.k {
-                Plane::F32(k) => (kernels.dot_f32)(qh, &k[off..off + hd_k]),
-                Plane::F16(k) => (kernels.dot_f16)(qh, &k[off..off + hd_k]),
-            };
-            let mut x = dot * p.scale;
-            if let Some(c) = p.softcap {
-                x = c * (x / c).tanh();
-            }
-            *sc = x;
-            any = true;
-            max = max.max(x);
-        }
-        if !any {
-            o.fill(0.0);
-            return;
-        }
-        // Scores become weights e^(s − max) (0 for masked cells), summed in f64 in cell order.
-        let mut sum = 0.0f64;
-        for sc in scores.iter_mut() {
-            let e = if *sc == f32::NEG_INFINITY {
-                0.0
-            } else {
-                (*sc - max).exp()
-            };
-            sum += f64::from(e);
-            *sc = e;
-        }
-        let off = kvh * hd_v;
-        match &layer.v {
-            Plane::F32(v) => (kernels.wsum_f32)(o, scores, v, off, vw),
-            Plane::F16(v) => (kernels.wsum_f16)(o, scores, v, off, vw),
-        }
-        #[allow(
-            clippy::cast_possible_truncation,
-            reason = "the f32 normaliser of the f64 sum, as ggml's soft_max"
-        )]
-        let inv = (1.0 / sum) as f32;
-        for o in o.iter_mut() {
-            *o *= inv;
-        }
+    let ly = &kv.layout.layers[p.layer];
+    let ctx = Ctx {
+        q,
+        p,
+        k: &layer.k,
+        v: &layer.v,
+        kernels: be.kernels(),
+        attn: be.attn_kernels(),
+        key: key_dot(ly.types.k),
+        hd_k,
+        hd_v,
+        k_dim: ly.k_dim,
+        v_dim: ly.v_dim,
     };
+    let nth = be.n_threads();
+    // Tasks: row blocks × K/V heads × slices of the query heads of a group. Every task decodes
+    // the K/V tiles it reads: for block and turbo formats, where decoding costs about as much
+    // as a head's arithmetic, a group is split only as far as it takes to give each thread a
+    // task; float tiles are cheap to convert, so the split aims at four tasks per thread for
+    // balance. The split changes no result (see the module docs).
+    let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
+    let rows_per = n_q.div_ceil(n_rb).max(1);
+    let float = |t: QType| matches!(t, QType::F32 | QType::F16 | QType::BF16);
+    let per_thread = if float(ly.types.k) && float(ly.types.v) {
+        4
+    } else {
+        1
+    };
+    let n_sub = (per_thread * nth)
+        .div_ceil(n_rb * n_kv_head)
+        .clamp(1, group);
+    let heads_per = group.div_ceil(n_sub);
+    let n_sub = group.div_ceil(heads_per);
+    let n_tasks = n_rb * n_kv_head * n_sub;
+    let dst = Disjoint::new(out.as_mut_slice());
+    let row_w = n_head * hd_v;
 
     let work = |t: usize| {
-        // Every nth task: under a causal mask later rows see more cells, so contiguous runs
-        // of rows would leave the last thread the most work.
-        let mine = (t..n_tasks).step_by(nth);
-        crate::scratch::with_f32(kv_len, |scores| {
-            for i in mine {
-                // SAFETY: task i writes only output chunk i (`hd_v` values: query row i / n_head,
-                // head i % n_head), and each task belongs to exactly one thread (i mod nth).
-                let o = unsafe { dst.slice(i * hd_v..(i + 1) * hd_v) };
-                task(i, o, scores);
+        BUFS.with(|cell| {
+            let mut bufs = cell.borrow_mut();
+            let mut tmp = std::mem::take(&mut bufs.out);
+            for i in split(n_tasks, nth, t) {
+                let rb = i / (n_kv_head * n_sub);
+                let kvh = (i / n_sub) % n_kv_head;
+                let sub = i % n_sub;
+                let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
+                let h0 = kvh * group + sub * heads_per;
+                let heads = h0..(h0 + heads_per).min((kvh + 1) * group);
+                if rows.is_empty() || heads.is_empty() {
+                    continue;
+                }
+                let w = heads.len() * hd_v;
+                tmp.clear();
+                tmp.resize(rows.len() * w, 0.0);
+                ctx.task(rows.clone(), kvh, heads.clone(), &mut tmp, &mut bufs);
+                for (ri, r) in rows.enumerate() {
+                    let start = r * row_w + heads.start * hd_v;
+                    // SAFETY: task i writes only row r's heads `heads` for its rows; tasks
+                    // cover disjoint (row block, head range) pairs and each task belongs to
+                    // exactly one thread of the split.
+                    let o = unsafe { dst.slice(start..start + w) };
+                    o.copy_from_slice(&tmp[ri * w..(ri + 1) * w]);
+                }
             }
+            bufs.out = tmp;
         });
     };
     if nth == 1 || n_tasks < 2 {
@@ -301,5 +719,63 @@ pub(crate) fn attention(
         }
     } else {
         be.pool().run(&work);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The SIMD turbo4 and f16 decoders give the bits of the reference dequantizers.
+    #[test]
+    fn simd_decoders_equal_the_reference() {
+        use specula_quant::dot::SimdLevel;
+        let x: Vec<f32> = (0..256u16)
+            .map(|i| (f32::from(i) * 0.61).cos() * (1.0 + f32::from(i % 5)))
+            .collect();
+        let mut q = vec![0u8; QType::Turbo4.row_bytes(256).unwrap()];
+        specula_kv::quantize_head(QType::Turbo4, &x, &mut q).unwrap();
+        let mut want = vec![0f32; 256];
+        specula_quant::dequantize_row(QType::Turbo4, &q, &mut want).unwrap();
+        let h: Vec<specula_quant::blocks::Half> = x
+            .iter()
+            .map(|&v| specula_quant::blocks::Half::from_f32(v))
+            .collect();
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2, SimdLevel::Scalar] {
+            let k = simd::AttnKernels::for_level(level);
+            let mut got = vec![0f32; 256];
+            (k.turbo4_decode)(bytemuck::cast_slice(&q), &mut got);
+            assert_eq!(
+                got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{level:?}"
+            );
+            (k.f16_to_f32)(&h, &mut got);
+            assert!(
+                got.iter()
+                    .zip(&h)
+                    .all(|(a, b)| a.to_bits() == b.to_f32().to_bits())
+            );
+        }
+    }
+
+    /// The table decoders give the bits of the reference dequantizers.
+    #[test]
+    fn decode_head_equals_the_reference_dequantizer() {
+        let x: Vec<f32> = (0..256u16)
+            .map(|i| (f32::from(i) * 0.37).sin() * (1.0 + f32::from(i % 7)))
+            .collect();
+        for &ty in specula_kv::CACHE_TYPES {
+            let mut q = vec![0u8; ty.row_bytes(256).unwrap()];
+            specula_kv::quantize_head(ty, &x, &mut q).unwrap();
+            let (mut a, mut b) = (vec![0f32; 256], vec![0f32; 256]);
+            decode_head(ty, &q, &mut a);
+            specula_quant::dequantize_row(ty, &q, &mut b).unwrap();
+            assert_eq!(
+                a.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                b.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                "{ty}"
+            );
+        }
     }
 }

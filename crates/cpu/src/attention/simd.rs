@@ -1,27 +1,28 @@
-//! The inner loops of attention: `q·k` for one key, and `acc = Σ_j p_j·v_j` over the value rows
-//! of a head, for f32 and f16 caches, with AVX-512 and AVX2 (+ F16C, FMA) paths chosen once per
-//! backend and a portable fallback.
+//! The inner loops of attention: `q·k` for one f32 key, and `acc += p·v` for one
+//! value row, with AVX-512 and AVX2 (+ F16C, FMA) paths chosen once per backend and a portable
+//! fallback.
 //!
 //! A backend uses one path for every call, so results do not depend on the batch. The paths
 //! differ from each other in the rounding of the dot products (lane counts, fused multiply-add);
-//! the weighted sum adds `p_j·v_j` (multiply and add rounded separately) to each output value in
-//! key order, skipping `p_j = 0`, on every path, so it gives the same bits everywhere. It keeps
-//! a 64-value slice of the output in registers while it runs over the keys.
+//! `axpy` multiplies and adds with separate roundings on every path (the compiler vectorizes the
+//! same loop for each instruction set and does not contract it), so it gives the same bits
+//! everywhere.
 
-use specula_quant::blocks::Half;
+use specula_quant::blocks::{BlockTurbo4, Half, QK_TURBO};
 use specula_quant::dot::SimdLevel;
+use specula_quant::turbo::CENTROIDS_4;
 
 /// The loops of one instruction set.
 #[derive(Clone, Copy)]
 pub(crate) struct AttnKernels {
     /// `Σ q·k`, f32 keys.
     pub(crate) dot_f32: fn(&[f32], &[f32]) -> f32,
-    /// `Σ q·k`, f16 keys.
-    pub(crate) dot_f16: fn(&[f32], &[Half]) -> f32,
-    /// `acc = Σ_j p[j]·v[off + j·stride ..][..acc.len()]`, f32 values.
-    pub(crate) wsum_f32: fn(&mut [f32], &[f32], &[f32], usize, usize),
-    /// The same for f16 values.
-    pub(crate) wsum_f16: fn(&mut [f32], &[f32], &[Half], usize, usize),
+    /// `acc[i] += p·v[i]`.
+    pub(crate) axpy: fn(&mut [f32], f32, &[f32]),
+    /// `out[i] = f32(h[i])` (exact on every path).
+    pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
+    /// turbo4 blocks → `centroid · norm` values (the bits of the scalar decoder on every path).
+    pub(crate) turbo4_decode: fn(&[BlockTurbo4], &mut [f32]),
 }
 
 impl std::fmt::Debug for AttnKernels {
@@ -49,40 +50,41 @@ impl AttnKernels {
 
 const PORTABLE: AttnKernels = AttnKernels {
     dot_f32: |q, k| dot_portable(q, k, |x| x),
-    dot_f16: |q, k| dot_portable(q, k, Half::to_f32),
-    wsum_f32: |acc, p, v, off, stride| wsum_portable(acc, p, v, off, stride, |x| x),
-    wsum_f16: |acc, p, v, off, stride| wsum_portable(acc, p, v, off, stride, Half::to_f32),
+    axpy: axpy_portable,
+    f16_to_f32: f16_to_f32_portable,
+    turbo4_decode: turbo4_decode_portable,
 };
 
-/// Checks the shapes of a weighted sum: every row `off + j·stride .. + acc.len()` is inside `v`.
-fn check_wsum<V>(acc: &[f32], p: &[f32], v: &[V], off: usize, stride: usize) {
-    if let Some(last) = p.len().checked_sub(1) {
-        assert!(
-            off + last * stride + acc.len() <= v.len(),
-            "attention: value rows past the end of the cache"
-        );
+/// turbo4 blocks → `centroid · norm`, nibble by nibble (low nibble first).
+pub(crate) fn turbo4_decode_portable(x: &[BlockTurbo4], out: &mut [f32]) {
+    assert_eq!(
+        x.len() * QK_TURBO,
+        out.len(),
+        "attention: turbo4 row length"
+    );
+    for (b, o) in x.iter().zip(out.chunks_exact_mut(QK_TURBO)) {
+        let n = b.norm.to_f32();
+        for (&q, o) in b.qs.iter().zip(o.chunks_exact_mut(2)) {
+            o[0] = CENTROIDS_4[usize::from(q & 15)] * n;
+            o[1] = CENTROIDS_4[usize::from(q >> 4)] * n;
+        }
     }
 }
 
-/// `acc = Σ_j p_j·v_j`, value by value in key order.
-fn wsum_portable<V: Copy>(
-    acc: &mut [f32],
-    p: &[f32],
-    v: &[V],
-    off: usize,
-    stride: usize,
-    f: impl Fn(V) -> f32,
-) {
-    check_wsum(acc, p, v, off, stride);
-    acc.fill(0.0);
-    for (j, &pj) in p.iter().enumerate() {
-        if pj == 0.0 {
-            continue;
-        }
-        let row = &v[off + j * stride..][..acc.len()];
-        for (o, &x) in acc.iter_mut().zip(row) {
-            *o += pj * f(x);
-        }
+/// `out[i] = f32(h[i])`.
+pub(crate) fn f16_to_f32_portable(h: &[Half], out: &mut [f32]) {
+    assert_eq!(h.len(), out.len(), "attention: f16 row length");
+    for (o, &x) in out.iter_mut().zip(h) {
+        *o = x.to_f32();
+    }
+}
+
+/// `acc[i] += p·v[i]`, multiply and add rounded separately.
+#[inline]
+pub(crate) fn axpy_portable(acc: &mut [f32], p: f32, v: &[f32]) {
+    assert_eq!(acc.len(), v.len(), "attention: value row length");
+    for (a, &x) in acc.iter_mut().zip(v) {
+        *a += p * x;
     }
 }
 
@@ -113,7 +115,7 @@ fn dot_portable<K: Copy>(q: &[f32], k: &[K], f: impl Fn(K) -> f32) -> f32 {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{AttnKernels, Half, check_wsum};
+    use super::{AttnKernels, BlockTurbo4, CENTROIDS_4, Half, QK_TURBO, axpy_portable};
 
     pub(super) fn avx512_supported() -> bool {
         is_x86_feature_detected!("avx512f")
@@ -133,7 +135,7 @@ mod x86 {
     /// instruction set. Each table is only handed out by [`AttnKernels::for_level`] after the
     /// matching `*_supported` check.
     macro_rules! table {
-        ($dot32:ident, $dot16:ident, $ws32:ident, $ws16:ident) => {
+        ($dot32:ident, $axpy:ident, $cvt:ident, $t4:ident) => {
             AttnKernels {
                 dot_f32: |q, k| {
                     assert_eq!(q.len(), k.len(), "attention: q and k lengths differ");
@@ -142,29 +144,148 @@ mod x86 {
                     // (checked above).
                     unsafe { $dot32(q, k) }
                 },
-                dot_f16: |q, k| {
-                    assert_eq!(q.len(), k.len(), "attention: q and k lengths differ");
+                axpy: |acc, p, v| {
+                    assert_eq!(acc.len(), v.len(), "attention: value row length");
                     // SAFETY: as above.
-                    unsafe { $dot16(q, k) }
+                    unsafe { $axpy(acc, p, v) }
                 },
-                wsum_f32: |acc, p, v, off, stride| {
-                    check_wsum(acc, p, v, off, stride);
-                    // SAFETY: as above; every value row read is inside `v` (checked above).
-                    unsafe { $ws32(acc, p, v, off, stride) }
+                f16_to_f32: |h, out| {
+                    assert_eq!(h.len(), out.len(), "attention: f16 row length");
+                    // SAFETY: as above; both slices have one length.
+                    unsafe { $cvt(h, out) }
                 },
-                wsum_f16: |acc, p, v, off, stride| {
-                    check_wsum(acc, p, v, off, stride);
-                    // SAFETY: as above.
-                    unsafe { $ws16(acc, p, v, off, stride) }
+                turbo4_decode: |x, out| {
+                    assert_eq!(
+                        x.len() * QK_TURBO,
+                        out.len(),
+                        "attention: turbo4 row length"
+                    );
+                    // SAFETY: as above; `out` holds 128 values per block.
+                    unsafe { $t4(x, out) }
                 },
             }
         };
     }
 
-    pub(super) const AVX512: AttnKernels =
-        table!(dot_f32_512, dot_f16_512, wsum_f32_512, wsum_f16_512);
-    pub(super) const AVX2: AttnKernels =
-        table!(dot_f32_256, dot_f16_256, wsum_f32_256, wsum_f16_256);
+    pub(super) const AVX512: AttnKernels = table!(dot_f32_512, axpy_512, cvt_f16_512, turbo4_512);
+    pub(super) const AVX2: AttnKernels = table!(dot_f32_256, axpy_256, cvt_f16_256, turbo4_256);
+
+    /// `out = f32(h)`, 16 values per conversion.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL and F16C; `h` and `out` have one length.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    unsafe fn cvt_f16_512(h: &[Half], out: &mut [f32]) {
+        let n = h.len();
+        let hp = h.as_ptr().cast::<u16>();
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 ≤ n = h.len() = out.len(); `Half` is two bytes.
+            unsafe {
+                let v = _mm512_cvtph_ps(_mm256_loadu_si256(hp.add(i).cast()));
+                _mm512_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+            i += 16;
+        }
+        for (o, x) in out[i..].iter_mut().zip(&h[i..]) {
+            *o = x.to_f32();
+        }
+    }
+
+    /// `out = f32(h)`, 8 values per conversion.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and F16C; `h` and `out` have one length.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn cvt_f16_256(h: &[Half], out: &mut [f32]) {
+        let n = h.len();
+        let hp = h.as_ptr().cast::<u16>();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 ≤ n = h.len() = out.len(); `Half` is two bytes.
+            unsafe {
+                let v = _mm256_cvtph_ps(_mm_loadu_si128(hp.add(i).cast()));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+            }
+            i += 8;
+        }
+        for (o, x) in out[i..].iter_mut().zip(&h[i..]) {
+            *o = x.to_f32();
+        }
+    }
+
+    /// The 32 nibbles of 16 code bytes as 32 bytes `[lo0, hi0, lo1, hi1, …]`: the code order.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn nibbles(b: __m128i) -> (__m128i, __m128i) {
+        let m = _mm_set1_epi8(0x0F);
+        let lo = _mm_and_si128(b, m);
+        let hi = _mm_and_si128(_mm_srli_epi16::<4>(b), m);
+        (_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi))
+    }
+
+    /// turbo4 decode, 16 codes per `permutexvar` lookup.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL and F16C; `out.len() == 128 · x.len()`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    unsafe fn turbo4_512(x: &[BlockTurbo4], out: &mut [f32]) {
+        // SAFETY: CENTROIDS_4 holds 16 f32.
+        let table = unsafe { _mm512_loadu_ps(CENTROIDS_4.as_ptr()) };
+        for (bi, b) in x.iter().enumerate() {
+            let n = _mm512_set1_ps(b.norm.to_f32());
+            let o = &mut out[bi * QK_TURBO..(bi + 1) * QK_TURBO];
+            for c in 0..4 {
+                // SAFETY: 16 bytes at 16·c inside the 64-byte `qs`.
+                let bytes = unsafe { _mm_loadu_si128(b.qs.as_ptr().add(16 * c).cast()) };
+                let (a, z) = nibbles(bytes);
+                for (k, v) in [a, z].into_iter().enumerate() {
+                    let idx = _mm512_cvtepu8_epi32(v);
+                    let y = _mm512_mul_ps(_mm512_permutexvar_ps(idx, table), n);
+                    // SAFETY: 16 values at 32·c + 16·k inside the 128 of this block.
+                    unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(32 * c + 16 * k), y) };
+                }
+            }
+        }
+    }
+
+    /// turbo4 decode, 8 codes per pair of `permutevar8x32` lookups.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `out.len() == 128 · x.len()`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn turbo4_256(x: &[BlockTurbo4], out: &mut [f32]) {
+        // SAFETY: CENTROIDS_4 holds 16 f32.
+        let (t_lo, t_hi) = unsafe {
+            (
+                _mm256_loadu_ps(CENTROIDS_4.as_ptr()),
+                _mm256_loadu_ps(CENTROIDS_4.as_ptr().add(8)),
+            )
+        };
+        for (bi, b) in x.iter().enumerate() {
+            let n = _mm256_set1_ps(b.norm.to_f32());
+            let o = &mut out[bi * QK_TURBO..(bi + 1) * QK_TURBO];
+            for c in 0..4 {
+                // SAFETY: 16 bytes at 16·c inside the 64-byte `qs`.
+                let bytes = unsafe { _mm_loadu_si128(b.qs.as_ptr().add(16 * c).cast()) };
+                let (a, z) = nibbles(bytes);
+                for (k, v) in [a, z].into_iter().enumerate() {
+                    for h in 0..2 {
+                        let v8 = if h == 0 { v } else { _mm_srli_si128::<8>(v) };
+                        let idx = _mm256_cvtepu8_epi32(v8);
+                        let lo = _mm256_permutevar8x32_ps(t_lo, idx);
+                        let hi = _mm256_permutevar8x32_ps(t_hi, idx);
+                        let sel = _mm256_castsi256_ps(_mm256_slli_epi32::<28>(idx));
+                        let y = _mm256_mul_ps(_mm256_blendv_ps(lo, hi, sel), n);
+                        // SAFETY: 8 values at 32·c + 16·k + 8·h inside this block's 128.
+                        unsafe {
+                            _mm256_storeu_ps(o.as_mut_ptr().add(32 * c + 16 * k + 8 * h), y);
+                        };
+                    }
+                }
+            }
+        }
+    }
 
     /// The mask of the first `n` (< 16) lanes.
     fn tail16(n: usize) -> __mmask16 {
@@ -205,41 +326,6 @@ mod x86 {
         _mm512_reduce_add_ps(acc)
     }
 
-    /// `Σ q·k` for f16 keys.
-    ///
-    /// # Safety
-    /// As [`dot_f32_512`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
-    unsafe fn dot_f16_512(q: &[f32], k: &[Half]) -> f32 {
-        let n = q.len();
-        let kp = k.as_ptr().cast::<u16>();
-        let mut acc = _mm512_setzero_ps();
-        let mut i = 0;
-        while i + 16 <= n {
-            // SAFETY: i + 16 ≤ n; `Half` is two bytes (repr(transparent) over [u8; 2]).
-            let (a, b) = unsafe {
-                (
-                    _mm512_loadu_ps(q.as_ptr().add(i)),
-                    _mm512_cvtph_ps(_mm256_loadu_si256(kp.add(i).cast())),
-                )
-            };
-            acc = _mm512_fmadd_ps(a, b, acc);
-            i += 16;
-        }
-        if i < n {
-            let m = tail16(n - i);
-            // SAFETY: the masks cover only the n − i < 16 elements left in both slices.
-            let (a, b) = unsafe {
-                (
-                    _mm512_maskz_loadu_ps(m, q.as_ptr().add(i)),
-                    _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, kp.add(i).cast())),
-                )
-            };
-            acc = _mm512_fmadd_ps(a, b, acc);
-        }
-        _mm512_reduce_add_ps(acc)
-    }
-
     /// `Σ q·k`, 8 lanes with FMA, the last partial chunk in order.
     ///
     /// # Safety
@@ -263,30 +349,6 @@ mod x86 {
         hsum256(acc) + tail_dot(&q[i..], &k[i..], |x| x)
     }
 
-    /// `Σ q·k` for f16 keys.
-    ///
-    /// # Safety
-    /// As [`dot_f32_256`].
-    #[target_feature(enable = "avx2,f16c,fma")]
-    unsafe fn dot_f16_256(q: &[f32], k: &[Half]) -> f32 {
-        let n = q.len();
-        let kp = k.as_ptr().cast::<u16>();
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: i + 8 ≤ n; `Half` is two bytes.
-            let (a, b) = unsafe {
-                (
-                    _mm256_loadu_ps(q.as_ptr().add(i)),
-                    _mm256_cvtph_ps(_mm_loadu_si128(kp.add(i).cast())),
-                )
-            };
-            acc = _mm256_fmadd_ps(a, b, acc);
-            i += 8;
-        }
-        hsum256(acc) + tail_dot(&q[i..], &k[i..], Half::to_f32)
-    }
-
     /// The sum of eight lanes, pairwise.
     #[inline]
     #[target_feature(enable = "avx2,f16c,fma")]
@@ -301,132 +363,21 @@ mod x86 {
         q.iter().zip(k).map(|(&q, &k)| q * f(k)).sum()
     }
 
-    /// Defines a weighted sum over value rows: the output in slices of four vectors kept in
-    /// registers across the keys; values past the last whole vector one at a time.
-    macro_rules! wsum {
-        (
-            $name:ident, $feat:literal, $v:ty, $lanes:literal, $vec:ty,
-            $zero:ident, $set1:ident, $mul:ident, $add:ident, $loadps:ident, $storeps:ident,
-            |$ptr:ident| $load:expr, |$x:ident| $scalar:expr
-        ) => {
-            /// `acc = Σ_j p_j·v_j` (see the module docs).
-            ///
-            /// # Safety
-            /// The CPU must have the features of the function; every row
-            /// `off + j·stride .. + acc.len()` for `j < p.len()` is inside `v`.
-            #[target_feature(enable = $feat)]
-            unsafe fn $name(acc: &mut [f32], p: &[f32], v: &[$v], off: usize, stride: usize) {
-                let n = acc.len();
-                let base = v.as_ptr();
-                let mut d = 0;
-                // Four vectors of the output at a time, then one, then single values.
-                while d < n {
-                    let width = if d + 4 * $lanes <= n {
-                        4
-                    } else if d + $lanes <= n {
-                        1
-                    } else {
-                        0
-                    };
-                    if width == 0 {
-                        for o in d..n {
-                            let mut a = 0.0f32;
-                            for (j, &pj) in p.iter().enumerate() {
-                                if pj != 0.0 {
-                                    let $x = v[off + j * stride + o];
-                                    a += pj * $scalar;
-                                }
-                            }
-                            acc[o] = a;
-                        }
-                        break;
-                    }
-                    let mut r: [$vec; 4] = [$zero(); 4];
-                    for (j, &pj) in p.iter().enumerate() {
-                        if pj == 0.0 {
-                            continue;
-                        }
-                        let pv = $set1(pj);
-                        for (k, rk) in r.iter_mut().enumerate().take(width) {
-                            // SAFETY: element off + j·stride + d + (k + 1)·lanes − 1 < off +
-                            // j·stride + n, inside `v` by the caller's contract.
-                            let $ptr = unsafe { base.add(off + j * stride + d + k * $lanes) };
-                            let x = $load;
-                            *rk = $add(*rk, $mul(pv, x));
-                        }
-                    }
-                    for (k, rk) in r.iter().enumerate().take(width) {
-                        // SAFETY: d + (k + 1)·lanes ≤ n = acc.len().
-                        unsafe { $storeps(acc.as_mut_ptr().add(d + k * $lanes), *rk) };
-                    }
-                    d += width * $lanes;
-                }
-            }
-        };
+    /// `acc += p·v`, vectorized by the compiler for AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    unsafe fn axpy_512(acc: &mut [f32], p: f32, v: &[f32]) {
+        axpy_portable(acc, p, v);
     }
 
-    wsum!(
-        wsum_f32_512,
-        "avx512f,avx512bw,avx512vl,f16c,fma",
-        f32,
-        16,
-        __m512,
-        _mm512_setzero_ps,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_add_ps,
-        _mm512_loadu_ps,
-        _mm512_storeu_ps,
-        // SAFETY: `ptr` points at 16 values inside `v` (see the caller).
-        |ptr| unsafe { _mm512_loadu_ps(ptr) },
-        |x| x
-    );
-    wsum!(
-        wsum_f16_512,
-        "avx512f,avx512bw,avx512vl,f16c,fma",
-        Half,
-        16,
-        __m512,
-        _mm512_setzero_ps,
-        _mm512_set1_ps,
-        _mm512_mul_ps,
-        _mm512_add_ps,
-        _mm512_loadu_ps,
-        _mm512_storeu_ps,
-        // SAFETY: `ptr` points at 16 values (32 bytes) inside `v` (see the caller).
-        |ptr| _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(ptr.cast()) }),
-        |x| x.to_f32()
-    );
-    wsum!(
-        wsum_f32_256,
-        "avx2,f16c,fma",
-        f32,
-        8,
-        __m256,
-        _mm256_setzero_ps,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_add_ps,
-        _mm256_loadu_ps,
-        _mm256_storeu_ps,
-        // SAFETY: `ptr` points at 8 values inside `v` (see the caller).
-        |ptr| unsafe { _mm256_loadu_ps(ptr) },
-        |x| x
-    );
-    wsum!(
-        wsum_f16_256,
-        "avx2,f16c,fma",
-        Half,
-        8,
-        __m256,
-        _mm256_setzero_ps,
-        _mm256_set1_ps,
-        _mm256_mul_ps,
-        _mm256_add_ps,
-        _mm256_loadu_ps,
-        _mm256_storeu_ps,
-        // SAFETY: `ptr` points at 8 values (16 bytes) inside `v` (see the caller).
-        |ptr| _mm256_cvtph_ps(unsafe { _mm_loadu_si128(ptr.cast()) }),
-        |x| x.to_f32()
-    );
+    /// `acc += p·v`, vectorized by the compiler for AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn axpy_256(acc: &mut [f32], p: f32, v: &[f32]) {
+        axpy_portable(acc, p, v);
+    }
 }

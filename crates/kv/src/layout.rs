@@ -1,0 +1,344 @@
+//! Which format each layer's K and V use, how wide a stored head is, and what a token costs.
+
+use specula_quant::QType;
+use specula_tensor::KvShape;
+
+use crate::{KvError, Result};
+
+/// The formats a cache can store K and V in (llama.cpp's `-ctk` / `-ctv` names).
+pub const CACHE_TYPES: &[QType] = &[
+    QType::F32,
+    QType::F16,
+    QType::BF16,
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::IQ4_NL,
+    QType::Turbo2,
+    QType::Turbo3,
+    QType::Turbo4,
+];
+
+/// The cache format named `name` (`f16`, `q8_0`, `turbo4`, …, case-insensitive).
+///
+/// # Errors
+/// [`KvError::UnknownType`] for a name that is not one of [`CACHE_TYPES`].
+pub fn parse_cache_type(name: &str) -> Result<QType> {
+    QType::from_name(name)
+        .filter(|t| CACHE_TYPES.contains(t))
+        .ok_or_else(|| KvError::UnknownType(name.to_owned()))
+}
+
+/// Whether `ty` is a TurboQuant type (stored in the rotated domain, 128-value groups).
+#[must_use]
+pub fn is_turbo(ty: QType) -> bool {
+    matches!(ty, QType::Turbo2 | QType::Turbo3 | QType::Turbo4)
+}
+
+/// The width a head of `head_dim` values is stored with in format `ty`: turbo heads are
+/// zero-padded to the next multiple of 128 (one rotation group per 128 values, research note
+/// `quant.md` §5.7); every other format stores the head as is and needs it to be a whole number
+/// of its blocks.
+///
+/// # Errors
+/// [`KvError::HeadDim`] when the head cannot be stored in `ty`.
+pub fn stored_head_dim(what: &'static str, ty: QType, head_dim: usize) -> Result<usize> {
+    if !CACHE_TYPES.contains(&ty) {
+        return Err(KvError::UnsupportedType { what, ty });
+    }
+    if head_dim == 0 {
+        return Err(KvError::HeadDim {
+            what,
+            ty,
+            head_dim,
+            need: "a positive head dim",
+        });
+    }
+    if is_turbo(ty) {
+        return Ok(head_dim.div_ceil(QType::Turbo4.block_size()) * QType::Turbo4.block_size());
+    }
+    if !head_dim.is_multiple_of(ty.block_size()) {
+        return Err(KvError::HeadDim {
+            what,
+            ty,
+            head_dim,
+            need: "a head dim that is a multiple of 32 (use f16, or a turbo type, which pads)",
+        });
+    }
+    Ok(head_dim)
+}
+
+/// How the heads of a plane are rotated before they are quantized; attention rotates queries
+/// the same way (K) or its output back (V). Every rotation here is orthonormal, so attention in
+/// the rotated domain equals attention in the model's domain up to quantization.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rotation {
+    /// Stored as is (float formats, and block formats whose head dim is not a multiple of 64).
+    None,
+    /// The normalized Sylvester–Hadamard transform on consecutive groups of this many values —
+    /// upstream llama.cpp's rotation of quantized caches (`attn_rot_k` / `attn_rot_v`,
+    /// `llama-kv-cache.cpp`): for K the largest power of two ≥ 64 dividing the head dim, for V
+    /// groups of 64. It spreads outlier channels over the whole group, which plain block
+    /// formats (q8_0, q4_0, …) cannot hold; without it llama.cpp's q4_0 cache KLD on SmolLM2
+    /// is 3.4 × higher (0.211 vs 0.062, measured, `LLAMA_ATTN_ROT_DISABLE=1`).
+    Hadamard(usize),
+    /// TurboQuant: the cache's randomized 128-group Walsh–Hadamard transform, applied inside
+    /// the turbo quantizer, the head padded to a multiple of 128 by [`turbo_pad`].
+    Turbo,
+}
+
+/// Whether `ty` is a float format (stored without rotation).
+fn is_float(ty: QType) -> bool {
+    matches!(ty, QType::F32 | QType::F16 | QType::BF16)
+}
+
+/// The rotation of a K plane of format `ty` with heads of `head_dim` values.
+#[must_use]
+pub fn k_rotation(ty: QType, head_dim: usize) -> Rotation {
+    if is_turbo(ty) {
+        Rotation::Turbo
+    } else if is_float(ty) || head_dim == 0 || !head_dim.is_multiple_of(64) {
+        Rotation::None
+    } else {
+        // The largest power of two dividing the head dim (≥ 64 since 64 divides it).
+        Rotation::Hadamard(1 << head_dim.trailing_zeros())
+    }
+}
+
+/// The rotation of a V plane.
+#[must_use]
+pub fn v_rotation(ty: QType, head_dim: usize) -> Rotation {
+    if is_turbo(ty) {
+        Rotation::Turbo
+    } else if is_float(ty) || head_dim == 0 || !head_dim.is_multiple_of(64) {
+        Rotation::None
+    } else {
+        Rotation::Hadamard(64)
+    }
+}
+
+/// Applies the normalized Sylvester–Hadamard transform (`H/√n`, its own inverse) to each
+/// consecutive group of `n` values of `x` (`n` a power of two; `x.len()` a multiple of `n`).
+///
+/// # Panics
+/// If `n` is not a power of two or does not divide `x.len()`.
+pub fn hadamard(x: &mut [f32], n: usize) {
+    assert!(
+        n.is_power_of_two() && x.len().is_multiple_of(n),
+        "hadamard: groups of {n} in {} values",
+        x.len()
+    );
+    #[allow(clippy::cast_precision_loss, reason = "n is a small power of two")]
+    let scale = 1.0 / (n as f32).sqrt();
+    for g in x.chunks_exact_mut(n) {
+        let mut h = 1;
+        while h < n {
+            for i in (0..n).step_by(2 * h) {
+                for j in i..i + h {
+                    let (a, b) = (g[j], g[j + h]);
+                    g[j] = a + b;
+                    g[j + h] = a - b;
+                }
+            }
+            h *= 2;
+        }
+        for v in g.iter_mut() {
+            *v *= scale;
+        }
+    }
+}
+
+/// K and V formats of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerTypes {
+    /// Format of K.
+    pub k: QType,
+    /// Format of V.
+    pub v: QType,
+}
+
+/// Geometry of one layer's K and V rows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerLayout {
+    /// Formats.
+    pub types: LayerTypes,
+    /// Values a K head is stored with (the model's head dim, padded for turbo).
+    pub k_dim: usize,
+    /// Values a V head is stored with.
+    pub v_dim: usize,
+    /// Bytes of one K head of one cell.
+    pub k_head_bytes: usize,
+    /// Bytes of one V head of one cell.
+    pub v_head_bytes: usize,
+    /// Rotation of K heads.
+    pub k_rot: Rotation,
+    /// Rotation of V heads.
+    pub v_rot: Rotation,
+}
+
+/// The layout of a whole cache: per-layer formats and what a token costs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KvLayout {
+    /// The shape the model asked for.
+    pub shape: KvShape,
+    /// One entry per layer.
+    pub layers: Vec<LayerLayout>,
+}
+
+impl KvLayout {
+    /// The layout with `shape.k_type` / `shape.v_type` in every layer.
+    ///
+    /// # Errors
+    /// As [`KvLayout::with_types`].
+    pub fn new(shape: &KvShape) -> Result<Self> {
+        let t = LayerTypes {
+            k: shape.k_type,
+            v: shape.v_type,
+        };
+        Self::with_types(shape, &vec![t; shape.n_layer])
+    }
+
+    /// The layout with per-layer formats (`types[l]` for layer `l`; `shape.k_type`/`v_type` are
+    /// ignored).
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `types` does not have one entry per layer or the shape is empty;
+    /// [`KvError::UnsupportedType`] / [`KvError::HeadDim`] when a layer's heads cannot be stored
+    /// in its formats.
+    pub fn with_types(shape: &KvShape, types: &[LayerTypes]) -> Result<Self> {
+        if types.len() != shape.n_layer {
+            return Err(KvError::Shape(format!(
+                "{} per-layer formats for {} layers",
+                types.len(),
+                shape.n_layer
+            )));
+        }
+        if shape.n_kv_head == 0 || shape.n_ctx == 0 {
+            return Err(KvError::Shape(format!(
+                "a cache needs at least one K/V head and one cell (got {} heads, {} cells)",
+                shape.n_kv_head, shape.n_ctx
+            )));
+        }
+        let layers = types
+            .iter()
+            .map(|&t| {
+                let k_dim = stored_head_dim("K", t.k, shape.head_dim_k)?;
+                let v_dim = stored_head_dim("V", t.v, shape.head_dim_v)?;
+                Ok(LayerLayout {
+                    types: t,
+                    k_dim,
+                    v_dim,
+                    k_head_bytes: t.k.row_bytes(k_dim)?,
+                    v_head_bytes: t.v.row_bytes(v_dim)?,
+                    k_rot: k_rotation(t.k, shape.head_dim_k),
+                    v_rot: v_rotation(t.v, shape.head_dim_v),
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(Self {
+            shape: *shape,
+            layers,
+        })
+    }
+
+    /// Bytes one token (cell) takes in layer `l`, K and V together.
+    #[must_use]
+    pub fn bytes_per_token_layer(&self, l: usize) -> usize {
+        let ly = &self.layers[l];
+        self.shape.n_kv_head * (ly.k_head_bytes + ly.v_head_bytes)
+    }
+
+    /// Bytes one token takes over all layers.
+    #[must_use]
+    pub fn bytes_per_token(&self) -> usize {
+        (0..self.layers.len())
+            .map(|l| self.bytes_per_token_layer(l))
+            .sum()
+    }
+
+    /// Bytes of the whole cache (`n_ctx` cells).
+    #[must_use]
+    pub fn total_bytes(&self) -> usize {
+        self.bytes_per_token() * self.shape.n_ctx
+    }
+
+    /// Stored bits per model value (K and V of every layer, padding included): 16 for f16,
+    /// 8.5 for q8_0, 4.125 for turbo4 with 128-wide heads, 8.25 for turbo4 with 64-wide heads.
+    #[must_use]
+    #[allow(
+        clippy::cast_precision_loss,
+        reason = "byte counts of a cache are far below 2^52"
+    )]
+    pub fn bits_per_value(&self) -> f64 {
+        let values = self.layers.len()
+            * self.shape.n_kv_head
+            * (self.shape.head_dim_k + self.shape.head_dim_v);
+        8.0 * self.bytes_per_token() as f64 / values as f64
+    }
+
+    /// Whether any layer stores K in a turbo format (queries are rotated for it).
+    #[must_use]
+    pub fn any_turbo(&self) -> bool {
+        self.layers
+            .iter()
+            .any(|l| is_turbo(l.types.k) || is_turbo(l.types.v))
+    }
+}
+
+/// Values of the padding of a `hd`-value head to `dim` that copy head value `i`, plus one.
+fn copies(i: usize, hd: usize, dim: usize) -> f32 {
+    let pad = dim - hd;
+    let n = pad / hd + usize::from(i < pad % hd);
+    #[allow(clippy::cast_precision_loss, reason = "a count of at most dim / hd")]
+    let n = (n + 1) as f32;
+    n
+}
+
+/// The sign of padding value `t`: a fixed ±1 pattern (the fork's second WHT sign table), so a
+/// copy does not line up with its original after the rotation.
+fn pad_sign(t: usize) -> f32 {
+    specula_quant::wht::S2[t % specula_quant::wht::GROUP]
+}
+
+/// Pads a turbo head of `hd` values (in `x[..hd]`) to `x.len()` with signed copies of itself,
+/// `x[hd + t] = σ_t · x[t mod hd]`.
+///
+/// The fork pads with zeros; then the 128-group rotation makes both halves of the rotated
+/// group equal up to sign, the two halves get the same code, and their quantization errors
+/// add up in the head instead of averaging out, so half the stored bits are wasted. With
+/// signed copies the halves are independent, the attention reads the head as the mean of its
+/// copies ([`turbo_pad_query`], [`turbo_fold`]), and the error of a 64-value head halves at
+/// the same memory (tested in `tests.rs`).
+pub fn turbo_pad(x: &mut [f32], hd: usize) {
+    for t in 0..x.len() - hd {
+        x[hd + t] = pad_sign(t) * x[t % hd];
+    }
+}
+
+/// Pads a query head for a turbo K padded by [`turbo_pad`]: every copy of value `i` gets
+/// `q_i / c_i` (with its sign), so `⟨q', k'⟩` is `q` dotted with the mean of `k`'s copies.
+pub fn turbo_pad_query(x: &mut [f32], hd: usize) {
+    let dim = x.len();
+    for t in 0..dim - hd {
+        let i = t % hd;
+        x[hd + t] = pad_sign(t) * x[i] / copies(i, hd, dim);
+    }
+    for (i, v) in x[..hd].iter_mut().enumerate() {
+        *v /= copies(i, hd, dim);
+    }
+}
+
+/// Folds a padded turbo V head (or attention output) back onto its `hd` values: the mean of
+/// each value's copies, in `x[..hd]`.
+pub fn turbo_fold(x: &mut [f32], hd: usize) {
+    let dim = x.len();
+    for t in 0..dim - hd {
+        let i = t % hd;
+        x[i] += pad_sign(t) * x[hd + t];
+    }
+    for (i, v) in x[..hd].iter_mut().enumerate() {
+        *v /= copies(i, hd, dim);
+    }
+}

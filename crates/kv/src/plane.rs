@@ -1,0 +1,290 @@
+//! Host storage of one layer's K or V rows in a block format: quantized on write (ggml's
+//! `set_rows`), read back one head of one cell at a time.
+
+use specula_quant::blocks::BlockIq4Nl;
+use specula_quant::{QType, iq4};
+
+use crate::layout::{Rotation, hadamard, turbo_pad};
+use crate::{KvError, Result};
+
+/// The K or V rows of one layer: `n_cells` cells × `n_head` heads, each head `dim` stored values
+/// (`head_dim` from the model, zero-padded to `dim` for turbo) in format `ty`.
+///
+/// The bytes live in 8-byte words so that f32 and f16 heads are aligned for direct reads.
+#[derive(Clone, Debug)]
+pub struct Plane {
+    ty: QType,
+    n_cells: usize,
+    n_head: usize,
+    head_dim: usize,
+    dim: usize,
+    head_bytes: usize,
+    rot: Rotation,
+    /// Per-head offset subtracted before quantization (`n_head · head_dim` values), set once by
+    /// [`Plane::calibrate`]; `None` for float formats and before calibration.
+    center: Option<Vec<f32>>,
+    words: Vec<u64>,
+}
+
+impl Plane {
+    /// A zeroed plane whose heads are rotated by `rot` before they are quantized.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `dim` is not a whole number of `ty`'s blocks or smaller than
+    /// `head_dim`, a Hadamard group does not divide the head, or the plane would not fit in
+    /// memory.
+    pub fn new(
+        ty: QType,
+        n_cells: usize,
+        n_head: usize,
+        head_dim: usize,
+        dim: usize,
+        rot: Rotation,
+    ) -> Result<Self> {
+        if let Rotation::Hadamard(n) = rot
+            && (!n.is_power_of_two() || !head_dim.is_multiple_of(n))
+        {
+            return Err(KvError::Shape(format!(
+                "a Hadamard rotation of {n} values does not tile a {head_dim}-value head"
+            )));
+        }
+        if dim < head_dim {
+            return Err(KvError::Shape(format!(
+                "a {head_dim}-value head cannot be stored in {dim} values"
+            )));
+        }
+        let head_bytes = ty.row_bytes(dim)?;
+        let total = n_cells
+            .checked_mul(n_head)
+            .and_then(|x| x.checked_mul(head_bytes))
+            .ok_or_else(|| KvError::Shape(format!("{n_cells} cells of {n_head} heads overflow")))?;
+        Ok(Self {
+            ty,
+            n_cells,
+            n_head,
+            head_dim,
+            dim,
+            head_bytes,
+            rot,
+            center: None,
+            words: vec![0; total.div_ceil(8)],
+        })
+    }
+
+    /// The format.
+    #[must_use]
+    pub fn ty(&self) -> QType {
+        self.ty
+    }
+
+    /// Sets the per-head offset that quantized formats subtract before quantizing, once per
+    /// plane, to the mean of `rows` (whole rows, `n_head · head_dim` values each): the first
+    /// rows written. Float formats and an already calibrated plane are left as they are. The
+    /// offset stays for the life of the plane (rolled-back cells are rewritten with the same
+    /// offset, so a rewrite gives the bytes it would have given without the rollback).
+    ///
+    /// Keys and values of real models share a large common part (Qwen2.5's K biases, massive
+    /// activations in a few channels) that carries no information for attention but dominates
+    /// the scale of every quantization block; stored without it, the quantization error shrinks
+    /// with the part that matters. Attention adds the offset back exactly: `q·k = q·(k − m) +
+    /// q·m`, and `Σ p·v = Σ p·(v − m) + m` because the weights sum to one.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `rows` is not a positive whole number of rows.
+    pub fn calibrate(&mut self, rows: &[f32]) -> Result<()> {
+        let w = self.n_head * self.head_dim;
+        if rows.is_empty() || !rows.len().is_multiple_of(w) {
+            return Err(KvError::Shape(format!(
+                "calibration rows of {} values, expected a positive multiple of {w}",
+                rows.len()
+            )));
+        }
+        if self.center.is_some() || matches!(self.ty, QType::F32 | QType::F16 | QType::BF16) {
+            return Ok(());
+        }
+        let mut sum = vec![0.0f64; w];
+        for r in rows.chunks_exact(w) {
+            for (s, &x) in sum.iter_mut().zip(r) {
+                *s += f64::from(x);
+            }
+        }
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            reason = "a row count; the mean back to f32"
+        )]
+        let n = (rows.len() / w) as f64;
+        #[allow(clippy::cast_possible_truncation, reason = "the mean back to f32")]
+        let center = sum.iter().map(|s| (s / n) as f32).collect();
+        self.center = Some(center);
+        Ok(())
+    }
+
+    /// The offset of head `head` subtracted before quantization, if any.
+    #[must_use]
+    pub fn center(&self, head: usize) -> Option<&[f32]> {
+        self.center
+            .as_deref()
+            .map(|c| &c[head * self.head_dim..(head + 1) * self.head_dim])
+    }
+
+    /// The rotation applied before quantization.
+    #[must_use]
+    pub fn rotation(&self) -> Rotation {
+        self.rot
+    }
+
+    /// Values per stored head (padded).
+    #[must_use]
+    pub fn dim(&self) -> usize {
+        self.dim
+    }
+
+    /// Values per model head.
+    #[must_use]
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+    }
+
+    /// Bytes of one head of one cell.
+    #[must_use]
+    pub fn head_bytes(&self) -> usize {
+        self.head_bytes
+    }
+
+    /// Bytes of one cell (all heads).
+    #[must_use]
+    pub fn row_bytes(&self) -> usize {
+        self.head_bytes * self.n_head
+    }
+
+    /// Cells.
+    #[must_use]
+    pub fn n_cells(&self) -> usize {
+        self.n_cells
+    }
+
+    /// Every byte of the plane (cell-major, then head).
+    #[must_use]
+    pub fn bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice::<u64, u8>(&self.words)[..self.n_cells * self.row_bytes()]
+    }
+
+    /// The stored bytes of head `head` of `cell`.
+    ///
+    /// # Panics
+    /// If `cell` or `head` is out of range.
+    #[must_use]
+    #[inline]
+    pub fn head(&self, cell: usize, head: usize) -> &[u8] {
+        assert!(
+            cell < self.n_cells && head < self.n_head,
+            "KV plane: cell {cell} head {head} out of range"
+        );
+        let off = (cell * self.n_head + head) * self.head_bytes;
+        &self.bytes()[off..off + self.head_bytes]
+    }
+
+    /// The stored bytes of `cell` (all heads).
+    ///
+    /// # Panics
+    /// If `cell` is out of range.
+    #[must_use]
+    pub fn cell(&self, cell: usize) -> &[u8] {
+        let rb = self.row_bytes();
+        &self.bytes()[cell * rb..(cell + 1) * rb]
+    }
+
+    /// Quantizes one row (`n_head · head_dim` values) into `cell`: each head is rotated (a
+    /// Hadamard rotation here; for turbo inside the quantizer, so `row` is in the model's
+    /// domain), padded to the stored width (turbo: [`crate::turbo_pad`]) and encoded with the cache quantizer of the
+    /// format (for IQ4_NL the `ntry = −1` reference ggml-cpu uses for caches). `pad` is scratch
+    /// space.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when the row has the wrong length or the cell is out of range.
+    pub fn write(&mut self, cell: usize, row: &[f32], pad: &mut Vec<f32>) -> Result<()> {
+        if cell >= self.n_cells {
+            return Err(KvError::Shape(format!(
+                "cell {cell} of a {}-cell cache",
+                self.n_cells
+            )));
+        }
+        if row.len() != self.n_head * self.head_dim {
+            return Err(KvError::Shape(format!(
+                "a row of {} values, expected {} heads × {}",
+                row.len(),
+                self.n_head,
+                self.head_dim
+            )));
+        }
+        let (rot, ty, hd, dim, hb, nh) = (
+            self.rot,
+            self.ty,
+            self.head_dim,
+            self.dim,
+            self.head_bytes,
+            self.n_head,
+        );
+        pad.clear();
+        pad.resize(dim, 0.0);
+        let len = self.n_cells * nh * hb;
+        let center = self.center.as_deref();
+        let all = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len];
+        let dst = &mut all[cell * nh * hb..(cell + 1) * nh * hb];
+        for (h, (src, dst)) in row
+            .chunks_exact(hd)
+            .zip(dst.chunks_exact_mut(hb))
+            .enumerate()
+        {
+            pad[..hd].copy_from_slice(src);
+            if let Some(c) = center {
+                for (p, m) in pad[..hd].iter_mut().zip(&c[h * hd..(h + 1) * hd]) {
+                    *p -= m;
+                }
+            }
+            match rot {
+                Rotation::Hadamard(n) => hadamard(&mut pad[..hd], n),
+                Rotation::Turbo => turbo_pad(pad, hd),
+                Rotation::None => {}
+            }
+            quantize_head(ty, pad, dst)?;
+        }
+        Ok(())
+    }
+
+    /// Dequantizes head `head` of `cell` into `out` (`dim` values, still in the rotated domain
+    /// of [`Plane::rotation`]).
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `out` does not hold `dim` values.
+    ///
+    /// # Panics
+    /// If `cell` or `head` is out of range.
+    pub fn dequantize_head(&self, cell: usize, head: usize, out: &mut [f32]) -> Result<()> {
+        Ok(specula_quant::dequantize_row(
+            self.ty,
+            self.head(cell, head),
+            out,
+        )?)
+    }
+}
+
+/// Encodes one stored head with the quantizer a cache uses for `ty`.
+///
+/// # Errors
+/// When `x` / `dst` do not match the format.
+pub fn quantize_head(ty: QType, x: &[f32], dst: &mut [u8]) -> Result<()> {
+    if ty == QType::IQ4_NL {
+        let want = ty.row_bytes(x.len())?;
+        if dst.len() != want {
+            return Err(KvError::Shape(format!(
+                "iq4_nl head: {} bytes, expected {want}",
+                dst.len()
+            )));
+        }
+        iq4::quantize_row_iq4_nl_ref(x, bytemuck::cast_slice_mut::<u8, BlockIq4Nl>(dst));
+        return Ok(());
+    }
+    Ok(specula_quant::quantize_row(ty, x, dst)?)
+}

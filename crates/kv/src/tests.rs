@@ -1,0 +1,297 @@
+use specula_quant::QType;
+use specula_tensor::KvShape;
+
+use super::*;
+
+fn shape(hd: usize, k: QType, v: QType) -> KvShape {
+    KvShape {
+        n_layer: 2,
+        n_ctx: 8,
+        n_kv_head: 3,
+        head_dim_k: hd,
+        head_dim_v: hd,
+        k_type: k,
+        v_type: v,
+    }
+}
+
+/// Memory accounting equals each format's bits per value (turbo: plus the padding to 128).
+#[test]
+fn bytes_per_token_match_bpw() {
+    for &ty in CACHE_TYPES {
+        for hd in [64usize, 128, 256] {
+            let l = KvLayout::new(&shape(hd, ty, ty)).unwrap();
+            let padded = if is_turbo(ty) {
+                hd.div_ceil(128) * 128
+            } else {
+                hd
+            };
+            #[allow(clippy::cast_precision_loss, reason = "small sizes")]
+            let want_bits = ty.bits_per_weight() * padded as f64 / hd as f64;
+            assert!(
+                (l.bits_per_value() - want_bits).abs() < 1e-12,
+                "{ty} hd{hd}"
+            );
+            let bpt = 2 * 3 * 2 * ty.row_bytes(padded).unwrap();
+            assert_eq!(l.bytes_per_token(), bpt, "{ty} hd{hd}");
+            assert_eq!(l.total_bytes(), 8 * bpt);
+        }
+    }
+    let t4 = KvLayout::new(&shape(128, QType::Turbo4, QType::Turbo4)).unwrap();
+    assert!((t4.bits_per_value() - 4.125).abs() < 1e-12);
+    let q8 = KvLayout::new(&shape(64, QType::Q8_0, QType::Q8_0)).unwrap();
+    assert!((q8.bits_per_value() - 8.5).abs() < 1e-12);
+}
+
+#[test]
+fn asymmetric_and_per_layer_types() {
+    let s = shape(64, QType::F16, QType::F16);
+    let types = [
+        LayerTypes {
+            k: QType::Q8_0,
+            v: QType::Turbo4,
+        },
+        LayerTypes {
+            k: QType::F16,
+            v: QType::Q4_0,
+        },
+    ];
+    let l = KvLayout::with_types(&s, &types).unwrap();
+    assert_eq!(l.bytes_per_token_layer(0), 3 * (68 + 66));
+    assert_eq!(l.bytes_per_token_layer(1), 3 * (128 + 36));
+    assert!(KvLayout::with_types(&s, &types[..1]).is_err());
+}
+
+#[test]
+fn bad_types_and_head_dims_are_clear_errors() {
+    let e = parse_cache_type("q4_k").unwrap_err().to_string();
+    assert!(e.contains("unknown KV cache type `q4_k`"), "{e}");
+    assert!(parse_cache_type("nope").is_err());
+    assert_eq!(parse_cache_type("TURBO3").unwrap(), QType::Turbo3);
+    let e = KvLayout::new(&shape(80, QType::Q8_0, QType::F16))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains("K cache type q8_0 cannot store heads of 80 values"),
+        "{e}"
+    );
+    // Turbo pads 80 to 128, f16 stores anything.
+    let l = KvLayout::new(&shape(80, QType::Turbo3, QType::F16)).unwrap();
+    assert_eq!(l.layers[0].k_dim, 128);
+    assert_eq!(l.layers[0].v_dim, 80);
+    let e = KvLayout::new(&shape(64, QType::Q4_K, QType::F16))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not a KV cache format"), "{e}");
+}
+
+fn row(seed: u32, n: usize) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(2_654_435_761).wrapping_add(1);
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            #[allow(clippy::cast_precision_loss, reason = "test data")]
+            let x = (s % 2001) as f32 / 1000.0 - 1.0;
+            x
+        })
+        .collect()
+}
+
+/// Rollback: writing A, B, C then removing C and writing D gives the same bytes as A, B, D —
+/// and the cells say the same.
+#[test]
+fn seq_rm_then_reappend_gives_the_same_bytes() {
+    for &ty in CACHE_TYPES {
+        let (n_head, hd) = (2, 64);
+        let dim = stored_head_dim("K", ty, hd).unwrap();
+        let mut a = Plane::new(ty, 6, n_head, hd, dim, k_rotation(ty, hd)).unwrap();
+        let mut b = a.clone();
+        let mut ca = Cells::new(6);
+        let mut cb = Cells::new(6);
+        let mut pad = Vec::new();
+        for (p, seed) in [(0, 1), (1, 2), (2, 3), (3, 4)] {
+            let c = ca.find_slots(1).unwrap()[0];
+            a.write(c, &row(seed, n_head * hd), &mut pad).unwrap();
+            ca.assign(c, p, 0).unwrap();
+        }
+        ca.seq_rm(Some(0), 2, -1).unwrap();
+        assert_eq!(ca.used(), 2);
+        for (p, seed) in [(2, 9), (3, 10)] {
+            let c = ca.find_slots(1).unwrap()[0];
+            a.write(c, &row(seed, n_head * hd), &mut pad).unwrap();
+            ca.assign(c, p, 0).unwrap();
+        }
+        for (p, seed) in [(0, 1), (1, 2), (2, 9), (3, 10)] {
+            let c = cb.find_slots(1).unwrap()[0];
+            b.write(c, &row(seed, n_head * hd), &mut pad).unwrap();
+            cb.assign(c, p, 0).unwrap();
+        }
+        assert_eq!(a.bytes(), b.bytes(), "{ty}");
+        assert_eq!(ca, cb, "{ty}");
+    }
+}
+
+/// Each head round-trips within its format's error; the padding of a turbo head holds zeros
+/// in the original domain.
+#[test]
+fn plane_heads_round_trip() {
+    for &ty in CACHE_TYPES {
+        let hd = 64;
+        let dim = stored_head_dim("V", ty, hd).unwrap();
+        let mut p = Plane::new(ty, 2, 2, hd, dim, v_rotation(ty, hd)).unwrap();
+        let x = row(7, 2 * hd);
+        p.write(1, &x, &mut Vec::new()).unwrap();
+        for h in 0..2 {
+            let mut out = vec![0.0; dim];
+            p.dequantize_head(1, h, &mut out).unwrap();
+            match p.rotation() {
+                Rotation::Turbo => {
+                    specula_quant::wht::inverse_row(&mut out);
+                    turbo_fold(&mut out, hd);
+                }
+                Rotation::Hadamard(n) => hadamard(&mut out, n),
+                Rotation::None => {}
+            }
+            let src = &x[h * hd..(h + 1) * hd];
+            let err: f32 = src
+                .iter()
+                .zip(&out)
+                .map(|(a, b)| (a - b) * (a - b))
+                .sum::<f32>()
+                / src.iter().map(|a| a * a).sum::<f32>();
+            let tol = match ty {
+                QType::F32 => 0.0,
+                QType::F16 | QType::BF16 => 1e-4,
+                QType::Q8_0 => 1e-3,
+                QType::Turbo2 => 0.2,
+                QType::Turbo3 => 0.06,
+                _ => 0.03,
+            };
+            assert!(err <= tol, "{ty}: relative error {err}");
+        }
+        assert!(p.write(2, &x, &mut Vec::new()).is_err());
+        assert!(p.write(0, &x[1..], &mut Vec::new()).is_err());
+    }
+}
+
+#[test]
+fn sequence_operations() {
+    let mut c = Cells::new(8);
+    for p in 0..4 {
+        c.assign(usize::try_from(p).unwrap(), p, 0).unwrap();
+    }
+    // Sequence 1 shares positions 0..2 of sequence 0, then gets its own cell.
+    c.seq_cp(0, 1, 0, 2).unwrap();
+    c.assign(4, 2, 1).unwrap();
+    assert_eq!(c.seq_pos_max(1), Some(2));
+    assert!(c.has_seq(0, 1) && c.has_seq(1, 1) && !c.has_seq(2, 1));
+    assert!(c.visible(1, 1, 2, Mask::Causal));
+    assert!(!c.visible(2, 1, 2, Mask::Causal));
+    assert!(!c.visible(3, 0, 2, Mask::Causal));
+    assert!(c.visible(3, 0, 2, Mask::None));
+    assert!(!c.visible(0, 0, 3, Mask::SlidingWindow(3)));
+    assert!(c.visible(1, 0, 3, Mask::SlidingWindow(3)));
+    // Shared cells cannot move.
+    assert!(c.seq_add(0, 0, -1, 5).is_err());
+    // Removing sequence 0 everywhere keeps the cells sequence 1 shares.
+    c.seq_rm(Some(0), -1, -1).unwrap();
+    assert_eq!(c.used(), 3);
+    assert_eq!(c.seq_pos_max(0), None);
+    c.seq_add(1, 2, -1, -3).unwrap();
+    assert_eq!(c.pos(4), None, "moved below 0: removed");
+    c.seq_add(1, 0, -1, 10).unwrap();
+    assert_eq!(c.seq_pos_min(1), Some(10));
+    assert_eq!(c.take_shifts(), vec![(0, 10), (1, 10)]);
+    assert!(c.take_shifts().is_empty());
+    c.assign(5, 0, 3).unwrap();
+    c.seq_keep(3).unwrap();
+    assert_eq!(c.used(), 1);
+    assert_eq!(c.find_slots(7).unwrap(), vec![0, 1, 2, 3, 4, 6, 7]);
+    assert!(matches!(
+        c.find_slots(8),
+        Err(KvError::Full { free: 7, .. })
+    ));
+    assert!(c.assign(0, 0, 64).is_err());
+    // Sliding window: positions 0..6 of sequence 0, window 4, newest 5 → 0 and 1 go.
+    let mut s = Cells::new(6);
+    for p in 0..6 {
+        s.assign(usize::try_from(p).unwrap(), p, 0).unwrap();
+    }
+    assert_eq!(s.prune_swa(0, 5, 4).unwrap(), 2);
+    assert_eq!(s.seq_pos_min(0), Some(2));
+}
+
+/// The Hadamard rotation is orthonormal and its own inverse; block formats get llama.cpp's
+/// group sizes.
+#[test]
+fn hadamard_rotation() {
+    let x = row(3, 256);
+    let mut y = x.clone();
+    hadamard(&mut y, 128);
+    let n2 = |v: &[f32]| v.iter().map(|a| a * a).sum::<f32>();
+    assert!((n2(&x) - n2(&y)).abs() < 1e-3 * n2(&x));
+    hadamard(&mut y, 128);
+    assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-5));
+    // H_2 / √2 on [1, 0] is [1, 1] / √2.
+    let mut e = [1.0f32, 0.0];
+    hadamard(&mut e, 2);
+    assert!((e[0] - std::f32::consts::FRAC_1_SQRT_2).abs() < 1e-7 && (e[0] - e[1]).abs() < 1e-7);
+    assert_eq!(k_rotation(QType::Q4_0, 64), Rotation::Hadamard(64));
+    assert_eq!(k_rotation(QType::Q8_0, 128), Rotation::Hadamard(128));
+    assert_eq!(k_rotation(QType::Q8_0, 192), Rotation::Hadamard(64));
+    assert_eq!(v_rotation(QType::Q8_0, 128), Rotation::Hadamard(64));
+    assert_eq!(k_rotation(QType::Q8_0, 96), Rotation::None);
+    assert_eq!(k_rotation(QType::F16, 128), Rotation::None);
+    assert_eq!(v_rotation(QType::Turbo2, 64), Rotation::Turbo);
+}
+
+/// Padding a 64-value turbo head with signed copies (instead of the fork's zeros) halves its
+/// error at the same memory; padded query · padded key is the query · the mean of the copies.
+#[test]
+fn turbo_padding_with_copies_halves_the_error() {
+    let mse = |ty: QType, copies: bool| {
+        let hd = 64;
+        let (mut num, mut den) = (0.0f64, 0.0f64);
+        for seed in 0..300 {
+            let x = row(seed, hd);
+            let mut p = vec![0.0f32; 128];
+            p[..hd].copy_from_slice(&x);
+            if copies {
+                turbo_pad(&mut p, hd);
+            }
+            let mut q = vec![0u8; ty.row_bytes(128).unwrap()];
+            quantize_head(ty, &p, &mut q).unwrap();
+            let mut out = vec![0.0f32; 128];
+            specula_quant::dequantize_row(ty, &q, &mut out).unwrap();
+            specula_quant::wht::inverse_row(&mut out);
+            if copies {
+                turbo_fold(&mut out, hd);
+            }
+            for (a, b) in x.iter().zip(&out) {
+                num += f64::from(a - b).powi(2);
+                den += f64::from(*a).powi(2);
+            }
+        }
+        num / den
+    };
+    for ty in [QType::Turbo2, QType::Turbo3, QType::Turbo4] {
+        let (zeros, copies) = (mse(ty, false), mse(ty, true));
+        assert!(
+            copies < 0.6 * zeros,
+            "{ty}: {copies} vs {zeros} with zero padding"
+        );
+    }
+    // ⟨pad_query(q), pad(k)⟩ = q · k for an unquantized key.
+    let (q, k) = (row(1, 80), row(2, 80));
+    let (mut qp, mut kp) = (vec![0.0f32; 128], vec![0.0f32; 128]);
+    qp[..80].copy_from_slice(&q);
+    kp[..80].copy_from_slice(&k);
+    turbo_pad_query(&mut qp, 80);
+    turbo_pad(&mut kp, 80);
+    let d = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+    assert!((d(&qp, &kp) - d(&q, &k)).abs() < 1e-4);
+    turbo_fold(&mut kp, 80);
+    assert!(kp[..80].iter().zip(&k).all(|(a, b)| (a - b).abs() < 1e-6));
+}
