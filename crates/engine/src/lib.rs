@@ -364,6 +364,20 @@ impl<B: Backend> Engine<B> {
         self.prefill(s, &[id], false)
     }
 
+    /// The sampler of a generation with the prompt in its history, and the result to fill.
+    fn start(&self, prompt: &[u32], opts: &GenerateOptions) -> Result<(Sampler, Generation)> {
+        self.check_ids(prompt)?;
+        let mut sampler = Sampler::new(opts.sampler, self.model.hparams().n_vocab)?;
+        for &id in prompt {
+            sampler.accept(id)?;
+        }
+        let out = Generation {
+            prompt_ids: prompt.to_vec(),
+            ..Generation::default()
+        };
+        Ok((sampler, out))
+    }
+
     /// Prefills `prompt`, then generates up to `opts.n_predict` tokens, calling `on_token`
     /// with each new id.
     ///
@@ -396,14 +410,7 @@ impl<B: Backend> Engine<B> {
         if let Some(f) = &opts.force_ids {
             self.check_ids(f)?;
         }
-        let mut sampler = Sampler::new(opts.sampler, self.model.hparams().n_vocab)?;
-        for &id in prompt {
-            sampler.accept(id)?;
-        }
-        let mut out = Generation {
-            prompt_ids: prompt.to_vec(),
-            ..Generation::default()
-        };
+        let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
         let mut logits = self.prefill(s, prompt, false)?;
         out.timings.prompt_n = prompt.len();

@@ -10,7 +10,6 @@
 
 use std::time::Instant;
 
-use specula_sampling::Sampler;
 use specula_spec::policy::Adaptive;
 use specula_spec::verify::sample_and_match;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError, SpecStats};
@@ -78,16 +77,8 @@ impl<B: Backend> Engine<B> {
                 n_ctx: s.n_ctx,
             });
         }
-        self.check_ids(prompt)?;
         let n_vocab = self.model.hparams().n_vocab;
-        let mut sampler = Sampler::new(opts.sampler, n_vocab)?;
-        for &id in prompt {
-            sampler.accept(id)?;
-        }
-        let mut out = Generation {
-            prompt_ids: prompt.to_vec(),
-            ..Generation::default()
-        };
+        let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
         // The cache holds everything but the anchor, which opens the first round.
         let (head, _) = prompt.split_at(prompt.len() - 1);

@@ -326,6 +326,13 @@ fn kernel<const NR: usize, const F: u8>(
             sumf[j] = _mm512_add_ps(sumf[j], t);
         }
     }
+    lanes_out(sumf)
+}
+
+/// The running sums of `NR` activation rows as 16 outputs each.
+#[inline]
+#[target_feature(enable = "avx512f")]
+fn lanes_out<const NR: usize>(sumf: [__m512; NR]) -> [[f32; ROWS]; NR] {
     let mut out = [[0.0f32; ROWS]; NR];
     for (o, v) in out.iter_mut().zip(sumf) {
         // SAFETY: writes the 64 bytes of `o`.
@@ -511,12 +518,7 @@ pub(crate) unsafe fn run_q4k<const NR: usize>(
             sumf[j] = _mm512_add_ps(sumf[j], t);
         }
     }
-    let mut out = [[0.0f32; ROWS]; NR];
-    for (o, v) in out.iter_mut().zip(sumf) {
-        // SAFETY: writes the 64 bytes of `o`.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-    }
-    out
+    lanes_out(sumf)
 }
 
 /// Bytes of a Q6_K super-block of one row (`ql[128]`, `qh[64]`, `scales[16]`, `d`).
@@ -675,10 +677,5 @@ pub(crate) unsafe fn run_q6k<const NR: usize>(
             sumf[j] = _mm512_add_ps(sumf[j], t);
         }
     }
-    let mut out = [[0.0f32; ROWS]; NR];
-    for (o, v) in out.iter_mut().zip(sumf) {
-        // SAFETY: writes the 64 bytes of `o`.
-        unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
-    }
-    out
+    lanes_out(sumf)
 }
