@@ -197,7 +197,10 @@ fn smollm2_cache_bytes_per_token_are_the_formats_bits() {
         let want = bits_per_value * (heads * (hp.head_dim_k + hp.head_dim_v)) as f64 / 8.0;
         #[allow(clippy::cast_precision_loss, reason = "small sizes")]
         let got = layout.bytes_per_token() as f64;
-        assert!((got - want).abs() < 1e-9, "{ty}: {got} bytes per token, want {want}");
+        assert!(
+            (got - want).abs() < 1e-9,
+            "{ty}: {got} bytes per token, want {want}"
+        );
         assert_eq!(layout.total_bytes(), 4096 * layout.bytes_per_token());
     }
     let mut s = e.session(64, QType::Q8_0, QType::Turbo4).unwrap();
