@@ -99,6 +99,7 @@ impl<B: Backend> Engine<B> {
         let mut policy = Adaptive::new(spec.n_max);
         let mut history = prompt.to_vec();
         let mut batch = Vec::with_capacity(spec.n_max + 1);
+        let mut since_draft = 1usize;
         'rounds: while out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();
             // Room for drafts: the context after the anchor, and the budget after the token
@@ -126,6 +127,12 @@ impl<B: Backend> Engine<B> {
                 draft.clear();
             }
             let draft_s = td.elapsed().as_secs_f64();
+            // Committed tokens the drafter had not seen when it was last asked.
+            let caught_up = if k > 0 {
+                std::mem::replace(&mut since_draft, 0)
+            } else {
+                0
+            };
 
             let anchor = *history.last().unwrap_or(&0);
             batch.clear();
@@ -140,12 +147,15 @@ impl<B: Backend> Engine<B> {
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
             stats.record(draft.len(), verdict.accepted);
-            policy.record(draft.len(), verdict.accepted, verify_s, draft_s);
+            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
             if !draft.is_empty() {
                 drafter.accept(verdict.accepted);
             }
             // The cache keeps the anchor and the accepted drafts.
             s.truncate(base + 1 + verdict.accepted);
+            // The drafter has seen the accepted drafts (it made them); the target's own token
+            // is new to it.
+            since_draft += 1;
             for (i, &id) in verdict.tokens.iter().enumerate() {
                 if opts.top_logits > 0 {
                     let row = &logits[i * n_vocab..(i + 1) * n_vocab];

@@ -6,7 +6,7 @@
 //! token). [`Adaptive`] picks the `k ≤ n_max` with the most tokens per second — `0`, a plain
 //! decode step, when drafting does not pay — and keeps learning: `v(k)` from every round
 //! (measured sizes directly, the others from a line fitted through the measured ones),
-//! acceptance per position with a weak prior, and a short probe draft every
+//! acceptance per position with an optimistic prior, and a short probe draft every
 //! [`PROBE_EVERY`] plain steps so that a drafter that starts to fit again is noticed.
 
 /// Plain steps between two probe drafts while drafting does not pay.
@@ -52,10 +52,14 @@ impl Adaptive {
         self.n_max
     }
 
-    /// Chance that position `j` is accepted when reached: measured, with a prior of one
-    /// accepted out of two.
+    /// Chance that position `j` is accepted when reached: measured, with an optimistic prior
+    /// of one accepted out of one (so that a drafter that keeps being right is soon trusted
+    /// with long drafts, and one that is wrong is dropped after a few rounds); a position
+    /// never reached takes the estimate of the deepest one that was (acceptance changes slowly
+    /// along a draft, and a probe only reaches the first positions).
     fn accept_at(&self, j: usize) -> f64 {
-        (self.kept[j] + 1.0) / (self.reached[j] + 2.0)
+        let j = (0..=j).rev().find(|&i| self.reached[i] > 0.0).unwrap_or(j);
+        (self.kept[j] + 1.0) / (self.reached[j] + 1.0)
     }
 
     /// Expected committed tokens of a round that drafts `k`.
@@ -117,8 +121,11 @@ impl Adaptive {
             return cap.min(PROBE_LEN);
         }
         let d = self.draft.unwrap_or(0.0);
+        // A round that drafts `k` also brings the drafter up to date with the token the
+        // target added last round: `k + 1` draft steps.
         let rate = |k: usize| {
-            let cost = self.verify_cost(k).unwrap_or(v0) + to_f64(k) * d;
+            let steps = if k == 0 { 0.0 } else { to_f64(k + 1) };
+            let cost = self.verify_cost(k).unwrap_or(v0) + steps * d;
             self.expected_tokens(k) / cost.max(1e-12)
         };
         let best = (0..=cap)
@@ -131,14 +138,23 @@ impl Adaptive {
     }
 
     /// Records a round: a draft of `drafted` tokens (0 for a plain step), `accepted` of them
-    /// kept, the target's forward took `verify_s` seconds and drafting `draft_s`.
-    pub fn record(&mut self, drafted: usize, accepted: usize, verify_s: f64, draft_s: f64) {
+    /// kept, the target's forward took `verify_s` seconds and drafting `draft_s`, in which the
+    /// drafter also caught up with `caught_up` tokens committed since it last drafted (a draft
+    /// model runs them; an n-gram drafter does not care).
+    pub fn record(
+        &mut self,
+        drafted: usize,
+        accepted: usize,
+        verify_s: f64,
+        draft_s: f64,
+        caught_up: usize,
+    ) {
         let k = drafted.min(self.n_max);
         if let Some(slot) = self.verify.get_mut(k) {
             *slot = Some(slot.map_or(verify_s, |v| v + EMA * (verify_s - v)));
         }
         if drafted > 0 {
-            let per = draft_s / to_f64(drafted);
+            let per = draft_s / to_f64(drafted + caught_up);
             self.draft = Some(self.draft.map_or(per, |d| d + EMA * (per - d)));
             for j in 0..k {
                 self.reached[j] += 1.0;
@@ -171,8 +187,8 @@ mod tests {
         assert_eq!(p.next(0), 0);
         // A cheap drafter that is always right: draft the most.
         for _ in 0..20 {
-            p.record(8, 8, 0.012, 0.0);
-            p.record(0, 0, 0.010, 0.0);
+            p.record(8, 8, 0.012, 0.0, 1);
+            p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(p.next(100), 8);
     }
@@ -181,12 +197,12 @@ mod tests {
     fn stops_drafting_when_nothing_is_accepted_and_probes_later() {
         let mut p = Adaptive::new(8);
         for _ in 0..30 {
-            p.record(4, 0, 0.014, 0.002);
+            p.record(4, 0, 0.014, 0.002, 1);
         }
-        p.record(0, 0, 0.010, 0.0);
+        p.record(0, 0, 0.010, 0.0, 0);
         assert_eq!(p.next(100), 0);
         for _ in 0..PROBE_EVERY {
-            p.record(0, 0, 0.010, 0.0);
+            p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(p.next(100), 2);
     }
@@ -196,7 +212,7 @@ mod tests {
         let mut p = Adaptive::new(4);
         assert!((p.expected_tokens(0) - 1.0).abs() < 1e-12);
         for _ in 0..100 {
-            p.record(4, 4, 0.01, 0.0);
+            p.record(4, 4, 0.01, 0.0, 1);
         }
         assert!(p.expected_tokens(4) > 4.5);
         let v = p.verify_cost(2).unwrap();
