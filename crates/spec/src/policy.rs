@@ -81,27 +81,27 @@ impl Adaptive {
         if let Some(v) = self.verify.get(k).copied().flatten() {
             return Some(v);
         }
-        let pts: Vec<(f64, f64)> = self
-            .verify
-            .iter()
-            .enumerate()
-            .filter_map(|(k, v)| v.map(|v| (to_f64(k), v)))
-            .collect();
-        match pts.len() {
-            0 => None,
+        let pts = || {
+            self.verify
+                .iter()
+                .enumerate()
+                .filter_map(|(k, v)| v.map(|v| (to_f64(k), v)))
+        };
+        let n = to_f64(pts().count());
+        if n == 0.0 {
+            return None;
+        }
+        let (sx, sy) = pts().fold((0.0, 0.0), |(a, b), p| (a + p.0, b + p.1));
+        let (mx, my) = (sx / n, sy / n);
+        if n == 1.0 {
             // One size measured: assume a verify row costs a tenth of a decode step more
             // (weights are streamed once per batch on a CPU).
-            1 => Some(pts[0].1 * (1.0 + 0.1 * (to_f64(k) - pts[0].0)).max(0.5)),
-            _ => {
-                let n = to_f64(pts.len());
-                let (sx, sy) = pts.iter().fold((0.0, 0.0), |(a, b), p| (a + p.0, b + p.1));
-                let (mx, my) = (sx / n, sy / n);
-                let sxx: f64 = pts.iter().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
-                let sxy: f64 = pts.iter().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-                let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-                Some((my + slope * (to_f64(k) - mx)).max(1e-9))
-            }
+            return Some(my * (1.0 + 0.1 * (to_f64(k) - mx)).max(0.5));
         }
+        let sxx: f64 = pts().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
+        let sxy: f64 = pts().map(|p| (p.0 - mx) * (p.1 - my)).sum();
+        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
+        Some((my + slope * (to_f64(k) - mx)).max(1e-9))
     }
 
     /// The draft length for the next round, at most `room` (what context and budget allow).

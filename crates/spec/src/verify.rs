@@ -29,7 +29,7 @@ fn rows_of<'a>(
     rows: &'a [f32],
     n_vocab: usize,
     draft: &[u32],
-) -> Result<Vec<&'a [f32]>, SpecError> {
+) -> Result<std::slice::ChunksExact<'a, f32>, SpecError> {
     if n_vocab == 0 || rows.len() != (draft.len() + 1) * n_vocab {
         return Err(SpecError::Shape(format!(
             "{} logits for a draft of {} tokens over {n_vocab} ids (want {} rows)",
@@ -38,7 +38,7 @@ fn rows_of<'a>(
             draft.len() + 1
         )));
     }
-    Ok(rows.chunks_exact(n_vocab).collect())
+    Ok(rows.chunks_exact(n_vocab))
 }
 
 /// Sample-and-match over the verify rows `rows` (`draft.len() + 1` rows of `n_vocab` logits:
@@ -54,7 +54,7 @@ pub fn sample_and_match(
 ) -> Result<Verdict, SpecError> {
     let rows = rows_of(rows, n_vocab, draft)?;
     let mut tokens = Vec::with_capacity(draft.len() + 1);
-    for (i, row) in rows.iter().enumerate() {
+    for (i, row) in rows.enumerate() {
         let y = sampler.sample(row)?;
         sampler.accept(y)?;
         tokens.push(y);
@@ -118,7 +118,7 @@ pub fn rejection(
     draft: &[u32],
     q: &[Vec<f32>],
 ) -> Result<Verdict, SpecError> {
-    let rows = rows_of(rows, n_vocab, draft)?;
+    let rows: Vec<&[f32]> = rows_of(rows, n_vocab, draft)?.collect();
     if q.len() != draft.len() || q.iter().any(|q| q.len() != n_vocab) {
         return Err(SpecError::Shape(format!(
             "{} draft distributions for {} draft tokens over {n_vocab} ids",

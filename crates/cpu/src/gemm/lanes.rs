@@ -341,6 +341,29 @@ fn lanes_out<const NR: usize>(sumf: [__m512; NR]) -> [[f32; ROWS]; NR] {
     out
 }
 
+/// Bytes of a Q8_K activation block (`d: f32`, 256 values, 16 bsums).
+const AB: usize = 292;
+
+/// Checks that a K-quant lane group holds `ROWS` rows of `nb` super-blocks of `bb` bytes and
+/// every activation row `nb` Q8_K blocks; returns the bytes of one group block.
+///
+/// # Panics
+/// If they do not.
+fn check_k_rows<const NR: usize>(group: &[u8], nb: usize, bb: usize, a: &[&[u8]; NR]) -> usize {
+    let gb = ROWS * bb;
+    assert!(
+        group.len() == nb * gb && a.iter().all(|r| r.len() == nb * AB),
+        "K-quant lane kernel: rows of unequal block counts"
+    );
+    gb
+}
+
+/// The scale `d` of Q8_K block `b` of an activation row.
+fn q8k_d(row: &[u8], b: usize) -> f32 {
+    let at = b * AB;
+    f32::from_le_bytes([row[at], row[at + 1], row[at + 2], row[at + 3]])
+}
+
 /// Bytes of a Q4_K super-block of one row.
 const Q4K_BYTES: usize = 144;
 /// Offsets in a packed Q4_K group block: the 16 rows' `d`, `dmin`, the three 32-bit words of
@@ -396,12 +419,7 @@ pub(crate) unsafe fn run_q4k<const NR: usize>(
     nb: usize,
     a: [&[u8]; NR],
 ) -> [[f32; ROWS]; NR] {
-    const AB: usize = 292;
-    let gb = ROWS * Q4K_BYTES;
-    assert!(
-        group.len() == nb * gb && a.iter().all(|r| r.len() == nb * AB),
-        "Q4_K lane kernel: rows of unequal block counts"
-    );
+    let gb = check_k_rows(group, nb, Q4K_BYTES, &a);
     let m4 = _mm512_set1_epi8(0x0F);
     let k1 = _mm512_set1_epi32(0x3f3f_3f3f);
     let k2 = _mm512_set1_epi32(0x0f0f_0f0f);
@@ -506,9 +524,7 @@ pub(crate) unsafe fn run_q4k<const NR: usize>(
                 let pair = (s0 & 0xFFFF) | (s1 << 16);
                 summs = _mm512_dpwssd_epi32(summs, *mp, _mm512_set1_epi32(pair));
             }
-            let da = _mm512_set1_ps(f32::from_le_bytes(
-                a[j][b * AB..b * AB + 4].try_into().unwrap_or([0; 4]),
-            ));
+            let da = _mm512_set1_ps(q8k_d(a[j], b));
             let d = _mm512_mul_ps(dw, da);
             let dmin = _mm512_mul_ps(dminw, da);
             let t = _mm512_sub_ps(
@@ -580,12 +596,7 @@ pub(crate) unsafe fn run_q6k<const NR: usize>(
     nb: usize,
     a: [&[u8]; NR],
 ) -> [[f32; ROWS]; NR] {
-    const AB: usize = 292;
-    let gb = ROWS * Q6K_BYTES;
-    assert!(
-        group.len() == nb * gb && a.iter().all(|r| r.len() == nb * AB),
-        "Q6_K lane kernel: rows of unequal block counts"
-    );
+    let gb = check_k_rows(group, nb, Q6K_BYTES, &a);
     let m4 = _mm512_set1_epi8(0x0F);
     let m03 = _mm512_set1_epi8(0x03);
     let m0c = _mm512_set1_epi8(0x0C);
@@ -670,9 +681,7 @@ pub(crate) unsafe fn run_q6k<const NR: usize>(
         // SAFETY: reads the 32 bytes of the group's d (16 f16).
         let dw = _mm512_cvtph_ps(unsafe { _mm256_loadu_si256(gp.cast()) });
         for j in 0..NR {
-            let da = _mm512_set1_ps(f32::from_le_bytes(
-                a[j][b * AB..b * AB + 4].try_into().unwrap_or([0; 4]),
-            ));
+            let da = _mm512_set1_ps(q8k_d(a[j], b));
             let t = _mm512_mul_ps(_mm512_mul_ps(dw, da), _mm512_cvtepi32_ps(isum[j]));
             sumf[j] = _mm512_add_ps(sumf[j], t);
         }
