@@ -7,7 +7,7 @@ use anyhow::{Context, Result, bail};
 use clap::ValueEnum as _;
 use serde::Serialize;
 use specula_engine::{
-    DflashDrafter, DraftModel, GenerateOptions, Injection, SpecOptions, Timings,
+    DflashDrafter, DraftModel, Eagle3Drafter, GenerateOptions, Injection, SpecOptions, Timings,
 };
 use specula_sampling::SamplerParams;
 use specula_spec::ngram::{NgramCache, NgramSimple};
@@ -448,9 +448,21 @@ fn drafter(
         SpecType::NgramSimple => Some(Box::new(NgramSimple::default())),
         SpecType::NgramCache => Some(Box::new(NgramCache::default())),
         SpecType::DraftEagle3 => {
-            bail!(
-                "--spec-type {name} is not available yet: EAGLE-3 heads come with the next release; use draft-dflash, draft-simple or an n-gram type"
+            let path = load::model_path(args.model_draft.as_deref())?;
+            let file = Arc::new(
+                specula_gguf::Gguf::open(&path)
+                    .with_context(|| format!("cannot load the draft {}", path.display()))?,
+            );
+            let d = Eagle3Drafter::new(
+                specula_cpu::CpuBackend::new(threads),
+                file,
+                target,
+                draft_ctx.max(args.ctx_size),
+                load::cache_type(&args.cache_type_k_draft)?,
+                load::cache_type(&args.cache_type_v_draft)?,
             )
+            .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
+            Some(Box::new(d))
         }
         SpecType::DraftDflash => {
             let path = load::model_path(args.model_draft.as_deref())?;

@@ -12,9 +12,11 @@
 //!   [`specula_spec::Drafter`] (draft, one batched verify forward, rollback of the rejected
 //!   rows), and [`DraftModel`], a smaller model of the same vocabulary as a drafter.
 //! - [`DflashDrafter`] — a DFlash block drafter fed with the target's hidden states (KV
-//!   injection, eager or deferred: [`Injection`]).
+//!   injection, eager or deferred: [`Injection`]), and [`Eagle3Drafter`], an EAGLE-3 head
+//!   drafting a chain in feature space.
 
 mod dflash;
+mod eagle3;
 mod spec;
 
 use std::time::Instant;
@@ -72,6 +74,7 @@ pub enum EngineError {
 }
 
 pub use dflash::{DflashDrafter, Injection};
+pub use eagle3::Eagle3Drafter;
 pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab};
 
 /// Result alias.

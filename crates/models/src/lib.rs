@@ -23,6 +23,7 @@
 //! ```
 
 pub mod dflash;
+pub mod eagle3;
 mod hparams;
 
 use std::sync::Arc;
