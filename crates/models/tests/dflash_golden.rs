@@ -15,6 +15,14 @@
 //!   NMSE 1e-6 of the reference, with the same argmax — for deferred injection (only the
 //!   committed rows) and for eager injection (the whole verify batch, rejected rows included,
 //!   overwritten by the next block).
+//!
+//! And the EAGLE-3 head against a PyTorch implementation of `LlamaForCausalLMEagle3`
+//! (`golden/eagle3/tiny.json`, `reference/eagle3_golden.py`), for `norm_before_residual` off
+//! and on: the rebuilt GGUF (Q/K rows permuted as the converter does, `d2t` absolute I64 ids)
+//! hashes to gguf-py's file; pairs `(token[P + 1], g[P])` for the prompt, then a greedy chain
+//! of 5 from `(anchor, g[N − 1])`, and after a verify with one accepted token the committed
+//! pairs and a second chain: every step's draft-vocabulary logits within NMSE 1e-6, the same
+//! argmax, and −∞ outside `d2t`.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -113,19 +121,33 @@ fn tokenizer_md(mask: Option<u32>) -> Vec<(String, Value)> {
 }
 
 fn write(md: Vec<(String, Value)>, tensors: Vec<(String, Vec<usize>, Vec<f32>)>) -> Vec<u8> {
+    write_raw(
+        md,
+        tensors
+            .into_iter()
+            .map(|(n, s, v)| {
+                let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+                (n, GgmlType::F32, s, bytes)
+            })
+            .collect(),
+    )
+}
+
+/// Tensors as (name, type, shape in PyTorch order, bytes).
+fn write_raw(md: Vec<(String, Value)>, tensors: Vec<(String, GgmlType, Vec<usize>, Vec<u8>)>) -> Vec<u8> {
     let mut w = GgufWriter::new();
     for (k, v) in md {
         w.add(k, v).expect("metadata");
     }
     let mut data = Vec::new();
-    for (name, shape, values) in tensors {
+    for (name, ty, shape, bytes) in tensors {
         let dims: Vec<u64> = shape
             .iter()
             .rev()
             .map(|&d| u64::try_from(d).expect("fits"))
             .collect();
-        w.add_tensor(&name, GgmlType::F32, &dims).expect("tensor");
-        data.push(values.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+        w.add_tensor(&name, ty, &dims).expect("tensor");
+        data.push(bytes);
     }
     let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
     w.to_vec(&slices).expect("write")
@@ -473,5 +495,196 @@ fn dflash_matches_the_pytorch_reference() {
             .unwrap()
             .to_vec();
         check_logits(&format!("{mode}: round 2"), &got2, &l2);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// EAGLE-3 (`golden/eagle3/tiny.json`, written by `reference/eagle3_golden.py`).
+
+const DRAFT_VOCAB: usize = 64;
+
+/// `LlamaModel.permute`: within each head, row `2j + p` is row `p · half + j`.
+fn permute(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
+    let head = rows / n_head;
+    let half = head / 2;
+    let mut out = Vec::with_capacity(w.len());
+    for h in 0..n_head {
+        for j in 0..half {
+            for p in 0..2 {
+                let src = h * head + p * half + j;
+                out.extend_from_slice(&w[src * cols..(src + 1) * cols]);
+            }
+        }
+    }
+    out
+}
+
+fn eagle3_gguf(case: usize, name: &str, nbr: bool, d2t: &[i64]) -> Vec<u8> {
+    let (e, f) = (N_EMBD, N_FF);
+    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let mut hf: Vec<(&str, &str, Vec<usize>)> = vec![
+        ("fc.weight", "fc.weight", vec![e, 3 * e]),
+        ("lm_head.weight", "output.weight", vec![DRAFT_VOCAB, e]),
+        ("midlayer.hidden_norm.weight", "blk.0.attn_norm_2.weight", vec![e]),
+        ("midlayer.input_layernorm.weight", "blk.0.attn_norm.weight", vec![e]),
+        ("midlayer.mlp.down_proj.weight", "blk.0.ffn_down.weight", vec![e, f]),
+        ("midlayer.mlp.gate_proj.weight", "blk.0.ffn_gate.weight", vec![f, e]),
+        ("midlayer.mlp.up_proj.weight", "blk.0.ffn_up.weight", vec![f, e]),
+        ("midlayer.post_attention_layernorm.weight", "blk.0.ffn_norm.weight", vec![e]),
+        ("midlayer.self_attn.k_proj.weight", "blk.0.attn_k.weight", vec![kv, 2 * e]),
+        ("midlayer.self_attn.o_proj.weight", "blk.0.attn_output.weight", vec![e, q]),
+        ("midlayer.self_attn.q_proj.weight", "blk.0.attn_q.weight", vec![q, 2 * e]),
+        ("midlayer.self_attn.v_proj.weight", "blk.0.attn_v.weight", vec![kv, 2 * e]),
+        ("norm.weight", "output_norm.weight", vec![e]),
+    ];
+    hf.sort_by(|a, b| a.0.cmp(b.0));
+    let mut tensors = Vec::new();
+    for (t, (hf_name, gguf, shape)) in hf.into_iter().enumerate() {
+        let scale = if hf_name.ends_with("norm.weight") {
+            None
+        } else if hf_name == "fc.weight" || hf_name.ends_with("down_proj.weight") {
+            Some(-3)
+        } else if hf_name.ends_with("q_proj.weight") {
+            Some(-1)
+        } else {
+            Some(-2)
+        };
+        let mut v = tensor_values(t + 2000 + 100 * case, shape.iter().product(), scale);
+        if hf_name.ends_with("q_proj.weight") {
+            v = permute(&v, shape[0], shape[1], N_HEAD);
+        } else if hf_name.ends_with("k_proj.weight") {
+            v = permute(&v, shape[0], shape[1], N_HEAD_KV);
+        }
+        let bytes = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        tensors.push((gguf.to_owned(), GgmlType::F32, shape, bytes));
+    }
+    tensors.push((
+        "d2t".to_owned(),
+        GgmlType::I64,
+        vec![d2t.len()],
+        d2t.iter().flat_map(|x| x.to_le_bytes()).collect(),
+    ));
+    let k = |s: &str| format!("eagle3.{s}");
+    let mut md = vec![
+        ("general.architecture".to_owned(), Value::String("eagle3".into())),
+        ("general.type".to_owned(), Value::String("model".into())),
+        (
+            "general.name".to_owned(),
+            Value::String(format!("specula-eagle3-tiny-{name}")),
+        ),
+        (k("block_count"), u32v(1)),
+        (k("context_length"), u32v(N_CTX)),
+        (k("embedding_length"), u32v(N_EMBD)),
+        (k("feed_forward_length"), u32v(N_FF)),
+        (k("attention.head_count"), u32v(N_HEAD)),
+        (k("attention.head_count_kv"), u32v(N_HEAD_KV)),
+        (k("rope.freq_base"), Value::F32(10_000.0)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(RMS_EPS)),
+        ("general.file_type".to_owned(), Value::U32(0)),
+        (k("vocab_size"), u32v(N_VOCAB)),
+        (k("rope.dimension_count"), u32v(HEAD_DIM)),
+        (k("target_layers"), Value::Array(Array::I32(vec![1, 3, 2]))),
+        (k("target_hidden_size"), u32v(N_EMBD)),
+        (k("norm_before_residual"), Value::Bool(nbr)),
+        (k("norm_before_fc"), Value::Bool(false)),
+    ];
+    md.extend(tokenizer_md(None));
+    write_raw(md, tensors)
+}
+
+#[test]
+fn eagle3_matches_the_pytorch_reference() {
+    use specula_models::eagle3::Eagle3;
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../golden/eagle3/tiny.json");
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("{}: {e} (written by reference/eagle3_golden.py)", path.display()));
+    let g: Json = serde_json::from_str(&text).expect("JSON");
+    let d2t: Vec<i64> = g["d2t"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_i64().unwrap())
+        .collect();
+    let be = CpuBackend::new(1);
+    let target = Model::load(&be, Arc::new(Gguf::from_bytes(target_gguf()).unwrap())).unwrap();
+    let prompt = ids(&g["prompt"]);
+    for (ci, case) in g["cases"].as_array().unwrap().iter().enumerate() {
+        let name = case["name"].as_str().unwrap();
+        let nbr = case["norm_before_residual"].as_bool().unwrap();
+        let bytes = eagle3_gguf(ci, name, nbr, &d2t);
+        assert_eq!(
+            sha256_hex(&bytes),
+            case["gguf_sha256"].as_str().unwrap(),
+            "{name}: the rebuilt EAGLE-3 GGUF is not the file gguf-py wrote"
+        );
+        let net = Eagle3::load(&be, Arc::new(Gguf::from_bytes(bytes).unwrap()), &target).unwrap();
+        assert_eq!(net.hparams().target_layers, vec![1, 3, 2]);
+        assert_eq!(net.hparams().norm_before_residual, nbr);
+        let mut kv = be
+            .kv_new(net.kv_shape(N_CTX, QType::F32, QType::F32))
+            .unwrap();
+        let mut s = net.scratch(&be);
+        let mut gs: Vec<f32> = Vec::new();
+        let mut history = prompt.clone();
+        let e = N_EMBD;
+        for (ri, round) in case["rounds"].as_array().unwrap().iter().enumerate() {
+            let what = format!("{name}: round {}", ri + 1);
+            let feats = base64_f32(round["ctx_features"].as_str().unwrap());
+            net.encode(&be, &mut s, &feats, &mut gs).unwrap();
+            let seed_pos = usize_of(&round["seed_pos"]);
+            if ri == 1 {
+                let verify = ids(&round["verify"]);
+                let a = usize_of(&round["accepted"]);
+                history.extend_from_slice(&verify[..=a]);
+            }
+            // Pairs (history[P + 1], g[P]) for the positions not written yet.
+            let first = if ri == 0 { 0 } else { usize_of(&case["rounds"][0]["seed_pos"]) };
+            let toks: Vec<u32> = history[first + 1..=seed_pos].to_vec();
+            net.decode(
+                &be,
+                &mut kv,
+                N_CTX,
+                &mut s,
+                &toks,
+                &gs[first * e..seed_pos * e],
+                &positions(first, seed_pos - first),
+                false,
+            )
+            .unwrap();
+            let want = base64_f32(round["logits"].as_str().unwrap());
+            let chain = ids(&round["chain"]);
+            let mut tok = u32::try_from(round["seed"].as_u64().unwrap()).unwrap();
+            let mut gcur = gs[seed_pos * e..(seed_pos + 1) * e].to_vec();
+            let mut got = Vec::new();
+            for (step, &next) in chain.iter().enumerate() {
+                net.decode(
+                    &be,
+                    &mut kv,
+                    N_CTX,
+                    &mut s,
+                    &[tok],
+                    &gcur,
+                    &positions(seed_pos + step, 1),
+                    true,
+                )
+                .unwrap();
+                let row = &s.logits_host;
+                // Draft-vocabulary logits at their target ids; −∞ everywhere else.
+                let mut draft_row = Vec::with_capacity(DRAFT_VOCAB);
+                for (i, &x) in row.iter().enumerate() {
+                    if d2t.contains(&(i as i64)) {
+                        draft_row.push(x);
+                    } else {
+                        assert_eq!(x, f32::NEG_INFINITY, "{what}: id {i} outside d2t");
+                    }
+                }
+                assert_eq!(argmax(row) as u32, next, "{what}: chain step {step}");
+                got.extend(draft_row);
+                tok = next;
+                gcur.clone_from(&s.prenorm);
+            }
+            let err = nmse(&got, &want);
+            assert!(err <= NMSE_MAX, "{what}: NMSE {err:.3e}");
+        }
     }
 }
