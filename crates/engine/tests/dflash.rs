@@ -15,12 +15,17 @@
 //!   after them) changes them (llama.cpp
 //!   PR #28000: Q/K/V/O scales were skipped and NVFP4 drafts accepted almost nothing).
 //! - Loader: unknown variants are refused by name; `n_max` is clamped to `block_size − 1`.
+//! - EAGLE-3: greedy speculative output with a random head (own reduced-vocabulary head with
+//!   `d2t`, or the target's) equals plain greedy output, and every chain equals a fresh head's
+//!   from the committed history at once.
 
 use std::sync::Arc;
 
 use proptest::prelude::*;
 use specula_cpu::CpuBackend;
-use specula_engine::{DflashDrafter, Engine, GenerateOptions, Injection, SpecOptions};
+use specula_engine::{
+    DflashDrafter, Eagle3Drafter, Engine, GenerateOptions, Injection, SpecOptions,
+};
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_models::Model;
 use specula_quant::QType;
@@ -724,4 +729,153 @@ fn old_key_spellings_load_and_variants_are_refused_by_name() {
     refuse(swa, "sliding-window");
     refuse(DraftSpec::new(4, &[3], 8), "tap 3 is past the target's 2 layers");
     refuse(DraftSpec::new(4, &[1], 1), "at least one MASK");
+}
+
+/// A random EAGLE-3 head: taps `taps`, its own head over 64 ids (`d2t` = 4i + 1) or the
+/// target's.
+fn eagle3(seed: u64, taps: &[i32], own_head: bool, nbr: bool) -> Vec<u8> {
+    let mut md = arch_md("eagle3", 1);
+    md.push(("eagle3.target_layers".into(), Value::Array(Array::I32(taps.to_vec()))));
+    md.push(("eagle3.target_hidden_size".into(), u(E)));
+    md.push(("eagle3.norm_before_residual".into(), Value::Bool(nbr)));
+    let (q, kv) = (N_HEAD * HD, N_HEAD_KV * HD);
+    let mut i = seed * 100;
+    let mut r = |n: usize, s: f32| {
+        i += 1;
+        values(i, n, s)
+    };
+    let norm = |x: Vec<f32>| x.iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
+    let nf = taps.len() * E;
+    let mut t = vec![
+        mat("fc.weight".into(), QType::F32, nf, E, r(nf * E, 0.3)),
+        vec_t("output_norm.weight".into(), norm(r(E, 0.2))),
+        vec_t("blk.0.attn_norm.weight".into(), norm(r(E, 0.2))),
+        vec_t("blk.0.attn_norm_2.weight".into(), norm(r(E, 0.2))),
+        vec_t("blk.0.ffn_norm.weight".into(), norm(r(E, 0.2))),
+        mat("blk.0.attn_q.weight".into(), QType::F32, 2 * E, q, r(2 * E * q, 0.5)),
+        mat("blk.0.attn_k.weight".into(), QType::F32, 2 * E, kv, r(2 * E * kv, 0.5)),
+        mat("blk.0.attn_v.weight".into(), QType::F32, 2 * E, kv, r(2 * E * kv, 0.5)),
+        mat("blk.0.attn_output.weight".into(), QType::F32, q, E, r(q * E, 0.5)),
+        mat("blk.0.ffn_gate.weight".into(), QType::F32, E, N_FF, r(E * N_FF, 0.5)),
+        mat("blk.0.ffn_up.weight".into(), QType::F32, E, N_FF, r(E * N_FF, 0.5)),
+        mat("blk.0.ffn_down.weight".into(), QType::F32, N_FF, E, r(N_FF * E, 0.5)),
+    ];
+    if own_head {
+        t.push(mat("output.weight".into(), QType::F32, E, 64, r(E * 64, 1.0)));
+    }
+    let mut bytes = write(md, &t);
+    if own_head {
+        // Append d2t (I64) by rewriting with it: the F32 writer above cannot hold it.
+        let mut w = GgufWriter::new();
+        let file = Gguf::from_bytes(bytes).unwrap();
+        for (k, v) in file.metadata().iter() {
+            w.add(k, v.clone()).unwrap();
+        }
+        let mut data: Vec<Vec<u8>> = Vec::new();
+        for (idx, info) in file.tensors().iter().enumerate() {
+            w.add_tensor(info.name.as_str(), info.ty, &info.dims).unwrap();
+            data.push(file.tensor_data(idx).to_vec());
+        }
+        w.add_tensor("d2t", GgmlType::I64, &[64]).unwrap();
+        data.push((0..64i64).flat_map(|i| (4 * i + 1).to_le_bytes()).collect());
+        let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        bytes = w.to_vec(&refs).unwrap();
+    }
+    bytes
+}
+
+fn eagle3_drafter(e: &Engine<CpuBackend>, bytes: Vec<u8>) -> Eagle3Drafter<CpuBackend> {
+    Eagle3Drafter::new(
+        CpuBackend::new(1),
+        Arc::new(Gguf::from_bytes(bytes).unwrap()),
+        e,
+        256,
+        QType::F32,
+        QType::F32,
+    )
+    .unwrap()
+}
+
+/// Records the drafts of an EAGLE-3 drafter.
+struct RecordingE3 {
+    inner: Eagle3Drafter<CpuBackend>,
+    log: Vec<(Vec<u32>, usize, Vec<u32>)>,
+}
+
+impl Drafter for RecordingE3 {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn target_taps(&self) -> &[usize] {
+        self.inner.target_taps()
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
+        self.inner.begin(prompt)
+    }
+    fn process_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &[f32],
+    ) -> Result<(), SpecError> {
+        self.inner.process_features(tokens, pos0, features)
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        let d = self.inner.draft(p)?;
+        self.log.push((p.history.to_vec(), p.n_max, d.clone()));
+        Ok(d)
+    }
+    fn accept(&mut self, n: usize) {
+        self.inner.accept(n);
+    }
+    fn state(&self) -> DrafterState {
+        self.inner.state()
+    }
+    fn restore(&mut self, s: &DrafterState) -> Result<(), SpecError> {
+        self.inner.restore(s)
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 10, ..ProptestConfig::default() })]
+
+    #[test]
+    fn eagle3_speculation_is_lossless_and_chains_are_incremental(
+        seed in 1u64..1000,
+        own_head in any::<bool>(),
+        nbr in any::<bool>(),
+        n_max in 1usize..=8,
+        taps in prop::sample::select(vec![vec![0, 1, 2], vec![2, 1, 1]]),
+    ) {
+        let e = engine(target(7));
+        let n = 20;
+        let opts = greedy(n);
+        let n_ctx = PROMPT.len() + n;
+        let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+        let want = e.generate(&mut s, PROMPT, &opts, |_| {}).unwrap().generated_ids;
+        let bytes = eagle3(seed, &taps, own_head, nbr);
+        let mut d = RecordingE3 { inner: eagle3_drafter(&e, bytes.clone()), log: Vec::new() };
+        let so = SpecOptions { n_max, n_min: 0, p_min: 0.0, adaptive: false };
+        let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+        let got = e.generate_speculative(&mut s, PROMPT, &opts, &mut d, &so, |_| {}).unwrap();
+        prop_assert_eq!(&got.generated_ids, &want);
+        let st = got.spec.unwrap();
+        prop_assert!(st.drafted > 0);
+        if own_head {
+            // Every draft is an id the reduced vocabulary maps to.
+            prop_assert!(d.log.iter().all(|(_, _, dr)| dr.iter().all(|&t| t % 4 == 1)));
+        }
+        for (history, k, drafted) in d.log.iter().take(5) {
+            let committed = &history[..history.len() - 1];
+            let mut fresh = eagle3_drafter(&e, bytes.clone());
+            let mut ts = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+            let mut taps_buf = specula_models::Taps { layers: fresh.target_taps().to_vec(), rows: Vec::new() };
+            let (mut logits, mut feats) = (Vec::new(), Vec::new());
+            e.prefill_with_features(&mut ts, committed, committed.len(), &mut logits, &mut taps_buf, &mut feats).unwrap();
+            fresh.begin(history).unwrap();
+            fresh.process_features(committed, 0, &feats).unwrap();
+            let again = fresh.draft(&DraftParams { history, n_max: *k, p_min: 0.0 }).unwrap();
+            prop_assert_eq!(&again, drafted, "chain at history length {}", history.len());
+        }
+    }
 }
