@@ -7,6 +7,10 @@
 //! - [`Taps`] — hidden-state capture for drafters: tap `i` is the *input* of layer `i` (the
 //!   output of layer `i − 1`); tap `n_layer` is the state before the final norm.
 //!
+//! - [`dflash::Dflash`], [`eagle3::Eagle3`] — the DFlash and EAGLE-3 draft networks, loaded
+//!   from llama.cpp's `dflash` / `eagle3` GGUFs for a target [`Model`] whose embedding and
+//!   head they borrow ([`Model::token_embedding`], [`Model::output_head`]).
+//!
 //! Architectures: `llama` (SmolLM2), `qwen2` (Qwen2.5: Q/K/V biases, NeoX RoPE), `qwen3`
 //! (per-head RMS QK-norm). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
 //!

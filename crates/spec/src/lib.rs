@@ -8,7 +8,9 @@
 //! target's distribution.
 //!
 //! - [`Drafter`]: the lifecycle `begin / process / draft / accept / state · restore`, shared by
-//!   every method (n-gram here, a draft model in `specula-engine`, DFlash and EAGLE3 later);
+//!   every method (n-gram here; a draft model, DFlash and EAGLE3 in `specula-engine`, which
+//!   ask the loop for target hidden states through [`Drafter::target_taps`] and receive them in
+//!   [`Drafter::process_features`]);
 //!   [`DrafterChain`] asks several in priority order, the first non-empty draft wins.
 //! - [`ngram`]: prompt lookup ([`ngram::NgramSimple`]) and an n-gram cache
 //!   ([`ngram::NgramCache`]), drafters that need no second model.
