@@ -167,28 +167,30 @@ fn attach(args: &Args, target: &Engine<CpuBackend>, n_ctx: usize) -> Result<Opti
             .with_context(|| format!("cannot load the draft {}", path.display()))?,
     );
     let be = CpuBackend::new(args.threads);
-    let (kind, drafter, n_max): (&'static str, Box<dyn Drafter>, usize) =
-        match file.header().architecture() {
-            Some("dflash") => {
-                let policy = if args.dflash_defer_injection == 1 {
-                    Injection::Deferred
-                } else {
-                    Injection::Eager
-                };
-                let d = DflashDrafter::new(be, file, target, n_ctx, QType::F16, QType::F16, policy)?;
-                let n = args.spec_n_max.min(d.net().hparams().block_size - 1);
-                ("draft-dflash", Box::new(d), n)
-            }
-            Some("eagle3") => {
-                let d = Eagle3Drafter::new(be, file, target, n_ctx, QType::F16, QType::F16)?;
-                ("draft-eagle3", Box::new(d), args.spec_n_max)
-            }
-            other => bail!(
-                "-md {}: `specula bench` attaches DFlash or EAGLE-3 drafters (architecture dflash or eagle3), not {}",
-                path.display(),
-                other.unwrap_or("?")
-            ),
-        };
+    let (kind, drafter, n_max): (&'static str, Box<dyn Drafter>, usize) = match file
+        .header()
+        .architecture()
+    {
+        Some("dflash") => {
+            let policy = if args.dflash_defer_injection == 1 {
+                Injection::Deferred
+            } else {
+                Injection::Eager
+            };
+            let d = DflashDrafter::new(be, file, target, n_ctx, QType::F16, QType::F16, policy)?;
+            let n = args.spec_n_max.min(d.net().hparams().block_size - 1);
+            ("draft-dflash", Box::new(d), n)
+        }
+        Some("eagle3") => {
+            let d = Eagle3Drafter::new(be, file, target, n_ctx, QType::F16, QType::F16)?;
+            ("draft-eagle3", Box::new(d), args.spec_n_max)
+        }
+        other => bail!(
+            "-md {}: `specula bench` attaches DFlash or EAGLE-3 drafters (architecture dflash or eagle3), not {}",
+            path.display(),
+            other.unwrap_or("?")
+        ),
+    };
     let taps = Taps {
         layers: drafter.target_taps().to_vec(),
         rows: Vec::new(),
@@ -226,7 +228,14 @@ fn run_once_spec(
     a.drafter.begin(&[]).map_err(spec_err)?;
     if pp > 0 {
         let t = Instant::now();
-        e.prefill_with_features(s, &toks, toks.len() - 1, &mut a.logits, &mut a.taps, &mut a.features)?;
+        e.prefill_with_features(
+            s,
+            &toks,
+            toks.len() - 1,
+            &mut a.logits,
+            &mut a.taps,
+            &mut a.features,
+        )?;
         a.drafter
             .process_features(&toks, 0, &a.features)
             .map_err(spec_err)?;
@@ -234,7 +243,14 @@ fn run_once_spec(
     }
     // The context of the rounds (untimed).
     let head = &toks[..toks.len() - 1];
-    e.prefill_with_features(s, head, head.len(), &mut a.logits, &mut a.taps, &mut a.features)?;
+    e.prefill_with_features(
+        s,
+        head,
+        head.len(),
+        &mut a.logits,
+        &mut a.taps,
+        &mut a.features,
+    )?;
     a.drafter
         .process_features(head, 0, &a.features)
         .map_err(spec_err)?;

@@ -375,12 +375,16 @@ fn detect_spec_type(path: &std::path::Path) -> Result<SpecType> {
     })
 }
 
+/// A drafter chosen by the flags: its `--spec-type` name, the drafter (`None`: no speculation)
+/// and the draft length per round.
+type Chosen = (String, Option<Box<dyn Drafter>>, usize);
+
 /// The drafter the flags ask for (`None`: no speculation), with its `--spec-type` name and the
 /// draft length per round (`--spec-draft-n-max`, clamped to what the drafter can make).
 fn drafter(
     args: &Args,
     target: &specula_engine::Engine<specula_cpu::CpuBackend>,
-) -> Result<(String, Option<Box<dyn Drafter>>, usize)> {
+) -> Result<Chosen> {
     if args.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
         bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
     }

@@ -60,7 +60,13 @@ fn u(v: usize) -> Value {
 
 /// Writes an F32 GGUF: metadata of `arch`, the tokenizer, and random tensors (`(name, dims)`;
 /// one-dim tensors are norm weights near 1).
-fn write(path: &Path, arch: &str, n_layer: usize, extra: &[(&str, Value)], tensors: &[(String, Vec<usize>)]) {
+fn write(
+    path: &Path,
+    arch: &str,
+    n_layer: usize,
+    extra: &[(&str, Value)],
+    tensors: &[(String, Vec<usize>)],
+) {
     let k = |s: &str| format!("{arch}.{s}");
     let mut w = GgufWriter::new();
     let mut md: Vec<(String, Value)> = vec![
@@ -103,7 +109,10 @@ fn write(path: &Path, arch: &str, n_layer: usize, extra: &[(&str, Value)], tenso
         w.add_tensor(name.as_str(), GgmlType::F32, &d).unwrap();
         let n: usize = dims.iter().product();
         let x: Vec<f32> = if dims.len() == 1 {
-            values(i as u64 + 500, n, 0.2).iter().map(|v| 1.0 + v).collect()
+            values(i as u64 + 500, n, 0.2)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect()
         } else {
             values(i as u64 + 900, n, 0.5)
         };
@@ -182,14 +191,41 @@ fn run_json(args: &[&str]) -> (Json, String) {
 fn dflash_drafter_from_the_command_line() {
     let dir = tempfile::tempdir().unwrap();
     let (t, d) = files(dir.path());
-    let base = ["run", "-m", &t, "-p", "Hello, world", "-n", "24", "--temp", "0", "--json", "-t", "1"];
+    let base = [
+        "run",
+        "-m",
+        &t,
+        "-p",
+        "Hello, world",
+        "-n",
+        "24",
+        "--temp",
+        "0",
+        "--json",
+        "-t",
+        "1",
+    ];
     let (plain, _) = run_json(&base);
     let want = &plain["generated_ids"];
     assert_eq!(want.as_array().unwrap().len(), 24);
     for extra in [
         vec!["-md", d.as_str()],
-        vec!["-md", d.as_str(), "--dflash", "--dflash-defer-injection", "0"],
-        vec!["-md", d.as_str(), "--spec-type", "draft-dflash", "--spec-fixed", "--spec-draft-p-min", "0"],
+        vec![
+            "-md",
+            d.as_str(),
+            "--dflash",
+            "--dflash-defer-injection",
+            "0",
+        ],
+        vec![
+            "-md",
+            d.as_str(),
+            "--spec-type",
+            "draft-dflash",
+            "--spec-fixed",
+            "--spec-draft-p-min",
+            "0",
+        ],
     ] {
         let mut args = base.to_vec();
         args.extend(&extra);
@@ -215,8 +251,14 @@ fn dflash_drafter_from_the_command_line() {
         assert!(err.contains(needle), "expected `{needle}` in: {err}");
         assert!(!err.contains("panicked"), "{err}");
     };
-    bad(&["-md", &d, "--spec-type", "draft-simple", "--dflash"], "contradicts --dflash");
-    bad(&["-md", &d, "--dflash-defer-injection", "2"], "dflash-defer-injection");
+    bad(
+        &["-md", &d, "--spec-type", "draft-simple", "--dflash"],
+        "contradicts --dflash",
+    );
+    bad(
+        &["-md", &d, "--dflash-defer-injection", "2"],
+        "dflash-defer-injection",
+    );
     // The target as a "DFlash drafter".
     bad(&["-md", &t, "--dflash"], "DFlash");
 }

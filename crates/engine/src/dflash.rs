@@ -172,9 +172,7 @@ impl<B: Backend> DflashDrafter<B> {
         for start in (0..n).step_by(INJECT_CHUNK) {
             let end = (start + INJECT_CHUNK).min(n);
             pos.clear();
-            pos.extend(
-                (pos0 + start..pos0 + end).map(|p| u32::try_from(p).unwrap_or(u32::MAX)),
-            );
+            pos.extend((pos0 + start..pos0 + end).map(|p| u32::try_from(p).unwrap_or(u32::MAX)));
             self.net
                 .inject(
                     &self.backend,

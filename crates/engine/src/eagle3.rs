@@ -187,9 +187,8 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             self.tokens.clear();
             self.tokens.extend_from_slice(&p.history[self.pairs + 1..n]);
             self.pos.clear();
-            self.pos.extend(
-                (self.pairs..n - 1).map(|q| u32::try_from(q).unwrap_or(u32::MAX)),
-            );
+            self.pos
+                .extend((self.pairs..n - 1).map(|q| u32::try_from(q).unwrap_or(u32::MAX)));
             self.net
                 .decode(
                     &self.backend,

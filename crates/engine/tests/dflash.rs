@@ -87,8 +87,12 @@ fn write(md: Vec<(String, Value)>, tensors: &[T]) -> Vec<u8> {
     let mut data = Vec::new();
     for (name, ty, dims, x) in tensors {
         let d: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-        w.add_tensor(name.as_str(), GgmlType::from_id(ty.ggml_id().unwrap()).unwrap(), &d)
-            .unwrap();
+        w.add_tensor(
+            name.as_str(),
+            GgmlType::from_id(ty.ggml_id().unwrap()).unwrap(),
+            &d,
+        )
+        .unwrap();
         let rb = ty.row_bytes(dims[0]).unwrap();
         let rows = x.len() / dims[0];
         let mut bytes = vec![0u8; rb * rows];
@@ -160,15 +164,36 @@ fn target(seed: u64) -> Vec<u8> {
         values(i, n, s)
     };
     let mut t = vec![
-        mat("token_embd.weight".into(), QType::Q8_0, E, N_VOCAB, r(E * N_VOCAB, 0.6)),
-        vec_t("output_norm.weight".into(), r(E, 0.2).iter().map(|v| 1.0 + v).collect()),
-        mat("output.weight".into(), QType::Q8_0, E, N_VOCAB, r(E * N_VOCAB, 0.6)),
+        mat(
+            "token_embd.weight".into(),
+            QType::Q8_0,
+            E,
+            N_VOCAB,
+            r(E * N_VOCAB, 0.6),
+        ),
+        vec_t(
+            "output_norm.weight".into(),
+            r(E, 0.2).iter().map(|v| 1.0 + v).collect(),
+        ),
+        mat(
+            "output.weight".into(),
+            QType::Q8_0,
+            E,
+            N_VOCAB,
+            r(E * N_VOCAB, 0.6),
+        ),
     ];
     for l in 0..2 {
         let n = |s: &str| format!("blk.{l}.{s}");
         t.extend([
-            vec_t(n("attn_norm.weight"), r(E, 0.2).iter().map(|v| 1.0 + v).collect()),
-            vec_t(n("ffn_norm.weight"), r(E, 0.2).iter().map(|v| 1.0 + v).collect()),
+            vec_t(
+                n("attn_norm.weight"),
+                r(E, 0.2).iter().map(|v| 1.0 + v).collect(),
+            ),
+            vec_t(
+                n("ffn_norm.weight"),
+                r(E, 0.2).iter().map(|v| 1.0 + v).collect(),
+            ),
             mat(n("attn_q.weight"), QType::Q8_0, E, q, r(E * q, 0.6)),
             mat(n("attn_k.weight"), QType::Q4_0, E, kv, r(E * kv, 0.6)),
             mat(n("attn_v.weight"), QType::Q8_0, E, kv, r(E * kv, 0.6)),
@@ -428,7 +453,10 @@ fn check_context(d: &Recording, deferred: bool) {
         if deferred {
             assert_eq!(held, committed, "deferred: context at a draft");
         } else {
-            assert!(held >= committed, "eager: context {held} < committed {committed}");
+            assert!(
+                held >= committed,
+                "eager: context {held} < committed {committed}"
+            );
         }
     }
 }
@@ -458,10 +486,34 @@ fn bigram_target() -> Vec<u8> {
         mat("blk.0.attn_q.weight".into(), QType::F32, E, q, z(E * q)),
         mat("blk.0.attn_k.weight".into(), QType::F32, E, kv, z(E * kv)),
         mat("blk.0.attn_v.weight".into(), QType::F32, E, kv, z(E * kv)),
-        mat("blk.0.attn_output.weight".into(), QType::F32, q, E, z(q * E)),
-        mat("blk.0.ffn_gate.weight".into(), QType::F32, E, N_FF, z(E * N_FF)),
-        mat("blk.0.ffn_up.weight".into(), QType::F32, E, N_FF, z(E * N_FF)),
-        mat("blk.0.ffn_down.weight".into(), QType::F32, N_FF, E, z(N_FF * E)),
+        mat(
+            "blk.0.attn_output.weight".into(),
+            QType::F32,
+            q,
+            E,
+            z(q * E),
+        ),
+        mat(
+            "blk.0.ffn_gate.weight".into(),
+            QType::F32,
+            E,
+            N_FF,
+            z(E * N_FF),
+        ),
+        mat(
+            "blk.0.ffn_up.weight".into(),
+            QType::F32,
+            E,
+            N_FF,
+            z(E * N_FF),
+        ),
+        mat(
+            "blk.0.ffn_down.weight".into(),
+            QType::F32,
+            N_FF,
+            E,
+            z(N_FF * E),
+        ),
     ];
     write(md, &t)
 }
@@ -475,8 +527,14 @@ fn partial_acceptance_keeps_the_draft_context_on_the_committed_positions() {
     let e = engine(bigram_target());
     let opts = greedy(30);
     let mut s = e.session(64, QType::F32, QType::F32).unwrap();
-    let want = e.generate(&mut s, PROMPT, &opts, |_| {}).unwrap().generated_ids;
-    assert!(want.windows(2).all(|p| p == [5, 6] || p == [6, 5]), "{want:?}");
+    let want = e
+        .generate(&mut s, PROMPT, &opts, |_| {})
+        .unwrap()
+        .generated_ids;
+    assert!(
+        want.windows(2).all(|p| p == [5, 6] || p == [6, 5]),
+        "{want:?}"
+    );
     let mut spec = DraftSpec::new(8, &[1, 0], 6);
     spec.silent = true;
     let so = SpecOptions {
@@ -494,11 +552,18 @@ fn partial_acceptance_keeps_the_draft_context_on_the_committed_positions() {
             .unwrap();
         assert_eq!(got.generated_ids, want, "{policy:?}");
         let st = got.spec.unwrap();
-        assert!(st.accepted > 0 && st.accepted < st.drafted, "{policy:?}: {st:?}");
+        assert!(
+            st.accepted > 0 && st.accepted < st.drafted,
+            "{policy:?}: {st:?}"
+        );
         assert!(d.log.iter().all(|(_, _, dr)| dr.iter().all(|&t| t == 5)));
         check_context(&d, policy == Injection::Deferred);
         if policy == Injection::Deferred {
-            assert_eq!(d.inner.context_len(), s.n_past(), "context after the last round");
+            assert_eq!(
+                d.inner.context_len(),
+                s.n_past(),
+                "context after the last round"
+            );
         }
         counts.push((st.drafted, st.accepted, st.rounds));
     }
@@ -542,9 +607,21 @@ fn constant_target() -> Vec<u8> {
         eye[r * q + r] = 1.0;
     }
     let mut t = vec![
-        mat("token_embd.weight".into(), QType::F32, E, N_VOCAB, z(E * N_VOCAB)),
+        mat(
+            "token_embd.weight".into(),
+            QType::F32,
+            E,
+            N_VOCAB,
+            z(E * N_VOCAB),
+        ),
         vec_t("output_norm.weight".into(), vec![1.0; E]),
-        mat("output.weight".into(), QType::F32, E, N_VOCAB, values(5, E * N_VOCAB, 1.0)),
+        mat(
+            "output.weight".into(),
+            QType::F32,
+            E,
+            N_VOCAB,
+            values(5, E * N_VOCAB, 1.0),
+        ),
     ];
     for l in 0..n_layer {
         let n = |s: &str| format!("blk.{l}.{s}");
@@ -659,16 +736,24 @@ fn block_logits(e: &Engine<CpuBackend>, spec: &DraftSpec) -> Vec<f32> {
     )
     .unwrap();
     let be = &e.backend;
-    let mut kv = specula_tensor::Backend::kv_new(be, net.kv_shape(64, QType::F32, QType::F32))
-        .unwrap();
+    let mut kv =
+        specula_tensor::Backend::kv_new(be, net.kv_shape(64, QType::F32, QType::F32)).unwrap();
     let mut s = net.scratch(be);
     let w = net.feature_width();
     let feats = values(77, 5 * w, 3.0);
     net.inject(be, &mut kv, 64, &mut s, &feats, &[0, 1, 2, 3, 4])
         .unwrap();
-    net.block(be, &mut kv, 64, &mut s, &[9, MASK, MASK, MASK], 5, &[0, 1, 2, 3])
-        .unwrap()
-        .to_vec()
+    net.block(
+        be,
+        &mut kv,
+        64,
+        &mut s,
+        &[9, MASK, MASK, MASK],
+        5,
+        &[0, 1, 2, 3],
+    )
+    .unwrap()
+    .to_vec()
 }
 
 #[test]
@@ -710,13 +795,19 @@ fn old_key_spellings_load_and_variants_are_refused_by_name() {
     assert_eq!(d.net().hparams().mask_token_id, MASK);
 
     let refuse = |spec: DraftSpec, needle: &str| {
-        let err = drafter(&e, &spec, Injection::Eager).unwrap_err().to_string();
+        let err = drafter(&e, &spec, Injection::Eager)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains(needle), "expected `{needle}` in: {err}");
     };
     let mut dspark = DraftSpec::new(4, &[1], 8);
-    dspark
-        .extra_tensors
-        .push(mat("markov_w1.weight".into(), QType::F32, 32, N_VOCAB, vec![0.0; 32 * N_VOCAB]));
+    dspark.extra_tensors.push(mat(
+        "markov_w1.weight".into(),
+        QType::F32,
+        32,
+        N_VOCAB,
+        vec![0.0; 32 * N_VOCAB],
+    ));
     refuse(dspark, "DSpark");
     let mut dflash2 = DraftSpec::new(4, &[1], 8);
     dflash2
@@ -727,7 +818,10 @@ fn old_key_spellings_load_and_variants_are_refused_by_name() {
     swa.extra_md
         .push(("dflash.attention.sliding_window".into(), Value::U32(2048)));
     refuse(swa, "sliding-window");
-    refuse(DraftSpec::new(4, &[3], 8), "tap 3 is past the target's 2 layers");
+    refuse(
+        DraftSpec::new(4, &[3], 8),
+        "tap 3 is past the target's 2 layers",
+    );
     refuse(DraftSpec::new(4, &[1], 1), "at least one MASK");
 }
 
@@ -735,7 +829,10 @@ fn old_key_spellings_load_and_variants_are_refused_by_name() {
 /// target's.
 fn eagle3(seed: u64, taps: &[i32], own_head: bool, nbr: bool) -> Vec<u8> {
     let mut md = arch_md("eagle3", 1);
-    md.push(("eagle3.target_layers".into(), Value::Array(Array::I32(taps.to_vec()))));
+    md.push((
+        "eagle3.target_layers".into(),
+        Value::Array(Array::I32(taps.to_vec())),
+    ));
     md.push(("eagle3.target_hidden_size".into(), u(E)));
     md.push(("eagle3.norm_before_residual".into(), Value::Bool(nbr)));
     let (q, kv) = (N_HEAD * HD, N_HEAD_KV * HD);
@@ -752,16 +849,64 @@ fn eagle3(seed: u64, taps: &[i32], own_head: bool, nbr: bool) -> Vec<u8> {
         vec_t("blk.0.attn_norm.weight".into(), norm(r(E, 0.2))),
         vec_t("blk.0.attn_norm_2.weight".into(), norm(r(E, 0.2))),
         vec_t("blk.0.ffn_norm.weight".into(), norm(r(E, 0.2))),
-        mat("blk.0.attn_q.weight".into(), QType::F32, 2 * E, q, r(2 * E * q, 0.5)),
-        mat("blk.0.attn_k.weight".into(), QType::F32, 2 * E, kv, r(2 * E * kv, 0.5)),
-        mat("blk.0.attn_v.weight".into(), QType::F32, 2 * E, kv, r(2 * E * kv, 0.5)),
-        mat("blk.0.attn_output.weight".into(), QType::F32, q, E, r(q * E, 0.5)),
-        mat("blk.0.ffn_gate.weight".into(), QType::F32, E, N_FF, r(E * N_FF, 0.5)),
-        mat("blk.0.ffn_up.weight".into(), QType::F32, E, N_FF, r(E * N_FF, 0.5)),
-        mat("blk.0.ffn_down.weight".into(), QType::F32, N_FF, E, r(N_FF * E, 0.5)),
+        mat(
+            "blk.0.attn_q.weight".into(),
+            QType::F32,
+            2 * E,
+            q,
+            r(2 * E * q, 0.5),
+        ),
+        mat(
+            "blk.0.attn_k.weight".into(),
+            QType::F32,
+            2 * E,
+            kv,
+            r(2 * E * kv, 0.5),
+        ),
+        mat(
+            "blk.0.attn_v.weight".into(),
+            QType::F32,
+            2 * E,
+            kv,
+            r(2 * E * kv, 0.5),
+        ),
+        mat(
+            "blk.0.attn_output.weight".into(),
+            QType::F32,
+            q,
+            E,
+            r(q * E, 0.5),
+        ),
+        mat(
+            "blk.0.ffn_gate.weight".into(),
+            QType::F32,
+            E,
+            N_FF,
+            r(E * N_FF, 0.5),
+        ),
+        mat(
+            "blk.0.ffn_up.weight".into(),
+            QType::F32,
+            E,
+            N_FF,
+            r(E * N_FF, 0.5),
+        ),
+        mat(
+            "blk.0.ffn_down.weight".into(),
+            QType::F32,
+            N_FF,
+            E,
+            r(N_FF * E, 0.5),
+        ),
     ];
     if own_head {
-        t.push(mat("output.weight".into(), QType::F32, E, 64, r(E * 64, 1.0)));
+        t.push(mat(
+            "output.weight".into(),
+            QType::F32,
+            E,
+            64,
+            r(E * 64, 1.0),
+        ));
     }
     let mut bytes = write(md, &t);
     if own_head {
@@ -773,7 +918,8 @@ fn eagle3(seed: u64, taps: &[i32], own_head: bool, nbr: bool) -> Vec<u8> {
         }
         let mut data: Vec<Vec<u8>> = Vec::new();
         for (idx, info) in file.tensors().iter().enumerate() {
-            w.add_tensor(info.name.as_str(), info.ty, &info.dims).unwrap();
+            w.add_tensor(info.name.as_str(), info.ty, &info.dims)
+                .unwrap();
             data.push(file.tensor_data(idx).to_vec());
         }
         w.add_tensor("d2t", GgmlType::I64, &[64]).unwrap();

@@ -61,7 +61,9 @@ pub(crate) fn tensor_scale(file: &Gguf, base: &str) -> Result<Option<f32>> {
                 .collect(),
         });
     }
-    Ok(Some(f32::from_le_bytes([data[0], data[1], data[2], data[3]])))
+    Ok(Some(f32::from_le_bytes([
+        data[0], data[1], data[2], data[3],
+    ])))
 }
 
 /// Loads matrix `<base>.weight` (required) with its optional scale.
@@ -136,10 +138,7 @@ pub(crate) fn usize_array(file: &Gguf, key: &str) -> Result<Option<Vec<usize>>> 
         specula_gguf::Array::I32(x) => x.iter().map(|&v| i64::from(v)).collect(),
         specula_gguf::Array::U32(x) => x.iter().map(|&v| i64::from(v)).collect(),
         specula_gguf::Array::I64(x) => x.clone(),
-        specula_gguf::Array::U64(x) => x
-            .iter()
-            .map(|&v| i64::try_from(v).unwrap_or(-1))
-            .collect(),
+        specula_gguf::Array::U64(x) => x.iter().map(|&v| i64::try_from(v).unwrap_or(-1)).collect(),
         _ => return Err(bad(key, "expected an integer array")),
     };
     ints.iter()
@@ -195,7 +194,10 @@ impl DflashHparams {
                     .into(),
             });
         }
-        if md.get_u64(&k("hyper_connection_count")).is_some_and(|v| v > 0) {
+        if md
+            .get_u64(&k("hyper_connection_count"))
+            .is_some_and(|v| v > 0)
+        {
             return Err(ModelError::UnsupportedArch {
                 arch: "dflash with a DeepSeek-V4 backbone (hyper-connections): a DSpark DSV4 \
                        draft, which specula does not run"
@@ -234,13 +236,13 @@ impl DflashHparams {
             .get_u64(&k("attention.key_length"))
             .and_then(|v| usize::try_from(v).ok())
             .unwrap_or(n_embd / n_head);
-        if let Some(vl) = md.get_u64(&k("attention.value_length")) {
-            if usize::try_from(vl).ok() != Some(head_dim) {
-                return Err(bad(
-                    &k("attention.value_length"),
-                    format!("{vl} differs from the key length {head_dim}"),
-                ));
-            }
+        if let Some(vl) = md.get_u64(&k("attention.value_length"))
+            && usize::try_from(vl).ok() != Some(head_dim)
+        {
+            return Err(bad(
+                &k("attention.value_length"),
+                format!("{vl} differs from the key length {head_dim}"),
+            ));
         }
         let n_rot = md
             .get_u64(&k("rope.dimension_count"))
@@ -248,13 +250,13 @@ impl DflashHparams {
             .unwrap_or(head_dim);
         // Drafts of M-RoPE targets carry degenerate sections [n_rot/2, 0, 0, 0]: plain RoPE on
         // the temporal positions, which is what text positions are.
-        if let Some(sec) = usize_array(file, &k("rope.dimension_sections"))? {
-            if sec.iter().skip(1).any(|&s| s != 0) {
-                return Err(bad(
-                    &k("rope.dimension_sections"),
-                    format!("{sec:?}: only degenerate sections [n, 0, 0, 0] are supported"),
-                ));
-            }
+        if let Some(sec) = usize_array(file, &k("rope.dimension_sections"))?
+            && sec.iter().skip(1).any(|&s| s != 0)
+        {
+            return Err(bad(
+                &k("rope.dimension_sections"),
+                format!("{sec:?}: only degenerate sections [n, 0, 0, 0] are supported"),
+            ));
         }
         let rope_freq_scale = match get_f32(md, &k("rope.scaling.factor")) {
             Some(f) if f > 0.0 => 1.0 / f,
@@ -401,7 +403,11 @@ pub(crate) fn read_d2t(file: &Gguf, n_vocab_target: usize) -> Result<Option<Vec<
     if info.ty != specula_gguf::GgmlType::I64 || info.dims.len() != 1 {
         return Err(ModelError::UnsupportedType {
             name: "d2t".into(),
-            ty: format!("{} with {} dims (expected i64, 1 dim)", info.ty.name(), info.dims.len()),
+            ty: format!(
+                "{} with {} dims (expected i64, 1 dim)",
+                info.ty.name(),
+                info.dims.len()
+            ),
         });
     }
     let data = file.tensor_data_by_name("d2t").unwrap_or(&[]);
@@ -527,11 +533,12 @@ impl<B: Backend> Dflash<B> {
         let enc_norm = match l.get("enc.output_norm.weight", &[e])? {
             Some(w) => w,
             // The earliest upstream converter named the encoder norm after HF's `hidden_norm`.
-            None => l.get("hidden_norm.weight", &[e])?.ok_or_else(|| {
-                ModelError::MissingTensor {
-                    name: "enc.output_norm.weight".into(),
-                }
-            })?,
+            None => {
+                l.get("hidden_norm.weight", &[e])?
+                    .ok_or_else(|| ModelError::MissingTensor {
+                        name: "enc.output_norm.weight".into(),
+                    })?
+            }
         };
         let output_norm = l.req("output_norm.weight", &[e])?;
         let mut layers = Vec::with_capacity(hp.n_layer);

@@ -105,11 +105,11 @@ impl Eagle3Hparams {
             .unwrap_or(head_dim);
         let target_layers = match usize_array(file, &k("target_layers"))? {
             Some(t) => t,
-            None => usize_array(file, &k("extract_layers"))?.ok_or_else(|| {
-                ModelError::MissingKey {
+            None => {
+                usize_array(file, &k("extract_layers"))?.ok_or_else(|| ModelError::MissingKey {
                     key: k("target_layers"),
-                }
-            })?,
+                })?
+            }
         };
         if target_layers.is_empty() {
             return Err(bad(k("target_layers"), "no target layers".into()));
@@ -220,7 +220,10 @@ impl<B: Backend> Eagle3<B> {
         if hp.target_hidden_size != thp.n_embd {
             return Err(ModelError::BadValue {
                 key: "eagle3.target_hidden_size".into(),
-                detail: format!("{} but the target's is {}", hp.target_hidden_size, thp.n_embd),
+                detail: format!(
+                    "{} but the target's is {}",
+                    hp.target_hidden_size, thp.n_embd
+                ),
             });
         }
         if let Some(&t) = hp.target_layers.iter().find(|&&t| t > thp.n_layer) {
@@ -229,7 +232,8 @@ impl<B: Backend> Eagle3<B> {
                 detail: format!("tap {t} is past the target's {} layers", thp.n_layer),
             });
         }
-        if file.tensor("blk.0.rope_freqs.weight").is_some() || file.tensor("rope_freqs.weight").is_some()
+        if file.tensor("blk.0.rope_freqs.weight").is_some()
+            || file.tensor("rope_freqs.weight").is_some()
         {
             return Err(ModelError::UnsupportedArch {
                 arch: "eagle3 with `rope_freqs` (llama3 rope scaling, not supported)".into(),
@@ -382,7 +386,7 @@ impl<B: Backend> Eagle3<B> {
         out: &mut Vec<f32>,
     ) -> Result<()> {
         let w = self.feature_width();
-        if features.len() % w != 0 {
+        if !features.len().is_multiple_of(w) {
             return Err(ModelError::Batch(format!(
                 "EAGLE-3 encoder: {} feature values are not rows of {w}",
                 features.len()

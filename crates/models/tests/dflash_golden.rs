@@ -96,8 +96,14 @@ fn u32v(v: usize) -> Value {
 
 fn tokenizer_md(mask: Option<u32>) -> Vec<(String, Value)> {
     let mut md = vec![
-        ("tokenizer.ggml.model".to_owned(), Value::String("gpt2".into())),
-        ("tokenizer.ggml.pre".to_owned(), Value::String("default".into())),
+        (
+            "tokenizer.ggml.model".to_owned(),
+            Value::String("gpt2".into()),
+        ),
+        (
+            "tokenizer.ggml.pre".to_owned(),
+            Value::String("default".into()),
+        ),
         (
             "tokenizer.ggml.tokens".to_owned(),
             Value::Array(Array::String(byte_symbols())),
@@ -134,7 +140,10 @@ fn write(md: Vec<(String, Value)>, tensors: Vec<(String, Vec<usize>, Vec<f32>)>)
 }
 
 /// Tensors as (name, type, shape in PyTorch order, bytes).
-fn write_raw(md: Vec<(String, Value)>, tensors: Vec<(String, GgmlType, Vec<usize>, Vec<u8>)>) -> Vec<u8> {
+fn write_raw(
+    md: Vec<(String, Value)>,
+    tensors: Vec<(String, GgmlType, Vec<usize>, Vec<u8>)>,
+) -> Vec<u8> {
     let mut w = GgufWriter::new();
     for (k, v) in md {
         w.add(k, v).expect("metadata");
@@ -297,7 +306,10 @@ fn draft_gguf() -> Vec<u8> {
         .collect();
     let k = |s: &str| format!("dflash.{s}");
     let mut md = vec![
-        ("general.architecture".to_owned(), Value::String("dflash".into())),
+        (
+            "general.architecture".to_owned(),
+            Value::String("dflash".into()),
+        ),
         ("general.type".to_owned(), Value::String("model".into())),
         (
             "general.name".to_owned(),
@@ -356,17 +368,23 @@ fn base64_f32(s: &str) -> Vec<f32> {
 
 fn nmse(ours: &[f32], reference: &[f32]) -> f64 {
     assert_eq!(ours.len(), reference.len());
-    let (num, den) = ours.iter().zip(reference).fold((0.0, 0.0), |(n, d), (&o, &h)| {
-        let (o, h) = (f64::from(o), f64::from(h));
-        (n + (o - h) * (o - h), d + h * h)
-    });
+    let (num, den) = ours
+        .iter()
+        .zip(reference)
+        .fold((0.0, 0.0), |(n, d), (&o, &h)| {
+            let (o, h) = (f64::from(o), f64::from(h));
+            (n + (o - h) * (o - h), d + h * h)
+        });
     num / den
 }
 
 fn argmax(row: &[f32]) -> usize {
     row.iter()
         .enumerate()
-        .fold((0, f32::NEG_INFINITY), |b, (i, &x)| if x > b.1 { (i, x) } else { b })
+        .fold(
+            (0, f32::NEG_INFINITY),
+            |b, (i, &x)| if x > b.1 { (i, x) } else { b },
+        )
         .0
 }
 
@@ -403,8 +421,12 @@ fn check_logits(what: &str, ours: &[f32], reference: &[f32]) {
 #[test]
 fn dflash_matches_the_pytorch_reference() {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../golden/dflash/tiny.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (written by reference/dflash_golden.py)", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (written by reference/dflash_golden.py)",
+            path.display()
+        )
+    });
     let g: Json = serde_json::from_str(&text).expect("JSON");
 
     let (tb, db) = (target_gguf(), draft_gguf());
@@ -453,7 +475,10 @@ fn dflash_matches_the_pytorch_reference() {
         }
     }
     let e = nmse(&feats, &ctx1);
-    assert!(e <= NMSE_MAX, "target taps vs transformers hidden states: NMSE {e:.3e}");
+    assert!(
+        e <= NMSE_MAX,
+        "target taps vs transformers hidden states: NMSE {e:.3e}"
+    );
 
     let r2 = &g["rounds"][1];
     let ctx2 = base64_f32(r2["ctx_features"].as_str().unwrap());
@@ -484,11 +509,25 @@ fn dflash_matches_the_pytorch_reference() {
         if eager {
             // The whole verify batch, rejected rows included.
             let n = verify_feats.len() / (2 * N_EMBD);
-            net.inject(&be, &mut kv, N_CTX, &mut s, &verify_feats, &positions(c2_pos0, n))
-                .unwrap();
+            net.inject(
+                &be,
+                &mut kv,
+                N_CTX,
+                &mut s,
+                &verify_feats,
+                &positions(c2_pos0, n),
+            )
+            .unwrap();
         } else {
-            net.inject(&be, &mut kv, N_CTX, &mut s, &ctx2, &positions(c2_pos0, c2_rows))
-                .unwrap();
+            net.inject(
+                &be,
+                &mut kv,
+                N_CTX,
+                &mut s,
+                &ctx2,
+                &positions(c2_pos0, c2_rows),
+            )
+            .unwrap();
         }
         let got2 = net
             .block(&be, &mut kv, N_CTX, &mut s, &b2, p2, &all_rows)
@@ -525,16 +564,56 @@ fn eagle3_gguf(case: usize, name: &str, nbr: bool, d2t: &[i64]) -> Vec<u8> {
     let mut hf: Vec<(&str, &str, Vec<usize>)> = vec![
         ("fc.weight", "fc.weight", vec![e, 3 * e]),
         ("lm_head.weight", "output.weight", vec![DRAFT_VOCAB, e]),
-        ("midlayer.hidden_norm.weight", "blk.0.attn_norm_2.weight", vec![e]),
-        ("midlayer.input_layernorm.weight", "blk.0.attn_norm.weight", vec![e]),
-        ("midlayer.mlp.down_proj.weight", "blk.0.ffn_down.weight", vec![e, f]),
-        ("midlayer.mlp.gate_proj.weight", "blk.0.ffn_gate.weight", vec![f, e]),
-        ("midlayer.mlp.up_proj.weight", "blk.0.ffn_up.weight", vec![f, e]),
-        ("midlayer.post_attention_layernorm.weight", "blk.0.ffn_norm.weight", vec![e]),
-        ("midlayer.self_attn.k_proj.weight", "blk.0.attn_k.weight", vec![kv, 2 * e]),
-        ("midlayer.self_attn.o_proj.weight", "blk.0.attn_output.weight", vec![e, q]),
-        ("midlayer.self_attn.q_proj.weight", "blk.0.attn_q.weight", vec![q, 2 * e]),
-        ("midlayer.self_attn.v_proj.weight", "blk.0.attn_v.weight", vec![kv, 2 * e]),
+        (
+            "midlayer.hidden_norm.weight",
+            "blk.0.attn_norm_2.weight",
+            vec![e],
+        ),
+        (
+            "midlayer.input_layernorm.weight",
+            "blk.0.attn_norm.weight",
+            vec![e],
+        ),
+        (
+            "midlayer.mlp.down_proj.weight",
+            "blk.0.ffn_down.weight",
+            vec![e, f],
+        ),
+        (
+            "midlayer.mlp.gate_proj.weight",
+            "blk.0.ffn_gate.weight",
+            vec![f, e],
+        ),
+        (
+            "midlayer.mlp.up_proj.weight",
+            "blk.0.ffn_up.weight",
+            vec![f, e],
+        ),
+        (
+            "midlayer.post_attention_layernorm.weight",
+            "blk.0.ffn_norm.weight",
+            vec![e],
+        ),
+        (
+            "midlayer.self_attn.k_proj.weight",
+            "blk.0.attn_k.weight",
+            vec![kv, 2 * e],
+        ),
+        (
+            "midlayer.self_attn.o_proj.weight",
+            "blk.0.attn_output.weight",
+            vec![e, q],
+        ),
+        (
+            "midlayer.self_attn.q_proj.weight",
+            "blk.0.attn_q.weight",
+            vec![q, 2 * e],
+        ),
+        (
+            "midlayer.self_attn.v_proj.weight",
+            "blk.0.attn_v.weight",
+            vec![kv, 2 * e],
+        ),
         ("norm.weight", "output_norm.weight", vec![e]),
     ];
     hf.sort_by(|a, b| a.0.cmp(b.0));
@@ -566,7 +645,10 @@ fn eagle3_gguf(case: usize, name: &str, nbr: bool, d2t: &[i64]) -> Vec<u8> {
     ));
     let k = |s: &str| format!("eagle3.{s}");
     let mut md = vec![
-        ("general.architecture".to_owned(), Value::String("eagle3".into())),
+        (
+            "general.architecture".to_owned(),
+            Value::String("eagle3".into()),
+        ),
         ("general.type".to_owned(), Value::String("model".into())),
         (
             "general.name".to_owned(),
@@ -596,8 +678,12 @@ fn eagle3_gguf(case: usize, name: &str, nbr: bool, d2t: &[i64]) -> Vec<u8> {
 fn eagle3_matches_the_pytorch_reference() {
     use specula_models::eagle3::Eagle3;
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../golden/eagle3/tiny.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (written by reference/eagle3_golden.py)", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (written by reference/eagle3_golden.py)",
+            path.display()
+        )
+    });
     let g: Json = serde_json::from_str(&text).expect("JSON");
     let d2t: Vec<i64> = g["d2t"]
         .as_array()
@@ -638,7 +724,11 @@ fn eagle3_matches_the_pytorch_reference() {
                 history.extend_from_slice(&verify[..=a]);
             }
             // Pairs (history[P + 1], g[P]) for the positions not written yet.
-            let first = if ri == 0 { 0 } else { usize_of(&case["rounds"][0]["seed_pos"]) };
+            let first = if ri == 0 {
+                0
+            } else {
+                usize_of(&case["rounds"][0]["seed_pos"])
+            };
             let toks: Vec<u32> = history[first + 1..=seed_pos].to_vec();
             net.decode(
                 &be,
@@ -672,13 +762,17 @@ fn eagle3_matches_the_pytorch_reference() {
                 // Draft-vocabulary logits at their target ids; −∞ everywhere else.
                 let mut draft_row = Vec::with_capacity(DRAFT_VOCAB);
                 for (i, &x) in row.iter().enumerate() {
-                    if d2t.contains(&(i as i64)) {
+                    if d2t.contains(&i64::try_from(i).expect("fits")) {
                         draft_row.push(x);
                     } else {
                         assert_eq!(x, f32::NEG_INFINITY, "{what}: id {i} outside d2t");
                     }
                 }
-                assert_eq!(argmax(row) as u32, next, "{what}: chain step {step}");
+                assert_eq!(
+                    u32::try_from(argmax(row)).expect("fits"),
+                    next,
+                    "{what}: chain step {step}"
+                );
                 got.extend(draft_row);
                 tok = next;
                 gcur.clone_from(&s.prenorm);
