@@ -1,7 +1,8 @@
 //! `specula run` with a DFlash drafter, end to end on tiny random GGUFs written here: the
 //! drafter is picked from the draft file's architecture (or `--dflash`), greedy output is the
 //! plain output under both injection policies, `--spec-draft-n-max` is clamped to the block
-//! size minus one, and contradictory or unsupported flags are one-line errors.
+//! size minus one, and contradictory or unsupported flags are one-line errors. The same for an
+//! EAGLE-3 head (auto-detected, or `--eagle3`), and `specula bench -md`.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -173,6 +174,36 @@ fn files(dir: &Path) -> (String, String) {
             ("tokenizer.ggml.mask_token_id", Value::U32(255)),
         ],
         &d,
+    );
+    let head = dir.join("eagle3.gguf");
+    let (q, kv) = (N_HEAD * HD, N_HEAD_KV * HD);
+    let n = |s: &str| format!("blk.0.{s}");
+    let h = vec![
+        ("fc.weight".to_owned(), vec![3 * E, E]),
+        ("output_norm.weight".to_owned(), vec![E]),
+        (n("attn_norm.weight"), vec![E]),
+        (n("attn_norm_2.weight"), vec![E]),
+        (n("ffn_norm.weight"), vec![E]),
+        (n("attn_q.weight"), vec![2 * E, q]),
+        (n("attn_k.weight"), vec![2 * E, kv]),
+        (n("attn_v.weight"), vec![2 * E, kv]),
+        (n("attn_output.weight"), vec![q, E]),
+        (n("ffn_gate.weight"), vec![E, N_FF]),
+        (n("ffn_up.weight"), vec![E, N_FF]),
+        (n("ffn_down.weight"), vec![N_FF, E]),
+    ];
+    write(
+        &head,
+        "eagle3",
+        1,
+        &[
+            (
+                "eagle3.target_layers",
+                Value::Array(Array::I32(vec![1, 2, 3])),
+            ),
+            ("eagle3.target_hidden_size", u(E)),
+        ],
+        &h,
     );
     (
         target.to_str().unwrap().to_owned(),
