@@ -12,6 +12,7 @@ mod load;
 mod perplexity;
 mod quantize;
 mod run;
+mod serve;
 mod tokenize;
 
 use std::io::Write;
@@ -33,6 +34,9 @@ enum Command {
     Inspect(inspect::Args),
     /// Generate text from a prompt (greedy or sampled), like llama-cli.
     Run(run::Args),
+    /// OpenAI-compatible HTTP server with parallel slots and speculative decoding, like
+    /// llama-server.
+    Serve(serve::Args),
     /// Prompt-processing and generation speed, llama-bench style.
     Bench(bench::Args),
     /// Perplexity of a text file, computed as llama-perplexity does.
@@ -52,6 +56,8 @@ const LLAMA_SHORT: &[(&str, &str)] = &[
     ("-ctv", "--cache-type-v"),
     ("-ctkd", "--cache-type-k-draft"),
     ("-ctvd", "--cache-type-v-draft"),
+    ("-np", "--parallel"),
+    ("-to", "--timeout"),
 ];
 
 /// The arguments with llama.cpp's multi-letter single-dash flags (`-md FILE`, `-ctk q8_0`,
@@ -79,6 +85,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Perplexity(args) => perplexity::run(&args),
         Command::Quantize(args) => quantize::run(&args),

@@ -426,7 +426,7 @@ impl<B: Backend> Worker<B> {
                         .count();
                     (i, common, s.last_used)
                 })
-                .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)));
+                .max_by(|a, b| a.1.cmp(&b.1).then(b.2.cmp(&a.2)).then(b.0.cmp(&a.0)));
             let Some((i, _, _)) = best else { break };
             let job = self.queue.pop_front().expect("the front was there");
             self.clock += 1;
