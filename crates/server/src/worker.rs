@@ -405,8 +405,14 @@ impl<B: Backend> Worker<B> {
     /// Gives queued requests to free slots, in arrival order.
     fn assign(&mut self) {
         while let Some(job) = self.queue.front() {
-            if job.events.is_closed() {
-                self.queue.pop_front();
+            if job.events.is_closed() || Instant::now() >= job.deadline {
+                let job = self.queue.pop_front().expect("the front was there");
+                if !job.events.is_closed() {
+                    let _ = job.events.send(Event::Error(
+                        504,
+                        "the request waited for a free slot longer than the server's --timeout; retry later, or start the server with more slots (-np) or a larger --timeout".into(),
+                    ));
+                }
                 self.metrics.with(|c| c.requests_cancelled += 1);
                 continue;
             }
@@ -839,18 +845,31 @@ fn finish_task<B: Backend>(slot: &mut Slot<B>, mut t: Task, reason: &'static str
     } else {
         0.0
     };
-    tracing::info!(
-        id = %t.job.id,
-        slot = slot.id,
-        prompt = t.job.prompt.len(),
-        cached = t.cached,
-        generated = t.n_generated,
-        tokens_per_second = format!("{tps:.2}"),
-        draft_n = spec.as_ref().map_or(0, |s| s.drafted),
-        draft_n_accepted = spec.as_ref().map_or(0, |s| s.accepted),
-        finish = reason,
-        "request done"
-    );
+    let tps = format!("{tps:.2}");
+    match &spec {
+        Some(sp) => tracing::info!(
+            id = %t.job.id,
+            slot = slot.id,
+            prompt = t.job.prompt.len(),
+            cached = t.cached,
+            generated = t.n_generated,
+            tokens_per_second = tps,
+            draft_n = sp.drafted,
+            draft_n_accepted = sp.accepted,
+            finish = reason,
+            "request done"
+        ),
+        None => tracing::info!(
+            id = %t.job.id,
+            slot = slot.id,
+            prompt = t.job.prompt.len(),
+            cached = t.cached,
+            generated = t.n_generated,
+            tokens_per_second = tps,
+            finish = reason,
+            "request done"
+        ),
+    }
     let summary = Summary {
         finish_reason: reason,
         tail,

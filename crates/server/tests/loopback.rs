@@ -401,6 +401,30 @@ fn a_client_that_goes_away_frees_its_slot() {
     let m = get(s.addr(), "/metrics").text();
     assert_eq!(metric(&m, "specula:requests_cancelled_total"), 1.0);
     assert!(metric(&m, "specula:tokens_predicted_total") == 0.0);
+    // Not streamed: the client gives up waiting for the whole answer.
+    body["stream"] = json!(false);
+    {
+        let c = common::send(
+            s.addr(),
+            "POST",
+            "/v1/completions",
+            &[],
+            body.to_string().as_bytes(),
+        );
+        let t0 = Instant::now();
+        while get(s.addr(), "/slots").json()[0]["is_processing"] != true {
+            assert!(t0.elapsed() < Duration::from_secs(60));
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        drop(c);
+    }
+    let t0 = Instant::now();
+    while get(s.addr(), "/slots").json()[0]["is_processing"] != false {
+        assert!(t0.elapsed() < Duration::from_secs(120), "slot still busy");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let m = get(s.addr(), "/metrics").text();
+    assert_eq!(metric(&m, "specula:requests_cancelled_total"), 2.0);
     let r = post(s.addr(), "/v1/completions", &greedy_completion("next", 4));
     assert_eq!(r.status, 200);
 }
