@@ -49,7 +49,8 @@ fn stream_completion(addr: SocketAddr, prompt: &str, max_tokens: usize) -> Resul
             out.done = true;
             continue;
         }
-        let v: Value = serde_json::from_str(data).with_context(|| format!("an SSE event: {data}"))?;
+        let v: Value =
+            serde_json::from_str(data).with_context(|| format!("an SSE event: {data}"))?;
         ensure!(v.get("error").is_none(), "an error event: {v}");
         if let Some(ts) = v["tokens"].as_array() {
             out.tokens.extend(ts.iter().filter_map(Value::as_u64));
@@ -106,7 +107,10 @@ fn load(args: &ServerBenchArgs, addr: SocketAddr, np: usize) -> Result<Run> {
             .map(|i| sc.spawn(move || stream_completion(addr, &prompt(i), args.max_tokens)))
             .collect();
         hs.into_iter()
-            .map(|h| h.join().unwrap_or_else(|_| bail!("a client thread panicked")))
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| bail!("a client thread panicked"))
+            })
             .collect()
     });
     let wall = t0.elapsed().as_secs_f64();
@@ -135,7 +139,10 @@ fn load(args: &ServerBenchArgs, addr: SocketAddr, np: usize) -> Result<Run> {
 
 /// Clients that leave after their first chunk while others run; every slot must end idle.
 fn disconnects(args: &ServerBenchArgs, addr: SocketAddr) -> Result<(usize, f64)> {
-    let before = metric(&request(addr, "GET", "/metrics", "")?.body, "specula:requests_cancelled_total")?;
+    let before = metric(
+        &request(addr, "GET", "/metrics", "")?.body,
+        "specula:requests_cancelled_total",
+    )?;
     std::thread::scope(|sc| -> Result<()> {
         let stays: Vec<_> = (0..4)
             .map(|i| sc.spawn(move || stream_completion(addr, &prompt(100 + i), args.max_tokens)))
@@ -154,10 +161,12 @@ fn disconnects(args: &ServerBenchArgs, addr: SocketAddr) -> Result<(usize, f64)>
             })
             .collect();
         for h in leaves {
-            h.join().unwrap_or_else(|_| bail!("a client thread panicked"))?;
+            h.join()
+                .unwrap_or_else(|_| bail!("a client thread panicked"))?;
         }
         for h in stays {
-            h.join().unwrap_or_else(|_| bail!("a client thread panicked"))?;
+            h.join()
+                .unwrap_or_else(|_| bail!("a client thread panicked"))?;
         }
         Ok(())
     })?;
@@ -179,9 +188,21 @@ fn disconnects(args: &ServerBenchArgs, addr: SocketAddr) -> Result<(usize, f64)>
         );
         std::thread::sleep(Duration::from_millis(50));
     }
-    let after = metric(&request(addr, "GET", "/metrics", "")?.body, "specula:requests_cancelled_total")?;
-    let r = request(addr, "POST", "/v1/completions", &json!({"prompt": "after", "max_tokens": 4}).to_string())?;
-    ensure!(r.status == 200, "a request after the disconnects failed: {}", r.body);
+    let after = metric(
+        &request(addr, "GET", "/metrics", "")?.body,
+        "specula:requests_cancelled_total",
+    )?;
+    let r = request(
+        addr,
+        "POST",
+        "/v1/completions",
+        &json!({"prompt": "after", "max_tokens": 4}).to_string(),
+    )?;
+    ensure!(
+        r.status == 200,
+        "a request after the disconnects failed: {}",
+        r.body
+    );
     Ok((args.disconnects, after - before))
 }
 
@@ -213,9 +234,7 @@ pub fn run(args: &ServerBenchArgs) -> Result<()> {
         }
     }
     println!();
-    println!(
-        "| -np | requests | tokens | wall s | aggregate t/s | busy slots per decode |"
-    );
+    println!("| -np | requests | tokens | wall s | aggregate t/s | busy slots per decode |");
     println!("|---:|---:|---:|---:|---:|---:|");
     #[allow(clippy::cast_precision_loss, reason = "token counts for rates")]
     for r in &runs {

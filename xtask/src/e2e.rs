@@ -57,4 +57,3 @@ pub fn run(args: &E2eArgs) -> Result<()> {
     }
     Ok(())
 }
-

@@ -26,7 +26,9 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
         if size == 0 {
             return Ok(out);
         }
-        let data = b.get(eol + 2..eol + 2 + size).context("a truncated chunk")?;
+        let data = b
+            .get(eol + 2..eol + 2 + size)
+            .context("a truncated chunk")?;
         out.extend_from_slice(data);
         b = b.get(eol + 4 + size..).unwrap_or(&[]);
     }
@@ -88,7 +90,9 @@ pub fn wait_healthy(addr: SocketAddr, child: &mut std::process::Child) -> Result
 
 /// A free loopback port.
 pub fn free_port() -> Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 /// Asks a child to stop with SIGTERM (graceful shutdown) and waits for it.

@@ -176,11 +176,7 @@ pub fn run(args: &Args) -> Result<String> {
 
 /// The drafters the flags ask for. Without `-md` or `--spec-type` there is none, and
 /// nothing speculative is set up or logged.
-fn speculative(
-    args: &Args,
-    target: &Tokenizer,
-    n_ctx_slot: usize,
-) -> Result<Option<Speculative>> {
+fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Option<Speculative>> {
     let kind = match (args.spec_type, &args.model_draft) {
         (Some(t), _) => t,
         (None, Some(_)) => SpecType::DraftSimple,
@@ -240,9 +236,8 @@ fn speculative(
             };
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
-            specula_engine::check_vocab(target, &draft.tokenizer).with_context(|| {
-                format!("cannot use {} as the draft model", path.display())
-            })?;
+            specula_engine::check_vocab(target, &draft.tokenizer)
+                .with_context(|| format!("cannot use {} as the draft model", path.display()))?;
             let draft = Arc::new(draft);
             let target_file = target_tokenizer_copy(args)?;
             let n_ctx = if args.ctx_size_draft == 0 {

@@ -421,7 +421,9 @@ impl<B: Backend> Engine<B> {
             e.session.pos.clear();
             e.session.pos.extend((start..).take(e.tokens.len()));
             e.session.rows.clear();
-            e.session.rows.extend(e.logits_from.min(e.tokens.len())..e.tokens.len());
+            e.session
+                .rows
+                .extend(e.logits_from.min(e.tokens.len())..e.tokens.len());
         }
         let mut seqs: Vec<SeqRows<'_, B>> = entries
             .iter_mut()
@@ -435,7 +437,9 @@ impl<B: Backend> Engine<B> {
                 }
             })
             .collect();
-        let logits = self.model.forward_multi(&self.backend, &mut seqs, scratch)?;
+        let logits = self
+            .model
+            .forward_multi(&self.backend, &mut seqs, scratch)?;
         out.extend_from_slice(logits);
         drop(seqs);
         for e in entries.iter_mut() {

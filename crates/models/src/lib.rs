@@ -505,7 +505,9 @@ impl<B: Backend> Model<B> {
             return self.forward(be, one.kv, s, one.tokens, one.pos, one.logits_rows, None);
         }
         if seqs.is_empty() {
-            return Err(ModelError::Batch("a batch needs at least one sequence".into()));
+            return Err(ModelError::Batch(
+                "a batch needs at least one sequence".into(),
+            ));
         }
         let mut all_tokens = std::mem::take(&mut s.all_tokens);
         let mut all_pos = std::mem::take(&mut s.all_pos);
@@ -532,44 +534,53 @@ impl<B: Backend> Model<B> {
             all_pos.extend_from_slice(q.pos);
         }
         let hp = &self.hp;
-        let result = self.layers_and_head(be, s, &all_tokens, &all_pos, &all_rows, None, &mut |be, s, il| {
-            let scale = Self::attn_scale(hp);
-            s.attn_host.clear();
-            let mut off = 0;
-            for q in seqs.iter_mut() {
-                let n = q.tokens.len();
-                s.seq_rows.clear();
-                s.seq_rows.extend(off..off + n);
-                off += n;
-                be.copy_rows(&s.q, &s.seq_rows, &mut s.seq_q);
-                be.copy_rows(&s.k, &s.seq_rows, &mut s.seq_k);
-                be.copy_rows(&s.v, &s.seq_rows, &mut s.seq_v);
-                s.cells.clear();
-                s.cells.extend(q.pos.iter().map(|&p| p as usize));
-                let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
-                s.kv_pos.clear();
-                s.kv_pos.extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
-                be.kv_write(q.kv, il, &s.cells, &s.seq_k, &s.seq_v);
-                be.attention(
-                    &s.seq_q,
-                    q.kv,
-                    &AttentionParams {
-                        layer: il,
-                        n_head: hp.n_head,
-                        q_pos: q.pos,
-                        kv_pos: &s.kv_pos,
-                        scale,
-                        mask: Mask::Causal,
-                        softcap: None,
-                    },
-                    &mut s.seq_attn,
-                );
-                be.to_host(&s.seq_attn, &mut s.seq_host);
-                s.attn_host.extend_from_slice(&s.seq_host);
-            }
-            let cols = s.attn_host.len() / off.max(1);
-            s.attn = be.from_host(off, cols, &s.attn_host);
-        });
+        let result = self.layers_and_head(
+            be,
+            s,
+            &all_tokens,
+            &all_pos,
+            &all_rows,
+            None,
+            &mut |be, s, il| {
+                let scale = Self::attn_scale(hp);
+                s.attn_host.clear();
+                let mut off = 0;
+                for q in seqs.iter_mut() {
+                    let n = q.tokens.len();
+                    s.seq_rows.clear();
+                    s.seq_rows.extend(off..off + n);
+                    off += n;
+                    be.copy_rows(&s.q, &s.seq_rows, &mut s.seq_q);
+                    be.copy_rows(&s.k, &s.seq_rows, &mut s.seq_k);
+                    be.copy_rows(&s.v, &s.seq_rows, &mut s.seq_v);
+                    s.cells.clear();
+                    s.cells.extend(q.pos.iter().map(|&p| p as usize));
+                    let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
+                    s.kv_pos.clear();
+                    s.kv_pos
+                        .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
+                    be.kv_write(q.kv, il, &s.cells, &s.seq_k, &s.seq_v);
+                    be.attention(
+                        &s.seq_q,
+                        q.kv,
+                        &AttentionParams {
+                            layer: il,
+                            n_head: hp.n_head,
+                            q_pos: q.pos,
+                            kv_pos: &s.kv_pos,
+                            scale,
+                            mask: Mask::Causal,
+                            softcap: None,
+                        },
+                        &mut s.seq_attn,
+                    );
+                    be.to_host(&s.seq_attn, &mut s.seq_host);
+                    s.attn_host.extend_from_slice(&s.seq_host);
+                }
+                let cols = s.attn_host.len() / off.max(1);
+                s.attn = be.from_host(off, cols, &s.attn_host);
+            },
+        );
         s.all_tokens = all_tokens;
         s.all_pos = all_pos;
         s.all_logits_rows = all_rows;

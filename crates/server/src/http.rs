@@ -253,7 +253,11 @@ async fn detokenize(
     body: Result<Bytes, BytesRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
     let req: DetokenizeRequest = parse(&body_bytes(&st, body)?)?;
-    if let Some(&bad) = req.tokens.iter().find(|&&t| t as usize >= st.limits.n_vocab) {
+    if let Some(&bad) = req
+        .tokens
+        .iter()
+        .find(|&&t| t as usize >= st.limits.n_vocab)
+    {
         return Err(ApiError::bad(format!(
             "token id {bad} is outside the vocabulary of {} tokens",
             st.limits.n_vocab
@@ -300,7 +304,9 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
             ApiError::bad("this model has no usable chat template; use /v1/completions with a formatted prompt")
         })?;
         if req.messages.is_empty() {
-            return Err(ApiError::bad("`messages` is empty: send at least one message"));
+            return Err(ApiError::bad(
+                "`messages` is empty: send at least one message",
+            ));
         }
         let messages: Vec<ChatMessage> = req
             .messages
@@ -319,9 +325,9 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
                 ChatMessage::new(m.role.clone(), content)
             })
             .collect();
-        let text = template
-            .render(&messages, true)
-            .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}")))?;
+        let text = template.render(&messages, true).map_err(|e| {
+            ApiError::bad(format!("the chat template failed on these messages: {e}"))
+        })?;
         let prompt = encode(&st.tokenizer, &text)?;
         Ok((req.common, prompt))
     })();
@@ -488,7 +494,11 @@ fn job(
     match &c.speculative {
         None | Some(SpecField::Enabled(true)) => {}
         Some(SpecField::Enabled(false)) => spec.n_max = Some(0),
-        Some(SpecField::Options { n_max, n_min, p_min }) => {
+        Some(SpecField::Options {
+            n_max,
+            n_min,
+            p_min,
+        }) => {
             spec.n_max = n_max.or(spec.n_max);
             spec.n_min = n_min.or(spec.n_min);
             spec.p_min = p_min.or(spec.p_min);
@@ -544,7 +554,13 @@ impl Head {
     }
 
     /// A streamed chunk carrying `text` (and its token and log-probability).
-    fn chunk(&self, text: &str, token: Option<u32>, lp: Option<&TokenLogprob>, text_offset: usize) -> Value {
+    fn chunk(
+        &self,
+        text: &str,
+        token: Option<u32>,
+        lp: Option<&TokenLogprob>,
+        text_offset: usize,
+    ) -> Value {
         let mut choice = match self.kind {
             Kind::Chat => json!({"index": 0, "delta": {"content": text}, "finish_reason": null}),
             Kind::Completion => json!({"index": 0, "text": text, "finish_reason": null}),
@@ -618,12 +634,22 @@ async fn generate(st: AppState, c: Common, prompt: Vec<u32>, kind: Kind, t0: Ins
     let head = Head {
         id: job.id.clone(),
         created: now_secs(),
-        model: c.model.clone().unwrap_or_else(|| st.limits.model_name.clone()),
+        model: c
+            .model
+            .clone()
+            .unwrap_or_else(|| st.limits.model_name.clone()),
         kind,
     };
     let with_logprobs = job.logprobs.is_some();
     if st.tx.send(Command::Generate(Box::new(job))).is_err() {
-        return fail(&st, t0, ApiError(503, "the engine has stopped; the server is shutting down".into()));
+        return fail(
+            &st,
+            t0,
+            ApiError(
+                503,
+                "the engine has stopped; the server is shutting down".into(),
+            ),
+        );
     }
     if c.stream {
         return stream(st, head, rx, t0).into_response();
@@ -699,7 +725,8 @@ fn stream(
                     }
                     Some(Event::Done(sum)) => {
                         if !sum.tail.is_empty() {
-                            s.pending.push_back(data(&head.chunk(&sum.tail, None, None, s.offset)));
+                            s.pending
+                                .push_back(data(&head.chunk(&sum.tail, None, None, s.offset)));
                         }
                         s.pending.push_back(data(&head.final_chunk(&sum)));
                         s.pending.push_back(SseEvent::default().data("[DONE]"));

@@ -239,7 +239,7 @@ where
         k_type: cfg.k_type,
         v_type: cfg.v_type,
     };
-    let spec_kind = spec.as_ref().map(|s| (s.kind.clone(), s.options.clone()));
+    let spec_kind = spec.as_ref().map(|s| (s.kind.clone(), s.options));
     let wm = Arc::clone(&metrics);
     let engine_thread = std::thread::Builder::new()
         .name("specula-engine".into())
@@ -272,7 +272,9 @@ where
         }
         Err(_) => {
             let _ = engine_thread.join();
-            return Err(ServerError::Engine("the engine thread stopped while starting".into()));
+            return Err(ServerError::Engine(
+                "the engine thread stopped while starting".into(),
+            ));
         }
     }
 

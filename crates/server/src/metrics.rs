@@ -285,8 +285,16 @@ mod tests {
         m.request_done(Outcome::Success, 0.2);
         let text = m.render();
         assert!(text.contains("specula:prompt_tokens_total 7\n"), "{text}");
-        assert!(text.contains("specula:spec_decode_num_accepted_tokens_per_pos_total{position=\"1\"} 1\n"));
-        assert!(text.contains("specula:spec_decode_num_accepted_tokens_per_pos_total{position=\"2\"} 0\n"));
+        assert!(
+            text.contains(
+                "specula:spec_decode_num_accepted_tokens_per_pos_total{position=\"1\"} 1\n"
+            )
+        );
+        assert!(
+            text.contains(
+                "specula:spec_decode_num_accepted_tokens_per_pos_total{position=\"2\"} 0\n"
+            )
+        );
         assert!(text.contains("specula:spec_decode_mean_acceptance_length 3\n"));
         assert!(text.contains("specula:request_duration_seconds_bucket{le=\"0.1\"} 0\n"));
         assert!(text.contains("specula:request_duration_seconds_bucket{le=\"0.25\"} 1\n"));

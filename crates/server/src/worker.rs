@@ -437,16 +437,11 @@ impl<B: Backend> Worker<B> {
             let job = self.queue.pop_front().expect("the front was there");
             self.clock += 1;
             let clock = self.clock;
-            let spec_default = self.spec.as_ref().map(|s| s.options.clone());
+            let spec_default = self.spec.as_ref().map(|s| s.options);
             let n_vocab = self.engine.model.hparams().n_vocab;
             let slot = &mut self.slots[i];
             slot.last_used = clock;
-            match start_task(slot, job, spec_default, n_vocab) {
-                Ok(()) => {}
-                Err((job, status, msg)) => {
-                    let _ = job.events.send(Event::Error(status, msg));
-                }
-            }
+            start_task(slot, job, spec_default, n_vocab);
         }
     }
 
@@ -726,13 +721,17 @@ fn token_logprob(
 }
 
 /// Sets up a slot for a job: keeps the cache's prefix shared with the prompt, makes the
-/// sampler (the prompt in its penalty window) and the speculative state.
+/// sampler (the prompt in its penalty window) and the speculative state. A job that cannot
+/// run is answered with its error.
 fn start_task<B: Backend>(
     slot: &mut Slot<B>,
     job: Job,
     spec_default: Option<SpecOptions>,
     n_vocab: usize,
-) -> Result<(), (Job, u16, String)> {
+) {
+    let refuse = |job: Job, status: u16, msg: String| {
+        let _ = job.events.send(Event::Error(status, msg));
+    };
     let n_ctx = slot.session.n_ctx();
     if job.prompt.is_empty() || job.prompt.len() + job.n_predict > n_ctx {
         let msg = format!(
@@ -741,22 +740,22 @@ fn start_task<B: Backend>(
             job.prompt.len(),
             job.n_predict
         );
-        return Err((job, 400, msg));
+        return refuse(job, 400, msg);
     }
     if let Some(&bad) = job.prompt.iter().find(|&&id| id as usize >= n_vocab) {
-        return Err((
+        return refuse(
             job,
             400,
             format!("token id {bad} is outside the vocabulary of {n_vocab} tokens"),
-        ));
+        );
     }
     let mut sampler = match Sampler::new(job.sampler, n_vocab) {
         Ok(s) => s,
-        Err(e) => return Err((job, 400, format!("bad sampling parameter: {e}"))),
+        Err(e) => return refuse(job, 400, format!("bad sampling parameter: {e}")),
     };
     for &id in &job.prompt {
         if let Err(e) = sampler.accept(id) {
-            return Err((job, 400, format!("bad prompt token: {e}")));
+            return refuse(job, 400, format!("bad prompt token: {e}"));
         }
     }
     // Keep the cached prefix; the anchor (last prompt token) always runs in the first step.
@@ -769,7 +768,7 @@ fn start_task<B: Backend>(
         .min(job.prompt.len() - 1);
     slot.session.truncate(common);
     slot.cached.truncate(common);
-    let mut spec = spec_default.clone().unwrap_or_default();
+    let mut spec = spec_default.unwrap_or_default();
     if let Some(n) = job.spec.n_max {
         spec.n_max = n;
     }
@@ -802,7 +801,6 @@ fn start_task<B: Backend>(
         top: Vec::new(),
         job,
     });
-    Ok(())
 }
 
 /// Forgets a finished task's rows past its history and records what the cache holds.
@@ -822,7 +820,12 @@ fn fail<B: Backend>(slot: &mut Slot<B>, status: u16, msg: &str) {
     }
 }
 
-fn finish_task<B: Backend>(slot: &mut Slot<B>, mut t: Task, reason: &'static str, metrics: &Metrics) {
+fn finish_task<B: Backend>(
+    slot: &mut Slot<B>,
+    mut t: Task,
+    reason: &'static str,
+    metrics: &Metrics,
+) {
     let tail = t.text.finish();
     let predicted_s = t.decode_start.map_or(0.0, |s| s.elapsed().as_secs_f64());
     let prompt_n = t.job.prompt.len() - t.cached;

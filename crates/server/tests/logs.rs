@@ -50,7 +50,10 @@ fn no_drafter_no_speculative_logs_but_the_rollback_probe_is_reported() {
     let plain = logs.take().to_lowercase();
     assert!(plain.contains("rollback capability: trim"), "{plain}");
     for word in ["speculative", "draft"] {
-        assert!(!plain.contains(word), "`{word}` logged without a drafter:\n{plain}");
+        assert!(
+            !plain.contains(word),
+            "`{word}` logged without a drafter:\n{plain}"
+        );
     }
 
     let s = server(cfg, Draft::Ngram);
@@ -58,5 +61,8 @@ fn no_drafter_no_speculative_logs_but_the_rollback_probe_is_reported() {
     s.shutdown().unwrap();
     let spec = logs.take().to_lowercase();
     assert!(spec.contains("rollback capability: trim"), "{spec}");
-    assert!(spec.contains("speculative decoding: ngram-simple"), "{spec}");
+    assert!(
+        spec.contains("speculative decoding: ngram-simple"),
+        "{spec}"
+    );
 }

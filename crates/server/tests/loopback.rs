@@ -60,7 +60,10 @@ fn chat_streamed_and_not_give_the_same_text_usage_and_timings() {
         prompt_tokens + 24
     );
     assert_eq!(v["timings"]["predicted_n"], 24);
-    assert!(v["timings"].get("draft_n").is_none(), "no drafter, no draft_n");
+    assert!(
+        v["timings"].get("draft_n").is_none(),
+        "no drafter, no draft_n"
+    );
 
     let mut sb = body.clone();
     sb["stream"] = json!(true);
@@ -95,7 +98,14 @@ fn chat_streamed_and_not_give_the_same_text_usage_and_timings() {
 #[test]
 fn completions_stop_where_a_stop_string_begins() {
     let s = server(cfg(1), Draft::None);
-    let full = content(&post(s.addr(), "/v1/completions", &greedy_completion("Once upon", 40)).json());
+    let full = content(
+        &post(
+            s.addr(),
+            "/v1/completions",
+            &greedy_completion("Once upon", 40),
+        )
+        .json(),
+    );
     let chars: Vec<char> = full.chars().collect();
     // A two-character stop from the middle of the unstopped text (no replacement chars).
     let at = (6..chars.len() - 2)
@@ -148,7 +158,10 @@ fn a_seed_repeats_a_sampled_answer_and_logprobs_are_reported() {
         let top = e["top_logprobs"].as_array().unwrap();
         assert_eq!(top.len(), 3);
         let lps: Vec<f64> = top.iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
-        assert!(lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0, "{lps:?}");
+        assert!(
+            lps.windows(2).all(|w| w[0] >= w[1]) && lps[0] <= 0.0,
+            "{lps:?}"
+        );
         // Greedy: the chosen token is the most likely one.
         assert_eq!(e["logprob"].as_f64().unwrap(), lps[0]);
     }
@@ -188,17 +201,20 @@ fn metrics_add_up_to_the_timings_of_the_responses() {
     let m = get(s.addr(), "/metrics");
     assert_eq!(m.status, 200);
     let m = m.text();
-    assert_eq!(metric(&m, "specula:prompt_tokens_total") as u64, sums[0]);
-    assert_eq!(metric(&m, "specula:tokens_predicted_total") as u64, sums[1]);
+    assert_eq!(metric(&m, "specula:prompt_tokens_total"), sums[0] as f64);
+    assert_eq!(metric(&m, "specula:tokens_predicted_total"), sums[1] as f64);
     assert_eq!(
-        metric(&m, "specula:spec_decode_num_draft_tokens_total") as u64,
-        sums[2]
+        metric(&m, "specula:spec_decode_num_draft_tokens_total"),
+        sums[2] as f64
     );
     assert_eq!(
-        metric(&m, "specula:spec_decode_num_accepted_tokens_total") as u64,
-        sums[3]
+        metric(&m, "specula:spec_decode_num_accepted_tokens_total"),
+        sums[3] as f64
     );
-    assert_eq!(metric(&m, "specula:prompt_tokens_cached_total") as u64, sums[4]);
+    assert_eq!(
+        metric(&m, "specula:prompt_tokens_cached_total"),
+        sums[4] as f64
+    );
     assert!(sums[2] > 0, "the repetitive prompts were drafted for");
     assert_eq!(metric(&m, "specula:requests_success_total"), 3.0);
     assert_eq!(metric(&m, "specula:slots_total"), 2.0);
@@ -215,11 +231,19 @@ fn health_is_public_and_a_wrong_key_is_refused() {
         Draft::None,
     );
     assert_eq!(get(s.addr(), "/health").json()["status"], "ok");
-    assert_eq!(get(s.addr(), "/v1/models").json()["data"][0]["object"], "model");
+    assert_eq!(
+        get(s.addr(), "/v1/models").json()["data"][0]["object"],
+        "model"
+    );
     let body = greedy_completion("hi", 4).to_string();
     let none = request(s.addr(), "POST", "/v1/completions", &[], body.as_bytes());
     assert_eq!(none.status, 401);
-    assert!(none.json()["error"]["message"].as_str().unwrap().contains("--api-key"));
+    assert!(
+        none.json()["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--api-key")
+    );
     let wrong = request(
         s.addr(),
         "POST",
@@ -229,7 +253,14 @@ fn health_is_public_and_a_wrong_key_is_refused() {
     );
     assert_eq!(wrong.status, 401);
     assert_eq!(
-        request(s.addr(), "GET", "/metrics", &[("Authorization", "Bearer nope")], b"").status,
+        request(
+            s.addr(),
+            "GET",
+            "/metrics",
+            &[("Authorization", "Bearer nope")],
+            b""
+        )
+        .status,
         401
     );
     let right = request(
@@ -268,7 +299,11 @@ fn bad_requests_get_a_4xx_that_says_what_to_change_and_the_server_keeps_serving(
     let r = post(a, "/v1/completions", &json!({"prompt": "x".repeat(600)}));
     assert_eq!(r.status, 400);
     assert!(msg(&r).contains("larger -c"), "{}", msg(&r));
-    let r = post(a, "/v1/completions", &json!({"prompt": "hi", "temperature": -1}));
+    let r = post(
+        a,
+        "/v1/completions",
+        &json!({"prompt": "hi", "temperature": -1}),
+    );
     assert_eq!(r.status, 400);
     assert!(msg(&r).contains("temperature"), "{}", msg(&r));
     let r = post(a, "/v1/completions", &json!({"prompt": "hi", "n": 2}));
@@ -287,10 +322,15 @@ fn greedy_output_with_a_drafter_equals_the_output_without_one() {
     let plain = server(cfg(2), Draft::None);
     let ngram = server(cfg(2), Draft::Ngram);
     let selfd = server(cfg(2), Draft::SelfModel);
-    let prompts = ["abcabcabcabcabcabc", "The quick brown fox", "1 2 3 1 2 3 1 2 3"];
+    let prompts = [
+        "abcabcabcabcabcabc",
+        "The quick brown fox",
+        "1 2 3 1 2 3 1 2 3",
+    ];
     let mut drafted = [0u64; 2];
     for p in prompts {
-        let want = content(&post(plain.addr(), "/v1/completions", &greedy_completion(p, 40)).json());
+        let want =
+            content(&post(plain.addr(), "/v1/completions", &greedy_completion(p, 40)).json());
         for (k, s) in [&ngram, &selfd].iter().enumerate() {
             let v = post(s.addr(), "/v1/completions", &greedy_completion(p, 40)).json();
             assert_eq!(content(&v), want, "prompt {p:?}, drafter {k}");
@@ -320,12 +360,19 @@ fn greedy_output_with_a_drafter_equals_the_output_without_one() {
 #[test]
 fn concurrent_requests_get_the_answers_they_get_alone() {
     let prompts: Vec<(String, u64)> = (0..6)
-        .map(|i| (format!("prompt number {i}: {}", "ab".repeat(i * 7)), 12 + 9 * i as u64))
+        .map(|i| {
+            (
+                format!("prompt number {i}: {}", "ab".repeat(i * 7)),
+                12 + 9 * i as u64,
+            )
+        })
         .collect();
     let alone = server_with(cfg(1), Draft::Ngram, 8);
     let want: Vec<String> = prompts
         .iter()
-        .map(|(p, n)| content(&post(alone.addr(), "/v1/completions", &greedy_completion(p, *n)).json()))
+        .map(|(p, n)| {
+            content(&post(alone.addr(), "/v1/completions", &greedy_completion(p, *n)).json())
+        })
         .collect();
     let s = server_with(cfg(4), Draft::Ngram, 8);
     let addr = s.addr();
@@ -342,7 +389,10 @@ fn concurrent_requests_get_the_answers_they_get_alone() {
                         (st.text, st.tokens.len() as u64)
                     } else {
                         let v = post(addr, "/v1/completions", &body).json();
-                        (content(&v), v["usage"]["completion_tokens"].as_u64().unwrap())
+                        (
+                            content(&v),
+                            v["usage"]["completion_tokens"].as_u64().unwrap(),
+                        )
                     }
                 })
             })
@@ -433,7 +483,8 @@ fn a_client_that_goes_away_frees_its_slot() {
 fn shutdown_finishes_the_request_in_flight() {
     let s = server(cfg(1), Draft::None);
     let addr = s.addr();
-    let h = std::thread::spawn(move || post(addr, "/v1/completions", &greedy_completion("bye", 200)));
+    let h =
+        std::thread::spawn(move || post(addr, "/v1/completions", &greedy_completion("bye", 200)));
     // Wait until the request holds the slot, then stop the server.
     let t0 = Instant::now();
     while get(addr, "/slots").json()[0]["is_processing"] != true {
@@ -444,7 +495,10 @@ fn shutdown_finishes_the_request_in_flight() {
     let r = h.join().unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
     assert_eq!(r.json()["usage"]["completion_tokens"], 200);
-    assert!(std::net::TcpStream::connect(addr).is_err(), "no longer listening");
+    assert!(
+        std::net::TcpStream::connect(addr).is_err(),
+        "no longer listening"
+    );
 }
 
 /// Batch invariance of the batched forward: each session's logits from `decode_multi` with
@@ -479,11 +533,14 @@ fn a_batched_decode_gives_each_session_its_own_logits_bit_for_bit() {
         .collect();
     let mut scratch = e.scratch();
     let mut out = Vec::new();
-    e.decode_multi(&mut entries, &mut scratch, &mut out).unwrap();
+    e.decode_multi(&mut entries, &mut scratch, &mut out)
+        .unwrap();
     let want: Vec<f32> = alone.concat();
     assert_eq!(out.len(), want.len());
     assert!(
-        out.iter().zip(&want).all(|(a, b)| a.to_bits() == b.to_bits()),
+        out.iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
         "batched logits differ from the sessions' own"
     );
     for (s, (p, n)) in sessions.iter().zip(prompts.iter().zip(&next)) {

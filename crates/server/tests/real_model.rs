@@ -54,12 +54,17 @@ const QUESTIONS: [&str; 4] = [
 
 #[test]
 fn smollm2_batched_slots_and_ngram_drafts_keep_greedy_answers() {
-    let Some(alone) = smollm(1, false) else { return };
+    let Some(alone) = smollm(1, false) else {
+        return;
+    };
     let want: Vec<String> = QUESTIONS
         .iter()
         .map(|q| {
             let v = post(alone.addr(), "/v1/chat/completions", &chat(q)).json();
-            v["choices"][0]["message"]["content"].as_str().unwrap().to_owned()
+            v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap()
+                .to_owned()
         })
         .collect();
     drop(alone);

@@ -2,7 +2,10 @@
 //! plus a chat template), a server on loopback around it, and a minimal blocking HTTP/1.1
 //! client that reads JSON and SSE answers.
 
-#![allow(dead_code, reason = "each test binary uses a part of the support module")]
+#![allow(
+    dead_code,
+    reason = "each test binary uses a part of the support module"
+)]
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
@@ -89,7 +92,10 @@ pub fn tiny(seed: u64, eos: u32, rename: bool) -> Vec<u8> {
         ("llama.vocab_size", u(N_VOCAB)),
         ("tokenizer.ggml.model", GValue::String("gpt2".into())),
         ("tokenizer.ggml.pre", GValue::String("default".into())),
-        ("tokenizer.ggml.tokens", GValue::Array(Array::String(tokens))),
+        (
+            "tokenizer.ggml.tokens",
+            GValue::Array(Array::String(tokens)),
+        ),
         (
             "tokenizer.ggml.token_type",
             GValue::Array(Array::I32(vec![1; N_VOCAB])),
@@ -166,7 +172,6 @@ pub fn engine(bytes: Vec<u8>) -> Engine<CpuBackend> {
     Engine::new(be, model, tokenizer)
 }
 
-
 /// The seed of the tiny target.
 pub const SEED: u64 = 11;
 
@@ -242,9 +247,8 @@ pub struct Resp {
 
 impl Resp {
     pub fn json(&self) -> Value {
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| {
-            panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body))
-        })
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
     }
 
     pub fn text(&self) -> String {
@@ -271,7 +275,12 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
             return out;
         };
         let size = usize::from_str_radix(
-            std::str::from_utf8(&b[..eol]).unwrap().split(';').next().unwrap().trim(),
+            std::str::from_utf8(&b[..eol])
+                .unwrap()
+                .split(';')
+                .next()
+                .unwrap()
+                .trim(),
             16,
         )
         .unwrap();
@@ -284,7 +293,13 @@ fn dechunk(mut b: &[u8]) -> Vec<u8> {
 }
 
 /// Writes a request and returns the open connection.
-pub fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> TcpStream {
+pub fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> TcpStream {
     let mut s = TcpStream::connect(addr).unwrap();
     let mut req = format!(
         "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
@@ -304,7 +319,13 @@ pub fn send(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)]
 }
 
 /// One request, the whole answer.
-pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &str)], body: &[u8]) -> Resp {
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Resp {
     let mut s = send(addr, method, path, headers, body);
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
@@ -315,7 +336,10 @@ pub fn request(addr: SocketAddr, method: &str, path: &str, headers: &[(&str, &st
     let head = String::from_utf8_lossy(&raw[..split]).into_owned();
     let status = head.split(' ').nth(1).unwrap().parse().unwrap();
     let body = &raw[split + 4..];
-    let body = if head.to_ascii_lowercase().contains("transfer-encoding: chunked") {
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
         dechunk(body)
     } else {
         body.to_vec()
@@ -342,7 +366,12 @@ pub struct Streamed {
 
 pub fn streamed(r: &Resp) -> Streamed {
     assert_eq!(r.status, 200, "{}", r.text());
-    let mut out = Streamed { text: String::new(), tokens: Vec::new(), last: Value::Null, done: false };
+    let mut out = Streamed {
+        text: String::new(),
+        tokens: Vec::new(),
+        last: Value::Null,
+        done: false,
+    };
     for d in r.sse() {
         if d == "[DONE]" {
             out.done = true;
@@ -350,7 +379,10 @@ pub fn streamed(r: &Resp) -> Streamed {
         }
         let v: Value = serde_json::from_str(&d).unwrap();
         let c = &v["choices"][0];
-        if let Some(t) = c["delta"]["content"].as_str().or_else(|| c["text"].as_str()) {
+        if let Some(t) = c["delta"]["content"]
+            .as_str()
+            .or_else(|| c["text"].as_str())
+        {
             out.text.push_str(t);
         }
         if let Some(ts) = v["tokens"].as_array() {
