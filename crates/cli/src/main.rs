@@ -148,4 +148,45 @@ mod tests {
             matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.ctx_size_draft == 64)
         );
     }
+
+    #[test]
+    fn serve_takes_llama_server_flags() {
+        let args = [
+            "specula",
+            "serve",
+            "-m",
+            "t.gguf",
+            "-np",
+            "4",
+            "-c",
+            "8192",
+            "-md",
+            "d.gguf",
+            "-ctk",
+            "q8_0",
+            "--api-key",
+            "k",
+            "-to",
+            "30",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--spec-draft-n-max",
+            "8",
+        ];
+        let cli =
+            Cli::try_parse_from(llama_args(args.iter().map(std::ffi::OsString::from))).unwrap();
+        let Command::Serve(a) = cli.command else {
+            panic!("not serve");
+        };
+        assert_eq!(a.parallel, 4);
+        assert_eq!(a.ctx_size, 8192);
+        assert_eq!(a.model_draft.as_deref(), Some("d.gguf"));
+        assert_eq!(a.cache_type_k, "q8_0");
+        assert_eq!(a.api_key.as_deref(), Some("k"));
+        assert_eq!(a.timeout, 30);
+        assert_eq!((a.host.as_str(), a.port), ("0.0.0.0", 9000));
+        assert_eq!(a.spec_n_max, 8);
+    }
 }
