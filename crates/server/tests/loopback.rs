@@ -363,10 +363,16 @@ fn concurrent_requests_get_the_answers_they_get_alone() {
         .map(|i| {
             (
                 format!("prompt number {i}: {}", "ab".repeat(i * 7)),
-                12 + 9 * i as u64,
+                200 + 100 * i as u64,
             )
         })
         .collect();
+    // Long enough answers that the six requests surely overlap on the server.
+    let cfg = |n_parallel: usize| ServerConfig {
+        n_parallel,
+        n_ctx: 1024 * n_parallel,
+        ..ServerConfig::default()
+    };
     let alone = server_with(cfg(1), Draft::Ngram, 8);
     let want: Vec<String> = prompts
         .iter()
@@ -481,10 +487,16 @@ fn a_client_that_goes_away_frees_its_slot() {
 
 #[test]
 fn shutdown_finishes_the_request_in_flight() {
-    let s = server(cfg(1), Draft::None);
+    let s = server(
+        ServerConfig {
+            n_ctx: 4096,
+            ..cfg(1)
+        },
+        Draft::None,
+    );
     let addr = s.addr();
     let h =
-        std::thread::spawn(move || post(addr, "/v1/completions", &greedy_completion("bye", 200)));
+        std::thread::spawn(move || post(addr, "/v1/completions", &greedy_completion("bye", 3000)));
     // Wait until the request holds the slot, then stop the server.
     let t0 = Instant::now();
     while get(addr, "/slots").json()[0]["is_processing"] != true {
@@ -494,7 +506,7 @@ fn shutdown_finishes_the_request_in_flight() {
     s.shutdown().unwrap();
     let r = h.join().unwrap();
     assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(r.json()["usage"]["completion_tokens"], 200);
+    assert_eq!(r.json()["usage"]["completion_tokens"], 3000);
     assert!(
         std::net::TcpStream::connect(addr).is_err(),
         "no longer listening"
