@@ -80,27 +80,36 @@ impl<B: Backend> Engine<B> {
         let n_vocab = self.model.hparams().n_vocab;
         let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
-        // The cache holds everything but the anchor, which opens the first round.
-        let (head, _) = prompt.split_at(prompt.len() - 1);
+        // The prompt is prefilled whole and the first token sampled from its last row, as
+        // plain decoding does; that token is the anchor of the first round.
         let pos0 = s.n_past;
         let mut logits = Vec::new();
-        if !head.is_empty() {
-            self.prefill_into(s, head, head.len(), &mut logits)?;
-        }
+        self.prefill_into(s, prompt, prompt.len() - 1, &mut logits)?;
         drafter.begin(prompt).map_err(EngineError::Spec)?;
-        if !head.is_empty() {
-            drafter.process(head, pos0).map_err(EngineError::Spec)?;
-        }
+        drafter.process(prompt, pos0).map_err(EngineError::Spec)?;
         out.timings.prompt_n = prompt.len();
         out.timings.prompt_ms = ms(t0);
+        let mut history = prompt.to_vec();
+        if n_predict > 0 {
+            if opts.top_logits > 0 {
+                out.top_logits.push(top_k_logits(&logits, opts.top_logits));
+            }
+            let id = sampler.sample(&logits)?;
+            sampler.accept(id)?;
+            out.generated_ids.push(id);
+            history.push(id);
+            on_token(id);
+            if opts.stop_at_eog && self.tokenizer.is_eog(id) {
+                out.stopped_at_eog = true;
+            }
+        }
 
         let t1 = Instant::now();
         let mut stats = SpecStats::default();
         let mut policy = Adaptive::new(spec.n_max);
-        let mut history = prompt.to_vec();
         let mut batch = Vec::with_capacity(spec.n_max + 1);
         let mut since_draft = 1usize;
-        'rounds: while out.generated_ids.len() < n_predict {
+        'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();
             // Room for drafts: the context after the anchor, and the budget after the token
             // the target adds.
