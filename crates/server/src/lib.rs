@@ -9,8 +9,8 @@
 //!   each with its own KV cache and drafter. Each engine step runs one batched forward over
 //!   every generating slot (its anchor token plus its draft when it speculates): continuous
 //!   batching, with batch-invariant kernels so that a request's output does not depend on
-//!   what runs beside it. A new request's prompt is read in chunks between steps, reusing the
-//!   longest prefix its slot already holds.
+//!   what runs beside it. A new request's prompt is read in chunks that ride in the same
+//!   batched forward, reusing the longest prefix its slot already holds.
 //! - Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming or not),
 //!   `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /slots`, `GET /props`,
 //!   `POST /tokenize`, `POST /detokenize`. Responses carry OpenAI `usage` and llama-server

@@ -4,10 +4,10 @@
 //!
 //! One loop iteration: take new commands; give queued requests to free slots (the slot whose
 //! cache shares the longest prefix with the prompt first, its KV kept for that prefix); drop
-//! requests whose client left or whose time ran out; run one prefill chunk of each slot still
-//! reading its prompt; then one batched forward over every generating slot — each slot
-//! contributes its anchor token and, when it speculates, its draft — and verify, commit and
-//! stream each slot's tokens.
+//! requests whose client left or whose time ran out; then one batched forward over every busy
+//! slot — a slot reading its prompt contributes its next prompt chunk (all chunks together at
+//! most `n_batch` rows, no logits), a generating slot its anchor token and, when it
+//! speculates, its draft — and verify, commit and stream each generating slot's tokens.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -132,6 +132,10 @@ struct Task {
     draft_s: f64,
     caught_up: usize,
     prompt_s: f64,
+    /// When the slot took the job (prompt time runs from here to the end of the prefill).
+    assigned: Instant,
+    /// This step's prompt rows end here (`Prefill { next }` to `prefill_end`).
+    prefill_end: usize,
     decode_start: Option<Instant>,
     candidates: Candidates,
     top: Vec<(u32, f32)>,
@@ -190,7 +194,6 @@ pub(crate) struct Worker<B: Backend> {
     rollback: Rollback,
     scratch: Scratch<B>,
     logits: Vec<f32>,
-    prefill_buf: Vec<f32>,
     clock: u64,
 }
 
@@ -274,7 +277,6 @@ impl<B: Backend> Worker<B> {
             rollback,
             scratch,
             logits: Vec::new(),
-            prefill_buf: Vec::new(),
             clock: 0,
         })
     }
@@ -332,7 +334,7 @@ impl<B: Backend> Worker<B> {
             }
             self.assign();
             self.reap();
-            self.prefill_step();
+            self.plan_prefill();
             self.decode_step();
             self.gauges();
         }
@@ -474,52 +476,28 @@ impl<B: Backend> Worker<B> {
         }
     }
 
-    /// One prompt chunk of every slot still reading its prompt.
-    fn prefill_step(&mut self) {
-        let n_batch = self.engine.n_batch.max(1);
+    /// Plans this step's prompt rows: the next chunk of every slot still reading its prompt,
+    /// all chunks together at most `n_batch` rows. A slot with nothing left to read (its
+    /// prompt was cached, or is one token) starts generating in this step.
+    fn plan_prefill(&mut self) {
+        let mut budget = self.engine.n_batch.max(1);
         for slot in &mut self.slots {
             let Some(t) = &mut slot.task else { continue };
             let Phase::Prefill { next } = t.phase else {
                 continue;
             };
             let head_len = t.job.prompt.len() - 1;
-            let end = (next + n_batch).min(head_len);
-            let t0 = Instant::now();
-            if end > next {
-                let chunk = &t.job.prompt[next..end];
-                if let Err(e) = self.engine.prefill_into(
-                    &mut slot.session,
-                    chunk,
-                    chunk.len(),
-                    &mut self.prefill_buf,
-                ) {
-                    fail(slot, 500, &format!("prompt processing failed: {e}"));
-                    continue;
-                }
-            }
-            t.prompt_s += t0.elapsed().as_secs_f64();
-            if end < head_len {
-                t.phase = Phase::Prefill { next: end };
-                continue;
-            }
-            t.phase = Phase::Decode;
-            if let (Some(d), true) = (slot.drafter.as_mut(), t.spec_on) {
-                let head = &t.job.prompt[..head_len];
-                let r = d.begin(&t.job.prompt).and_then(|()| {
-                    if head_len > t.cached {
-                        d.process(&head[t.cached..], t.cached)
-                    } else {
-                        Ok(())
-                    }
-                });
-                if let Err(e) = r {
-                    fail(slot, 500, &format!("the drafter failed: {e}"));
-                }
+            let end = (next + budget).min(head_len);
+            budget -= end - next;
+            t.prefill_end = end;
+            if next == head_len {
+                finish_prefill(slot);
             }
         }
     }
 
-    /// One batched forward over every generating slot, then verification and streaming.
+    /// One batched forward over every busy slot (prompt chunks and generation rows), then
+    /// verification and streaming.
     #[allow(clippy::too_many_lines, reason = "one engine step, in order")]
     fn decode_step(&mut self) {
         let n_vocab = self.engine.model.hparams().n_vocab;
@@ -573,7 +551,12 @@ impl<B: Backend> Worker<B> {
                 }
             }
         }
-        if n_busy == 0 {
+        let prefilling = self.slots.iter().any(|s| {
+            s.task
+                .as_ref()
+                .is_some_and(|t| matches!(t.phase, Phase::Prefill { next } if t.prefill_end > next))
+        });
+        if n_busy == 0 && !prefilling {
             return;
         }
         // The batched forward.
@@ -584,15 +567,26 @@ impl<B: Backend> Worker<B> {
             for slot in &mut self.slots {
                 let Slot { session, task, .. } = slot;
                 let Some(t) = task else { continue };
-                if t.phase != Phase::Decode {
-                    continue;
+                match t.phase {
+                    // Prompt rows: their KV only, no logits.
+                    Phase::Prefill { next } if t.prefill_end > next => {
+                        let chunk = &t.job.prompt[next..t.prefill_end];
+                        entries.push(BatchEntry {
+                            session,
+                            tokens: chunk,
+                            logits_from: chunk.len(),
+                        });
+                    }
+                    Phase::Prefill { .. } => {}
+                    Phase::Decode => {
+                        bases.push(session.n_past());
+                        entries.push(BatchEntry {
+                            session,
+                            tokens: &t.batch,
+                            logits_from: 0,
+                        });
+                    }
                 }
-                bases.push(session.n_past());
-                entries.push(BatchEntry {
-                    session,
-                    tokens: &t.batch,
-                    logits_from: 0,
-                });
             }
             if entries.is_empty() {
                 return;
@@ -601,13 +595,15 @@ impl<B: Backend> Worker<B> {
                 .decode_multi(&mut entries, &mut self.scratch, &mut self.logits)
         };
         let verify_s = tv.elapsed().as_secs_f64();
-        self.metrics.with(|c| {
-            c.n_decode += 1;
-            c.n_busy_slots += n_busy;
-        });
+        if n_busy > 0 {
+            self.metrics.with(|c| {
+                c.n_decode += 1;
+                c.n_busy_slots += n_busy;
+            });
+        }
         if let Err(e) = result {
             for slot in &mut self.slots {
-                if slot.task.as_ref().is_some_and(|t| t.phase == Phase::Decode) {
+                if slot.task.is_some() {
                     fail(slot, 500, &format!("decoding failed: {e}"));
                     slot.session.truncate(0);
                     slot.cached.clear();
@@ -685,6 +681,42 @@ impl<B: Backend> Worker<B> {
                 let t = slot.task.take().expect("a task");
                 finish_task(slot, t, reason, &self.metrics);
             }
+        }
+        // Prompt rows: advance, and start generating after the last chunk.
+        for slot in &mut self.slots {
+            let Some(t) = &mut slot.task else { continue };
+            if let Phase::Prefill { next } = t.phase
+                && t.prefill_end > next
+            {
+                t.phase = Phase::Prefill {
+                    next: t.prefill_end,
+                };
+                if t.prefill_end == t.job.prompt.len() - 1 {
+                    finish_prefill(slot);
+                }
+            }
+        }
+    }
+}
+
+/// The prompt is in the cache (all but the anchor): the slot generates from the next step,
+/// and its drafter starts on the prompt.
+fn finish_prefill<B: Backend>(slot: &mut Slot<B>) {
+    let Some(t) = &mut slot.task else { return };
+    t.phase = Phase::Decode;
+    t.prompt_s = t.assigned.elapsed().as_secs_f64();
+    let head_len = t.job.prompt.len() - 1;
+    if let (Some(d), true) = (slot.drafter.as_mut(), t.spec_on) {
+        let head = &t.job.prompt[..head_len];
+        let r = d.begin(&t.job.prompt).and_then(|()| {
+            if head_len > t.cached {
+                d.process(&head[t.cached..], t.cached)
+            } else {
+                Ok(())
+            }
+        });
+        if let Err(e) = r {
+            fail(slot, 500, &format!("the drafter failed: {e}"));
         }
     }
 }
@@ -796,6 +828,8 @@ fn start_task<B: Backend>(
         draft_s: 0.0,
         caught_up: 0,
         prompt_s: 0.0,
+        assigned: Instant::now(),
+        prefill_end: common,
         decode_start: None,
         candidates: Candidates::new(),
         top: Vec::new(),
