@@ -6,16 +6,21 @@
 //! - `cargo xtask fetch-models` — fetches the real models pinned in `models.toml`.
 //! - `cargo xtask golden` — regenerates `golden/` with the Python oracles in `reference/`.
 //! - `cargo xtask bench kv` — speed and memory of the KV cache formats against depth.
+//! - `cargo xtask bench server` — load on `specula serve`: concurrent streams, `-np 4` vs 1.
+//! - `cargo xtask e2e` — the official `openai` Python client against `specula serve`.
 //! - `cargo xtask bench spec` — speculative against plain decoding over a mixed prompt set.
 //!
 //! The alias in `.cargo/config.toml` builds this crate into `target/xtask`, so running a chore
 //! never invalidates the workspace build.
 
 mod bench;
+mod bench_server;
 mod bench_spec;
 mod ci;
+mod e2e;
 mod fuzz;
 mod golden;
+mod http;
 mod models;
 mod util;
 
@@ -46,6 +51,42 @@ enum Task {
     /// Benchmark sweeps (tables and plots in `benches/results/`).
     #[command(subcommand)]
     Bench(BenchTask),
+    /// The official `openai` Python client against `specula serve` (needs Python and PyPI).
+    E2e(E2eArgs),
+}
+
+/// Options of `cargo xtask e2e`.
+#[derive(Debug, Args)]
+struct E2eArgs {
+    /// Model (file or manifest name; default: the default model).
+    #[arg(short = 'm', long)]
+    model: Option<String>,
+    /// Print less.
+    #[arg(long)]
+    quiet: bool,
+}
+
+/// Options of `cargo xtask bench server`.
+#[derive(Debug, Args)]
+struct ServerBenchArgs {
+    /// Model (file or manifest name).
+    #[arg(short = 'm', long, default_value = "smollm2-135m")]
+    model: String,
+    /// Concurrent streaming requests.
+    #[arg(long, default_value_t = 32)]
+    requests: usize,
+    /// Tokens per request.
+    #[arg(short = 'n', long = "max-tokens", default_value_t = 64)]
+    max_tokens: usize,
+    /// Slot settings to compare.
+    #[arg(long = "np", value_delimiter = ',', default_value = "1,4")]
+    parallel: Vec<usize>,
+    /// Server threads.
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: usize,
+    /// Clients that leave after their first chunk (on the last -np setting).
+    #[arg(long, default_value_t = 8)]
+    disconnects: usize,
 }
 
 /// The sweeps of `cargo xtask bench`.
@@ -53,6 +94,8 @@ enum Task {
 enum BenchTask {
     /// Speed and memory of KV cache formats against context depth.
     Kv(KvBenchArgs),
+    /// Load on `specula serve`: concurrent streams, aggregate t/s for each -np, disconnects.
+    Server(ServerBenchArgs),
     /// Speculative against plain decoding over a mixed prompt set (lossless check included).
     Spec(SpecBenchArgs),
 }
@@ -170,6 +213,8 @@ fn main() -> ExitCode {
         Task::FetchModels(args) => models::run(&args),
         Task::Golden(args) => golden::run(&args),
         Task::Bench(BenchTask::Kv(args)) => bench::run(&args),
+        Task::Bench(BenchTask::Server(args)) => bench_server::run(&args),
+        Task::E2e(args) => e2e::run(&args),
         Task::Bench(BenchTask::Spec(args)) => bench_spec::run(&args),
     };
     match result {

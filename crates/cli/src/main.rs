@@ -12,6 +12,7 @@ mod load;
 mod perplexity;
 mod quantize;
 mod run;
+mod serve;
 mod tokenize;
 
 use std::io::Write;
@@ -33,6 +34,9 @@ enum Command {
     Inspect(inspect::Args),
     /// Generate text from a prompt (greedy or sampled), like llama-cli.
     Run(run::Args),
+    /// OpenAI-compatible HTTP server with parallel slots and speculative decoding, like
+    /// llama-server.
+    Serve(serve::Args),
     /// Prompt-processing and generation speed, llama-bench style.
     Bench(bench::Args),
     /// Perplexity of a text file, computed as llama-perplexity does.
@@ -52,6 +56,8 @@ const LLAMA_SHORT: &[(&str, &str)] = &[
     ("-ctv", "--cache-type-v"),
     ("-ctkd", "--cache-type-k-draft"),
     ("-ctvd", "--cache-type-v-draft"),
+    ("-np", "--parallel"),
+    ("-to", "--timeout"),
 ];
 
 /// The arguments with llama.cpp's multi-letter single-dash flags (`-md FILE`, `-ctk q8_0`,
@@ -79,6 +85,7 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => inspect::run(&args),
         Command::Run(args) => run::run(&args),
+        Command::Serve(args) => serve::run(&args),
         Command::Bench(args) => bench::run(&args),
         Command::Perplexity(args) => perplexity::run(&args),
         Command::Quantize(args) => quantize::run(&args),
@@ -140,5 +147,46 @@ mod tests {
         assert!(
             matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.ctx_size_draft == 64)
         );
+    }
+
+    #[test]
+    fn serve_takes_llama_server_flags() {
+        let args = [
+            "specula",
+            "serve",
+            "-m",
+            "t.gguf",
+            "-np",
+            "4",
+            "-c",
+            "8192",
+            "-md",
+            "d.gguf",
+            "-ctk",
+            "q8_0",
+            "--api-key",
+            "k",
+            "-to",
+            "30",
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "9000",
+            "--spec-draft-n-max",
+            "8",
+        ];
+        let cli =
+            Cli::try_parse_from(llama_args(args.iter().map(std::ffi::OsString::from))).unwrap();
+        let Command::Serve(a) = cli.command else {
+            panic!("not serve");
+        };
+        assert_eq!(a.parallel, 4);
+        assert_eq!(a.ctx_size, 8192);
+        assert_eq!(a.model_draft.as_deref(), Some("d.gguf"));
+        assert_eq!(a.cache_type_k, "q8_0");
+        assert_eq!(a.api_key.as_deref(), Some("k"));
+        assert_eq!(a.timeout, 30);
+        assert_eq!((a.host.as_str(), a.port), ("0.0.0.0", 9000));
+        assert_eq!(a.spec_n_max, 8);
     }
 }

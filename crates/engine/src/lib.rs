@@ -21,7 +21,7 @@ mod spec;
 
 use std::time::Instant;
 
-use specula_models::{Model, ModelError, Scratch};
+use specula_models::{Model, ModelError, Scratch, SeqRows};
 use specula_quant::QType;
 use specula_sampling::{Sampler, SamplerParams, SamplingError};
 use specula_tensor::Backend;
@@ -151,6 +151,26 @@ impl<B: Backend> Session<B> {
     /// next tokens).
     pub fn truncate(&mut self, n: usize) {
         self.n_past = self.n_past.min(n);
+    }
+}
+
+/// One sequence's tokens in an [`Engine::decode_multi`] batch.
+pub struct BatchEntry<'a, B: Backend> {
+    /// The sequence (its cache and position).
+    pub session: &'a mut Session<B>,
+    /// Tokens to run after what the session holds.
+    pub tokens: &'a [u32],
+    /// Logits are returned for `tokens[logits_from..]`.
+    pub logits_from: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for BatchEntry<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BatchEntry")
+            .field("session", &self.session)
+            .field("tokens", &self.tokens)
+            .field("logits_from", &self.logits_from)
+            .finish()
     }
 }
 
@@ -405,6 +425,78 @@ impl<B: Backend> Engine<B> {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Activation buffers for [`Engine::decode_multi`] (one set serves every batch).
+    #[must_use]
+    pub fn scratch(&self) -> Scratch<B> {
+        self.model.scratch(&self.backend)
+    }
+
+    /// Runs the tokens of several sessions as one batch ([`Model::forward_multi`]: matmuls
+    /// over all rows, attention per session on its own cache) and writes the logits of each
+    /// entry's rows `tokens[logits_from..]` into `out` (cleared first), entry after entry.
+    /// With batch-invariant kernels every row has the bits it has when its session runs
+    /// alone. Each session's position advances by its tokens.
+    ///
+    /// # Errors
+    /// An entry with no tokens, ids outside the vocabulary, or not enough context left in a
+    /// session (checked for all entries before any work).
+    pub fn decode_multi(
+        &self,
+        entries: &mut [BatchEntry<'_, B>],
+        scratch: &mut Scratch<B>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        for e in entries.iter() {
+            if e.tokens.is_empty() {
+                return Err(EngineError::EmptyPrompt);
+            }
+            self.check_ids(e.tokens)?;
+            let s = &e.session;
+            if s.n_past + e.tokens.len() > s.n_ctx {
+                return Err(EngineError::ContextFull {
+                    needed: s.n_past + e.tokens.len(),
+                    prompt: s.n_past + e.tokens.len(),
+                    predict: 0,
+                    n_ctx: s.n_ctx,
+                });
+            }
+        }
+        out.clear();
+        if entries.is_empty() {
+            return Ok(());
+        }
+        for e in entries.iter_mut() {
+            let start = u32::try_from(e.session.n_past).unwrap_or(u32::MAX);
+            e.session.pos.clear();
+            e.session.pos.extend((start..).take(e.tokens.len()));
+            e.session.rows.clear();
+            e.session
+                .rows
+                .extend(e.logits_from.min(e.tokens.len())..e.tokens.len());
+        }
+        let mut seqs: Vec<SeqRows<'_, B>> = entries
+            .iter_mut()
+            .map(|e| {
+                let s = &mut *e.session;
+                SeqRows {
+                    kv: &mut s.kv,
+                    tokens: e.tokens,
+                    pos: &s.pos,
+                    logits_rows: &s.rows,
+                }
+            })
+            .collect();
+        let logits = self
+            .model
+            .forward_multi(&self.backend, &mut seqs, scratch)?;
+        out.extend_from_slice(logits);
+        drop(seqs);
+        for e in entries.iter_mut() {
+            e.session.n_past += e.tokens.len();
         }
         Ok(())
     }

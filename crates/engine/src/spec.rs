@@ -328,7 +328,7 @@ pub fn check_vocab(
 /// its own cache in step with the committed history (only the part that changed is run again)
 /// and drafts greedily, stopping where its top-1 probability falls below `p_min`.
 pub struct DraftModel<B: Backend> {
-    engine: Engine<B>,
+    engine: std::sync::Arc<Engine<B>>,
     session: Session<B>,
     /// The tokens in the draft cache, in order.
     cached: Vec<u32>,
@@ -352,6 +352,21 @@ impl<B: Backend> DraftModel<B> {
     /// [`EngineError::Vocab`] when the vocabularies differ; errors making the session.
     pub fn new(
         engine: Engine<B>,
+        target: &Tokenizer,
+        n_ctx: usize,
+        k_type: specula_tensor::QType,
+        v_type: specula_tensor::QType,
+    ) -> Result<Self> {
+        Self::shared(std::sync::Arc::new(engine), target, n_ctx, k_type, v_type)
+    }
+
+    /// [`DraftModel::new`] over a draft engine shared with other drafters (one per server
+    /// slot): each keeps its own session, the weights are loaded once.
+    ///
+    /// # Errors
+    /// As [`DraftModel::new`].
+    pub fn shared(
+        engine: std::sync::Arc<Engine<B>>,
         target: &Tokenizer,
         n_ctx: usize,
         k_type: specula_tensor::QType,

@@ -161,6 +161,41 @@ pub struct Scratch<B: Backend> {
     kv_pos: Vec<u32>,
     cells: Vec<usize>,
     host: Vec<f32>,
+    /// [`Model::forward_multi`]: one sequence's q/k/v/attention rows, the batch's tokens,
+    /// positions and logits rows, and the attention output gathered on the host.
+    seq_q: B::Tensor,
+    seq_k: B::Tensor,
+    seq_v: B::Tensor,
+    seq_attn: B::Tensor,
+    seq_rows: Vec<usize>,
+    all_tokens: Vec<u32>,
+    all_pos: Vec<u32>,
+    all_logits_rows: Vec<usize>,
+    attn_host: Vec<f32>,
+    seq_host: Vec<f32>,
+}
+
+/// One sequence's rows in a [`Model::forward_multi`] batch: its own cache, its tokens at their
+/// positions (contiguous with what its cache holds), and which of its rows need logits.
+pub struct SeqRows<'a, B: Backend> {
+    /// The sequence's cache.
+    pub kv: &'a mut B::Kv,
+    /// Its tokens.
+    pub tokens: &'a [u32],
+    /// Their positions.
+    pub pos: &'a [u32],
+    /// Rows (indices into `tokens`) whose logits are wanted.
+    pub logits_rows: &'a [usize],
+}
+
+impl<B: Backend> std::fmt::Debug for SeqRows<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SeqRows")
+            .field("tokens", &self.tokens)
+            .field("pos", &self.pos)
+            .field("logits_rows", &self.logits_rows)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A loaded model on a backend.
@@ -380,6 +415,16 @@ impl<B: Backend> Model<B> {
             kv_pos: Vec::new(),
             cells: Vec::new(),
             host: Vec::new(),
+            seq_q: z(),
+            seq_k: z(),
+            seq_v: z(),
+            seq_attn: z(),
+            seq_rows: Vec::new(),
+            all_tokens: Vec::new(),
+            all_pos: Vec::new(),
+            all_logits_rows: Vec::new(),
+            attn_host: Vec::new(),
+            seq_host: Vec::new(),
         }
     }
 
@@ -414,7 +459,6 @@ impl<B: Backend> Model<B> {
         logits_rows: &[usize],
         mut taps: Option<&mut Taps>,
     ) -> Result<&'s [f32]> {
-        let hp = &self.hp;
         let n = tokens.len();
         if n == 0 || pos.len() != n {
             return Err(ModelError::Batch(format!(
@@ -437,9 +481,153 @@ impl<B: Backend> Model<B> {
             t.rows.resize(t.layers.len(), Vec::new());
         }
 
-        let rope = self.rope();
+        self.layers_and_head(be, s, tokens, pos, logits_rows, taps, &mut |be, s, il| {
+            let scale = Self::attn_scale(&self.hp);
+            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
+            be.attention(
+                &s.q,
+                kv,
+                &AttentionParams {
+                    layer: il,
+                    n_head: self.hp.n_head,
+                    q_pos: pos,
+                    kv_pos: &s.kv_pos,
+                    scale,
+                    mask: Mask::Causal,
+                    softcap: None,
+                },
+                &mut s.attn,
+            );
+        })?;
+        Ok(&s.host)
+    }
+
+    fn attn_scale(hp: &Hparams) -> f32 {
         #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
         let scale = 1.0 / (hp.head_dim_k as f32).sqrt();
+        scale
+    }
+
+    /// Runs the rows of several sequences, each on its own cache, as one batch: the matmuls
+    /// (and norms, RoPE, FFN) run over all rows together, the attention of each sequence over
+    /// its own cache. Returns the logits of every sequence's `logits_rows`, sequence after
+    /// sequence (row-major). With batch-invariant kernels each row has the bits it would have
+    /// in [`Model::forward`] of its sequence alone, so a sequence's output does not depend on
+    /// what else runs with it (continuous batching in a server).
+    ///
+    /// # Errors
+    /// An empty or inconsistent batch, or positions past a cache.
+    pub fn forward_multi<'s>(
+        &self,
+        be: &B,
+        seqs: &mut [SeqRows<'_, B>],
+        s: &'s mut Scratch<B>,
+    ) -> Result<&'s [f32]> {
+        if let [one] = seqs {
+            return self.forward(be, one.kv, s, one.tokens, one.pos, one.logits_rows, None);
+        }
+        if seqs.is_empty() {
+            return Err(ModelError::Batch(
+                "a batch needs at least one sequence".into(),
+            ));
+        }
+        let mut all_tokens = std::mem::take(&mut s.all_tokens);
+        let mut all_pos = std::mem::take(&mut s.all_pos);
+        let mut all_rows = std::mem::take(&mut s.all_logits_rows);
+        all_tokens.clear();
+        all_pos.clear();
+        all_rows.clear();
+        for (i, q) in seqs.iter().enumerate() {
+            let n = q.tokens.len();
+            if n == 0 || q.pos.len() != n {
+                return Err(ModelError::Batch(format!(
+                    "sequence {i} of the batch needs one position per token ({n} tokens, {} positions)",
+                    q.pos.len()
+                )));
+            }
+            if let Some(&bad) = q.logits_rows.iter().find(|&&r| r >= n) {
+                return Err(ModelError::Batch(format!(
+                    "logits asked for row {bad} of sequence {i}, which has {n} tokens"
+                )));
+            }
+            let off = all_tokens.len();
+            all_rows.extend(q.logits_rows.iter().map(|&r| off + r));
+            all_tokens.extend_from_slice(q.tokens);
+            all_pos.extend_from_slice(q.pos);
+        }
+        let hp = &self.hp;
+        let result = self.layers_and_head(
+            be,
+            s,
+            &all_tokens,
+            &all_pos,
+            &all_rows,
+            None,
+            &mut |be, s, il| {
+                let scale = Self::attn_scale(hp);
+                s.attn_host.clear();
+                let mut off = 0;
+                for q in seqs.iter_mut() {
+                    let n = q.tokens.len();
+                    s.seq_rows.clear();
+                    s.seq_rows.extend(off..off + n);
+                    off += n;
+                    be.copy_rows(&s.q, &s.seq_rows, &mut s.seq_q);
+                    be.copy_rows(&s.k, &s.seq_rows, &mut s.seq_k);
+                    be.copy_rows(&s.v, &s.seq_rows, &mut s.seq_v);
+                    s.cells.clear();
+                    s.cells.extend(q.pos.iter().map(|&p| p as usize));
+                    let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
+                    s.kv_pos.clear();
+                    s.kv_pos
+                        .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
+                    be.kv_write(q.kv, il, &s.cells, &s.seq_k, &s.seq_v);
+                    be.attention(
+                        &s.seq_q,
+                        q.kv,
+                        &AttentionParams {
+                            layer: il,
+                            n_head: hp.n_head,
+                            q_pos: q.pos,
+                            kv_pos: &s.kv_pos,
+                            scale,
+                            mask: Mask::Causal,
+                            softcap: None,
+                        },
+                        &mut s.seq_attn,
+                    );
+                    be.to_host(&s.seq_attn, &mut s.seq_host);
+                    s.attn_host.extend_from_slice(&s.seq_host);
+                }
+                let cols = s.attn_host.len() / off.max(1);
+                s.attn = be.from_host(off, cols, &s.attn_host);
+            },
+        );
+        s.all_tokens = all_tokens;
+        s.all_pos = all_pos;
+        s.all_logits_rows = all_rows;
+        result?;
+        Ok(&s.host)
+    }
+
+    /// Every layer around the attention `attend` computes (from `s.q/k/v` into `s.attn`,
+    /// writing the cache), then the output head for `logits_rows` into `s.host`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the forward pass's inputs are all needed"
+    )]
+    fn layers_and_head(
+        &self,
+        be: &B,
+        s: &mut Scratch<B>,
+        tokens: &[u32],
+        pos: &[u32],
+        logits_rows: &[usize],
+        mut taps: Option<&mut Taps>,
+        attend: &mut dyn FnMut(&B, &mut Scratch<B>, usize),
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let rope = self.rope();
         be.get_rows(&self.tok_embd, tokens, &mut s.x);
         for (il, layer) in self.layers.iter().enumerate() {
             self.tap(be, il, &s.x, taps.as_deref_mut());
@@ -462,21 +650,7 @@ impl<B: Backend> Model<B> {
             }
             be.rope(&mut s.q, hp.head_dim_k, pos, &rope);
             be.rope(&mut s.k, hp.head_dim_k, pos, &rope);
-            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
-            be.attention(
-                &s.q,
-                kv,
-                &AttentionParams {
-                    layer: il,
-                    n_head: hp.n_head,
-                    q_pos: pos,
-                    kv_pos: &s.kv_pos,
-                    scale,
-                    mask: Mask::Causal,
-                    softcap: None,
-                },
-                &mut s.attn,
-            );
+            attend(be, s, il);
             be.matmul(&s.attn, &layer.wo, &mut s.proj);
             be.add(&mut s.x, &s.proj);
 
@@ -491,14 +665,14 @@ impl<B: Backend> Model<B> {
 
         if logits_rows.is_empty() {
             s.host.clear();
-            return Ok(&s.host);
+            return Ok(());
         }
         be.copy_rows(&s.x, logits_rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
         be.matmul(&s.norm, head.as_ref(), &mut s.logits);
         be.to_host(&s.logits, &mut s.host);
-        Ok(&s.host)
+        Ok(())
     }
 
     fn tap(&self, be: &B, layer: usize, x: &B::Tensor, taps: Option<&mut Taps>) {

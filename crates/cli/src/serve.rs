@@ -1,0 +1,273 @@
+//! `specula serve`: the OpenAI-compatible server (`specula-server`) with llama-server's flags.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::ValueEnum as _;
+use specula_engine::{DraftModel, SpecOptions};
+use specula_server::{ServerConfig, Speculative};
+use specula_spec::ngram::{NgramCache, NgramSimple};
+use specula_tokenizer::Tokenizer;
+
+use crate::load;
+use crate::run::SpecType;
+
+/// Arguments of `specula serve` (llama-server's flag names).
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// GGUF file or manifest model name; default: the default model (fetched on first use).
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<String>,
+    /// Model name in responses and /v1/models (default: the file name).
+    #[arg(short = 'a', long = "alias")]
+    pub alias: Option<String>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port).
+    #[arg(long, default_value_t = 8080)]
+    pub port: u16,
+    /// Context size of all slots together; each slot gets -c / -np.
+    #[arg(short = 'c', long = "ctx-size", default_value_t = 4096)]
+    pub ctx_size: usize,
+    /// Parallel slots (sequences decoded together in one batched forward).
+    #[arg(long = "parallel", visible_alias = "np", default_value_t = 1)]
+    pub parallel: usize,
+    /// Threads (0 = all cores).
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: usize,
+    /// Tokens per prompt chunk.
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    pub batch_size: usize,
+    /// K cache type.
+    #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
+    pub cache_type_k: String,
+    /// V cache type.
+    #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
+    pub cache_type_v: String,
+    /// Require this key (`Authorization: Bearer KEY`) on every endpoint but /health and
+    /// /v1/models.
+    #[arg(long = "api-key")]
+    pub api_key: Option<String>,
+    /// Longest a request may run, in seconds.
+    #[arg(long = "timeout", visible_alias = "to", default_value_t = 600)]
+    pub timeout: u64,
+    /// Largest request body, in bytes.
+    #[arg(long = "body-limit", default_value_t = 8 << 20)]
+    pub body_limit: usize,
+    /// Threads of the HTTP side.
+    #[arg(long = "threads-http", default_value_t = 2)]
+    pub threads_http: usize,
+    /// Log debug details too.
+    #[arg(short = 'v', long)]
+    pub verbose: bool,
+    /// Draft model (GGUF file or manifest name) for speculative decoding.
+    #[arg(long = "model-draft", visible_alias = "md")]
+    pub model_draft: Option<String>,
+    /// Speculative method; default: `draft-simple` with `-md`, else none.
+    #[arg(long = "spec-type", value_enum)]
+    pub spec_type: Option<SpecType>,
+    /// Most draft tokens per round (a request may lower it: `speculative.n_max`).
+    #[arg(
+        long = "spec-draft-n-max",
+        visible_alias = "draft-max",
+        default_value_t = 16
+    )]
+    pub spec_n_max: usize,
+    /// Drafts shorter than this are not verified.
+    #[arg(
+        long = "spec-draft-n-min",
+        visible_alias = "draft-min",
+        default_value_t = 0
+    )]
+    pub spec_n_min: usize,
+    /// A draft model stops where its top-1 probability falls below this.
+    #[arg(
+        long = "spec-draft-p-min",
+        visible_alias = "draft-p-min",
+        default_value_t = 0.75
+    )]
+    pub spec_p_min: f32,
+    /// Always ask for `--spec-draft-n-max` tokens instead of choosing each round's length.
+    #[arg(long = "spec-fixed")]
+    pub spec_fixed: bool,
+    /// Context size of each slot's draft cache (0 = a slot's context).
+    #[arg(long = "ctx-size-draft", visible_alias = "cd", default_value_t = 0)]
+    pub ctx_size_draft: usize,
+    /// Threads of the draft model (0 = as -t).
+    #[arg(long = "threads-draft", visible_alias = "td", default_value_t = 0)]
+    pub threads_draft: usize,
+    /// K cache type of the draft model.
+    #[arg(
+        long = "cache-type-k-draft",
+        visible_alias = "ctkd",
+        default_value = "f16"
+    )]
+    pub cache_type_k_draft: String,
+    /// V cache type of the draft model.
+    #[arg(
+        long = "cache-type-v-draft",
+        visible_alias = "ctvd",
+        default_value = "f16"
+    )]
+    pub cache_type_v_draft: String,
+}
+
+/// Runs the server until SIGTERM / Ctrl-C.
+pub fn run(args: &Args) -> Result<String> {
+    let level = if args.verbose {
+        tracing::Level::DEBUG
+    } else {
+        tracing::Level::INFO
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(level)
+        .with_target(false)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_writer(std::io::stderr)
+        .try_init();
+    if args.parallel == 0 || args.ctx_size == 0 || args.batch_size == 0 {
+        bail!("-np, -c and -b must be positive");
+    }
+    let (k_type, v_type) = (
+        load::cache_type(&args.cache_type_k)?,
+        load::cache_type(&args.cache_type_v)?,
+    );
+    let path = load::model_path(args.model.as_deref())?;
+    let mut engine = load::cpu_engine(&path, args.threads)?;
+    engine.n_batch = args.batch_size;
+    let n_ctx_slot = args.ctx_size / args.parallel;
+    load::check_cache(&engine, n_ctx_slot, k_type, v_type)?;
+    let file = specula_gguf::Gguf::open(&path)
+        .with_context(|| format!("cannot load {}", path.display()))?;
+    let tokenizer = Tokenizer::from_gguf(&file)
+        .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
+    let spec = speculative(args, &engine.tokenizer, n_ctx_slot)?;
+    let name = args.alias.clone().unwrap_or_else(|| {
+        path.file_name()
+            .map_or_else(|| "specula".into(), |n| n.to_string_lossy().into_owned())
+    });
+    tracing::info!(
+        model = %path.display(),
+        slots = args.parallel,
+        n_ctx_slot,
+        "loaded"
+    );
+    let cfg = ServerConfig {
+        host: args.host.clone(),
+        port: args.port,
+        n_parallel: args.parallel,
+        n_ctx: args.ctx_size,
+        k_type,
+        v_type,
+        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        timeout: Duration::from_secs(args.timeout.max(1)),
+        body_limit: args.body_limit,
+        model_name: name,
+        http_threads: args.threads_http,
+        handle_signals: true,
+    };
+    let server = specula_server::start(cfg, engine, tokenizer, spec)?;
+    eprintln!("specula serve: listening on http://{}", server.addr());
+    server.wait()?;
+    Ok(String::new())
+}
+
+/// The drafters the flags ask for. Without `-md` or `--spec-type` there is none, and
+/// nothing speculative is set up or logged.
+fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Option<Speculative>> {
+    let kind = match (args.spec_type, &args.model_draft) {
+        (Some(t), _) => t,
+        (None, Some(_)) => SpecType::DraftSimple,
+        (None, None) => return Ok(None),
+    };
+    if kind == SpecType::None {
+        if args.model_draft.is_some() {
+            bail!("--spec-type none takes no draft model (-md)");
+        }
+        return Ok(None);
+    }
+    if args.spec_n_max == 0 {
+        bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
+    }
+    if !(0.0..=1.0).contains(&args.spec_p_min) {
+        bail!(
+            "--spec-draft-p-min must be in [0, 1], got {}",
+            args.spec_p_min
+        );
+    }
+    let name = kind
+        .to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_owned());
+    let needs_model = matches!(
+        kind,
+        SpecType::DraftSimple | SpecType::DraftEagle3 | SpecType::DraftDflash
+    );
+    if needs_model != args.model_draft.is_some() {
+        bail!(
+            "--spec-type {name} {}",
+            if needs_model {
+                "needs a draft model (-md FILE)"
+            } else {
+                "takes no draft model (-md)"
+            }
+        );
+    }
+    let options = SpecOptions {
+        n_max: args.spec_n_max,
+        n_min: args.spec_n_min,
+        p_min: args.spec_p_min,
+        adaptive: !args.spec_fixed,
+    };
+    let factory: specula_server::DrafterFactory = match kind {
+        SpecType::None => return Ok(None),
+        SpecType::NgramSimple => Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
+        SpecType::NgramCache => Box::new(|| Ok(Box::new(NgramCache::default()) as _)),
+        SpecType::DraftEagle3 | SpecType::DraftDflash => bail!(
+            "--spec-type {name} is not available yet: EAGLE-3 and DFlash drafters come with the next release; use draft-simple or an n-gram type"
+        ),
+        SpecType::DraftSimple => {
+            let path = load::model_path(args.model_draft.as_deref())?;
+            let threads = if args.threads_draft == 0 {
+                args.threads
+            } else {
+                args.threads_draft
+            };
+            let mut draft = load::cpu_engine(&path, threads)?;
+            draft.n_batch = args.batch_size;
+            specula_engine::check_vocab(target, &draft.tokenizer)
+                .with_context(|| format!("cannot use {} as the draft model", path.display()))?;
+            let draft = Arc::new(draft);
+            let target_file = target_tokenizer_copy(args)?;
+            let n_ctx = if args.ctx_size_draft == 0 {
+                n_ctx_slot
+            } else {
+                args.ctx_size_draft
+            };
+            let (k, v) = (
+                load::cache_type(&args.cache_type_k_draft)?,
+                load::cache_type(&args.cache_type_v_draft)?,
+            );
+            Box::new(move || {
+                DraftModel::shared(Arc::clone(&draft), &target_file, n_ctx, k, v)
+                    .map(|d| Box::new(d) as _)
+                    .map_err(|e| e.to_string())
+            })
+        }
+    };
+    Ok(Some(Speculative {
+        kind: name,
+        options,
+        factory,
+    }))
+}
+
+/// The target's tokenizer once more, owned by the draft factory (it checks each drafter's
+/// vocabulary against it).
+fn target_tokenizer_copy(args: &Args) -> Result<Tokenizer> {
+    let path = load::model_path(args.model.as_deref())?;
+    let file = specula_gguf::Gguf::open(&path)
+        .with_context(|| format!("cannot load {}", path.display()))?;
+    Ok(Tokenizer::from_gguf(&file)?)
+}

@@ -1,0 +1,373 @@
+//! An OpenAI-compatible HTTP server on top of [`specula_engine`], with speculative decoding,
+//! parallel slots and Prometheus metrics — the shapes llama-server users know.
+//!
+//! - [`start`] loads nothing itself: it takes an [`Engine`], a second [`Tokenizer`] of the
+//!   same model (for the HTTP side: chat templates, `/tokenize`), and optionally a
+//!   [`DrafterFactory`] making one drafter per slot, binds the address and returns a
+//!   [`ServerHandle`].
+//! - The model runs on one dedicated engine thread that owns the slots: `-np N` sequences,
+//!   each with its own KV cache and drafter. Each engine step runs one batched forward over
+//!   every generating slot (its anchor token plus its draft when it speculates): continuous
+//!   batching, with batch-invariant kernels so that a request's output does not depend on
+//!   what runs beside it. A new request's prompt is read in chunks that ride in the same
+//!   batched forward, reusing the longest prefix its slot already holds.
+//! - Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming or not),
+//!   `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /slots`, `GET /props`,
+//!   `POST /tokenize`, `POST /detokenize`. Responses carry OpenAI `usage` and llama-server
+//!   `timings` (`prompt_n`, `prompt_ms`, `predicted_n`, `predicted_ms`, `draft_n`,
+//!   `draft_n_accepted`).
+//! - Hardening: `--api-key` (Bearer, constant-time compare), a body size limit, limits that
+//!   answer 400 with what to change, a per-request timeout, cancellation when the client goes
+//!   away, graceful shutdown on SIGTERM / Ctrl-C.
+//!
+//! ```no_run
+//! # fn demo(engine: specula_engine::Engine<specula_cpu::CpuBackend>, tok: specula_tokenizer::Tokenizer) -> Result<(), specula_server::ServerError> {
+//! let cfg = specula_server::ServerConfig::default();
+//! let server = specula_server::start(cfg, engine, tok, None)?;
+//! println!("listening on http://{}", server.addr());
+//! server.wait()
+//! # }
+//! ```
+
+mod api;
+mod http;
+mod metrics;
+mod text;
+mod worker;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use specula_engine::{Engine, SpecOptions};
+use specula_quant::QType;
+use specula_spec::Drafter;
+use specula_tensor::Backend;
+use specula_tokenizer::Tokenizer;
+
+/// Errors starting or running the server.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServerError {
+    /// The address cannot be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The settings do not work together.
+    #[error("{0}")]
+    Config(String),
+    /// The engine thread could not start (cache allocation, drafter).
+    #[error("{0}")]
+    Engine(String),
+    /// The async runtime or a server thread failed.
+    #[error("server runtime: {0}")]
+    Runtime(String),
+}
+
+/// Makes one drafter (called once per slot, on the engine thread).
+pub type DrafterFactory = Box<dyn FnMut() -> Result<Box<dyn Drafter>, String> + Send>;
+
+/// Speculative decoding of the server: a drafter per slot and the default options that a
+/// request may override (`speculative.n_max`, `speculative.n_min`, `speculative.p_min`).
+pub struct Speculative {
+    /// The method's name (`--spec-type`), reported in `/slots` and `/props`.
+    pub kind: String,
+    /// Defaults.
+    pub options: SpecOptions,
+    /// Makes the drafters.
+    pub factory: DrafterFactory,
+}
+
+impl std::fmt::Debug for Speculative {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Speculative")
+            .field("kind", &self.kind)
+            .field("options", &self.options)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Settings of [`start`] (llama-server's flags in the CLI).
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    /// Address to bind (`--host`).
+    pub host: String,
+    /// Port (`--port`; 0 picks a free one).
+    pub port: u16,
+    /// Slots (`-np`).
+    pub n_parallel: usize,
+    /// Context of all slots together (`-c`); each slot gets `n_ctx / n_parallel`.
+    pub n_ctx: usize,
+    /// K cache format (`-ctk`).
+    pub k_type: QType,
+    /// V cache format (`-ctv`).
+    pub v_type: QType,
+    /// Required Bearer key (`--api-key`).
+    pub api_key: Option<String>,
+    /// Longest a request may run (`--timeout`).
+    pub timeout: Duration,
+    /// Largest request body in bytes.
+    pub body_limit: usize,
+    /// The model's name in responses and `/v1/models` (`--alias`).
+    pub model_name: String,
+    /// Threads of the HTTP runtime.
+    pub http_threads: usize,
+    /// Stop on SIGTERM / Ctrl-C.
+    pub handle_signals: bool,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            host: "127.0.0.1".into(),
+            port: 8080,
+            n_parallel: 1,
+            n_ctx: 4096,
+            k_type: QType::F16,
+            v_type: QType::F16,
+            api_key: None,
+            timeout: Duration::from_secs(600),
+            body_limit: 8 << 20,
+            model_name: "specula".into(),
+            http_threads: 2,
+            handle_signals: false,
+        }
+    }
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct ServerHandle {
+    addr: SocketAddr,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<Result<(), ServerError>>>,
+}
+
+impl ServerHandle {
+    /// The bound address.
+    #[must_use]
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Stops accepting connections, lets the requests in flight finish, stops the engine.
+    ///
+    /// # Errors
+    /// A failure of the runtime.
+    pub fn shutdown(mut self) -> Result<(), ServerError> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        self.join()
+    }
+
+    /// Runs until a signal (with `handle_signals`) or [`ServerHandle::shutdown`].
+    ///
+    /// # Errors
+    /// A failure of the runtime.
+    pub fn wait(mut self) -> Result<(), ServerError> {
+        self.join()
+    }
+
+    fn join(&mut self) -> Result<(), ServerError> {
+        match self.thread.take() {
+            Some(t) => t
+                .join()
+                .map_err(|_| ServerError::Runtime("the HTTP thread panicked".into()))?,
+            None => Ok(()),
+        }
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        let _ = self.join();
+    }
+}
+
+/// Starts the engine thread (allocating every slot's cache and drafter) and the HTTP server.
+///
+/// # Errors
+/// Bad settings, a cache or drafter that cannot be made, an address that cannot be bound.
+pub fn start<B>(
+    cfg: ServerConfig,
+    engine: Engine<B>,
+    tokenizer: Tokenizer,
+    spec: Option<Speculative>,
+) -> Result<ServerHandle, ServerError>
+where
+    B: Backend + 'static,
+    Engine<B>: Send,
+{
+    if cfg.n_parallel == 0 {
+        return Err(ServerError::Config("-np must be at least 1".into()));
+    }
+    let n_ctx_slot = cfg.n_ctx / cfg.n_parallel;
+    if n_ctx_slot < 2 {
+        return Err(ServerError::Config(format!(
+            "-c {} over -np {} leaves {n_ctx_slot} positions per slot; raise -c or lower -np",
+            cfg.n_ctx, cfg.n_parallel
+        )));
+    }
+    let addr = format!("{}:{}", cfg.host, cfg.port);
+    let listener = std::net::TcpListener::bind(&addr).map_err(|source| ServerError::Bind {
+        addr: addr.clone(),
+        source,
+    })?;
+    let local = listener.local_addr().map_err(|source| ServerError::Bind {
+        addr: addr.clone(),
+        source,
+    })?;
+    listener
+        .set_nonblocking(true)
+        .map_err(|e| ServerError::Runtime(e.to_string()))?;
+
+    let hp = engine.model.hparams().clone();
+    let metrics = Arc::new(metrics::Metrics::default());
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let slot_cfg = worker::SlotConfig {
+        n_parallel: cfg.n_parallel,
+        n_ctx_slot,
+        k_type: cfg.k_type,
+        v_type: cfg.v_type,
+    };
+    let spec_kind = spec.as_ref().map(|s| (s.kind.clone(), s.options));
+    let wm = Arc::clone(&metrics);
+    let engine_thread = std::thread::Builder::new()
+        .name("specula-engine".into())
+        .spawn(move || {
+            let spec = spec.map(|s| {
+                (
+                    worker::SpecSetup {
+                        kind: s.kind,
+                        options: s.options,
+                    },
+                    s.factory,
+                )
+            });
+            match worker::Worker::new(engine, &slot_cfg, spec, rx, wm) {
+                Ok(w) => {
+                    let _ = ready_tx.send(Ok(()));
+                    w.run();
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|e| ServerError::Runtime(e.to_string()))?;
+    match ready_rx.recv() {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            let _ = engine_thread.join();
+            return Err(ServerError::Engine(e));
+        }
+        Err(_) => {
+            let _ = engine_thread.join();
+            return Err(ServerError::Engine(
+                "the engine thread stopped while starting".into(),
+            ));
+        }
+    }
+
+    let template = match tokenizer.chat_template() {
+        Ok(t) => Some(Arc::new(t)),
+        Err(e) => {
+            tracing::warn!("no usable chat template ({e}); /v1/chat/completions will answer 400");
+            None
+        }
+    };
+    let state = http::AppState {
+        tx: tx.clone(),
+        tokenizer: Arc::new(tokenizer),
+        template,
+        metrics,
+        limits: Arc::new(http::Limits {
+            n_ctx_slot,
+            n_parallel: cfg.n_parallel,
+            api_key: cfg.api_key.clone(),
+            timeout: cfg.timeout,
+            body_limit: cfg.body_limit,
+            model_name: cfg.model_name.clone(),
+            n_vocab: hp.n_vocab,
+            n_ctx_train: hp.n_ctx_train,
+            spec: spec_kind,
+            rollback: worker::probe_rollback(hp.arch).name(),
+        }),
+        started: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    };
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let http_threads = cfg.http_threads.max(1);
+    let handle_signals = cfg.handle_signals;
+    let thread = std::thread::Builder::new()
+        .name("specula-http".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(http_threads)
+                .thread_name("specula-http-worker")
+                .enable_all()
+                .build()
+                .map_err(|e| ServerError::Runtime(e.to_string()))?;
+            let served = rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener)
+                    .map_err(|e| ServerError::Runtime(e.to_string()))?;
+                let app = http::router(state);
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(shutdown_signal(stop_rx, handle_signals))
+                    .await
+                    .map_err(|e| ServerError::Runtime(e.to_string()))
+            });
+            tracing::info!("HTTP server stopped; stopping the engine");
+            let _ = tx.send(worker::Command::Shutdown);
+            let _ = engine_thread.join();
+            served
+        })
+        .map_err(|e| ServerError::Runtime(e.to_string()))?;
+    tracing::info!("listening on http://{local}");
+    Ok(ServerHandle {
+        addr: local,
+        stop: Some(stop_tx),
+        thread: Some(thread),
+    })
+}
+
+/// Resolves when the handle asks to stop, or on SIGTERM / Ctrl-C when `signals`.
+async fn shutdown_signal(stop: tokio::sync::oneshot::Receiver<()>, signals: bool) {
+    let ctrl_c = async {
+        if signals {
+            let _ = tokio::signal::ctrl_c().await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        if signals {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                Err(_) => std::future::pending::<()>().await,
+            }
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = stop => {}
+        () = ctrl_c => tracing::info!("Ctrl-C: finishing the requests in flight, then stopping"),
+        () = term => tracing::info!("SIGTERM: finishing the requests in flight, then stopping"),
+    }
+}

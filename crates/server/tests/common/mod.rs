@@ -1,0 +1,403 @@
+//! Test support: a tiny random llama GGUF built in memory (as in `specula-engine`'s tests,
+//! plus a chat template), a server on loopback around it, and a minimal blocking HTTP/1.1
+//! client that reads JSON and SSE answers.
+
+#![allow(
+    dead_code,
+    reason = "each test binary uses a part of the support module"
+)]
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+
+use serde_json::Value;
+use specula_cpu::CpuBackend;
+use specula_engine::{DraftModel, Engine, SpecOptions};
+use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value as GValue};
+use specula_models::Model;
+use specula_quant::QType;
+use specula_server::{ServerConfig, ServerHandle, Speculative};
+use specula_spec::ngram::NgramSimple;
+use specula_tokenizer::Tokenizer;
+
+/// A ChatML-like template.
+pub const CHAT_TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+
+const N_VOCAB: usize = 256;
+const N_EMBD: usize = 64;
+const N_FF: usize = 128;
+const N_HEAD: usize = 4;
+const N_HEAD_KV: usize = 2;
+const HEAD_DIM: usize = 16;
+const N_LAYER: usize = 2;
+
+pub fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// `x mod n` as an index.
+fn pick(x: u64, n: usize) -> usize {
+    usize::try_from(x % n as u64).unwrap()
+}
+
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let z = splitmix64(seed.wrapping_mul(1_000_003) ^ i);
+            let u = f32::from(u16::try_from(z >> 48).unwrap()) / 65_536.0;
+            (u - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+/// GPT-2's byte alphabet as the 256 token texts.
+fn byte_symbols() -> Vec<String> {
+    let mut n = 0u32;
+    (0u8..=255)
+        .map(|b| {
+            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+                char::from(b).to_string()
+            } else {
+                n += 1;
+                char::from_u32(255 + n).unwrap().to_string()
+            }
+        })
+        .collect()
+}
+
+/// A tiny llama GGUF (with a chat template) with random weights (`seed`), its end-of-generation token `eos` and,
+/// when `rename` is set, token 7 renamed (to test the vocabulary check).
+pub fn tiny(seed: u64, eos: u32, rename: bool) -> Vec<u8> {
+    let u = |v: usize| GValue::U32(u32::try_from(v).unwrap());
+    let mut w = GgufWriter::new();
+    let mut tokens = byte_symbols();
+    if rename {
+        tokens[7] = "renamed".into();
+    }
+    let md: Vec<(&str, GValue)> = vec![
+        ("general.architecture", GValue::String("llama".into())),
+        ("llama.block_count", u(N_LAYER)),
+        ("llama.context_length", u(512)),
+        ("llama.embedding_length", u(N_EMBD)),
+        ("llama.feed_forward_length", u(N_FF)),
+        ("llama.attention.head_count", u(N_HEAD)),
+        ("llama.attention.head_count_kv", u(N_HEAD_KV)),
+        ("llama.rope.freq_base", GValue::F32(10_000.0)),
+        ("llama.attention.layer_norm_rms_epsilon", GValue::F32(1e-5)),
+        ("llama.rope.dimension_count", u(HEAD_DIM)),
+        ("llama.vocab_size", u(N_VOCAB)),
+        ("tokenizer.ggml.model", GValue::String("gpt2".into())),
+        ("tokenizer.ggml.pre", GValue::String("default".into())),
+        (
+            "tokenizer.ggml.tokens",
+            GValue::Array(Array::String(tokens)),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            GValue::Array(Array::I32(vec![1; N_VOCAB])),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            GValue::Array(Array::String(vec!["a b".into()])),
+        ),
+        ("tokenizer.ggml.bos_token_id", GValue::U32(1)),
+        ("tokenizer.ggml.eos_token_id", GValue::U32(eos)),
+        ("tokenizer.ggml.add_bos_token", GValue::Bool(false)),
+        (
+            "tokenizer.chat_template",
+            GValue::String(CHAT_TEMPLATE.into()),
+        ),
+    ];
+    for (k, v) in md {
+        w.add(k, v).unwrap();
+    }
+    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let mut t: Vec<(String, QType, usize, usize)> = vec![
+        ("token_embd.weight".into(), QType::Q8_0, N_EMBD, N_VOCAB),
+        ("output_norm.weight".into(), QType::F32, N_EMBD, 1),
+        ("output.weight".into(), QType::Q8_0, N_EMBD, N_VOCAB),
+    ];
+    for l in 0..N_LAYER {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        t.extend([
+            (n("attn_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("ffn_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("attn_q.weight"), QType::Q8_0, N_EMBD, q),
+            (n("attn_k.weight"), QType::Q4_0, N_EMBD, kv),
+            (n("attn_v.weight"), QType::Q8_0, N_EMBD, kv),
+            (n("attn_output.weight"), QType::Q4_0, q, N_EMBD),
+            (n("ffn_gate.weight"), QType::Q4_0, N_EMBD, N_FF),
+            (n("ffn_up.weight"), QType::Q8_0, N_EMBD, N_FF),
+            (n("ffn_down.weight"), QType::Q4_0, N_FF, N_EMBD),
+        ]);
+    }
+    let mut data = Vec::new();
+    for (i, (name, ty, n_in, n_out)) in t.iter().enumerate() {
+        let vector = *n_out == 1;
+        let dims: Vec<u64> = if vector {
+            vec![*n_in as u64]
+        } else {
+            vec![*n_in as u64, *n_out as u64]
+        };
+        let ggml = GgmlType::from_id(ty.ggml_id().unwrap()).unwrap();
+        w.add_tensor(name.as_str(), ggml, &dims).unwrap();
+        let x = if vector {
+            values(seed + i as u64, *n_in, 0.2)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect()
+        } else {
+            values(seed + i as u64, n_in * n_out, 0.6)
+        };
+        let rb = ty.row_bytes(*n_in).unwrap();
+        let mut bytes = vec![0u8; rb * n_out];
+        for (row, b) in x.chunks_exact(*n_in).zip(bytes.chunks_exact_mut(rb)) {
+            specula_quant::quantize_row(*ty, row, b).unwrap();
+        }
+        data.push(bytes);
+    }
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    w.to_vec(&refs).unwrap()
+}
+
+pub fn engine(bytes: Vec<u8>) -> Engine<CpuBackend> {
+    let file = Arc::new(Gguf::from_bytes(bytes).unwrap());
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let be = CpuBackend::new(2);
+    let model = Model::load(&be, file).unwrap();
+    Engine::new(be, model, tokenizer)
+}
+
+/// The seed of the tiny target.
+pub const SEED: u64 = 11;
+
+/// Which drafter a test server gets.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Draft {
+    /// No speculation.
+    None,
+    /// Prompt lookup.
+    Ngram,
+    /// The target itself as draft model (accepts everything it drafts).
+    SelfModel,
+}
+
+/// A server on 127.0.0.1 (free port) around the tiny model.
+pub fn server(cfg: ServerConfig, draft: Draft) -> ServerHandle {
+    server_with(cfg, draft, 512)
+}
+
+/// [`server`] with a prompt chunk of `n_batch` tokens.
+pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHandle {
+    let bytes = tiny(SEED, 0, false);
+    let mut e = engine(bytes.clone());
+    e.n_batch = n_batch;
+    let tok = Tokenizer::from_gguf(&Gguf::from_bytes(bytes.clone()).unwrap()).unwrap();
+    let n_ctx_slot = cfg.n_ctx / cfg.n_parallel;
+    let spec = match draft {
+        Draft::None => None,
+        Draft::Ngram => Some(Speculative {
+            kind: "ngram-simple".into(),
+            options: SpecOptions::default(),
+            factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
+        }),
+        Draft::SelfModel => {
+            let d = Arc::new(engine(bytes.clone()));
+            let target = Tokenizer::from_gguf(&Gguf::from_bytes(bytes).unwrap()).unwrap();
+            Some(Speculative {
+                kind: "draft-simple".into(),
+                options: SpecOptions {
+                    n_max: 6,
+                    n_min: 0,
+                    p_min: 0.0,
+                    adaptive: false,
+                },
+                factory: Box::new(move || {
+                    DraftModel::shared(Arc::clone(&d), &target, n_ctx_slot, QType::F16, QType::F16)
+                        .map(|m| Box::new(m) as _)
+                        .map_err(|e| e.to_string())
+                }),
+            })
+        }
+    };
+    specula_server::start(
+        ServerConfig {
+            host: "127.0.0.1".into(),
+            port: 0,
+            ..cfg
+        },
+        e,
+        tok,
+        spec,
+    )
+    .unwrap()
+}
+
+/// An HTTP answer.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub head: String,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The `data:` payloads of an SSE body.
+    pub fn sse(&self) -> Vec<String> {
+        self.text()
+            .split("\n\n")
+            .filter_map(|ev| {
+                ev.lines()
+                    .find_map(|l| l.strip_prefix("data: ").or_else(|| l.strip_prefix("data:")))
+                    .map(str::to_owned)
+            })
+            .collect()
+    }
+}
+
+fn dechunk(mut b: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = b.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size = usize::from_str_radix(
+            std::str::from_utf8(&b[..eol])
+                .unwrap()
+                .split(';')
+                .next()
+                .unwrap()
+                .trim(),
+            16,
+        )
+        .unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&b[eol + 2..eol + 2 + size]);
+        b = &b[eol + 2 + size + 2..];
+    }
+}
+
+/// Writes a request and returns the open connection.
+pub fn send(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> TcpStream {
+    let mut s = TcpStream::connect(addr).unwrap();
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
+    );
+    if !body.is_empty() {
+        req.push_str("Content-Type: application/json\r\n");
+    }
+    for (k, v) in headers {
+        req.push_str(&format!("{k}: {v}\r\n"));
+    }
+    req.push_str("\r\n");
+    s.write_all(req.as_bytes()).unwrap();
+    // A large body may be refused before it is all read: the answer still comes.
+    let _ = s.write_all(body);
+    s
+}
+
+/// One request, the whole answer.
+pub fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Resp {
+    let mut s = send(addr, method, path, headers, body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .unwrap_or_else(|| panic!("no HTTP head in {:?}", String::from_utf8_lossy(&raw)));
+    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
+    let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+    let body = &raw[split + 4..];
+    let body = if head
+        .to_ascii_lowercase()
+        .contains("transfer-encoding: chunked")
+    {
+        dechunk(body)
+    } else {
+        body.to_vec()
+    };
+    Resp { status, head, body }
+}
+
+pub fn post(addr: SocketAddr, path: &str, body: &Value) -> Resp {
+    request(addr, "POST", path, &[], body.to_string().as_bytes())
+}
+
+pub fn get(addr: SocketAddr, path: &str) -> Resp {
+    request(addr, "GET", path, &[], b"")
+}
+
+/// A streamed answer: the concatenated text, the token ids, the final chunk.
+#[derive(Debug)]
+pub struct Streamed {
+    pub text: String,
+    pub tokens: Vec<u64>,
+    pub last: Value,
+    pub done: bool,
+}
+
+pub fn streamed(r: &Resp) -> Streamed {
+    assert_eq!(r.status, 200, "{}", r.text());
+    let mut out = Streamed {
+        text: String::new(),
+        tokens: Vec::new(),
+        last: Value::Null,
+        done: false,
+    };
+    for d in r.sse() {
+        if d == "[DONE]" {
+            out.done = true;
+            continue;
+        }
+        let v: Value = serde_json::from_str(&d).unwrap();
+        let c = &v["choices"][0];
+        if let Some(t) = c["delta"]["content"]
+            .as_str()
+            .or_else(|| c["text"].as_str())
+        {
+            out.text.push_str(t);
+        }
+        if let Some(ts) = v["tokens"].as_array() {
+            out.tokens.extend(ts.iter().map(|t| t.as_u64().unwrap()));
+        }
+        out.last = v;
+    }
+    out
+}
+
+/// The value of an unlabelled metric.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|r| r.strip_prefix(' ')))
+        .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
+        .parse()
+        .unwrap()
+}

@@ -1,0 +1,85 @@
+#!/usr/bin/env python3
+"""End-to-end check of `specula serve` with the official `openai` Python client.
+
+Run by `cargo xtask e2e` (which builds the venv, starts the server and passes --base-url);
+never part of `cargo xtask ci`. Checks, against a server on the default model:
+
+- `GET /v1/models` lists one model;
+- a streamed chat completion yields text deltas, ends with a finish reason, and its text equals
+  the non-streamed answer to the same greedy request (the client parses both shapes);
+- a text completion returns `usage` that adds up;
+- a wrong API key is refused with 401 when the server requires one (--api-key).
+Exits non-zero with a message on the first failure.
+"""
+
+import argparse
+import sys
+
+import openai
+
+
+def fail(msg: str) -> None:
+    print(f"e2e: FAIL: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--base-url", required=True)
+    ap.add_argument("--api-key", default="none")
+    args = ap.parse_args()
+    client = openai.OpenAI(base_url=args.base_url, api_key=args.api_key)
+
+    models = client.models.list().data
+    if len(models) != 1:
+        fail(f"expected one model, got {models}")
+    model = models[0].id
+    print(f"e2e: model {model}")
+
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=32, temperature=0, stream=True
+    )
+    parts, finish, n_chunks = [], None, 0
+    for chunk in stream:
+        n_chunks += 1
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            if delta.content:
+                parts.append(delta.content)
+            if chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    streamed = "".join(parts)
+    print(f"e2e: streamed {n_chunks} chunks, finish_reason={finish}: {streamed!r}")
+    if not streamed or finish not in ("stop", "length"):
+        fail("the streamed chat gave no text or no finish reason")
+
+    full = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=32, temperature=0
+    )
+    text = full.choices[0].message.content
+    if text != streamed:
+        fail(f"non-streamed text differs: {text!r}")
+    u = full.usage
+    if u.total_tokens != u.prompt_tokens + u.completion_tokens or u.completion_tokens == 0:
+        fail(f"usage does not add up: {u}")
+
+    comp = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0
+    )
+    print(f"e2e: completion {comp.choices[0].text!r}, usage {comp.usage}")
+    if comp.usage.completion_tokens == 0:
+        fail("the completion generated nothing")
+
+    if args.api_key != "none":
+        bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")
+        try:
+            bad.completions.create(model=model, prompt="x", max_tokens=1)
+            fail("a wrong API key was accepted")
+        except openai.AuthenticationError:
+            print("e2e: wrong key refused (401)")
+    print("e2e: OK")
+
+
+if __name__ == "__main__":
+    main()
