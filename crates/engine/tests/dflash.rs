@@ -1025,3 +1025,60 @@ proptest! {
         }
     }
 }
+
+/// Snapshots (`state`) taken between rounds and mid-round (a verify batch stashed, acceptance
+/// not known yet) restore to drafters that draft exactly as they did: the draft context of a
+/// snapshot is complete whenever it is taken (llama.cpp fork bug TheTom#231: a flush deferred
+/// into `draft()` left checkpoints without context, and restored requests drafted nothing).
+#[test]
+fn snapshots_restore_the_draft_context() {
+    fn p(h: &[u32]) -> DraftParams<'_> {
+        DraftParams {
+            history: h,
+            n_max: 7,
+            p_min: 0.0,
+        }
+    }
+    let e = engine(target(7));
+    let spec = DraftSpec::new(21, &[2, 0], 8);
+    let mut d = drafter(&e, &spec, Injection::Deferred).unwrap();
+    let mut s = e.session(64, QType::F32, QType::F32).unwrap();
+    let mut taps = specula_models::Taps {
+        layers: d.target_taps().to_vec(),
+        rows: Vec::new(),
+    };
+    let (mut logits, mut feats) = (Vec::new(), Vec::new());
+    let mut history = PROMPT.to_vec();
+    let head = &PROMPT[..PROMPT.len() - 1];
+    e.prefill_with_features(&mut s, head, head.len(), &mut logits, &mut taps, &mut feats)
+        .unwrap();
+    d.begin(&history).unwrap();
+    d.process_features(head, 0, &feats).unwrap();
+    let first = d.draft(&p(&history)).unwrap();
+    assert_eq!(first.len(), 7);
+    let between = d.state();
+
+    // A verify of that draft: stashed until acceptance is known.
+    let base = s.n_past();
+    let mut batch = vec![*history.last().unwrap()];
+    batch.extend_from_slice(&first);
+    e.prefill_with_features(&mut s, &batch, 0, &mut logits, &mut taps, &mut feats)
+        .unwrap();
+    d.process_features(&batch, base, &feats).unwrap();
+    let mid = d.state();
+    d.accept(1);
+    history.extend_from_slice(&first[..1]);
+    history.push(3);
+    let second = d.draft(&p(&history)).unwrap();
+    assert_eq!(d.context_len(), history.len() - 1);
+
+    // Back to the snapshot between rounds: the first draft again.
+    d.restore(&between).unwrap();
+    assert_eq!(d.context_len(), PROMPT.len() - 1);
+    assert_eq!(d.draft(&p(PROMPT)).unwrap(), first);
+    // Back to the mid-round snapshot: its stash is injected on acceptance, as it was.
+    d.restore(&mid).unwrap();
+    d.accept(1);
+    assert_eq!(d.draft(&p(&history)).unwrap(), second);
+    assert_eq!(d.context_len(), history.len() - 1);
+}
