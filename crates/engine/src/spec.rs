@@ -80,8 +80,8 @@ impl<B: Backend> Engine<B> {
         let n_vocab = self.model.hparams().n_vocab;
         let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
-        // The cache holds everything but the anchor, which opens the first round.
-        let (head, _) = prompt.split_at(prompt.len() - 1);
+        // The prompt is prefilled whole and the first token sampled from its last row, as
+        // plain decoding does; that token is the anchor of the first round.
         let mut logits = Vec::new();
         // Feature drafters (DFlash, EAGLE3) see the target's hidden states of every batch.
         let mut taps = specula_models::Taps {
@@ -90,27 +90,38 @@ impl<B: Backend> Engine<B> {
         };
         let mut features = Vec::new();
         drafter.begin(prompt).map_err(EngineError::Spec)?;
-        if !head.is_empty() {
-            self.run_for(
-                s,
-                head,
-                head.len(),
-                &mut logits,
-                &mut taps,
-                &mut features,
-                drafter,
-            )?;
-        }
+        self.run_for(
+            s,
+            prompt,
+            prompt.len() - 1,
+            &mut logits,
+            &mut taps,
+            &mut features,
+            drafter,
+        )?;
         out.timings.prompt_n = prompt.len();
         out.timings.prompt_ms = ms(t0);
+        let mut history = prompt.to_vec();
+        if n_predict > 0 {
+            if opts.top_logits > 0 {
+                out.top_logits.push(top_k_logits(&logits, opts.top_logits));
+            }
+            let id = sampler.sample(&logits)?;
+            sampler.accept(id)?;
+            out.generated_ids.push(id);
+            history.push(id);
+            on_token(id);
+            if opts.stop_at_eog && self.tokenizer.is_eog(id) {
+                out.stopped_at_eog = true;
+            }
+        }
 
         let t1 = Instant::now();
         let mut stats = SpecStats::default();
         let mut policy = Adaptive::new(spec.n_max);
-        let mut history = prompt.to_vec();
         let mut batch = Vec::with_capacity(spec.n_max + 1);
         let mut since_draft = 1usize;
-        'rounds: while out.generated_ids.len() < n_predict {
+        'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();
             // Room for drafts: the context after the anchor, and the budget after the token
             // the target adds.
@@ -150,8 +161,11 @@ impl<B: Backend> Engine<B> {
             batch.extend_from_slice(&draft);
             let base = s.n_past;
             let tv = Instant::now();
-            self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
-            let verify_s = tv.elapsed().as_secs_f64();
+            let in_drafter =
+                self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
+            // The drafter's share (feature injection) is drafting cost, not verification.
+            let verify_s = tv.elapsed().as_secs_f64() - in_drafter;
+            let draft_s = draft_s + in_drafter;
 
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
@@ -198,7 +212,7 @@ impl<B: Backend> Engine<B> {
 
 impl<B: Backend> Engine<B> {
     /// Runs a target batch (prompt or verify) and tells the drafter, with the hidden states it
-    /// taps when it asks for any.
+    /// taps when it asks for any; returns the seconds the drafter took.
     #[allow(
         clippy::too_many_arguments,
         reason = "the loop's buffers, reused across rounds"
@@ -212,16 +226,20 @@ impl<B: Backend> Engine<B> {
         taps: &mut specula_models::Taps,
         features: &mut Vec<f32>,
         drafter: &mut dyn Drafter,
-    ) -> Result<()> {
+    ) -> Result<f64> {
         let pos0 = s.n_past;
         if taps.layers.is_empty() {
             self.prefill_into(s, ids, first, logits)?;
-            drafter.process(ids, pos0).map_err(EngineError::Spec)
+            let t = Instant::now();
+            drafter.process(ids, pos0).map_err(EngineError::Spec)?;
+            Ok(t.elapsed().as_secs_f64())
         } else {
             self.prefill_with_features(s, ids, first, logits, taps, features)?;
+            let t = Instant::now();
             drafter
                 .process_features(ids, pos0, features)
-                .map_err(EngineError::Spec)
+                .map_err(EngineError::Spec)?;
+            Ok(t.elapsed().as_secs_f64())
         }
     }
 }

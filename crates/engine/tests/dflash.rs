@@ -698,10 +698,10 @@ fn taps_are_layer_inputs_in_the_order_asked_for() {
     let mut s = e.session(64, QType::F32, QType::F32).unwrap();
     e.generate_speculative(&mut s, PROMPT, &greedy(3), &mut d, &so, |_| {})
         .unwrap();
-    // The prompt head, then one-token verify batches.
-    assert_eq!(d.seen[0].0, &PROMPT[..PROMPT.len() - 1]);
+    // The prompt, then one-token verify batches.
+    assert_eq!(d.seen[0].0, PROMPT);
     assert_eq!(d.seen[0].1, 0);
-    assert_eq!(d.seen[1].1, PROMPT.len() - 1);
+    assert_eq!(d.seen[1].1, PROMPT.len());
     for (tokens, _, f) in &d.seen {
         assert_eq!(f.len(), tokens.len() * 3 * E);
         for row in f.chunks_exact(3 * E) {
