@@ -224,6 +224,8 @@ struct DraftSpec {
     old_keys: bool,
     /// Zero `W_o` and `ffn_down`: every block row keeps its embedding.
     silent: bool,
+    /// Format of the matrices.
+    qtype: QType,
 }
 
 impl DraftSpec {
@@ -239,6 +241,7 @@ impl DraftSpec {
             extra_tensors: Vec::new(),
             old_keys: false,
             silent: false,
+            qtype: QType::F32,
         }
     }
 }
@@ -265,7 +268,8 @@ fn draft(spec: &DraftSpec) -> Vec<u8> {
     };
     let norm = |x: Vec<f32>| x.iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
     let nf = spec.taps.len() * E;
-    let mut mats: Vec<T> = vec![mat("fc.weight".into(), QType::F32, nf, E, r(nf * E, 0.3))];
+    let qt = spec.qtype;
+    let mut mats: Vec<T> = vec![mat("fc.weight".into(), qt, nf, E, r(nf * E, 0.3))];
     let mut t = vec![
         vec_t("enc.output_norm.weight".into(), norm(r(E, 0.2))),
         vec_t("output_norm.weight".into(), norm(r(E, 0.2))),
@@ -279,13 +283,13 @@ fn draft(spec: &DraftSpec) -> Vec<u8> {
             vec_t(n("attn_k_norm.weight"), norm(r(HD, 0.2))),
         ]);
         mats.extend([
-            mat(n("attn_q.weight"), QType::F32, E, q, r(E * q, 0.6)),
-            mat(n("attn_k.weight"), QType::F32, E, kv, r(E * kv, 0.6)),
-            mat(n("attn_v.weight"), QType::F32, E, kv, r(E * kv, 0.6)),
-            mat(n("attn_output.weight"), QType::F32, q, E, r(q * E, 0.6)),
-            mat(n("ffn_gate.weight"), QType::F32, E, N_FF, r(E * N_FF, 0.6)),
-            mat(n("ffn_up.weight"), QType::F32, E, N_FF, r(E * N_FF, 0.6)),
-            mat(n("ffn_down.weight"), QType::F32, N_FF, E, r(N_FF * E, 0.6)),
+            mat(n("attn_q.weight"), qt, E, q, r(E * q, 0.6)),
+            mat(n("attn_k.weight"), qt, E, kv, r(E * kv, 0.6)),
+            mat(n("attn_v.weight"), qt, E, kv, r(E * kv, 0.6)),
+            mat(n("attn_output.weight"), qt, q, E, r(q * E, 0.6)),
+            mat(n("ffn_gate.weight"), qt, E, N_FF, r(E * N_FF, 0.6)),
+            mat(n("ffn_up.weight"), qt, E, N_FF, r(E * N_FF, 0.6)),
+            mat(n("ffn_down.weight"), qt, N_FF, E, r(N_FF * E, 0.6)),
         ]);
     }
     for m in &mut mats {
@@ -781,6 +785,32 @@ fn every_matmul_applies_its_per_tensor_scale() {
         assert!(
             block_logits(&e, &dropped) != want,
             "dropping the scale of {name} changed nothing"
+        );
+    }
+}
+
+/// The same with NVFP4 matrices (their per-tensor scale lives outside the blocks, so the model
+/// must apply it): dropping the V, O or FFN scale changes the logits.
+#[test]
+fn nvfp4_drafts_apply_their_scales() {
+    let e = engine(target(7));
+    let mut scaled = DraftSpec::new(4, &[1, 2], 8);
+    scaled.qtype = QType::NVFP4;
+    scaled.scale = Some(0.25);
+    let want = block_logits(&e, &scaled);
+    assert!(want.iter().all(|x| x.is_finite()));
+    let mut unscaled = scaled.clone();
+    unscaled.scale = None;
+    assert!(
+        block_logits(&e, &unscaled) != want,
+        "the scales changed nothing"
+    );
+    for name in ["blk.1.attn_v", "blk.0.attn_output", "blk.1.ffn_down"] {
+        let mut dropped = scaled.clone();
+        dropped.drop_scale = Some(name);
+        assert!(
+            block_logits(&e, &dropped) != want,
+            "dropping the NVFP4 scale of {name} changed nothing"
         );
     }
 }
