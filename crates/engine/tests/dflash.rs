@@ -1,7 +1,8 @@
 //! DFlash as a drafter, on tiny random models built here.
 //!
-//! - Lossless: greedy speculative output with a random DFlash drafter equals plain greedy
-//!   output, for eager and deferred injection, any block size, draft length, `p_min`, taps.
+//! - Lossless: greedy speculative output with a random DFlash or DFlash2 drafter equals plain
+//!   greedy output, for eager and deferred injection, any block size, draft length, `p_min`,
+//!   taps.
 //! - KV injection equivalence: every draft the drafter makes during a generation (its cache
 //!   grown round by round, rejected rows rolled back) is the draft a fresh drafter makes from
 //!   the committed history's features injected at once.
@@ -226,6 +227,8 @@ struct DraftSpec {
     silent: bool,
     /// Format of the matrices.
     qtype: QType,
+    /// A DFlash2 draft (convolutions and the candidate selector).
+    dflash2: bool,
 }
 
 impl DraftSpec {
@@ -242,6 +245,7 @@ impl DraftSpec {
             old_keys: false,
             silent: false,
             qtype: QType::F32,
+            dflash2: false,
         }
     }
 }
@@ -305,6 +309,54 @@ fn draft(spec: &DraftSpec) -> Vec<u8> {
         }
     }
     t.extend(mats);
+    if spec.dflash2 {
+        let (kernel, group, rank) = (2usize, 16usize, 8usize);
+        let proj = 2 * kernel * (E / group);
+        for l in 0..2 {
+            for c in ["attn", "ffn"] {
+                t.push((
+                    format!("blk.{l}.{c}_conv_base"),
+                    QType::F32,
+                    vec![E, kernel, 2],
+                    r(E * kernel * 2, 0.5),
+                ));
+                t.push(mat(
+                    format!("blk.{l}.{c}_conv_proj.weight"),
+                    QType::F32,
+                    E,
+                    proj,
+                    r(E * proj, 0.3),
+                ));
+            }
+        }
+        t.push(mat(
+            "selector_hidden.weight".into(),
+            QType::F32,
+            E,
+            rank,
+            r(E * rank, 0.5),
+        ));
+        t.push(mat(
+            "selector_predecessor.weight".into(),
+            QType::F32,
+            rank,
+            N_VOCAB,
+            r(rank * N_VOCAB, 1.0),
+        ));
+        t.push(mat(
+            "selector_successor.weight".into(),
+            QType::F32,
+            rank,
+            N_VOCAB,
+            r(rank * N_VOCAB, 1.0),
+        ));
+        md.extend([
+            ("dflash.conv_kernel_size".into(), u(kernel)),
+            ("dflash.conv_group_size".into(), u(group)),
+            ("dflash.selector_rank".into(), u(rank)),
+            ("dflash.selector_top_k".into(), u(4)),
+        ]);
+    }
     t.extend(spec.extra_tensors.iter().cloned());
     write(md, &t)
 }
@@ -414,6 +466,7 @@ proptest! {
         adaptive in any::<bool>(),
         p_min in prop::sample::select(vec![0.0f32, 0.5]),
         taps in prop::sample::select(vec![vec![1], vec![2, 0], vec![0, 1, 2]]),
+        dflash2 in any::<bool>(),
     ) {
         let e = engine(target(7));
         let n = 24;
@@ -423,8 +476,10 @@ proptest! {
         let want = e.generate(&mut s, PROMPT, &opts, |_| {}).unwrap().generated_ids;
 
         let policy = if deferred { Injection::Deferred } else { Injection::Eager };
-        let spec = DraftSpec::new(seed, &taps, block);
+        let mut spec = DraftSpec::new(seed, &taps, block);
+        spec.dflash2 = dflash2;
         let mut d = Recording::new(drafter(&e, &spec, policy).unwrap());
+        prop_assert_eq!(d.inner.net().is_dflash2(), dflash2);
         let so = SpecOptions { n_max, n_min: 0, p_min, adaptive };
         let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
         let got = e.generate_speculative(&mut s, PROMPT, &opts, &mut d, &so, |_| {}).unwrap();
@@ -843,7 +898,7 @@ fn old_key_spellings_load_and_variants_are_refused_by_name() {
     dflash2
         .extra_md
         .push(("dflash.selector_top_k".into(), Value::U32(16)));
-    refuse(dflash2, "DFlash2");
+    refuse(dflash2, "conv_kernel_size");
     let mut swa = DraftSpec::new(4, &[1], 8);
     swa.extra_md
         .push(("dflash.attention.sliding_window".into(), Value::U32(2048)));
