@@ -169,11 +169,15 @@ impl<B: Backend> Engine<B> {
 
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
-            stats.record(draft.len(), verdict.accepted);
-            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+            // Acceptance first: a drafter's work there (DFlash's deferred injection) is drafting
+            // cost too.
+            let ta = Instant::now();
             if !draft.is_empty() {
                 drafter.accept(verdict.accepted);
             }
+            let draft_s = draft_s + ta.elapsed().as_secs_f64();
+            stats.record(draft.len(), verdict.accepted);
+            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
             // The cache keeps the anchor and the accepted drafts.
             s.truncate(base + 1 + verdict.accepted);
             // The drafter has seen the accepted drafts (it made them); the target's own token
