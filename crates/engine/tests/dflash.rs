@@ -757,7 +757,7 @@ fn taps_are_layer_inputs_in_the_order_asked_for() {
     let mut s = e.session(64, QType::F32, QType::F32).unwrap();
     e.generate_speculative(&mut s, PROMPT, &greedy(3), &mut d, &so, |_| {})
         .unwrap();
-    // The prompt, then one-token verify batches.
+    // The whole prompt, then one-token verify batches from the first sampled token on.
     assert_eq!(d.seen[0].0, PROMPT);
     assert_eq!(d.seen[0].1, 0);
     assert_eq!(d.seen[1].1, PROMPT.len());
