@@ -50,6 +50,20 @@ Stored per round (f32 arrays as base64 of little-endian bytes, row-major): the n
 features [rows, 128], their first position, the block tokens and first position, and the
 draft logits at all 8 block rows [8, 256]; round 2 also the whole verify batch's features and a.
 nmse_f32_vs_f64 per round: the same draft forward in float64 against these float32 logits.
+
+DFlash2 (OUT/dflash/tiny2.json): the same drafter plus, per layer, the attention and MLP grouped
+dynamic convolutions (kernel 2, group 16: base_kernel [2, 2, 64], kernel_projection [2*2*4, 64],
+`in` on the sublayer's normed input, `out` on its output, causal within the block, zero before
+it) and the candidate selector (rank 8, top-k 4: hidden_projection [8, 64], predecessor and
+successor codebooks [256, 8]); those tensors, sorted by HF name, take tensor_values(t + 3000,
+shape, s) with s = -1 for base kernels and codebooks, -2 otherwise. GGUF (sha256 recorded) adds
+dflash.conv_kernel_size, conv_group_size, selector_rank, selector_top_k after target_layers and
+the tensors blk.N.attn_conv_base / ffn_conv_base (no .weight suffix, as llama.cpp names them),
+blk.N.attn_conv_proj.weight / ffn_conv_proj.weight, selector_hidden / selector_predecessor /
+selector_successor.weight, all in sorted-HF-name order with the rest. Same two rounds (contexts
+and blocks of tiny.json); stored: logits of the 8 block rows, the greedy selector path over rows
+1..7 from the anchor (top-4 of each row's logits, score = logit + <pred[u] * P h, succ[v]>), and
+the 7 x 4 scores of the chosen predecessor's candidates.
 """
 
 import argparse
@@ -67,6 +81,7 @@ N_LAYER_TARGET = 4
 D_LAYERS = 2
 BLOCK = 8
 MASK_ID = 250
+D2_KERNEL, D2_GROUP, D2_RANK, D2_TOP_K = 2, 16, 8, 4
 TARGET_LAYER_IDS = [2, 0]
 PROMPT = [1, 17, 42, 255, 0, 99, 128, 7, 42, 17, 200, 63]
 D_NAMES = ["input_layernorm.weight", "mlp.down_proj.weight", "mlp.gate_proj.weight",
@@ -117,7 +132,18 @@ GGUF_LAYER = {"input_layernorm.weight": "attn_norm.weight", "mlp.down_proj.weigh
               "self_attn.v_proj.weight": "attn_v.weight"}
 
 
+D2_NAMES = {"candidate_selector.hidden_projection.weight": "selector_hidden.weight",
+            "candidate_selector.predecessor_codebook.weight": "selector_predecessor.weight",
+            "candidate_selector.successor_codebook.weight": "selector_successor.weight"}
+
+
 def gguf_draft_name(hf):
+    if hf in D2_NAMES:
+        return D2_NAMES[hf]
+    for c, ours in (("attention_conv", "attn_conv"), ("mlp_conv", "ffn_conv")):
+        if f".{c}." in hf:
+            l = hf.split(".")[1]
+            return f"blk.{l}.{ours}_base" if hf.endswith("base_kernel") else f"blk.{l}.{ours}_proj.weight"
     if hf == "fc.weight":
         return "fc.weight"
     if hf == "hidden_norm.weight":
@@ -128,10 +154,27 @@ def gguf_draft_name(hf):
     return f"blk.{l}.{GGUF_LAYER[rest]}"
 
 
-def write_draft_gguf(gguf, np, path, w):
+def dflash2_tensors(np):
+    """DFlash2's extra tensors (HF names), numbered from 3000 in sorted order."""
+    e, groups = H.N_EMBD, H.N_EMBD // D2_GROUP
+    shapes = {"candidate_selector.hidden_projection.weight": (D2_RANK, e),
+              "candidate_selector.predecessor_codebook.weight": (H.N_VOCAB, D2_RANK),
+              "candidate_selector.successor_codebook.weight": (H.N_VOCAB, D2_RANK)}
+    for l in range(D_LAYERS):
+        for c in ("attention_conv", "mlp_conv"):
+            shapes[f"layers.{l}.{c}.base_kernel"] = (2, D2_KERNEL, e)
+            shapes[f"layers.{l}.{c}.kernel_projection.weight"] = (2 * D2_KERNEL * groups, e)
+    out = {}
+    for t, name in enumerate(sorted(shapes)):
+        s = -1 if name.endswith(("base_kernel", "codebook.weight")) else -2
+        out[name] = H.tensor_values(np, t + 3000, shapes[name], s)
+    return out
+
+
+def write_draft_gguf(gguf, np, path, w, dflash2=False):
     g = gguf.GGUFWriter(str(path), "dflash")
     g.add_string("general.type", "model")
-    g.add_string("general.name", "specula-dflash-tiny")
+    g.add_string("general.name", "specula-dflash2-tiny" if dflash2 else "specula-dflash-tiny")
     a = "dflash"
     g.add_uint32(f"{a}.block_count", D_LAYERS)
     g.add_uint32(f"{a}.context_length", H.N_CTX)
@@ -146,6 +189,11 @@ def write_draft_gguf(gguf, np, path, w):
     g.add_uint32("general.file_type", 0)
     g.add_uint32(f"{a}.block_size", BLOCK)
     g.add_array(f"{a}.target_layers", [i + 1 for i in TARGET_LAYER_IDS])
+    if dflash2:
+        g.add_uint32(f"{a}.conv_kernel_size", D2_KERNEL)
+        g.add_uint32(f"{a}.conv_group_size", D2_GROUP)
+        g.add_uint32(f"{a}.selector_rank", D2_RANK)
+        g.add_uint32(f"{a}.selector_top_k", D2_TOP_K)
     g.add_string("tokenizer.ggml.model", "gpt2")
     g.add_string("tokenizer.ggml.pre", "default")
     g.add_array("tokenizer.ggml.tokens", H.byte_symbols())
@@ -166,7 +214,8 @@ def write_draft_gguf(gguf, np, path, w):
 class DFlashRef:
     """The DFlash draft model, per layer a context cache of K (normed, roped) and V."""
 
-    def __init__(self, torch, w, embed, lm_head, dtype):
+    def __init__(self, torch, w, embed, lm_head, dtype, conv=None):
+        self.conv = conv  # DFlash2: (kernel, group) and layers.N.{attention,mlp}_conv.* in w
         self.t = torch
         self.w = {k: torch.from_numpy(v.copy()).to(dtype) for k, v in w.items()}
         self.embed = embed.to(dtype)
@@ -199,6 +248,9 @@ class DFlashRef:
         for l in range(D_LAYERS):
             p = lambda s: w[f"layers.{l}.{s}"]  # noqa: E731
             h = self.rms(x, p("input_layernorm.weight"))
+            if self.conv:
+                dyn_a = self.dynamic(h, p("attention_conv.kernel_projection.weight"))
+                h = self.convolve(h, dyn_a[:, 0], p("attention_conv.base_kernel")[0])
             q = (h @ p("self_attn.q_proj.weight").T).view(n, nh, hd)
             q = self.rms(q, p("self_attn.q_norm.weight")).transpose(0, 1)
             kc = (g @ p("self_attn.k_proj.weight").T).view(-1, nkv, hd)
@@ -217,11 +269,53 @@ class DFlashRef:
             v = t.cat([vc, vb], 1).repeat_interleave(nh // nkv, 0)
             att = t.softmax((q @ k.transpose(1, 2)) * hd ** -0.5, -1)  # no mask
             o = (att @ v).transpose(0, 1).reshape(n, nh * hd)
-            x = x + o @ p("self_attn.o_proj.weight").T
+            o = o @ p("self_attn.o_proj.weight").T
+            if self.conv:
+                o = self.convolve(o, dyn_a[:, 1], p("attention_conv.base_kernel")[1])
+            x = x + o
             h = self.rms(x, p("post_attention_layernorm.weight"))
+            if self.conv:
+                dyn_m = self.dynamic(h, p("mlp_conv.kernel_projection.weight"))
+                h = self.convolve(h, dyn_m[:, 0], p("mlp_conv.base_kernel")[0])
             a = t.nn.functional.silu(h @ p("mlp.gate_proj.weight").T) * (h @ p("mlp.up_proj.weight").T)
-            x = x + a @ p("mlp.down_proj.weight").T
-        return self.rms(x, w["norm.weight"]) @ self.lm_head.T
+            f = a @ p("mlp.down_proj.weight").T
+            if self.conv:
+                f = self.convolve(f, dyn_m[:, 1], p("mlp_conv.base_kernel")[1])
+            x = x + f
+        self.hidden = self.rms(x, w["norm.weight"])
+        return self.hidden @ self.lm_head.T
+
+    def dynamic(self, h, proj):
+        kernel, group = self.conv
+        return (h @ proj.T).view(h.shape[0], 2, kernel, h.shape[1] // group)
+
+    def convolve(self, x, dyn, base):
+        """DFlash2: out[i, c] = sum_t (base[t, c] + dyn[i, t, c // group]) * x[i - t, c], zero
+        before the block's first row."""
+        t = self.t
+        kernel, group = self.conv
+        out = t.zeros_like(x)
+        for tap in range(kernel):
+            shifted = t.cat([t.zeros_like(x[:tap]), x[: x.shape[0] - tap]], 0)
+            coeff = base[tap][None, :] + dyn[:, tap].repeat_interleave(group, -1)
+            out = out + coeff * shifted
+        return out
+
+    def select(self, hidden, logits, anchor, top_k):
+        """DFlash2's selector: greedy walk over the top-k candidates of each row."""
+        t, w = self.t, self.w
+        unary, cands = t.topk(logits, top_k, -1)
+        hp = hidden @ w["candidate_selector.hidden_projection.weight"].T
+        pred, path, all_scores = anchor, [], []
+        for r in range(hidden.shape[0]):
+            a = w["candidate_selector.predecessor_codebook.weight"][pred] * hp[r]
+            b = w["candidate_selector.successor_codebook.weight"][cands[r]]
+            scores = unary[r] + b @ a
+            j = int(scores.argmax())
+            pred = int(cands[r, j])
+            path.append(pred)
+            all_scores.append(scores)
+        return path, t.stack(all_scores)
 
     def crop(self, length):
         self.cache = [(k[:, :length], v[:, :length]) for k, v in self.cache]
@@ -319,6 +413,35 @@ def main():
     out_dir = Path(args.out) / "dflash"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "tiny.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+    # DFlash2: the same drafter plus the convolutions and the selector, on the same rounds.
+    w2 = dict(w)
+    w2.update(dflash2_tensors(np))
+    write_draft_gguf(gguf, np, keep / "dflash2.gguf", w2, dflash2=True)
+    rounds2 = []
+    with torch.no_grad():
+        d2 = {dt: DFlashRef(torch, w2, embed, head, dt, conv=(D2_KERNEL, D2_GROUP))
+              for dt in (torch.float32, torch.float64)}
+        for (ctx, cpos, block, bpos) in [(ctx1, list(range(n)), block1, pos1),
+                                         (ctx2, list(range(n, start2)), block2, pos2)]:
+            res = {}
+            for dt, ref in d2.items():
+                lg = ref.forward(ctx, cpos, block, bpos)
+                path, scores = ref.select(ref.hidden[1:], lg[1:], block[0], D2_TOP_K)
+                res[dt] = (lg, path, scores)
+                ref.crop(bpos[0])
+            lg, path, scores = res[torch.float32]
+            rounds2.append({"block": block, "block_pos0": bpos[0], "ctx_pos0": cpos[0],
+                            "ctx_rows": len(cpos), "logits": b64(np, lg.numpy()), "path": path,
+                            "scores": b64(np, scores.numpy()),
+                            "nmse_f32_vs_f64": nmse(lg, res[torch.float64][0])})
+            print(f"dflash2 path {path}")
+    doc2 = {"producer": "reference/dflash_golden.py", "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "draft_gguf_sha256": hashlib.sha256((keep / "dflash2.gguf").read_bytes()).hexdigest(),
+            "conv_kernel_size": D2_KERNEL, "conv_group_size": D2_GROUP, "selector_rank": D2_RANK,
+            "selector_top_k": D2_TOP_K, "rounds": rounds2}
+    (out_dir / "tiny2.json").write_text(json.dumps(doc2, indent=1) + "\n")
     print(f"wrote {out_dir / 'tiny.json'}: accepted {a}, drafts round 1 {d1}")
     return 0
 

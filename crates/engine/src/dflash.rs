@@ -1,5 +1,6 @@
-//! DFlash as a [`Drafter`]: the draft cache follows the committed target positions through
-//! KV injection, and each round drafts a whole block in one forward.
+//! DFlash (and DFlash2) as a [`Drafter`]: the draft cache follows the committed target
+//! positions through KV injection, and each round drafts a whole block in one forward (DFlash:
+//! the argmax of each row; DFlash2: the candidate selector's walk from the anchor).
 //!
 //! The network is [`specula_models::dflash::Dflash`]; this module owns its cache and decides
 //! when target features become draft context ([`Injection`]):
@@ -313,6 +314,14 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 &self.rows,
             )
             .map_err(err)?;
+        if self.net.is_dflash2() {
+            // DFlash2: the selector walks the candidates from the anchor.
+            let out = self
+                .net
+                .select(&self.backend, &mut self.scratch, anchor, p.p_min);
+            self.last_draft.clone_from(&out);
+            return Ok(out);
+        }
         self.logits.clear();
         self.logits.extend_from_slice(logits);
         let n_vocab = self.net.n_vocab();

@@ -161,16 +161,23 @@ impl<B: Backend> Engine<B> {
             batch.extend_from_slice(&draft);
             let base = s.n_past;
             let tv = Instant::now();
-            self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
-            let verify_s = tv.elapsed().as_secs_f64();
+            let in_drafter =
+                self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
+            // The drafter's share (feature injection) is drafting cost, not verification.
+            let verify_s = tv.elapsed().as_secs_f64() - in_drafter;
+            let draft_s = draft_s + in_drafter;
 
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
-            stats.record(draft.len(), verdict.accepted);
-            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+            // Acceptance first: a drafter's work there (DFlash's deferred injection) is drafting
+            // cost too.
+            let ta = Instant::now();
             if !draft.is_empty() {
                 drafter.accept(verdict.accepted);
             }
+            let draft_s = draft_s + ta.elapsed().as_secs_f64();
+            stats.record(draft.len(), verdict.accepted);
+            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
             // The cache keeps the anchor and the accepted drafts.
             s.truncate(base + 1 + verdict.accepted);
             // The drafter has seen the accepted drafts (it made them); the target's own token
@@ -209,7 +216,7 @@ impl<B: Backend> Engine<B> {
 
 impl<B: Backend> Engine<B> {
     /// Runs a target batch (prompt or verify) and tells the drafter, with the hidden states it
-    /// taps when it asks for any.
+    /// taps when it asks for any; returns the seconds the drafter took.
     #[allow(
         clippy::too_many_arguments,
         reason = "the loop's buffers, reused across rounds"
@@ -223,16 +230,20 @@ impl<B: Backend> Engine<B> {
         taps: &mut specula_models::Taps,
         features: &mut Vec<f32>,
         drafter: &mut dyn Drafter,
-    ) -> Result<()> {
+    ) -> Result<f64> {
         let pos0 = s.n_past;
         if taps.layers.is_empty() {
             self.prefill_into(s, ids, first, logits)?;
-            drafter.process(ids, pos0).map_err(EngineError::Spec)
+            let t = Instant::now();
+            drafter.process(ids, pos0).map_err(EngineError::Spec)?;
+            Ok(t.elapsed().as_secs_f64())
         } else {
             self.prefill_with_features(s, ids, first, logits, taps, features)?;
+            let t = Instant::now();
             drafter
                 .process_features(ids, pos0, features)
-                .map_err(EngineError::Spec)
+                .map_err(EngineError::Spec)?;
+            Ok(t.elapsed().as_secs_f64())
         }
     }
 }

@@ -1,7 +1,8 @@
 //! DFlash as a drafter, on tiny random models built here.
 //!
-//! - Lossless: greedy speculative output with a random DFlash drafter equals plain greedy
-//!   output, for eager and deferred injection, any block size, draft length, `p_min`, taps.
+//! - Lossless: greedy speculative output with a random DFlash or DFlash2 drafter equals plain
+//!   greedy output, for eager and deferred injection, any block size, draft length, `p_min`,
+//!   taps.
 //! - KV injection equivalence: every draft the drafter makes during a generation (its cache
 //!   grown round by round, rejected rows rolled back) is the draft a fresh drafter makes from
 //!   the committed history's features injected at once.
@@ -224,6 +225,10 @@ struct DraftSpec {
     old_keys: bool,
     /// Zero `W_o` and `ffn_down`: every block row keeps its embedding.
     silent: bool,
+    /// Format of the matrices.
+    qtype: QType,
+    /// A DFlash2 draft (convolutions and the candidate selector).
+    dflash2: bool,
 }
 
 impl DraftSpec {
@@ -239,6 +244,8 @@ impl DraftSpec {
             extra_tensors: Vec::new(),
             old_keys: false,
             silent: false,
+            qtype: QType::F32,
+            dflash2: false,
         }
     }
 }
@@ -265,7 +272,8 @@ fn draft(spec: &DraftSpec) -> Vec<u8> {
     };
     let norm = |x: Vec<f32>| x.iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
     let nf = spec.taps.len() * E;
-    let mut mats: Vec<T> = vec![mat("fc.weight".into(), QType::F32, nf, E, r(nf * E, 0.3))];
+    let qt = spec.qtype;
+    let mut mats: Vec<T> = vec![mat("fc.weight".into(), qt, nf, E, r(nf * E, 0.3))];
     let mut t = vec![
         vec_t("enc.output_norm.weight".into(), norm(r(E, 0.2))),
         vec_t("output_norm.weight".into(), norm(r(E, 0.2))),
@@ -279,13 +287,13 @@ fn draft(spec: &DraftSpec) -> Vec<u8> {
             vec_t(n("attn_k_norm.weight"), norm(r(HD, 0.2))),
         ]);
         mats.extend([
-            mat(n("attn_q.weight"), QType::F32, E, q, r(E * q, 0.6)),
-            mat(n("attn_k.weight"), QType::F32, E, kv, r(E * kv, 0.6)),
-            mat(n("attn_v.weight"), QType::F32, E, kv, r(E * kv, 0.6)),
-            mat(n("attn_output.weight"), QType::F32, q, E, r(q * E, 0.6)),
-            mat(n("ffn_gate.weight"), QType::F32, E, N_FF, r(E * N_FF, 0.6)),
-            mat(n("ffn_up.weight"), QType::F32, E, N_FF, r(E * N_FF, 0.6)),
-            mat(n("ffn_down.weight"), QType::F32, N_FF, E, r(N_FF * E, 0.6)),
+            mat(n("attn_q.weight"), qt, E, q, r(E * q, 0.6)),
+            mat(n("attn_k.weight"), qt, E, kv, r(E * kv, 0.6)),
+            mat(n("attn_v.weight"), qt, E, kv, r(E * kv, 0.6)),
+            mat(n("attn_output.weight"), qt, q, E, r(q * E, 0.6)),
+            mat(n("ffn_gate.weight"), qt, E, N_FF, r(E * N_FF, 0.6)),
+            mat(n("ffn_up.weight"), qt, E, N_FF, r(E * N_FF, 0.6)),
+            mat(n("ffn_down.weight"), qt, N_FF, E, r(N_FF * E, 0.6)),
         ]);
     }
     for m in &mut mats {
@@ -301,6 +309,54 @@ fn draft(spec: &DraftSpec) -> Vec<u8> {
         }
     }
     t.extend(mats);
+    if spec.dflash2 {
+        let (kernel, group, rank) = (2usize, 16usize, 8usize);
+        let proj = 2 * kernel * (E / group);
+        for l in 0..2 {
+            for c in ["attn", "ffn"] {
+                t.push((
+                    format!("blk.{l}.{c}_conv_base"),
+                    QType::F32,
+                    vec![E, kernel, 2],
+                    r(E * kernel * 2, 0.5),
+                ));
+                t.push(mat(
+                    format!("blk.{l}.{c}_conv_proj.weight"),
+                    QType::F32,
+                    E,
+                    proj,
+                    r(E * proj, 0.3),
+                ));
+            }
+        }
+        t.push(mat(
+            "selector_hidden.weight".into(),
+            QType::F32,
+            E,
+            rank,
+            r(E * rank, 0.5),
+        ));
+        t.push(mat(
+            "selector_predecessor.weight".into(),
+            QType::F32,
+            rank,
+            N_VOCAB,
+            r(rank * N_VOCAB, 1.0),
+        ));
+        t.push(mat(
+            "selector_successor.weight".into(),
+            QType::F32,
+            rank,
+            N_VOCAB,
+            r(rank * N_VOCAB, 1.0),
+        ));
+        md.extend([
+            ("dflash.conv_kernel_size".into(), u(kernel)),
+            ("dflash.conv_group_size".into(), u(group)),
+            ("dflash.selector_rank".into(), u(rank)),
+            ("dflash.selector_top_k".into(), u(4)),
+        ]);
+    }
     t.extend(spec.extra_tensors.iter().cloned());
     write(md, &t)
 }
@@ -410,6 +466,7 @@ proptest! {
         adaptive in any::<bool>(),
         p_min in prop::sample::select(vec![0.0f32, 0.5]),
         taps in prop::sample::select(vec![vec![1], vec![2, 0], vec![0, 1, 2]]),
+        dflash2 in any::<bool>(),
     ) {
         let e = engine(target(7));
         let n = 24;
@@ -419,8 +476,10 @@ proptest! {
         let want = e.generate(&mut s, PROMPT, &opts, |_| {}).unwrap().generated_ids;
 
         let policy = if deferred { Injection::Deferred } else { Injection::Eager };
-        let spec = DraftSpec::new(seed, &taps, block);
+        let mut spec = DraftSpec::new(seed, &taps, block);
+        spec.dflash2 = dflash2;
         let mut d = Recording::new(drafter(&e, &spec, policy).unwrap());
+        prop_assert_eq!(d.inner.net().is_dflash2(), dflash2);
         let so = SpecOptions { n_max, n_min: 0, p_min, adaptive };
         let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
         let got = e.generate_speculative(&mut s, PROMPT, &opts, &mut d, &so, |_| {}).unwrap();
@@ -785,6 +844,32 @@ fn every_matmul_applies_its_per_tensor_scale() {
     }
 }
 
+/// The same with NVFP4 matrices (their per-tensor scale lives outside the blocks, so the model
+/// must apply it): dropping the V, O or FFN scale changes the logits.
+#[test]
+fn nvfp4_drafts_apply_their_scales() {
+    let e = engine(target(7));
+    let mut scaled = DraftSpec::new(4, &[1, 2], 8);
+    scaled.qtype = QType::NVFP4;
+    scaled.scale = Some(0.25);
+    let want = block_logits(&e, &scaled);
+    assert!(want.iter().all(|x| x.is_finite()));
+    let mut unscaled = scaled.clone();
+    unscaled.scale = None;
+    assert!(
+        block_logits(&e, &unscaled) != want,
+        "the scales changed nothing"
+    );
+    for name in ["blk.1.attn_v", "blk.0.attn_output", "blk.1.ffn_down"] {
+        let mut dropped = scaled.clone();
+        dropped.drop_scale = Some(name);
+        assert!(
+            block_logits(&e, &dropped) != want,
+            "dropping the NVFP4 scale of {name} changed nothing"
+        );
+    }
+}
+
 #[test]
 fn old_key_spellings_load_and_variants_are_refused_by_name() {
     let e = engine(target(7));
@@ -813,7 +898,7 @@ fn old_key_spellings_load_and_variants_are_refused_by_name() {
     dflash2
         .extra_md
         .push(("dflash.selector_top_k".into(), Value::U32(16)));
-    refuse(dflash2, "DFlash2");
+    refuse(dflash2, "conv_kernel_size");
     let mut swa = DraftSpec::new(4, &[1], 8);
     swa.extra_md
         .push(("dflash.attention.sliding_window".into(), Value::U32(2048)));
@@ -1024,4 +1109,61 @@ proptest! {
             prop_assert_eq!(&again, drafted, "chain at history length {}", history.len());
         }
     }
+}
+
+/// Snapshots (`state`) taken between rounds and mid-round (a verify batch stashed, acceptance
+/// not known yet) restore to drafters that draft exactly as they did: the draft context of a
+/// snapshot is complete whenever it is taken (llama.cpp fork bug TheTom#231: a flush deferred
+/// into `draft()` left checkpoints without context, and restored requests drafted nothing).
+#[test]
+fn snapshots_restore_the_draft_context() {
+    fn p(h: &[u32]) -> DraftParams<'_> {
+        DraftParams {
+            history: h,
+            n_max: 7,
+            p_min: 0.0,
+        }
+    }
+    let e = engine(target(7));
+    let spec = DraftSpec::new(21, &[2, 0], 8);
+    let mut d = drafter(&e, &spec, Injection::Deferred).unwrap();
+    let mut s = e.session(64, QType::F32, QType::F32).unwrap();
+    let mut taps = specula_models::Taps {
+        layers: d.target_taps().to_vec(),
+        rows: Vec::new(),
+    };
+    let (mut logits, mut feats) = (Vec::new(), Vec::new());
+    let mut history = PROMPT.to_vec();
+    let head = &PROMPT[..PROMPT.len() - 1];
+    e.prefill_with_features(&mut s, head, head.len(), &mut logits, &mut taps, &mut feats)
+        .unwrap();
+    d.begin(&history).unwrap();
+    d.process_features(head, 0, &feats).unwrap();
+    let first = d.draft(&p(&history)).unwrap();
+    assert_eq!(first.len(), 7);
+    let between = d.state();
+
+    // A verify of that draft: stashed until acceptance is known.
+    let base = s.n_past();
+    let mut batch = vec![*history.last().unwrap()];
+    batch.extend_from_slice(&first);
+    e.prefill_with_features(&mut s, &batch, 0, &mut logits, &mut taps, &mut feats)
+        .unwrap();
+    d.process_features(&batch, base, &feats).unwrap();
+    let mid = d.state();
+    d.accept(1);
+    history.extend_from_slice(&first[..1]);
+    history.push(3);
+    let second = d.draft(&p(&history)).unwrap();
+    assert_eq!(d.context_len(), history.len() - 1);
+
+    // Back to the snapshot between rounds: the first draft again.
+    d.restore(&between).unwrap();
+    assert_eq!(d.context_len(), PROMPT.len() - 1);
+    assert_eq!(d.draft(&p(PROMPT)).unwrap(), first);
+    // Back to the mid-round snapshot: its stash is injected on acceptance, as it was.
+    d.restore(&mid).unwrap();
+    d.accept(1);
+    assert_eq!(d.draft(&p(&history)).unwrap(), second);
+    assert_eq!(d.context_len(), history.len() - 1);
 }

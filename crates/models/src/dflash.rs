@@ -15,6 +15,11 @@
 //!   context key and every block key (non-causal unless `dflash.attention.causal`), final norm,
 //!   the (usually borrowed) target output head, and `d2t` scattered to the target vocabulary.
 //!
+//! - DFlash2 (`dflash.selector_top_k` > 0; Inco AI / z-lab, llama.cpp PR #27342): grouped
+//!   two-tap dynamic convolutions around every attention and MLP sublayer of the block (on the
+//!   host: the CPU backend's tensors are host memory) and [`Dflash::select`], the candidate
+//!   selector's greedy walk over each row's top-K from the anchor.
+//!
 //! Layer taps: `dflash.target_layers` holds Hugging Face `target_layer_ids + 1`, i.e. indices
 //! of target layer *inputs* — exactly [`crate::Taps`] indices, so they are used as they are.
 
@@ -117,6 +122,26 @@ pub struct DflashHparams {
     pub attn_value_scale: Option<f32>,
     /// GELU (tanh) instead of SiLU in the gated MLP (`dflash.hidden_activation`).
     pub gelu: bool,
+    /// DFlash2 (`dflash.selector_top_k` > 0): the two-tap dynamic convolutions and the
+    /// candidate selector.
+    pub dflash2: Option<Dflash2Hparams>,
+}
+
+/// DFlash2's extra hyperparameters (`dflash.conv_*`, `dflash.selector_*`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Dflash2Hparams {
+    /// Taps of each dynamic convolution (`conv_kernel_size`, 2 in the released draft).
+    pub kernel: usize,
+    /// Channels sharing one dynamic coefficient (`conv_group_size`).
+    pub group: usize,
+    /// Rank of the selector's codebooks (`selector_rank`).
+    pub rank: usize,
+    /// Candidates kept per block row (`selector_top_k`).
+    pub top_k: usize,
+    /// The target's logit scale, applied before the selector (`dflash.logit_scale`).
+    pub logit_scale: Option<f32>,
+    /// The target's final soft-capping, applied before the selector.
+    pub softcap: Option<f32>,
 }
 
 fn bad(key: &str, detail: impl Into<String>) -> ModelError {
@@ -156,7 +181,7 @@ impl DflashHparams {
     /// by name.
     ///
     /// # Errors
-    /// A missing or invalid key, or an unsupported variant (DSpark, DFlash2, sliding-window,
+    /// A missing or invalid key, or an unsupported variant (DSpark, sliding-window,
     /// DeepSeek-V4 backbone, the buun fork's `dflash-draft` layout).
     pub fn from_file(file: &Gguf) -> Result<Self> {
         let md = file.metadata();
@@ -185,15 +210,6 @@ impl DflashHparams {
             });
         }
         let k = |s: &str| format!("dflash.{s}");
-        if md.get_u64(&k("selector_top_k")).is_some_and(|v| v > 0)
-            || file.tensor("selector_hidden.weight").is_some()
-        {
-            return Err(ModelError::UnsupportedArch {
-                arch: "dflash with a candidate selector (`dflash.selector_top_k` > 0): a DFlash2 \
-                       draft, which specula does not run yet"
-                    .into(),
-            });
-        }
         if md
             .get_u64(&k("hyper_connection_count"))
             .is_some_and(|v| v > 0)
@@ -302,6 +318,44 @@ impl DflashHparams {
                 ));
             }
         };
+        let dflash2 = match md.get_u64(&k("selector_top_k")) {
+            Some(top_k) if top_k > 0 => {
+                let need = |key: &str| -> Result<usize> {
+                    let v = get_usize(md, &k(key))?;
+                    if v == 0 {
+                        return Err(bad(&k(key), "must be positive for a DFlash2 draft"));
+                    }
+                    Ok(v)
+                };
+                let (kernel, group, rank) = (
+                    need("conv_kernel_size")?,
+                    need("conv_group_size")?,
+                    need("selector_rank")?,
+                );
+                let top_k = usize::try_from(top_k).unwrap_or(usize::MAX);
+                if n_embd % group != 0 {
+                    return Err(bad(
+                        &k("conv_group_size"),
+                        format!("{group} does not divide the hidden size {n_embd}"),
+                    ));
+                }
+                Some(Dflash2Hparams {
+                    kernel,
+                    group,
+                    rank,
+                    top_k,
+                    logit_scale: get_f32(md, &k("logit_scale")).filter(|&v| v != 0.0),
+                    softcap: get_f32(md, &k("final_logit_softcapping")).filter(|&v| v > 0.0),
+                })
+            }
+            _ if file.tensor("selector_hidden.weight").is_some() => {
+                return Err(bad(
+                    &k("selector_top_k"),
+                    "a DFlash2 draft (selector tensors) without its conv/selector metadata",
+                ));
+            }
+            _ => None,
+        };
         #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
         let default_scale = 1.0 / (head_dim as f32).sqrt();
         let nonzero = |key: &str| get_f32(md, &k(key)).filter(|&v| v != 0.0);
@@ -324,6 +378,7 @@ impl DflashHparams {
             attention_scale: nonzero("attention.scale").unwrap_or(default_scale),
             attn_value_scale: nonzero("attention.value_scale"),
             gelu,
+            dflash2,
         })
     }
 }
@@ -341,6 +396,80 @@ struct DLayer<W> {
     ffn_gate: Mat<W>,
     ffn_up: Mat<W>,
     ffn_down: Mat<W>,
+    /// DFlash2: the attention and MLP convolutions.
+    attn_conv: Option<Conv<W>>,
+    ffn_conv: Option<Conv<W>>,
+}
+
+/// One DFlash2 grouped dynamic convolution pair ("in" before a sublayer, "out" after it).
+#[derive(Debug)]
+struct Conv<W> {
+    /// `[2][kernel][n_embd]` (side, tap, channel), as HF's `base_kernel`.
+    base: Vec<f32>,
+    /// `n_embd → 2 · kernel · groups` coefficients, read `[side][tap][group]`.
+    proj: Mat<W>,
+}
+
+/// DFlash2's causal grouped dynamic convolution inside one block (rows `0..n`):
+/// `out[i, c] = Σ_t (base[side][t][c] + dyn[i][side][t][c / group]) · x[i − t, c]`, rows before
+/// the block read as zero (Inco AI / z-lab `GroupedDynamicCausalConv`).
+fn conv_block(
+    x: &[f32],
+    dynamic: &[f32],
+    base: &[f32],
+    side: usize,
+    (e, kernel, group): (usize, usize, usize),
+    out: &mut Vec<f32>,
+) {
+    let n = x.len() / e;
+    let groups = e / group;
+    let per_row = 2 * kernel * groups;
+    out.clear();
+    out.resize(n * e, 0.0);
+    for i in 0..n {
+        let dy = &dynamic[i * per_row + side * kernel * groups..];
+        for t in 0..kernel.min(i + 1) {
+            let src = &x[(i - t) * e..(i - t + 1) * e];
+            let b = &base[(side * kernel + t) * e..(side * kernel + t + 1) * e];
+            let o = &mut out[i * e..(i + 1) * e];
+            for c in 0..e {
+                o[c] += (b[c] + dy[t * groups + c / group]) * src[c];
+            }
+        }
+    }
+}
+
+/// Applies the convolution of `conv` on `side` to `x` (on the host; the CPU backend's tensors
+/// are host memory).
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the convolution's inputs and buffers"
+)]
+fn conv_apply<B: Backend>(
+    be: &B,
+    conv: &Conv<B::Weight>,
+    dynamic: &[f32],
+    side: usize,
+    shape: (usize, usize, usize),
+    x: &mut B::Tensor,
+    h1: &mut Vec<f32>,
+    h2: &mut Vec<f32>,
+) {
+    be.to_host(x, h1);
+    conv_block(h1, dynamic, &conv.base, side, shape, h2);
+    let (rows, cols) = be.shape(x);
+    *x = be.from_host(rows, cols, h2);
+}
+
+/// DFlash2's candidate selector.
+#[derive(Debug)]
+struct Selector<W> {
+    /// `[n_vocab][rank]` rows: a token as predecessor.
+    prev: W,
+    /// `[n_vocab][rank]` rows: a token as successor.
+    next: W,
+    /// `n_embd → rank`.
+    hidden: W,
 }
 
 /// Reusable buffers of the draft's two passes.
@@ -368,6 +497,14 @@ pub struct DflashScratch<B: Backend> {
     sanitized: Vec<f32>,
     host: Vec<f32>,
     full: Vec<f32>,
+    dyn_attn: Vec<f32>,
+    dyn_ffn: Vec<f32>,
+    h1: Vec<f32>,
+    h2: Vec<f32>,
+    dynt: B::Tensor,
+    selh: B::Tensor,
+    code: B::Tensor,
+    codes: B::Tensor,
 }
 
 /// A loaded DFlash draft network.
@@ -384,6 +521,7 @@ pub struct Dflash<B: Backend> {
     n_vocab: usize,
     n_embd_target: usize,
     layers: Vec<DLayer<B::Weight>>,
+    selector: Option<Selector<B::Weight>>,
 }
 
 impl<B: Backend> std::fmt::Debug for Dflash<B> {
@@ -562,7 +700,27 @@ impl<B: Backend> Dflash<B> {
                     arch: format!("dflash with shared K/V (no `{}`)", n("attn_v.weight")),
                 });
             }
+            let conv = |which: &str| -> Result<Option<Conv<B::Weight>>> {
+                let Some(h2) = &hp.dflash2 else {
+                    return Ok(None);
+                };
+                let groups = e / h2.group;
+                let base_name = n(&format!("{which}_conv_base"));
+                let base_w = l.req(&base_name, &[e, h2.kernel, 2])?;
+                let base = base_values(&file, &base_name, e * h2.kernel * 2)?;
+                drop(base_w);
+                Ok(Some(Conv {
+                    base,
+                    proj: load_mat(
+                        &l,
+                        &n(&format!("{which}_conv_proj")),
+                        &[e, 2 * h2.kernel * groups],
+                    )?,
+                }))
+            };
             layers.push(DLayer {
+                attn_conv: conv("attn")?,
+                ffn_conv: conv("ffn")?,
                 attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
                 wq: load_mat(&l, &n("attn_q"), &[e, qd])?,
                 wk: load_mat(&l, &n("attn_k"), &[e, kd])?,
@@ -576,7 +734,34 @@ impl<B: Backend> Dflash<B> {
                 ffn_down: load_mat(&l, &n("ffn_down"), &[f, e])?,
             });
         }
+        let selector = match &hp.dflash2 {
+            Some(h2) => {
+                let min = h2.top_k * (h2.top_k + 1);
+                if e < min {
+                    return Err(bad(
+                        "dflash.selector_top_k",
+                        format!("the hidden size {e} is below top_k · (top_k + 1) = {min}"),
+                    ));
+                }
+                if d2t.is_some() {
+                    return Err(ModelError::UnsupportedArch {
+                        arch: "a DFlash2 draft with a reduced vocabulary (d2t): its selector \
+                               scores the full vocabulary"
+                            .into(),
+                    });
+                }
+                let mut hidden = l.req("selector_hidden.weight", &[e, h2.rank])?;
+                backend.prepare_matmul(&mut hidden);
+                Some(Selector {
+                    prev: l.req("selector_predecessor.weight", &[h2.rank, n_vocab])?,
+                    next: l.req("selector_successor.weight", &[h2.rank, n_vocab])?,
+                    hidden,
+                })
+            }
+            None => None,
+        };
         Ok(Self {
+            selector,
             hp,
             fc,
             enc_norm,
@@ -655,6 +840,14 @@ impl<B: Backend> Dflash<B> {
             sanitized: Vec::new(),
             host: Vec::new(),
             full: Vec::new(),
+            dyn_attn: Vec::new(),
+            dyn_ffn: Vec::new(),
+            h1: Vec::new(),
+            h2: Vec::new(),
+            dynt: z(),
+            selh: z(),
+            code: z(),
+            codes: z(),
         }
     }
 
@@ -766,8 +959,26 @@ impl<B: Backend> Dflash<B> {
         if hp.embedding_scale != 1.0 {
             be.scale(&mut s.x, hp.embedding_scale);
         }
+        let cshape = hp
+            .dflash2
+            .as_ref()
+            .map_or((0, 0, 1), |h2| (hp.n_embd, h2.kernel, h2.group));
         for (il, layer) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
+            if let Some(c) = &layer.attn_conv {
+                c.proj.apply(be, &s.cur, &mut s.dynt);
+                be.to_host(&s.dynt, &mut s.dyn_attn);
+                conv_apply(
+                    be,
+                    c,
+                    &s.dyn_attn,
+                    0,
+                    cshape,
+                    &mut s.cur,
+                    &mut s.h1,
+                    &mut s.h2,
+                );
+            }
             layer.wq.apply(be, &s.cur, &mut s.q);
             layer.wk.apply(be, &s.cur, &mut s.k);
             layer.wv.apply(be, &s.cur, &mut s.v);
@@ -794,9 +1005,28 @@ impl<B: Backend> Dflash<B> {
                 be.scale(&mut s.attn, vs);
             }
             layer.wo.apply(be, &s.attn, &mut s.proj);
+            if let Some(c) = &layer.attn_conv {
+                conv_apply(
+                    be,
+                    c,
+                    &s.dyn_attn,
+                    1,
+                    cshape,
+                    &mut s.proj,
+                    &mut s.h1,
+                    &mut s.h2,
+                );
+            }
             be.add(&mut s.x, &s.proj);
 
             be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
+            if let Some(c) = &layer.ffn_conv {
+                c.proj.apply(be, &s.cur, &mut s.dynt);
+                be.to_host(&s.dynt, &mut s.dyn_ffn);
+                conv_apply(
+                    be, c, &s.dyn_ffn, 0, cshape, &mut s.cur, &mut s.h1, &mut s.h2,
+                );
+            }
             layer.ffn_gate.apply(be, &s.cur, &mut s.gate);
             layer.ffn_up.apply(be, &s.cur, &mut s.up);
             if hp.gelu {
@@ -805,6 +1035,18 @@ impl<B: Backend> Dflash<B> {
                 be.swiglu(&s.gate, &s.up, &mut s.act);
             }
             layer.ffn_down.apply(be, &s.act, &mut s.proj);
+            if let Some(c) = &layer.ffn_conv {
+                conv_apply(
+                    be,
+                    c,
+                    &s.dyn_ffn,
+                    1,
+                    cshape,
+                    &mut s.proj,
+                    &mut s.h1,
+                    &mut s.h2,
+                );
+            }
             be.add(&mut s.x, &s.proj);
         }
         if rows.is_empty() {
@@ -818,10 +1060,101 @@ impl<B: Backend> Dflash<B> {
             be.scale(&mut s.logits, sc);
         }
         be.to_host(&s.logits, &mut s.host);
+        if let Some(h2) = &hp.dflash2 {
+            // The selector scores with the target's own output transforms.
+            for x in &mut s.host {
+                if let Some(sc) = h2.logit_scale {
+                    *x *= sc;
+                }
+                if let Some(cap) = h2.softcap {
+                    *x = (*x / cap).tanh() * cap;
+                }
+            }
+        }
         if let Some(d2t) = &self.d2t {
             scatter_d2t(d2t, &s.host, self.n_vocab, &mut s.full);
             return Ok(&s.full);
         }
         Ok(&s.host)
     }
+
+    /// Whether this is a DFlash2 draft (its drafts come from [`Dflash::select`]).
+    #[must_use]
+    pub fn is_dflash2(&self) -> bool {
+        self.selector.is_some()
+    }
+
+    /// DFlash2's greedy selector walk over the rows of the last [`Dflash::block`] (their logits
+    /// and final hidden states): keep the top-K candidates of each row, score
+    /// `S(u → v) = logit(v) + ⟨A[u] ⊙ P·h, B[v]⟩` from the predecessor `u` (the anchor for the
+    /// first row), take the best and carry it; stop where its softmax over the K scores falls
+    /// below `p_min` (llama.cpp's walk). Returns the drafts (empty for a DFlash draft).
+    pub fn select(&self, be: &B, s: &mut DflashScratch<B>, anchor: u32, p_min: f32) -> Vec<u32> {
+        let (Some(sel), Some(h2)) = (&self.selector, &self.hp.dflash2) else {
+            return Vec::new();
+        };
+        let n_vocab = self.n_vocab;
+        let rows = s.host.len() / n_vocab;
+        be.matmul(&s.norm, &sel.hidden, &mut s.selh);
+        be.to_host(&s.selh, &mut s.h1);
+        let (rank, k) = (h2.rank, h2.top_k.min(n_vocab));
+        let mut out = Vec::with_capacity(rows);
+        let mut pred = anchor;
+        let mut idx: Vec<u32> = Vec::new();
+        let mut scores = vec![0.0f32; k];
+        let mut a = vec![0.0f32; rank];
+        for r in 0..rows {
+            let row = &s.host[r * n_vocab..(r + 1) * n_vocab];
+            idx.clear();
+            idx.extend(0..u32::try_from(n_vocab).unwrap_or(u32::MAX));
+            let cmp =
+                |x: &u32, y: &u32| row[*y as usize].total_cmp(&row[*x as usize]).then(x.cmp(y));
+            if k < idx.len() {
+                idx.select_nth_unstable_by(k - 1, cmp);
+                idx.truncate(k);
+            }
+            idx.sort_by(cmp);
+            be.get_rows(&sel.prev, &[pred], &mut s.code);
+            be.to_host(&s.code, &mut s.h2);
+            for ((o, x), y) in a.iter_mut().zip(&s.h2).zip(&s.h1[r * rank..(r + 1) * rank]) {
+                *o = x * y;
+            }
+            be.get_rows(&sel.next, &idx, &mut s.codes);
+            be.to_host(&s.codes, &mut s.h2);
+            for (j, &v) in idx.iter().enumerate() {
+                let b = &s.h2[j * rank..(j + 1) * rank];
+                scores[j] = row[v as usize] + a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+            }
+            let (best, max) = scores[..idx.len()].iter().enumerate().fold(
+                (0, f32::NEG_INFINITY),
+                |m, (j, &x)| if x > m.1 { (j, x) } else { m },
+            );
+            if p_min > 0.0 {
+                let sum: f32 = scores[..idx.len()].iter().map(|&x| (x - max).exp()).sum();
+                if 1.0 / sum < p_min {
+                    break;
+                }
+            }
+            pred = idx[best];
+            out.push(pred);
+        }
+        out
+    }
+}
+
+/// The f32 values of a small tensor (a DFlash2 `*_conv_base`), whatever its file type.
+fn base_values(file: &Gguf, name: &str, n: usize) -> Result<Vec<f32>> {
+    let info = file.tensor(name).ok_or_else(|| ModelError::MissingTensor {
+        name: name.to_owned(),
+    })?;
+    let ty = specula_quant::QType::from_ggml_id(info.ty.id()).ok_or_else(|| {
+        ModelError::UnsupportedType {
+            name: name.to_owned(),
+            ty: info.ty.name().to_owned(),
+        }
+    })?;
+    let mut out = vec![0.0; n];
+    specula_quant::dequantize_row(ty, file.tensor_data_by_name(name).unwrap_or(&[]), &mut out)
+        .map_err(|e| ModelError::Backend(e.into()))?;
+    Ok(out)
 }

@@ -265,6 +265,65 @@ fn target_gguf() -> Vec<u8> {
 
 /// The script's drafter, in llama.cpp's `dflash` layout.
 fn draft_gguf() -> Vec<u8> {
+    draft_gguf_with(false)
+}
+
+const D2_KERNEL: usize = 2;
+const D2_GROUP: usize = 16;
+const D2_RANK: usize = 8;
+const D2_TOP_K: usize = 4;
+
+/// DFlash2's extra tensors (HF name, GGUF name, shape, values): `dflash2_tensors` of the script.
+fn dflash2_tensors() -> Vec<(String, String, Vec<usize>, Vec<f32>)> {
+    let e = N_EMBD;
+    let groups = e / D2_GROUP;
+    let mut hf: Vec<(String, String, Vec<usize>)> = vec![
+        (
+            "candidate_selector.hidden_projection.weight".into(),
+            "selector_hidden.weight".into(),
+            vec![D2_RANK, e],
+        ),
+        (
+            "candidate_selector.predecessor_codebook.weight".into(),
+            "selector_predecessor.weight".into(),
+            vec![N_VOCAB, D2_RANK],
+        ),
+        (
+            "candidate_selector.successor_codebook.weight".into(),
+            "selector_successor.weight".into(),
+            vec![N_VOCAB, D2_RANK],
+        ),
+    ];
+    for l in 0..D_LAYERS {
+        for (c, ours) in [("attention_conv", "attn_conv"), ("mlp_conv", "ffn_conv")] {
+            hf.push((
+                format!("layers.{l}.{c}.base_kernel"),
+                format!("blk.{l}.{ours}_base"),
+                vec![2, D2_KERNEL, e],
+            ));
+            hf.push((
+                format!("layers.{l}.{c}.kernel_projection.weight"),
+                format!("blk.{l}.{ours}_proj.weight"),
+                vec![2 * D2_KERNEL * groups, e],
+            ));
+        }
+    }
+    hf.sort_by(|a, b| a.0.cmp(&b.0));
+    hf.into_iter()
+        .enumerate()
+        .map(|(t, (name, gguf, shape))| {
+            let s = if name.ends_with("base_kernel") || name.ends_with("codebook.weight") {
+                -1
+            } else {
+                -2
+            };
+            let v = tensor_values(t + 3000, shape.iter().product(), Some(s));
+            (name, gguf, shape, v)
+        })
+        .collect()
+}
+
+fn draft_gguf_with(dflash2: bool) -> Vec<u8> {
     let e = N_EMBD;
     let mut hf: Vec<(String, Vec<usize>)> = vec![
         ("fc.weight".into(), vec![e, 2 * e]),
@@ -277,7 +336,7 @@ fn draft_gguf() -> Vec<u8> {
         }
     }
     hf.sort_by(|x, y| x.0.cmp(&y.0));
-    let tensors = hf
+    let base: Vec<(String, String, Vec<usize>, Vec<f32>)> = hf
         .into_iter()
         .enumerate()
         .map(|(t, (name, shape))| {
@@ -301,8 +360,17 @@ fn draft_gguf() -> Vec<u8> {
                     format!("blk.{l}.{}", layer_gguf(n))
                 }
             };
-            (gguf, shape, values)
+            (name, gguf, shape, values)
         })
+        .collect();
+    let mut all = base;
+    if dflash2 {
+        all.extend(dflash2_tensors());
+    }
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    let tensors = all
+        .into_iter()
+        .map(|(_, gguf, shape, values)| (gguf, shape, values))
         .collect();
     let k = |s: &str| format!("dflash.{s}");
     let mut md = vec![
@@ -329,6 +397,15 @@ fn draft_gguf() -> Vec<u8> {
         (k("block_size"), u32v(8)),
         (k("target_layers"), Value::Array(Array::I32(vec![3, 1]))),
     ];
+    if dflash2 {
+        md[2].1 = Value::String("specula-dflash2-tiny".into());
+        md.extend([
+            (k("conv_kernel_size"), u32v(D2_KERNEL)),
+            (k("conv_group_size"), u32v(D2_GROUP)),
+            (k("selector_rank"), u32v(D2_RANK)),
+            (k("selector_top_k"), u32v(D2_TOP_K)),
+        ]);
+    }
     md.extend(tokenizer_md(Some(250)));
     write(md, tensors)
 }
@@ -780,5 +857,69 @@ fn eagle3_matches_the_pytorch_reference() {
             let err = nmse(&got, &want);
             assert!(err <= NMSE_MAX, "{what}: NMSE {err:.3e}");
         }
+    }
+}
+
+#[test]
+fn dflash2_matches_the_pytorch_reference() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../golden/dflash");
+    let read = |f: &str| -> Json {
+        let text = std::fs::read_to_string(dir.join(f))
+            .unwrap_or_else(|e| panic!("{f}: {e} (written by reference/dflash_golden.py)"));
+        serde_json::from_str(&text).expect("JSON")
+    };
+    let (g1, g2) = (read("tiny.json"), read("tiny2.json"));
+    let bytes = draft_gguf_with(true);
+    assert_eq!(
+        sha256_hex(&bytes),
+        g2["draft_gguf_sha256"].as_str().unwrap(),
+        "the rebuilt DFlash2 GGUF is not the file gguf-py wrote"
+    );
+    let be = CpuBackend::new(1);
+    let target = Model::load(&be, Arc::new(Gguf::from_bytes(target_gguf()).unwrap())).unwrap();
+    let net = Dflash::load(&be, Arc::new(Gguf::from_bytes(bytes).unwrap()), &target).unwrap();
+    assert!(net.is_dflash2());
+    let mut kv = be
+        .kv_new(net.kv_shape(N_CTX, QType::F32, QType::F32))
+        .unwrap();
+    let mut s = net.scratch(&be);
+    let ctx = [
+        base64_f32(g1["rounds"][0]["ctx_features"].as_str().unwrap()),
+        base64_f32(g1["rounds"][1]["ctx_features"].as_str().unwrap()),
+    ];
+    for (ri, round) in g2["rounds"].as_array().unwrap().iter().enumerate() {
+        let what = format!("DFlash2 round {}", ri + 1);
+        let (c0, cn) = (usize_of(&round["ctx_pos0"]), usize_of(&round["ctx_rows"]));
+        net.inject(&be, &mut kv, N_CTX, &mut s, &ctx[ri], &positions(c0, cn))
+            .unwrap();
+        let block = ids(&round["block"]);
+        let all: Vec<usize> = (0..block.len()).collect();
+        let got = net
+            .block(
+                &be,
+                &mut kv,
+                N_CTX,
+                &mut s,
+                &block,
+                usize_of(&round["block_pos0"]),
+                &all,
+            )
+            .unwrap()
+            .to_vec();
+        check_logits(&what, &got, &base64_f32(round["logits"].as_str().unwrap()));
+        // The selector walks rows 1.. from the anchor.
+        let rows: Vec<usize> = (1..block.len()).collect();
+        net.block(
+            &be,
+            &mut kv,
+            N_CTX,
+            &mut s,
+            &block,
+            usize_of(&round["block_pos0"]),
+            &rows,
+        )
+        .unwrap();
+        let path = net.select(&be, &mut s, block[0], 0.0);
+        assert_eq!(path, ids(&round["path"]), "{what}: selector path");
     }
 }

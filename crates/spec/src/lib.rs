@@ -88,8 +88,9 @@ pub trait Drafter {
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError>;
 
     /// The target ran `tokens` at positions `pos0..` (a prompt chunk or a verify batch, before
-    /// its rejected rows are rolled back). Drafters that learn from the target's batches
-    /// (DFlash's feature injection) hook in here; the default ignores it.
+    /// its rejected rows are rolled back). Drafters that learn from the target's tokens hook in
+    /// here (those that learn from its hidden states use [`Drafter::process_features`]); the
+    /// default ignores it.
     ///
     /// # Errors
     /// A drafter's own failure.
