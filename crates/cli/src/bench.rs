@@ -74,6 +74,9 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
+    /// Per-layer K/V cache types.
+    #[command(flatten)]
+    pub layer_types: load::LayerTypeArgs,
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value = "md")]
     pub output: Output,
@@ -218,6 +221,7 @@ pub fn run(args: &Args) -> Result<String> {
         .unwrap_or(1)
         .max(1)
         + args.n_depth.iter().copied().max().unwrap_or(0);
+    load::apply_layer_types(&mut engine, &args.layer_types)?;
     let layout = load::check_cache(&engine, n_ctx, k_type, v_type)?;
     let mut session = engine.session(n_ctx, k_type, v_type)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;

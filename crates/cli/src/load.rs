@@ -79,6 +79,34 @@ pub fn turbo_k_warning(n_head: usize, n_head_kv: usize, k: QType, v: QType) -> O
     })
 }
 
+/// Per-layer cache formats (`run`, `perplexity`, `bench`).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct LayerTypeArgs {
+    /// K cache type of some layers, overriding -ctk there: comma-separated `LAYERS:TYPE`, LAYERS
+    /// one 0-based layer `N` or a range `A-B` (inclusive), e.g. `0-3:q8_0,28-29:q8_0`.
+    #[arg(long = "cache-type-k-layers", value_name = "SPEC")]
+    pub cache_type_k_layers: Option<String>,
+    /// V cache type of some layers, overriding -ctv there (same syntax).
+    #[arg(long = "cache-type-v-layers", value_name = "SPEC")]
+    pub cache_type_v_layers: Option<String>,
+}
+
+/// Sets the engine's per-layer cache formats from the flags (checked against the model's
+/// layers by [`check_cache`]).
+pub fn apply_layer_types(engine: &mut Engine<CpuBackend>, args: &LayerTypeArgs) -> Result<()> {
+    let mut o = Vec::new();
+    for (spec, v) in [
+        (&args.cache_type_k_layers, false),
+        (&args.cache_type_v_layers, true),
+    ] {
+        if let Some(spec) = spec {
+            o.extend(specula_kv::parse_layer_types(spec, v)?);
+        }
+    }
+    engine.kv_overrides = o;
+    Ok(())
+}
+
 /// Checks that the model's heads can be stored in `k` / `v` (a clear error at start, before
 /// any work) and prints the turbo-K warning when it applies. Returns the cache layout.
 pub fn check_cache(
@@ -91,7 +119,8 @@ pub fn check_cache(
     let layout = engine
         .kv_layout(n_ctx, k, v)
         .with_context(|| format!("cannot use -ctk {k} -ctv {v} with this model"))?;
-    if let Some(w) = turbo_k_warning(hp.n_head, hp.n_head_kv, k, v) {
+    let turbo_k = layout.layers.iter().find(|l| specula_kv::is_turbo(l.types.k));
+    if let Some(w) = turbo_k.and_then(|l| turbo_k_warning(hp.n_head, hp.n_head_kv, l.types.k, v)) {
         eprintln!("warning: {w}");
     }
     Ok(layout)

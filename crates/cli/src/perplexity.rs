@@ -49,6 +49,9 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
+    /// Per-layer K/V cache types.
+    #[command(flatten)]
+    pub layer_types: load::LayerTypeArgs,
     /// Save the scored log-probabilities to FILE (alone), or read them from FILE (with
     /// `--kl-divergence`).
     #[arg(long = "kl-divergence-base", value_name = "FILE")]
@@ -100,6 +103,7 @@ pub fn run(args: &Args) -> Result<String> {
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
+    load::apply_layer_types(&mut engine, &args.layer_types)?;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     engine.n_batch = args.batch_size.max(1);
     let n_ctx = args.ctx_size;

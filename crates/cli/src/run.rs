@@ -61,6 +61,9 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
+    /// Per-layer K/V cache types.
+    #[command(flatten)]
+    pub layer_types: load::LayerTypeArgs,
     /// Apply the model's chat template to the prompt as one user message.
     #[arg(long)]
     pub chat: bool,
@@ -269,6 +272,7 @@ pub fn run(args: &Args) -> Result<String> {
         top_logits: args.top_logits,
         stop_at_eog: !args.ignore_eos,
     };
+    load::apply_layer_types(&mut engine, &args.layer_types)?;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
     let (kind, mut drafter) = drafter(args, &engine)?;

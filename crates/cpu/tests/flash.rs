@@ -24,6 +24,7 @@ fn shape(k: QType, v: QType, n_ctx: usize) -> KvShape {
         head_dim_v: HD,
         k_type: k,
         v_type: v,
+        overrides: Vec::new(),
     }
 }
 

@@ -1,7 +1,7 @@
 //! Which format each layer's K and V use, how wide a stored head is, and what a token costs.
 
 use specula_quant::QType;
-use specula_tensor::KvShape;
+use specula_tensor::{KvShape, LayerOverride};
 
 use crate::{KvError, Result};
 
@@ -29,6 +29,50 @@ pub fn parse_cache_type(name: &str) -> Result<QType> {
     QType::from_name(name)
         .filter(|t| CACHE_TYPES.contains(t))
         .ok_or_else(|| KvError::UnknownType(name.to_owned()))
+}
+
+/// Per-layer formats of K (`v = false`) or V from a `--cache-type-k-layers` /
+/// `--cache-type-v-layers` spec: comma-separated `LAYERS:TYPE` items, `LAYERS` one layer `N` or
+/// an inclusive range `A-B` (0-based), e.g. `0-3:q8_0,28-29:q8_0`. Later items win where
+/// ranges overlap; whether the layers exist is checked against the model by [`KvLayout::new`].
+///
+/// # Errors
+/// [`KvError::Shape`] for a malformed item or a range that runs backwards;
+/// [`KvError::UnknownType`] for a name that is not one of [`CACHE_TYPES`].
+pub fn parse_layer_types(spec: &str, v: bool) -> Result<Vec<LayerOverride>> {
+    let bad = |item: &str, why: &str| {
+        KvError::Shape(format!(
+            "per-layer cache type `{item}`: {why} (expected LAYERS:TYPE, LAYERS `N` or `A-B`, e.g. 0-3:q8_0)"
+        ))
+    };
+    spec.split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            let (layers, ty) = item
+                .split_once(':')
+                .ok_or_else(|| bad(item, "no `:`"))?;
+            let ty = parse_cache_type(ty.trim())?;
+            let num = |x: &str| {
+                x.trim()
+                    .parse::<usize>()
+                    .map_err(|_| bad(item, "a layer is not a non-negative number"))
+            };
+            let (first, last) = match layers.split_once('-') {
+                Some((a, b)) => (num(a)?, num(b)?),
+                None => (num(layers)?, num(layers)?),
+            };
+            if first > last {
+                return Err(bad(item, "the range runs backwards"));
+            }
+            Ok(LayerOverride {
+                first,
+                last,
+                k: (!v).then_some(ty),
+                v: v.then_some(ty),
+            })
+        })
+        .collect()
 }
 
 /// Whether `ty` is a TurboQuant type (stored in the rotated domain, 128-value groups).
@@ -188,16 +232,30 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// The layout with `shape.k_type` / `shape.v_type` in every layer.
+    /// The layout with `shape.k_type` / `shape.v_type` in every layer but those of
+    /// `shape.overrides`.
     ///
     /// # Errors
-    /// As [`KvLayout::with_types`].
+    /// [`KvError::Shape`] when an override names a layer the model does not have; as
+    /// [`KvLayout::with_types`].
     pub fn new(shape: &KvShape) -> Result<Self> {
-        let t = LayerTypes {
-            k: shape.k_type,
-            v: shape.v_type,
-        };
-        Self::with_types(shape, &vec![t; shape.n_layer])
+        if let Some(o) = shape
+            .overrides
+            .iter()
+            .find(|o| o.first > o.last || o.last >= shape.n_layer)
+        {
+            return Err(KvError::Shape(format!(
+                "a per-layer cache format for layers {}-{} of a {}-layer model",
+                o.first, o.last, shape.n_layer
+            )));
+        }
+        let types: Vec<LayerTypes> = (0..shape.n_layer)
+            .map(|l| {
+                let (k, v) = shape.layer_types(l);
+                LayerTypes { k, v }
+            })
+            .collect();
+        Self::with_types(shape, &types)
     }
 
     /// The layout with per-layer formats (`types[l]` for layer `l`; `shape.k_type`/`v_type` are
@@ -238,7 +296,7 @@ impl KvLayout {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            shape: *shape,
+            shape: shape.clone(),
             layers,
         })
     }

@@ -12,6 +12,7 @@ fn shape(hd: usize, k: QType, v: QType) -> KvShape {
         head_dim_v: hd,
         k_type: k,
         v_type: v,
+        overrides: Vec::new(),
     }
 }
 
@@ -294,4 +295,39 @@ fn turbo_padding_with_copies_halves_the_error() {
     assert!((d(&qp, &kp) - d(&q, &k)).abs() < 1e-4);
     turbo_fold(&mut kp, 80);
     assert!(kp[..80].iter().zip(&k).all(|(a, b)| (a - b).abs() < 1e-6));
+}
+
+/// `--cache-type-k-layers` / `--cache-type-v-layers` specs become per-layer formats; a later
+/// item wins, bad specs and layers the model does not have are errors.
+#[test]
+fn per_layer_overrides_parse_and_lay_out() {
+    use crate::parse_layer_types;
+    let mut s = shape(64, QType::Turbo4, QType::Turbo4);
+    s.n_layer = 6;
+    s.overrides = parse_layer_types("0-1:q8_0, 5:f16,1:q4_0", false).unwrap();
+    s.overrides
+        .extend(parse_layer_types("5:q8_0", true).unwrap());
+    let l = KvLayout::new(&s).unwrap();
+    let got: Vec<(QType, QType)> = l.layers.iter().map(|l| (l.types.k, l.types.v)).collect();
+    use QType::*;
+    assert_eq!(
+        got,
+        [
+            (Q8_0, Turbo4),
+            (Q4_0, Turbo4),
+            (Turbo4, Turbo4),
+            (Turbo4, Turbo4),
+            (Turbo4, Turbo4),
+            (F16, Q8_0)
+        ]
+    );
+    // Layer 0: 3 heads × (q8_0 64 values = 68 B + turbo4 padded to 128 = 66 B).
+    assert_eq!(l.bytes_per_token_layer(0), 3 * (68 + 66));
+    assert_eq!(l.bytes_per_token_layer(5), 3 * (128 + 68));
+    for bad in ["0-1", "x:q8_0", "3-1:q8_0", "1:q9_0", "-1:f16"] {
+        assert!(parse_layer_types(bad, false).is_err(), "{bad}");
+    }
+    s.overrides = parse_layer_types("4-6:q8_0", false).unwrap();
+    let e = KvLayout::new(&s).unwrap_err().to_string();
+    assert!(e.contains("layers 4-6 of a 6-layer model"), "{e}");
 }

@@ -100,7 +100,7 @@ impl CpuKv {
     /// The shape the cache was made with.
     #[must_use]
     pub fn shape(&self) -> KvShape {
-        self.layout.shape
+        self.layout.shape.clone()
     }
 
     /// Formats, stored widths and memory accounting.
@@ -242,7 +242,7 @@ pub(crate) fn kv_write(
     k: &CpuTensor,
     v: &CpuTensor,
 ) {
-    let s = kv.layout.shape;
+    let s = &kv.layout.shape;
     let (kw, vw) = (s.n_kv_head * s.head_dim_k, s.n_kv_head * s.head_dim_v);
     assert!(
         layer < kv.layers.len(),
@@ -617,7 +617,7 @@ pub(crate) fn attention(
     p: &AttentionParams<'_>,
     out: &mut CpuTensor,
 ) {
-    let s = kv.layout.shape;
+    let s = &kv.layout.shape;
     let (hd_k, hd_v, n_kv_head, n_head) = (s.head_dim_k, s.head_dim_v, s.n_kv_head, p.n_head);
     let n_q = q.rows();
     let kv_len = p.kv_pos.len();
