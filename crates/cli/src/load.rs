@@ -119,7 +119,10 @@ pub fn check_cache(
     let layout = engine
         .kv_layout(n_ctx, k, v)
         .with_context(|| format!("cannot use -ctk {k} -ctv {v} with this model"))?;
-    let turbo_k = layout.layers.iter().find(|l| specula_kv::is_turbo(l.types.k));
+    let turbo_k = layout
+        .layers
+        .iter()
+        .find(|l| specula_kv::is_turbo(l.types.k));
     if let Some(w) = turbo_k.and_then(|l| turbo_k_warning(hp.n_head, hp.n_head_kv, l.types.k, v)) {
         eprintln!("warning: {w}");
     }

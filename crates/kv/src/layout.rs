@@ -49,9 +49,7 @@ pub fn parse_layer_types(spec: &str, v: bool) -> Result<Vec<LayerOverride>> {
         .map(str::trim)
         .filter(|item| !item.is_empty())
         .map(|item| {
-            let (layers, ty) = item
-                .split_once(':')
-                .ok_or_else(|| bad(item, "no `:`"))?;
+            let (layers, ty) = item.split_once(':').ok_or_else(|| bad(item, "no `:`"))?;
             let ty = parse_cache_type(ty.trim())?;
             let num = |x: &str| {
                 x.trim()

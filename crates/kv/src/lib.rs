@@ -37,7 +37,8 @@ mod plane;
 pub use cells::{Cells, MAX_SEQ, SeqId};
 pub use layout::{
     CACHE_TYPES, KvLayout, LayerLayout, LayerTypes, Rotation, hadamard, is_turbo, k_rotation,
-    parse_cache_type, parse_layer_types, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query, v_rotation,
+    parse_cache_type, parse_layer_types, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query,
+    v_rotation,
 };
 pub use plane::{Plane, quantize_head};
 use specula_quant::QType;
