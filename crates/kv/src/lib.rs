@@ -33,6 +33,7 @@
 mod cells;
 mod layout;
 mod plane;
+mod refine;
 
 pub use cells::{Cells, MAX_SEQ, SeqId};
 pub use layout::{

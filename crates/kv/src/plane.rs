@@ -249,6 +249,9 @@ impl Plane {
                 Rotation::None => {}
             }
             quantize_head(ty, pad, dst)?;
+            if rot == Rotation::Turbo && dim > hd {
+                crate::refine::refine_turbo(ty, &pad[..hd], dst);
+            }
         }
         Ok(())
     }
