@@ -343,13 +343,14 @@ impl KvLayout {
     }
 }
 
-/// Values of the padding of a `hd`-value head to `dim` that copy head value `i`, plus one.
-fn copies(i: usize, hd: usize, dim: usize) -> f32 {
+/// `1 / copies` of head value `i` in a head of `hd` values padded to `dim` (the value and its
+/// signed copies): every value has `pad / hd + 1` of them, the first `pad % hd` one more.
+#[inline]
+fn inv_copies(hd: usize, dim: usize) -> (f32, f32, usize) {
     let pad = dim - hd;
-    let n = pad / hd + usize::from(i < pad % hd);
     #[allow(clippy::cast_precision_loss, reason = "a count of at most dim / hd")]
-    let n = (n + 1) as f32;
-    n
+    let base = (pad / hd + 1) as f32;
+    (1.0 / (base + 1.0), 1.0 / base, pad % hd)
 }
 
 /// The sign of padding value `t`: a fixed ±1 pattern (the fork's second WHT sign table), so a
@@ -368,33 +369,40 @@ fn pad_sign(t: usize) -> f32 {
 /// copies ([`turbo_pad_query`], [`turbo_fold`]), and the error of a 64-value head halves at
 /// the same memory (tested in `tests.rs`).
 pub fn turbo_pad(x: &mut [f32], hd: usize) {
-    for t in 0..x.len() - hd {
-        x[hd + t] = pad_sign(t) * x[t % hd];
+    let (head, rest) = x.split_at_mut(hd);
+    for (c, chunk) in rest.chunks_mut(hd).enumerate() {
+        for (j, (o, &v)) in chunk.iter_mut().zip(head.iter()).enumerate() {
+            *o = pad_sign(c * hd + j) * v;
+        }
     }
 }
 
 /// Pads a query head for a turbo K padded by [`turbo_pad`]: every copy of value `i` gets
 /// `q_i / c_i` (with its sign), so `⟨q', k'⟩` is `q` dotted with the mean of `k`'s copies.
 pub fn turbo_pad_query(x: &mut [f32], hd: usize) {
-    let dim = x.len();
-    for t in 0..dim - hd {
-        let i = t % hd;
-        x[hd + t] = pad_sign(t) * x[i] / copies(i, hd, dim);
+    let (more, fewer, rem) = inv_copies(hd, x.len());
+    let (head, rest) = x.split_at_mut(hd);
+    for (i, v) in head.iter_mut().enumerate() {
+        *v *= if i < rem { more } else { fewer };
     }
-    for (i, v) in x[..hd].iter_mut().enumerate() {
-        *v /= copies(i, hd, dim);
+    for (c, chunk) in rest.chunks_mut(hd).enumerate() {
+        for (j, (o, &v)) in chunk.iter_mut().zip(head.iter()).enumerate() {
+            *o = pad_sign(c * hd + j) * v;
+        }
     }
 }
 
 /// Folds a padded turbo V head (or attention output) back onto its `hd` values: the mean of
 /// each value's copies, in `x[..hd]`.
 pub fn turbo_fold(x: &mut [f32], hd: usize) {
-    let dim = x.len();
-    for t in 0..dim - hd {
-        let i = t % hd;
-        x[i] += pad_sign(t) * x[hd + t];
+    let (more, fewer, rem) = inv_copies(hd, x.len());
+    let (head, rest) = x.split_at_mut(hd);
+    for (c, chunk) in rest.chunks(hd).enumerate() {
+        for (j, (o, &v)) in head.iter_mut().zip(chunk).enumerate() {
+            *o += pad_sign(c * hd + j) * v;
+        }
     }
-    for (i, v) in x[..hd].iter_mut().enumerate() {
-        *v /= copies(i, hd, dim);
+    for (i, v) in head.iter_mut().enumerate() {
+        *v *= if i < rem { more } else { fewer };
     }
 }

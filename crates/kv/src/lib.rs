@@ -41,7 +41,7 @@ pub use layout::{
     parse_cache_type, parse_layer_types, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query,
     v_rotation,
 };
-pub use plane::{Plane, quantize_head};
+pub use plane::{Plane, RowEncoder, quantize_head};
 use specula_quant::QType;
 pub use specula_tensor::{LayerOverride, Mask};
 

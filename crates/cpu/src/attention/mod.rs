@@ -241,6 +241,7 @@ fn turbo4_lut() -> &'static [[f32; 2]; 256] {
 
 /// Writes K and V rows of `layer` into `cells`.
 pub(crate) fn kv_write(
+    be: &CpuBackend,
     kv: &mut CpuKv,
     layer: usize,
     cells: &[usize],
@@ -266,29 +267,65 @@ pub(crate) fn kv_write(
         "kv_write: V must be [{}, {vw}]",
         cells.len()
     );
+    if cells.is_empty() {
+        return;
+    }
     let l = &mut kv.layers[layer];
-    if !cells.is_empty() {
-        let calibrated =
-            l.k.calibrate(k.as_slice())
-                .and_then(|()| l.v.calibrate(v.as_slice()));
-        if let Err(e) = calibrated {
-            panic!("kv_write: {e}");
-        }
+    let calibrated =
+        l.k.calibrate(k.as_slice())
+            .and_then(|()| l.v.calibrate(v.as_slice()));
+    if let Err(e) = calibrated {
+        panic!("kv_write: {e}");
     }
-    let mut pad = Vec::new();
-    for (t, &cell) in cells.iter().enumerate() {
-        assert!(
-            cell < s.n_ctx,
-            "kv_write: cell {cell} of a {}-cell cache",
-            s.n_ctx
-        );
-        if let Err(e) = l.k.write(cell, k.row(t), &mut pad) {
-            panic!("kv_write: K: {e}");
+    // Padded turbo heads are refined on write (`specula_kv` `refine.rs`), which costs far more
+    // than the other encoders: spread rows over threads when there is enough of it.
+    let padded = |p: &Plane| p.rotation() == Rotation::Turbo && p.dim() > p.head_dim();
+    let heavy = padded(&l.k) || padded(&l.v);
+    let (ek, ck) = match l.k.encoder_and_cells(cells) {
+        Ok(x) => x,
+        Err(e) => panic!("kv_write: K: {e}"),
+    };
+    let (ev, cv) = match l.v.encoder_and_cells(cells) {
+        Ok(x) => x,
+        Err(e) => panic!("kv_write: V: {e}"),
+    };
+    // One item per (cell, K or V).
+    let mut items: Vec<(usize, bool, &mut [u8])> = ck
+        .into_iter()
+        .zip(cv)
+        .enumerate()
+        .flat_map(|(t, (dk, dv))| [(t, false, dk), (t, true, dv)])
+        .collect();
+    let write = |(t, is_v, dst): &mut (usize, bool, &mut [u8]), pad: &mut Vec<f32>| {
+        let r = if *is_v {
+            ev.encode(v.row(*t), dst, pad)
+        } else {
+            ek.encode(k.row(*t), dst, pad)
+        };
+        if let Err(e) = r {
+            panic!("kv_write: {}: {e}", if *is_v { "V" } else { "K" });
         }
-        if let Err(e) = l.v.write(cell, v.row(t), &mut pad) {
-            panic!("kv_write: V: {e}");
+    };
+    let nth = be.n_threads();
+    if nth == 1 || !(heavy || cells.len() >= 16) {
+        let mut pad = Vec::new();
+        for it in &mut items {
+            write(it, &mut pad);
         }
+        return;
     }
+    let per = items.len().div_ceil(nth);
+    let parts: Vec<std::sync::Mutex<&mut [(usize, bool, &mut [u8])]>> =
+        items.chunks_mut(per).map(std::sync::Mutex::new).collect();
+    be.pool().run(&|t| {
+        if let Some(p) = parts.get(t) {
+            let mut part = p.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut pad = Vec::new();
+            for it in part.iter_mut() {
+                write(it, &mut pad);
+            }
+        }
+    });
 }
 
 /// Whether a query at `qp` sees a key at `kp`.
