@@ -61,9 +61,10 @@ pub fn cache_type(s: &str) -> Result<QType> {
 /// GQA ratio (query heads per K/V head) from which a turbo K is known to hurt a model: the
 /// TurboQuant fork switches K to q8_0 there (`TURBO_AUTO_ASYMMETRIC`, ratio ≥ 6, after Qwen2.5
 /// at 7:1 went from PPL 7.4 to 2887 with turbo3 K). Measured here on Qwen2.5-Coder-0.5B (7:1,
-/// textwrap.py, 2 × 512, KLD vs the f16 cache): turbo3 K + q8_0 V 3.37 (collapsed, PPL 151),
-/// q8_0 K + turbo3 V 0.0126; turbo4 K + q8_0 V 0.060 against 0.0019 for q8_0/q8_0
-/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K without collapse.
+/// textwrap.py, 2 × 512, KLD vs the f16 cache): before padded heads were refined on write,
+/// turbo3 K + q8_0 V collapsed (3.37, PPL 151); with the refinement turbo3/turbo3 is 0.093 and
+/// turbo4/turbo4 0.020, still 24 × and 8 × the 0.0039 / 0.0025 of q8_0 K with the same V
+/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K well.
 pub const TURBO_K_GQA_LIMIT: usize = 6;
 
 /// The start-up warning for a turbo K on a model whose GQA ratio makes it harmful, naming the
@@ -74,7 +75,7 @@ pub fn turbo_k_warning(n_head: usize, n_head_kv: usize, k: QType, v: QType) -> O
     (specula_kv::is_turbo(k) && ratio >= TURBO_K_GQA_LIMIT).then(|| {
         let fix_v = if specula_kv::is_turbo(v) { v } else { k };
         format!(
-            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads; Qwen2.5 collapses with turbo3 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
+            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads, so its error reaches {ratio} heads; on Qwen2.5 turbo3 K has 24 × the KL divergence of q8_0 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
         )
     })
 }
@@ -127,4 +128,21 @@ pub fn check_cache(
         eprintln!("warning: {w}");
     }
     Ok(layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A turbo K at GQA ≥ 6 (Qwen2.5-0.5B: 14 query heads on 2 K/V heads) is warned about, with
+    /// the asymmetric setting that fixes it; SmolLM2's 9:3 and a q8_0 K are not.
+    #[test]
+    fn the_turbo_k_warning_names_the_fix() {
+        let w = turbo_k_warning(14, 2, QType::Turbo3, QType::Turbo3).unwrap();
+        assert!(w.contains("-ctk q8_0 -ctv turbo3"), "{w}");
+        let w = turbo_k_warning(14, 2, QType::Turbo4, QType::F16).unwrap();
+        assert!(w.contains("-ctk q8_0 -ctv turbo4"), "{w}");
+        assert!(turbo_k_warning(9, 3, QType::Turbo3, QType::Turbo3).is_none());
+        assert!(turbo_k_warning(14, 2, QType::Q8_0, QType::Turbo3).is_none());
+    }
 }

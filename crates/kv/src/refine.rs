@@ -238,7 +238,7 @@ pub(crate) fn refine_turbo(ty: QType, target: &[f32], dst: &mut [u8]) {
     };
     let hd = target.len();
     let dim = dst.len() / bs * wht::GROUP;
-    if dim <= hd || dst.len() % bs != 0 {
+    if dim <= hd || !dst.len().is_multiple_of(bs) {
         return;
     }
     let groups = dim / wht::GROUP;

@@ -239,6 +239,9 @@ fn turbo4_lut() -> &'static [[f32; 2]; 256] {
     })
 }
 
+/// One row to encode: its index in the batch, whether it is V, and the cell's bytes.
+type WriteItem<'a> = (usize, bool, &'a mut [u8]);
+
 /// Writes K and V rows of `layer` into `cells`.
 pub(crate) fn kv_write(
     be: &CpuBackend,
@@ -290,13 +293,13 @@ pub(crate) fn kv_write(
         Err(e) => panic!("kv_write: V: {e}"),
     };
     // One item per (cell, K or V).
-    let mut items: Vec<(usize, bool, &mut [u8])> = ck
+    let mut items: Vec<WriteItem<'_>> = ck
         .into_iter()
         .zip(cv)
         .enumerate()
         .flat_map(|(t, (dk, dv))| [(t, false, dk), (t, true, dv)])
         .collect();
-    let write = |(t, is_v, dst): &mut (usize, bool, &mut [u8]), pad: &mut Vec<f32>| {
+    let write = |(t, is_v, dst): &mut WriteItem<'_>, pad: &mut Vec<f32>| {
         let r = if *is_v {
             ev.encode(v.row(*t), dst, pad)
         } else {
@@ -315,7 +318,7 @@ pub(crate) fn kv_write(
         return;
     }
     let per = items.len().div_ceil(nth);
-    let parts: Vec<std::sync::Mutex<&mut [(usize, bool, &mut [u8])]>> =
+    let parts: Vec<std::sync::Mutex<&mut [WriteItem<'_>]>> =
         items.chunks_mut(per).map(std::sync::Mutex::new).collect();
     be.pool().run(&|t| {
         if let Some(p) = parts.get(t) {
