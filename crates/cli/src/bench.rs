@@ -192,6 +192,7 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    let overrides = load::layer_types(&args.layer_types)?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -221,7 +222,7 @@ pub fn run(args: &Args) -> Result<String> {
         .unwrap_or(1)
         .max(1)
         + args.n_depth.iter().copied().max().unwrap_or(0);
-    load::apply_layer_types(&mut engine, &args.layer_types)?;
+    engine.kv_overrides = overrides;
     let layout = load::check_cache(&engine, n_ctx, k_type, v_type)?;
     let mut session = engine.session(n_ctx, k_type, v_type)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;

@@ -92,9 +92,9 @@ pub struct LayerTypeArgs {
     pub cache_type_v_layers: Option<String>,
 }
 
-/// Sets the engine's per-layer cache formats from the flags (checked against the model's
-/// layers by [`check_cache`]).
-pub fn apply_layer_types(engine: &mut Engine<CpuBackend>, args: &LayerTypeArgs) -> Result<()> {
+/// The per-layer cache formats of the flags (whether the layers exist is checked against the
+/// model by [`check_cache`]).
+pub fn layer_types(args: &LayerTypeArgs) -> Result<Vec<specula_kv::LayerOverride>> {
     let mut o = Vec::new();
     for (spec, v) in [
         (&args.cache_type_k_layers, false),
@@ -104,8 +104,7 @@ pub fn apply_layer_types(engine: &mut Engine<CpuBackend>, args: &LayerTypeArgs) 
             o.extend(specula_kv::parse_layer_types(spec, v)?);
         }
     }
-    engine.kv_overrides = o;
-    Ok(())
+    Ok(o)
 }
 
 /// Checks that the model's heads can be stored in `k` / `v` (a clear error at start, before

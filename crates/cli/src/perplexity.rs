@@ -99,11 +99,12 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    let overrides = load::layer_types(&args.layer_types)?;
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
-    load::apply_layer_types(&mut engine, &args.layer_types)?;
+    engine.kv_overrides = overrides;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     engine.n_batch = args.batch_size.max(1);
     let n_ctx = args.ctx_size;

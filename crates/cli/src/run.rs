@@ -219,6 +219,7 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    let overrides = load::layer_types(&args.layer_types)?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -272,7 +273,7 @@ pub fn run(args: &Args) -> Result<String> {
         top_logits: args.top_logits,
         stop_at_eog: !args.ignore_eos,
     };
-    load::apply_layer_types(&mut engine, &args.layer_types)?;
+    engine.kv_overrides = overrides;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
     let (kind, mut drafter) = drafter(args, &engine)?;
