@@ -6,11 +6,13 @@
 //! - `cargo xtask fetch-models` — fetches the real models pinned in `models.toml`.
 //! - `cargo xtask golden` — regenerates `golden/` with the Python oracles in `reference/`.
 //! - `cargo xtask bench kv` — speed and memory of the KV cache formats against depth.
+//! - `cargo xtask bench spec` — speculative against plain decoding over a mixed prompt set.
 //!
 //! The alias in `.cargo/config.toml` builds this crate into `target/xtask`, so running a chore
 //! never invalidates the workspace build.
 
 mod bench;
+mod bench_spec;
 mod ci;
 mod fuzz;
 mod golden;
@@ -51,6 +53,35 @@ enum Task {
 enum BenchTask {
     /// Speed and memory of KV cache formats against context depth.
     Kv(KvBenchArgs),
+    /// Speculative against plain decoding over a mixed prompt set (lossless check included).
+    Spec(SpecBenchArgs),
+}
+
+/// Options of `cargo xtask bench spec`.
+#[derive(Debug, Args)]
+struct SpecBenchArgs {
+    /// Model (file or manifest name).
+    #[arg(short = 'm', long, default_value = "smollm2-135m")]
+    model: String,
+    /// Speculative settings to compare with `--spec-type none`, each a string of `specula run`
+    /// flags (repeat the option); default: one setting, `specula run`'s default (n-gram).
+    #[arg(long, allow_hyphen_values = true)]
+    spec: Vec<String>,
+    /// Rounds; each prompt and setting runs once per round and the median is kept.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    rounds: usize,
+    /// Threads.
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: usize,
+    /// The prompt set (TOML, relative to the repository root).
+    #[arg(long, default_value = "benches/prompts/spec.toml")]
+    prompts: PathBuf,
+    /// Only these prompts (by name, comma-separated).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Output directory (relative to the repository root).
+    #[arg(long, default_value = "benches/results")]
+    out: PathBuf,
 }
 
 /// Options of `cargo xtask bench kv`.
@@ -139,6 +170,7 @@ fn main() -> ExitCode {
         Task::FetchModels(args) => models::run(&args),
         Task::Golden(args) => golden::run(&args),
         Task::Bench(BenchTask::Kv(args)) => bench::run(&args),
+        Task::Bench(BenchTask::Spec(args)) => bench_spec::run(&args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

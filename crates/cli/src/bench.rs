@@ -7,14 +7,23 @@
 //! Each test runs once as warm-up, then `-r` times; `avg_ts`/`stddev_ts` are tokens per
 //! second over the repetitions, as llama-bench reports them. The KV cache formats (`-ctk`,
 //! `-ctv`) and the cache's size are reported with each test.
+//!
+//! With `-md` a DFlash or EAGLE-3 drafter is attached: `pp` then includes capturing its taps
+//! and injecting the prompt into its cache (the prefill penalty of speculative decoding), and
+//! `tg N` becomes N speculative rounds (draft, one verify batch with taps, feed the drafter,
+//! roll back), reported as rounds per second.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::Instant;
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use specula_cpu::CpuBackend;
-use specula_engine::{Engine, Session};
+use specula_engine::{DflashDrafter, Eagle3Drafter, Engine, Injection, Session};
+use specula_models::Taps;
+use specula_quant::QType;
+use specula_spec::{DraftParams, Drafter};
 
 use crate::load;
 
@@ -80,6 +89,27 @@ pub struct Args {
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value = "md")]
     pub output: Output,
+    /// A DFlash or EAGLE-3 drafter (GGUF file or manifest name) attached to the target:
+    /// `pp` tests then capture the drafter's taps and inject the prompt into its cache, and
+    /// each `tg N` test runs N speculative rounds instead (draft `--spec-draft-n-max` tokens,
+    /// verify them in one target batch with taps, feed the drafter, roll back), reported as
+    /// rounds per second.
+    #[arg(long = "model-draft", visible_alias = "md")]
+    pub model_draft: Option<String>,
+    /// Draft tokens per round of the `tg` tests with `-md` (clamped to a DFlash block − 1).
+    #[arg(
+        long = "spec-draft-n-max",
+        visible_alias = "draft-max",
+        default_value_t = 16
+    )]
+    pub spec_n_max: usize,
+    /// DFlash injection policy (1 deferred, 0 eager).
+    #[arg(
+        long = "dflash-defer-injection",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u8).range(0..=1)
+    )]
+    pub dflash_defer_injection: u8,
 }
 
 #[derive(Debug, Serialize)]
@@ -108,6 +138,159 @@ struct Record {
     stddev_ts: f64,
     samples_ns: Vec<u64>,
     samples_ts: Vec<f64>,
+    /// With `-md`: the drafter and the draft length of its rounds (`tg` counts rounds).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    spec: Option<String>,
+    /// With `-md`, `tg`: mean nanoseconds per round spent in the drafter (drafting, feeding
+    /// it the verify batch's features); the rest is the target's verify.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_ns_per_round: Option<u64>,
+}
+
+/// A feature drafter attached to the benchmark.
+struct Attached {
+    kind: &'static str,
+    drafter: Box<dyn Drafter>,
+    n_max: usize,
+    taps: Taps,
+    features: Vec<f32>,
+    logits: Vec<f32>,
+    /// Nanoseconds spent in the drafter by the timed rounds so far.
+    draft_ns: u128,
+    rounds: u128,
+}
+
+fn attach(args: &Args, target: &Engine<CpuBackend>, n_ctx: usize) -> Result<Option<Attached>> {
+    let Some(md) = &args.model_draft else {
+        return Ok(None);
+    };
+    let path = load::model_path(Some(md))?;
+    let file = Arc::new(
+        specula_gguf::Gguf::open(&path)
+            .with_context(|| format!("cannot load the draft {}", path.display()))?,
+    );
+    let be = CpuBackend::new(args.threads);
+    let (kind, drafter, n_max): (&'static str, Box<dyn Drafter>, usize) = match file
+        .header()
+        .architecture()
+    {
+        Some("dflash") => {
+            let policy = if args.dflash_defer_injection == 1 {
+                Injection::Deferred
+            } else {
+                Injection::Eager
+            };
+            let d = DflashDrafter::new(be, file, target, n_ctx, QType::F16, QType::F16, policy)?;
+            let n = args.spec_n_max.min(d.net().hparams().block_size - 1);
+            ("draft-dflash", Box::new(d), n)
+        }
+        Some("eagle3") => {
+            let d = Eagle3Drafter::new(be, file, target, n_ctx, QType::F16, QType::F16)?;
+            ("draft-eagle3", Box::new(d), args.spec_n_max)
+        }
+        other => bail!(
+            "-md {}: `specula bench` attaches DFlash or EAGLE-3 drafters (architecture dflash or eagle3), not {}",
+            path.display(),
+            other.unwrap_or("?")
+        ),
+    };
+    let taps = Taps {
+        layers: drafter.target_taps().to_vec(),
+        rows: Vec::new(),
+    };
+    Ok(Some(Attached {
+        kind,
+        drafter,
+        n_max,
+        taps,
+        features: Vec::new(),
+        logits: Vec::new(),
+        draft_ns: 0,
+        rounds: 0,
+    }))
+}
+
+/// One timed repetition with a drafter attached: `pp` prefills with taps and feeds the
+/// drafter; `tg` runs speculative rounds (every draft rejected, so each round has the same
+/// shape) after a BOS-and-random-token context.
+fn run_once_spec(
+    e: &Engine<CpuBackend>,
+    s: &mut Session<CpuBackend>,
+    a: &mut Attached,
+    (pp, tg): (usize, usize),
+    seed: &mut u64,
+) -> Result<u64> {
+    s.truncate(0);
+    let n_vocab = e.model.hparams().n_vocab;
+    let bos = e.tokenizer.special_tokens().bos;
+    let mut toks = ids(pp.max(16), n_vocab, seed);
+    if let (true, Some(b)) = (e.tokenizer.add_bos(), bos) {
+        toks[0] = b;
+    }
+    let spec_err = |err: specula_spec::SpecError| anyhow::anyhow!("{err}");
+    a.drafter.begin(&[]).map_err(spec_err)?;
+    if pp > 0 {
+        let t = Instant::now();
+        e.prefill_with_features(
+            s,
+            &toks,
+            toks.len() - 1,
+            &mut a.logits,
+            &mut a.taps,
+            &mut a.features,
+        )?;
+        a.drafter
+            .process_features(&toks, 0, &a.features)
+            .map_err(spec_err)?;
+        return Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
+    }
+    // The context of the rounds (untimed).
+    let head = &toks[..toks.len() - 1];
+    e.prefill_with_features(
+        s,
+        head,
+        head.len(),
+        &mut a.logits,
+        &mut a.taps,
+        &mut a.features,
+    )?;
+    a.drafter
+        .process_features(head, 0, &a.features)
+        .map_err(spec_err)?;
+    let mut history = toks.clone();
+    let mut batch = Vec::with_capacity(a.n_max + 1);
+    let t = Instant::now();
+    for _ in 0..tg {
+        let td = Instant::now();
+        let draft = a
+            .drafter
+            .draft(&DraftParams {
+                history: &history,
+                n_max: a.n_max,
+                p_min: 0.0,
+            })
+            .map_err(spec_err)?;
+        let mut in_drafter = td.elapsed();
+        let base = s.n_past();
+        batch.clear();
+        batch.push(*history.last().unwrap_or(&0));
+        batch.extend_from_slice(&draft);
+        e.prefill_with_features(s, &batch, 0, &mut a.logits, &mut a.taps, &mut a.features)?;
+        let tp = Instant::now();
+        a.drafter
+            .process_features(&batch, base, &a.features)
+            .map_err(spec_err)?;
+        if !draft.is_empty() {
+            a.drafter.accept(0);
+        }
+        in_drafter += tp.elapsed();
+        a.draft_ns += in_drafter.as_nanos();
+        a.rounds += 1;
+        s.truncate(base + 1);
+        // The target's own token (a random one: the benchmark measures cost, not acceptance).
+        history.push(ids(1, n_vocab, seed)[0]);
+    }
+    Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
 }
 
 /// Deterministic pseudo-random ids (llama-bench uses `rand() % n_vocab`).
@@ -223,6 +406,18 @@ pub fn run(args: &Args) -> Result<String> {
         .max(1)
         + args.n_depth.iter().copied().max().unwrap_or(0);
     engine.kv_overrides = overrides;
+    let mut attached = attach(args, &engine, n_ctx + 64)?;
+    if let Some(a) = &attached {
+        if args.n_depth.iter().any(|&d| d > 0) {
+            bail!("-d is not supported with -md yet");
+        }
+        // Rounds need room for their context, the verify batch and one token per round.
+        let rounds = args.n_gen.iter().copied().max().unwrap_or(0);
+        if rounds > 0 && 16 + rounds + a.n_max + 1 > n_ctx + 64 {
+            bail!("-n {rounds} rounds do not fit the benchmark's context");
+        }
+    }
+    let n_ctx = n_ctx + if attached.is_some() { 64 } else { 0 };
     let layout = load::check_cache(&engine, n_ctx, k_type, v_type)?;
     let mut session = engine.session(n_ctx, k_type, v_type)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
@@ -237,11 +432,20 @@ pub fn run(args: &Args) -> Result<String> {
         .collect();
     for &depth in &args.n_depth {
         for &(pp, tg) in &tests {
+            let once = |session: &mut Session<CpuBackend>,
+                        attached: &mut Option<Attached>,
+                        seed: &mut u64| match attached.as_mut() {
+                Some(a) => run_once_spec(&engine, session, a, (pp, tg), seed),
+                None => run_once(&engine, session, (pp, tg, depth), seed),
+            };
             prefill_depth(&engine, &mut session, depth, &mut seed)?;
-            run_once(&engine, &mut session, (pp, tg, depth), &mut seed)?; // warm-up
+            once(&mut session, &mut attached, &mut seed)?; // warm-up
+            if let Some(a) = attached.as_mut() {
+                (a.draft_ns, a.rounds) = (0, 0);
+            }
             let mut samples_ns = Vec::with_capacity(args.repetitions);
             for _ in 0..args.repetitions {
-                samples_ns.push(run_once(&engine, &mut session, (pp, tg, depth), &mut seed)?);
+                samples_ns.push(once(&mut session, &mut attached, &mut seed)?);
             }
             #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
             let samples_ts: Vec<f64> = samples_ns
@@ -281,6 +485,13 @@ pub fn run(args: &Args) -> Result<String> {
                 stddev_ts,
                 samples_ns,
                 samples_ts,
+                spec: attached
+                    .as_ref()
+                    .map(|a| format!("{} n_max {}", a.kind, a.n_max)),
+                draft_ns_per_round: attached
+                    .as_ref()
+                    .filter(|a| a.rounds > 0)
+                    .map(|a| u64::try_from(a.draft_ns / a.rounds).unwrap_or(u64::MAX)),
             });
         }
     }
@@ -309,11 +520,17 @@ fn render(records: &[Record], output: Output) -> Result<String> {
                 "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: |"
             );
             for r in records {
-                let mut test = if r.n_prompt > 0 {
-                    format!("pp{}", r.n_prompt)
-                } else {
-                    format!("tg{}", r.n_gen)
+                let mut test = match (&r.spec, r.n_prompt > 0) {
+                    (None, true) => format!("pp{}", r.n_prompt),
+                    (None, false) => format!("tg{}", r.n_gen),
+                    (Some(sp), true) => format!("pp{} + {sp}", r.n_prompt),
+                    (Some(sp), false) => format!("{} rounds, {sp}", r.n_gen),
                 };
+                if let Some(ns) = r.draft_ns_per_round {
+                    #[allow(clippy::cast_precision_loss, reason = "display")]
+                    let ms = ns as f64 / 1e6;
+                    let _ = write!(test, " (drafter {ms:.1} ms/round)");
+                }
                 if r.n_depth > 0 {
                     let _ = write!(test, " @ d{}", r.n_depth);
                 }

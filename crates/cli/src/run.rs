@@ -1,11 +1,14 @@
 //! `specula run`: generate text from a prompt, like llama.cpp's `llama-cli` / `llama-simple`.
 
 use std::io::Write as _;
+use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum as _;
 use serde::Serialize;
-use specula_engine::{DraftModel, GenerateOptions, SpecOptions, Timings};
+use specula_engine::{
+    DflashDrafter, DraftModel, Eagle3Drafter, GenerateOptions, Injection, SpecOptions, Timings,
+};
 use specula_sampling::SamplerParams;
 use specula_spec::ngram::{NgramCache, NgramSimple};
 use specula_spec::{Drafter, SpecStats};
@@ -82,9 +85,24 @@ pub struct Args {
     /// Draft model (GGUF file or manifest name) for speculative decoding.
     #[arg(long = "model-draft", visible_alias = "md")]
     pub model_draft: Option<String>,
-    /// Speculative method; default: `draft-simple` with `-md`, else `ngram-simple`.
+    /// Speculative method; default with `-md`: from the draft GGUF's architecture (`dflash` →
+    /// `draft-dflash`, `eagle3` → `draft-eagle3`, else `draft-simple`); without: `ngram-simple`.
     #[arg(long = "spec-type", value_enum)]
     pub spec_type: Option<SpecType>,
+    /// The `-md` file is a DFlash drafter (`--spec-type draft-dflash`).
+    #[arg(long = "dflash", conflicts_with = "eagle3")]
+    pub dflash: bool,
+    /// The `-md` file is an EAGLE-3 head (`--spec-type draft-eagle3`).
+    #[arg(long = "eagle3")]
+    pub eagle3: bool,
+    /// DFlash: inject a verify batch's features into the draft cache only for its committed
+    /// rows, once acceptance is known (1), or every batch right after the target ran it (0).
+    #[arg(
+        long = "dflash-defer-injection",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u8).range(0..=1)
+    )]
+    pub dflash_defer_injection: u8,
     /// Most draft tokens per round.
     #[arg(
         long = "spec-draft-n-max",
@@ -276,9 +294,9 @@ pub fn run(args: &Args) -> Result<String> {
     engine.kv_overrides = overrides;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
-    let (kind, mut drafter) = drafter(args, &engine)?;
+    let (kind, mut drafter, n_max) = drafter(args, &engine)?;
     let spec = SpecOptions {
-        n_max: args.spec_n_max,
+        n_max,
         n_min: args.spec_n_min,
         p_min: args.spec_p_min,
         adaptive: !args.spec_fixed,
@@ -350,11 +368,28 @@ pub fn run(args: &Args) -> Result<String> {
     Ok(s)
 }
 
-/// The drafter the flags ask for (`None`: no speculation), with its `--spec-type` name.
+/// The `--spec-type` a draft GGUF asks for, from its `general.architecture` (llama.cpp's
+/// auto-detection: `dflash` → DFlash, `eagle3` → EAGLE-3, anything else a draft model).
+fn detect_spec_type(path: &std::path::Path) -> Result<SpecType> {
+    let file = specula_gguf::Gguf::open(path)
+        .with_context(|| format!("cannot load the draft {}", path.display()))?;
+    Ok(match file.header().architecture() {
+        Some("dflash") => SpecType::DraftDflash,
+        Some("eagle3") => SpecType::DraftEagle3,
+        _ => SpecType::DraftSimple,
+    })
+}
+
+/// A drafter chosen by the flags: its `--spec-type` name, the drafter (`None`: no speculation)
+/// and the draft length per round.
+type Chosen = (String, Option<Box<dyn Drafter>>, usize);
+
+/// The drafter the flags ask for (`None`: no speculation), with its `--spec-type` name and the
+/// draft length per round (`--spec-draft-n-max`, clamped to what the drafter can make).
 fn drafter(
     args: &Args,
     target: &specula_engine::Engine<specula_cpu::CpuBackend>,
-) -> Result<(String, Option<Box<dyn Drafter>>)> {
+) -> Result<Chosen> {
     if args.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
         bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
     }
@@ -364,10 +399,23 @@ fn drafter(
             args.spec_p_min
         );
     }
-    let kind = match (args.spec_type, &args.model_draft) {
-        (Some(t), _) => t,
-        (None, Some(_)) => SpecType::DraftSimple,
-        (None, None) => SpecType::NgramSimple,
+    let flag = if args.dflash {
+        Some(SpecType::DraftDflash)
+    } else if args.eagle3 {
+        Some(SpecType::DraftEagle3)
+    } else {
+        None
+    };
+    let kind = match (args.spec_type, flag, &args.model_draft) {
+        (Some(t), Some(f), _) if t != f => bail!(
+            "--spec-type {} contradicts --{}",
+            t.to_possible_value()
+                .map_or_else(String::new, |v| v.get_name().to_owned()),
+            if args.dflash { "dflash" } else { "eagle3" }
+        ),
+        (Some(t), _, _) | (None, Some(t), _) => t,
+        (None, None, Some(md)) => detect_spec_type(&load::model_path(Some(md))?)?,
+        (None, None, None) => SpecType::NgramSimple,
     };
     let needs_model = matches!(
         kind,
@@ -388,34 +436,83 @@ fn drafter(
     let name = kind
         .to_possible_value()
         .map_or_else(String::new, |v| v.get_name().to_owned());
+    let threads = if args.threads_draft == 0 {
+        args.threads
+    } else {
+        args.threads_draft
+    };
+    let threads = if threads == 0 {
+        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
+    } else {
+        threads
+    };
+    let draft_ctx = if args.ctx_size_draft == 0 {
+        args.ctx_size
+    } else {
+        args.ctx_size_draft
+    };
+    let mut n_max = args.spec_n_max;
     let drafter: Option<Box<dyn Drafter>> = match kind {
         SpecType::None => None,
         SpecType::NgramSimple => Some(Box::new(NgramSimple::default())),
         SpecType::NgramCache => Some(Box::new(NgramCache::default())),
-        SpecType::DraftEagle3 | SpecType::DraftDflash => {
-            bail!(
-                "--spec-type {name} is not available yet: EAGLE-3 and DFlash drafters come with the next release; use draft-simple or an n-gram type"
+        SpecType::DraftEagle3 => {
+            let path = load::model_path(args.model_draft.as_deref())?;
+            let file = Arc::new(
+                specula_gguf::Gguf::open(&path)
+                    .with_context(|| format!("cannot load the draft {}", path.display()))?,
+            );
+            let d = Eagle3Drafter::new(
+                specula_cpu::CpuBackend::new(threads),
+                file,
+                target,
+                draft_ctx.max(args.ctx_size),
+                load::cache_type(&args.cache_type_k_draft)?,
+                load::cache_type(&args.cache_type_v_draft)?,
             )
+            .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
+            Some(Box::new(d))
+        }
+        SpecType::DraftDflash => {
+            let path = load::model_path(args.model_draft.as_deref())?;
+            let file = Arc::new(
+                specula_gguf::Gguf::open(&path)
+                    .with_context(|| format!("cannot load the draft {}", path.display()))?,
+            );
+            let policy = if args.dflash_defer_injection == 1 {
+                Injection::Deferred
+            } else {
+                Injection::Eager
+            };
+            let d = DflashDrafter::new(
+                specula_cpu::CpuBackend::new(threads),
+                file,
+                target,
+                draft_ctx.max(args.ctx_size),
+                load::cache_type(&args.cache_type_k_draft)?,
+                load::cache_type(&args.cache_type_v_draft)?,
+                policy,
+            )
+            .with_context(|| format!("cannot use {} as a DFlash drafter", path.display()))?;
+            let block = d.net().hparams().block_size;
+            if n_max > block - 1 {
+                eprintln!(
+                    "--spec-draft-n-max {n_max} clamped to {} (the DFlash block size {block} minus the anchor)",
+                    block - 1
+                );
+                n_max = block - 1;
+            }
+            Some(Box::new(d))
         }
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
-            let threads = if args.threads_draft == 0 {
-                args.threads
-            } else {
-                args.threads_draft
-            };
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
             let arch = draft.model.hparams().arch;
-            let n_ctx = if args.ctx_size_draft == 0 {
-                args.ctx_size
-            } else {
-                args.ctx_size_draft
-            };
             let d = DraftModel::new(
                 draft,
                 &target.tokenizer,
-                n_ctx,
+                draft_ctx,
                 load::cache_type(&args.cache_type_k_draft)?,
                 load::cache_type(&args.cache_type_v_draft)?,
             )
@@ -428,7 +525,7 @@ fn drafter(
             Some(Box::new(d))
         }
     };
-    Ok((name, drafter))
+    Ok((name, drafter, n_max))
 }
 
 #[allow(clippy::cast_precision_loss, reason = "token counts are small")]

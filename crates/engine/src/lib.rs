@@ -11,7 +11,12 @@
 //! - [`Engine::generate_speculative`] — the same with speculative rounds from any
 //!   [`specula_spec::Drafter`] (draft, one batched verify forward, rollback of the rejected
 //!   rows), and [`DraftModel`], a smaller model of the same vocabulary as a drafter.
+//! - [`DflashDrafter`] — a DFlash block drafter fed with the target's hidden states (KV
+//!   injection, eager or deferred: [`Injection`]), and [`Eagle3Drafter`], an EAGLE-3 head
+//!   drafting a chain in feature space.
 
+mod dflash;
+mod eagle3;
 mod spec;
 
 use std::time::Instant;
@@ -68,6 +73,8 @@ pub enum EngineError {
     Kv(#[from] specula_kv::KvError),
 }
 
+pub use dflash::{DflashDrafter, Injection};
+pub use eagle3::Eagle3Drafter;
 pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab};
 
 /// Result alias.
@@ -333,6 +340,44 @@ impl<B: Backend> Engine<B> {
         first: usize,
         out: &mut Vec<f32>,
     ) -> Result<()> {
+        self.prefill_impl(s, ids, first, out, None)
+    }
+
+    /// [`Engine::prefill_into`] that also captures the target hidden states a feature drafter
+    /// asks for: `taps.layers` in the layer-input convention of [`specula_models::Taps`], and
+    /// `features` (cleared first) row-major `[ids.len(), taps · n_embd]`, each row the taps
+    /// side by side in `taps.layers` order — what [`specula_spec::Drafter::process_features`]
+    /// takes.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill`], and a tap past the model's layers.
+    pub fn prefill_with_features(
+        &self,
+        s: &mut Session<B>,
+        ids: &[u32],
+        first: usize,
+        out: &mut Vec<f32>,
+        taps: &mut specula_models::Taps,
+        features: &mut Vec<f32>,
+    ) -> Result<()> {
+        let n_layer = self.model.hparams().n_layer;
+        if let Some(&t) = taps.layers.iter().find(|&&t| t > n_layer) {
+            return Err(EngineError::Model(ModelError::Batch(format!(
+                "tap {t} is past the target's {n_layer} layers"
+            ))));
+        }
+        features.clear();
+        self.prefill_impl(s, ids, first, out, Some((taps, features)))
+    }
+
+    fn prefill_impl(
+        &self,
+        s: &mut Session<B>,
+        ids: &[u32],
+        first: usize,
+        out: &mut Vec<f32>,
+        mut capture: Option<(&mut specula_models::Taps, &mut Vec<f32>)>,
+    ) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -362,10 +407,18 @@ impl<B: Backend> Engine<B> {
                 chunk,
                 &s.pos,
                 &s.rows,
-                None,
+                capture.as_mut().map(|(t, _)| &mut **t),
             )?;
             out.extend_from_slice(logits);
             s.n_past += chunk.len();
+            if let Some((taps, features)) = capture.as_mut() {
+                let n_embd = self.model.hparams().n_embd;
+                for r in 0..chunk.len() {
+                    for rows in &taps.rows {
+                        features.extend_from_slice(&rows[r * n_embd..(r + 1) * n_embd]);
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -80,27 +80,48 @@ impl<B: Backend> Engine<B> {
         let n_vocab = self.model.hparams().n_vocab;
         let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
-        // The cache holds everything but the anchor, which opens the first round.
-        let (head, _) = prompt.split_at(prompt.len() - 1);
-        let pos0 = s.n_past;
+        // The prompt is prefilled whole and the first token sampled from its last row, as
+        // plain decoding does; that token is the anchor of the first round.
         let mut logits = Vec::new();
-        if !head.is_empty() {
-            self.prefill_into(s, head, head.len(), &mut logits)?;
-        }
+        // Feature drafters (DFlash, EAGLE3) see the target's hidden states of every batch.
+        let mut taps = specula_models::Taps {
+            layers: drafter.target_taps().to_vec(),
+            rows: Vec::new(),
+        };
+        let mut features = Vec::new();
         drafter.begin(prompt).map_err(EngineError::Spec)?;
-        if !head.is_empty() {
-            drafter.process(head, pos0).map_err(EngineError::Spec)?;
-        }
+        self.run_for(
+            s,
+            prompt,
+            prompt.len() - 1,
+            &mut logits,
+            &mut taps,
+            &mut features,
+            drafter,
+        )?;
         out.timings.prompt_n = prompt.len();
         out.timings.prompt_ms = ms(t0);
+        let mut history = prompt.to_vec();
+        if n_predict > 0 {
+            if opts.top_logits > 0 {
+                out.top_logits.push(top_k_logits(&logits, opts.top_logits));
+            }
+            let id = sampler.sample(&logits)?;
+            sampler.accept(id)?;
+            out.generated_ids.push(id);
+            history.push(id);
+            on_token(id);
+            if opts.stop_at_eog && self.tokenizer.is_eog(id) {
+                out.stopped_at_eog = true;
+            }
+        }
 
         let t1 = Instant::now();
         let mut stats = SpecStats::default();
         let mut policy = Adaptive::new(spec.n_max);
-        let mut history = prompt.to_vec();
         let mut batch = Vec::with_capacity(spec.n_max + 1);
         let mut since_draft = 1usize;
-        'rounds: while out.generated_ids.len() < n_predict {
+        'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();
             // Room for drafts: the context after the anchor, and the budget after the token
             // the target adds.
@@ -140,9 +161,8 @@ impl<B: Backend> Engine<B> {
             batch.extend_from_slice(&draft);
             let base = s.n_past;
             let tv = Instant::now();
-            self.prefill_into(s, &batch, 0, &mut logits)?;
+            self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
             let verify_s = tv.elapsed().as_secs_f64();
-            drafter.process(&batch, base).map_err(EngineError::Spec)?;
 
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
@@ -184,6 +204,36 @@ impl<B: Backend> Engine<B> {
         );
         out.spec = Some(stats);
         Ok(out)
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Runs a target batch (prompt or verify) and tells the drafter, with the hidden states it
+    /// taps when it asks for any.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the loop's buffers, reused across rounds"
+    )]
+    fn run_for(
+        &self,
+        s: &mut Session<B>,
+        ids: &[u32],
+        first: usize,
+        logits: &mut Vec<f32>,
+        taps: &mut specula_models::Taps,
+        features: &mut Vec<f32>,
+        drafter: &mut dyn Drafter,
+    ) -> Result<()> {
+        let pos0 = s.n_past;
+        if taps.layers.is_empty() {
+            self.prefill_into(s, ids, first, logits)?;
+            drafter.process(ids, pos0).map_err(EngineError::Spec)
+        } else {
+            self.prefill_with_features(s, ids, first, logits, taps, features)?;
+            drafter
+                .process_features(ids, pos0, features)
+                .map_err(EngineError::Spec)
+        }
     }
 }
 
@@ -347,7 +397,7 @@ impl<B: Backend> DraftModel<B> {
 }
 
 /// The argmax (lowest id among equals) and its softmax probability.
-fn top1(logits: &[f32]) -> (u32, f32) {
+pub(crate) fn top1(logits: &[f32]) -> (u32, f32) {
     let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
     for (i, &x) in logits.iter().enumerate() {
         if x > max {

@@ -79,7 +79,7 @@ pub struct Hparams {
     pub n_vocab: usize,
 }
 
-fn get_usize(md: &Metadata, key: &str) -> Result<usize, ModelError> {
+pub(crate) fn get_usize(md: &Metadata, key: &str) -> Result<usize, ModelError> {
     let v = md.get_u64(key).ok_or_else(|| ModelError::MissingKey {
         key: key.to_owned(),
     })?;
@@ -89,7 +89,7 @@ fn get_usize(md: &Metadata, key: &str) -> Result<usize, ModelError> {
     })
 }
 
-fn get_f32(md: &Metadata, key: &str) -> Option<f32> {
+pub(crate) fn get_f32(md: &Metadata, key: &str) -> Option<f32> {
     match md.get(key)? {
         specula_gguf::Value::F32(v) => Some(*v),
         other => {

@@ -7,6 +7,10 @@
 //! - [`Taps`] — hidden-state capture for drafters: tap `i` is the *input* of layer `i` (the
 //!   output of layer `i − 1`); tap `n_layer` is the state before the final norm.
 //!
+//! - [`dflash::Dflash`], [`eagle3::Eagle3`] — the DFlash and EAGLE-3 draft networks, loaded
+//!   from llama.cpp's `dflash` / `eagle3` GGUFs for a target [`Model`] whose embedding and
+//!   head they borrow ([`Model::token_embedding`], [`Model::output_head`]).
+//!
 //! Architectures: `llama` (SmolLM2), `qwen2` (Qwen2.5: Q/K/V biases, NeoX RoPE), `qwen3`
 //! (per-head RMS QK-norm). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
 //!
@@ -22,6 +26,8 @@
 //! # Ok(()) }
 //! ```
 
+pub mod dflash;
+pub mod eagle3;
 mod hparams;
 
 use std::sync::Arc;
@@ -46,6 +52,7 @@ impl ByteSource for FileBytes {
 }
 
 pub use hparams::{Arch, Hparams};
+pub(crate) use hparams::{get_f32, get_usize};
 
 /// Errors while loading or running a model.
 #[derive(Debug, thiserror::Error)]
@@ -159,10 +166,11 @@ pub struct Scratch<B: Backend> {
 /// A loaded model on a backend.
 pub struct Model<B: Backend> {
     hp: Hparams,
-    tok_embd: B::Weight,
+    /// Shared with drafters that borrow the target's embedding (DFlash, EAGLE3).
+    tok_embd: Arc<B::Weight>,
     output_norm: B::Weight,
     /// `None` when the embedding is tied (the output projection is `tok_embd`).
-    output: Option<B::Weight>,
+    output: Option<Arc<B::Weight>>,
     layers: Vec<Layer<B::Weight>>,
     file: Arc<Gguf>,
 }
@@ -294,9 +302,9 @@ impl<B: Backend> Model<B> {
         }
         Ok(Self {
             hp,
-            tok_embd,
+            tok_embd: Arc::new(tok_embd),
             output_norm,
-            output,
+            output: output.map(Arc::new),
             layers,
             file,
         })
@@ -306,6 +314,20 @@ impl<B: Backend> Model<B> {
     #[must_use]
     pub fn hparams(&self) -> &Hparams {
         &self.hp
+    }
+
+    /// The token embedding, shared (drafters without their own borrow it, as llama.cpp's
+    /// DFlash and EAGLE3 drafts do through `ctx_other`).
+    #[must_use]
+    pub fn token_embedding(&self) -> Arc<B::Weight> {
+        Arc::clone(&self.tok_embd)
+    }
+
+    /// The output projection (the token embedding when tied), shared like
+    /// [`Model::token_embedding`]; it was prepared for matmul at load.
+    #[must_use]
+    pub fn output_head(&self) -> Arc<B::Weight> {
+        Arc::clone(self.output.as_ref().unwrap_or(&self.tok_embd))
     }
 
     /// The GGUF file the weights come from.
@@ -475,7 +497,7 @@ impl<B: Backend> Model<B> {
         be.copy_rows(&s.x, logits_rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
         let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        be.matmul(&s.norm, head, &mut s.logits);
+        be.matmul(&s.norm, head.as_ref(), &mut s.logits);
         be.to_host(&s.logits, &mut s.host);
         Ok(&s.host)
     }

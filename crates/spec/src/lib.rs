@@ -8,7 +8,9 @@
 //! target's distribution.
 //!
 //! - [`Drafter`]: the lifecycle `begin / process / draft / accept / state · restore`, shared by
-//!   every method (n-gram here, a draft model in `specula-engine`, DFlash and EAGLE3 later);
+//!   every method (n-gram here; a draft model, DFlash and EAGLE3 in `specula-engine`, which
+//!   ask the loop for target hidden states through [`Drafter::target_taps`] and receive them in
+//!   [`Drafter::process_features`]);
 //!   [`DrafterChain`] asks several in priority order, the first non-empty draft wins.
 //! - [`ngram`]: prompt lookup ([`ngram::NgramSimple`]) and an n-gram cache
 //!   ([`ngram::NgramCache`]), drafters that need no second model.
@@ -96,6 +98,31 @@ pub trait Drafter {
         Ok(())
     }
 
+    /// The target hidden states this drafter learns from, as tap indices of the target's
+    /// layer-input convention (`i` is the input of layer `i`, i.e. the output of Hugging Face
+    /// layer `i − 1`; the target's layer count is the pre-final-norm state). The loop captures
+    /// them in every target forward and hands them to [`Drafter::process_features`]. The
+    /// default asks for none.
+    fn target_taps(&self) -> &[usize] {
+        &[]
+    }
+
+    /// [`Drafter::process`] with the captured target states of the batch: `features` is
+    /// row-major `[tokens.len(), target_taps().len() · n_embd_target]`, each row the taps laid
+    /// side by side in [`Drafter::target_taps`] order. The default ignores the features.
+    ///
+    /// # Errors
+    /// A drafter's own failure.
+    fn process_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &[f32],
+    ) -> Result<(), SpecError> {
+        let _ = features;
+        self.process(tokens, pos0)
+    }
+
     /// Up to `p.n_max` tokens to follow `p.history` (possibly none).
     ///
     /// # Errors
@@ -166,6 +193,34 @@ impl Drafter for DrafterChain {
         self.drafters
             .iter_mut()
             .try_for_each(|d| d.process(tokens, pos0))
+    }
+
+    /// The taps of the first drafter that asks for any: one feature capture per target
+    /// forward serves one feature drafter (DFlash or EAGLE3) in a chain.
+    fn target_taps(&self) -> &[usize] {
+        self.drafters
+            .iter()
+            .map(|d| d.target_taps())
+            .find(|t| !t.is_empty())
+            .unwrap_or(&[])
+    }
+
+    fn process_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &[f32],
+    ) -> Result<(), SpecError> {
+        let mut fed = false;
+        for d in &mut self.drafters {
+            if !fed && !d.target_taps().is_empty() {
+                fed = true;
+                d.process_features(tokens, pos0, features)?;
+            } else {
+                d.process(tokens, pos0)?;
+            }
+        }
+        Ok(())
     }
 
     fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {

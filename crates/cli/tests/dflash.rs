@@ -1,0 +1,295 @@
+//! `specula run` with a DFlash drafter, end to end on tiny random GGUFs written here: the
+//! drafter is picked from the draft file's architecture (or `--dflash`), greedy output is the
+//! plain output under both injection policies, `--spec-draft-n-max` is clamped to the block
+//! size minus one, and contradictory or unsupported flags are one-line errors. The same for an
+//! EAGLE-3 head (auto-detected, or `--eagle3`), and `specula bench -md`.
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+use serde_json::Value as Json;
+use specula_gguf::{Array, GgmlType, GgufWriter, Value};
+
+const N_VOCAB: usize = 256;
+const E: usize = 64;
+const N_FF: usize = 128;
+const N_HEAD: usize = 4;
+const N_HEAD_KV: usize = 2;
+const HD: usize = 16;
+
+fn specula(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_specula"))
+        .args(args)
+        .output()
+        .expect("the specula binary runs")
+}
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let z = splitmix64(seed.wrapping_mul(1_000_003) ^ i);
+            let u = f32::from(u16::try_from(z >> 48).unwrap()) / 65_536.0;
+            (u - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+fn byte_symbols() -> Vec<String> {
+    let mut n = 0u32;
+    (0u8..=255)
+        .map(|b| {
+            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+                char::from(b).to_string()
+            } else {
+                n += 1;
+                char::from_u32(255 + n).unwrap().to_string()
+            }
+        })
+        .collect()
+}
+
+fn u(v: usize) -> Value {
+    Value::U32(u32::try_from(v).unwrap())
+}
+
+/// Writes an F32 GGUF: metadata of `arch`, the tokenizer, and random tensors (`(name, dims)`;
+/// one-dim tensors are norm weights near 1).
+fn write(
+    path: &Path,
+    arch: &str,
+    n_layer: usize,
+    extra: &[(&str, Value)],
+    tensors: &[(String, Vec<usize>)],
+) {
+    let k = |s: &str| format!("{arch}.{s}");
+    let mut w = GgufWriter::new();
+    let mut md: Vec<(String, Value)> = vec![
+        ("general.architecture".into(), Value::String(arch.into())),
+        (k("block_count"), u(n_layer)),
+        (k("context_length"), u(512)),
+        (k("embedding_length"), u(E)),
+        (k("feed_forward_length"), u(N_FF)),
+        (k("attention.head_count"), u(N_HEAD)),
+        (k("attention.head_count_kv"), u(N_HEAD_KV)),
+        (k("rope.freq_base"), Value::F32(1e6)),
+        (k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6)),
+        (k("attention.key_length"), u(HD)),
+        (k("attention.value_length"), u(HD)),
+        ("tokenizer.ggml.model".into(), Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre".into(), Value::String("default".into())),
+        (
+            "tokenizer.ggml.tokens".into(),
+            Value::Array(Array::String(byte_symbols())),
+        ),
+        (
+            "tokenizer.ggml.token_type".into(),
+            Value::Array(Array::I32(vec![1; N_VOCAB])),
+        ),
+        (
+            "tokenizer.ggml.merges".into(),
+            Value::Array(Array::String(vec!["a 1".into()])),
+        ),
+        ("tokenizer.ggml.bos_token_id".into(), Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id".into(), Value::U32(0)),
+        ("tokenizer.ggml.add_bos_token".into(), Value::Bool(false)),
+    ];
+    md.extend(extra.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+    for (k, v) in md {
+        w.add(k, v).unwrap();
+    }
+    let mut data = Vec::new();
+    for (i, (name, dims)) in tensors.iter().enumerate() {
+        let d: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        w.add_tensor(name.as_str(), GgmlType::F32, &d).unwrap();
+        let n: usize = dims.iter().product();
+        let x: Vec<f32> = if dims.len() == 1 {
+            values(i as u64 + 500, n, 0.2)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect()
+        } else {
+            values(i as u64 + 900, n, 0.5)
+        };
+        data.push(x.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>());
+    }
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    std::fs::write(path, w.to_vec(&refs).unwrap()).unwrap();
+}
+
+fn layer(l: usize, qk_norm: bool) -> Vec<(String, Vec<usize>)> {
+    let (q, kv) = (N_HEAD * HD, N_HEAD_KV * HD);
+    let n = |s: &str| format!("blk.{l}.{s}");
+    let mut t = vec![
+        (n("attn_norm.weight"), vec![E]),
+        (n("ffn_norm.weight"), vec![E]),
+        (n("attn_q.weight"), vec![E, q]),
+        (n("attn_k.weight"), vec![E, kv]),
+        (n("attn_v.weight"), vec![E, kv]),
+        (n("attn_output.weight"), vec![q, E]),
+        (n("ffn_gate.weight"), vec![E, N_FF]),
+        (n("ffn_up.weight"), vec![E, N_FF]),
+        (n("ffn_down.weight"), vec![N_FF, E]),
+    ];
+    if qk_norm {
+        t.push((n("attn_q_norm.weight"), vec![HD]));
+        t.push((n("attn_k_norm.weight"), vec![HD]));
+    }
+    t
+}
+
+fn files(dir: &Path) -> (String, String) {
+    let target = dir.join("target.gguf");
+    let mut t = vec![
+        ("token_embd.weight".to_owned(), vec![E, N_VOCAB]),
+        ("output_norm.weight".to_owned(), vec![E]),
+        ("output.weight".to_owned(), vec![E, N_VOCAB]),
+    ];
+    for l in 0..3 {
+        t.extend(layer(l, true));
+    }
+    write(&target, "qwen3", 3, &[], &t);
+    let draft = dir.join("dflash.gguf");
+    let mut d = vec![
+        ("fc.weight".to_owned(), vec![2 * E, E]),
+        ("enc.output_norm.weight".to_owned(), vec![E]),
+        ("output_norm.weight".to_owned(), vec![E]),
+    ];
+    for l in 0..2 {
+        d.extend(layer(l, true));
+    }
+    write(
+        &draft,
+        "dflash",
+        2,
+        &[
+            ("dflash.block_size", u(6)),
+            ("dflash.target_layers", Value::Array(Array::I32(vec![1, 3]))),
+            ("tokenizer.ggml.mask_token_id", Value::U32(255)),
+        ],
+        &d,
+    );
+    let head = dir.join("eagle3.gguf");
+    let (q, kv) = (N_HEAD * HD, N_HEAD_KV * HD);
+    let n = |s: &str| format!("blk.0.{s}");
+    let h = vec![
+        ("fc.weight".to_owned(), vec![3 * E, E]),
+        ("output_norm.weight".to_owned(), vec![E]),
+        (n("attn_norm.weight"), vec![E]),
+        (n("attn_norm_2.weight"), vec![E]),
+        (n("ffn_norm.weight"), vec![E]),
+        (n("attn_q.weight"), vec![2 * E, q]),
+        (n("attn_k.weight"), vec![2 * E, kv]),
+        (n("attn_v.weight"), vec![2 * E, kv]),
+        (n("attn_output.weight"), vec![q, E]),
+        (n("ffn_gate.weight"), vec![E, N_FF]),
+        (n("ffn_up.weight"), vec![E, N_FF]),
+        (n("ffn_down.weight"), vec![N_FF, E]),
+    ];
+    write(
+        &head,
+        "eagle3",
+        1,
+        &[
+            (
+                "eagle3.target_layers",
+                Value::Array(Array::I32(vec![1, 2, 3])),
+            ),
+            ("eagle3.target_hidden_size", u(E)),
+        ],
+        &h,
+    );
+    (
+        target.to_str().unwrap().to_owned(),
+        draft.to_str().unwrap().to_owned(),
+    )
+}
+
+fn run_json(args: &[&str]) -> (Json, String) {
+    let out = specula(args);
+    let err = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(out.status.success(), "{err}");
+    (serde_json::from_slice(&out.stdout).expect("JSON"), err)
+}
+
+#[test]
+fn dflash_drafter_from_the_command_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, d) = files(dir.path());
+    let base = [
+        "run",
+        "-m",
+        &t,
+        "-p",
+        "Hello, world",
+        "-n",
+        "24",
+        "--temp",
+        "0",
+        "--json",
+        "-t",
+        "1",
+    ];
+    let (plain, _) = run_json(&base);
+    let want = &plain["generated_ids"];
+    assert_eq!(want.as_array().unwrap().len(), 24);
+    for extra in [
+        vec!["-md", d.as_str()],
+        vec![
+            "-md",
+            d.as_str(),
+            "--dflash",
+            "--dflash-defer-injection",
+            "0",
+        ],
+        vec![
+            "-md",
+            d.as_str(),
+            "--spec-type",
+            "draft-dflash",
+            "--spec-fixed",
+            "--spec-draft-p-min",
+            "0",
+        ],
+    ] {
+        let mut args = base.to_vec();
+        args.extend(&extra);
+        let (got, err) = run_json(&args);
+        assert_eq!(&got["generated_ids"], want, "{extra:?}");
+        assert_eq!(got["spec"]["type"], "draft-dflash", "{extra:?}");
+        // The default n_max 16 does not fit a block of 6.
+        assert!(err.contains("clamped to 5"), "{err}");
+        if extra.contains(&"--spec-fixed") {
+            let drafted = got["timings"]["draft_n"].as_u64().unwrap();
+            let rounds = got["timings"]["draft_rounds"].as_u64().unwrap();
+            assert!(rounds > 0 && drafted <= 5 * rounds, "{got}");
+        }
+    }
+
+    let bad = |extra: &[&str], needle: &str| {
+        let mut args = base.to_vec();
+        args.extend(extra);
+        let out = specula(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        // 1: our errors; 2: clap's usage errors.
+        assert!(matches!(out.status.code(), Some(1 | 2)), "{err}");
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    };
+    bad(
+        &["-md", &d, "--spec-type", "draft-simple", "--dflash"],
+        "contradicts --dflash",
+    );
+    bad(
+        &["-md", &d, "--dflash-defer-injection", "2"],
+        "dflash-defer-injection",
+    );
+    // The target as a "DFlash drafter".
+    bad(&["-md", &t, "--dflash"], "DFlash");
+}

@@ -1,0 +1,355 @@
+//! DFlash as a [`Drafter`]: the draft cache follows the committed target positions through
+//! KV injection, and each round drafts a whole block in one forward.
+//!
+//! The network is [`specula_models::dflash::Dflash`]; this module owns its cache and decides
+//! when target features become draft context ([`Injection`]):
+//!
+//! - **eager** (llama.cpp upstream): every target batch is injected as soon as the target ran
+//!   it, rejected verify rows included; the next draft forgets positions past the committed
+//!   ones (cell = position, so the next injection overwrites them).
+//! - **deferred**: a verify batch of this drafter's own draft is stashed and only its committed
+//!   rows (anchor + accepted drafts) are injected, in one pass, when [`Drafter::accept`] says
+//!   how many; any other batch (prompt chunks, a one-token verify, a verify of another
+//!   drafter's draft) is injected at once. Rejected rows are never encoded.
+//!
+//! Either way, between rounds the cache holds context for exactly the committed target
+//! positions — the invariant a snapshot ([`Drafter::state`]) or a prompt-cache reuse relies on
+//! (llama.cpp fork bug TheTom#231: a flush deferred into `draft()` left snapshots and cache
+//! hits without context, so those requests drafted nothing). A snapshot taken mid-round also
+//! carries the stash, so restoring it loses nothing.
+
+use std::sync::Arc;
+
+use specula_gguf::Gguf;
+use specula_models::dflash::{Dflash, DflashScratch};
+use specula_quant::QType;
+use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_tensor::Backend;
+
+use crate::spec::top1;
+use crate::{Engine, EngineError, Result};
+
+/// When target features are written into the draft cache (`--dflash-defer-injection`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Injection {
+    /// Inject every target batch right after the target ran it.
+    Eager,
+    /// Inject a verify batch's committed rows once acceptance is known.
+    #[default]
+    Deferred,
+}
+
+/// A stashed verify batch (deferred injection).
+#[derive(Clone, Debug)]
+struct Stash {
+    pos0: usize,
+    tokens: Vec<u32>,
+    features: Vec<f32>,
+}
+
+/// What [`Drafter::state`] saves.
+#[derive(Clone, Debug)]
+struct State {
+    /// Tokens whose context is in the cache, positions `0..len`.
+    ctx_tokens: Vec<u32>,
+    stash: Option<Stash>,
+}
+
+/// Rows injected per pass (bounds the scratch memory of long prompts).
+const INJECT_CHUNK: usize = 512;
+
+/// A DFlash drafter for one target.
+pub struct DflashDrafter<B: Backend> {
+    backend: B,
+    net: Dflash<B>,
+    kv: B::Kv,
+    n_ctx: usize,
+    scratch: DflashScratch<B>,
+    taps: Vec<usize>,
+    policy: Injection,
+    /// The tokens whose context K/V the cache holds, at positions `0..ctx_tokens.len()`.
+    ctx_tokens: Vec<u32>,
+    stash: Option<Stash>,
+    last_draft: Vec<u32>,
+    block: Vec<u32>,
+    rows: Vec<usize>,
+    logits: Vec<f32>,
+}
+
+impl<B: Backend> std::fmt::Debug for DflashDrafter<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DflashDrafter")
+            .field("net", &self.net)
+            .field("policy", &self.policy)
+            .field("context", &self.ctx_tokens.len())
+            .finish_non_exhaustive()
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> SpecError {
+    SpecError::Drafter {
+        drafter: "draft-dflash",
+        message: e.to_string(),
+    }
+}
+
+impl<B: Backend> DflashDrafter<B> {
+    /// A drafter from the draft GGUF `file` for `target`, running on `backend` with a cache of
+    /// `n_ctx` cells in the given formats.
+    ///
+    /// # Errors
+    /// Loading errors of the draft (unsupported variants by name, shapes, taps past the
+    /// target's layers, a MASK id outside the vocabulary) and cache formats the backend refuses.
+    pub fn new(
+        backend: B,
+        file: Arc<Gguf>,
+        target: &Engine<B>,
+        n_ctx: usize,
+        k_type: QType,
+        v_type: QType,
+        policy: Injection,
+    ) -> Result<Self> {
+        let net = Dflash::load(&backend, file, &target.model)?;
+        let mask = net.hparams().mask_token_id;
+        if mask as usize >= net.n_vocab() {
+            return Err(EngineError::BadToken {
+                id: mask,
+                n_vocab: net.n_vocab(),
+            });
+        }
+        let kv = backend
+            .kv_new(net.kv_shape(n_ctx, k_type, v_type))
+            .map_err(specula_models::ModelError::from)?;
+        let scratch = net.scratch(&backend);
+        let taps = net.hparams().target_layers.clone();
+        Ok(Self {
+            backend,
+            net,
+            kv,
+            n_ctx,
+            scratch,
+            taps,
+            policy,
+            ctx_tokens: Vec::new(),
+            stash: None,
+            last_draft: Vec::new(),
+            block: Vec::new(),
+            rows: Vec::new(),
+            logits: Vec::new(),
+        })
+    }
+
+    /// The network.
+    #[must_use]
+    pub fn net(&self) -> &Dflash<B> {
+        &self.net
+    }
+
+    /// Positions whose context the draft cache holds.
+    #[must_use]
+    pub fn context_len(&self) -> usize {
+        self.ctx_tokens.len()
+    }
+
+    /// Writes the context of `tokens` at `pos0..` into the cache. A batch that starts past the
+    /// context leaves a gap: the cache then ends where the gap starts.
+    fn inject(&mut self, tokens: &[u32], pos0: usize, features: &[f32]) -> Result<(), SpecError> {
+        let n = tokens.len();
+        let w = self.net.feature_width();
+        if features.len() != n * w {
+            return Err(err(format!(
+                "{} feature values for {n} rows of width {w}: the loop did not capture taps {:?}",
+                features.len(),
+                self.taps
+            )));
+        }
+        if pos0 > self.ctx_tokens.len() || pos0 + n > self.n_ctx {
+            // Context the target never showed us (or past the cache): no drafting on top of it.
+            self.ctx_tokens.truncate(pos0.min(self.ctx_tokens.len()));
+            return Ok(());
+        }
+        let mut pos = Vec::with_capacity(INJECT_CHUNK);
+        for start in (0..n).step_by(INJECT_CHUNK) {
+            let end = (start + INJECT_CHUNK).min(n);
+            pos.clear();
+            pos.extend((pos0 + start..pos0 + end).map(|p| u32::try_from(p).unwrap_or(u32::MAX)));
+            self.net
+                .inject(
+                    &self.backend,
+                    &mut self.kv,
+                    self.n_ctx,
+                    &mut self.scratch,
+                    &features[start * w..end * w],
+                    &pos,
+                )
+                .map_err(err)?;
+        }
+        self.ctx_tokens.truncate(pos0);
+        self.ctx_tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Injects the first `keep` rows of the stash.
+    fn flush(&mut self, keep: usize) -> Result<(), SpecError> {
+        if let Some(st) = self.stash.take() {
+            let keep = keep.min(st.tokens.len());
+            let w = self.net.feature_width();
+            self.inject(&st.tokens[..keep], st.pos0, &st.features[..keep * w])?;
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drafter for DflashDrafter<B> {
+    fn name(&self) -> &'static str {
+        "draft-dflash"
+    }
+
+    fn target_taps(&self) -> &[usize] {
+        &self.taps
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
+        // The cache may hold the context of an earlier request sharing this prompt's prefix
+        // (a prompt-cache hit: the target will not run those positions again); the batches
+        // that follow overwrite the rest.
+        self.stash = None;
+        self.last_draft.clear();
+        let common = self
+            .ctx_tokens
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.ctx_tokens.truncate(common);
+        Ok(())
+    }
+
+    fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        // Without features nothing can be injected: the context ends before this batch.
+        self.flush(usize::MAX)?;
+        self.ctx_tokens.truncate(pos0.min(self.ctx_tokens.len()));
+        let _ = tokens;
+        Ok(())
+    }
+
+    fn process_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &[f32],
+    ) -> Result<(), SpecError> {
+        // A stash left by a round whose acceptance never came: its rows are in the target's
+        // cache only up to where this batch starts.
+        if let Some(st) = &self.stash {
+            let keep = pos0.saturating_sub(st.pos0);
+            self.flush(keep)?;
+        }
+        let own_verify = !self.last_draft.is_empty()
+            && tokens.len() == self.last_draft.len() + 1
+            && tokens[1..] == self.last_draft[..];
+        if self.policy == Injection::Deferred && own_verify {
+            self.stash = Some(Stash {
+                pos0,
+                tokens: tokens.to_vec(),
+                features: features.to_vec(),
+            });
+            Ok(())
+        } else {
+            self.inject(tokens, pos0, features)
+        }
+    }
+
+    fn accept(&mut self, n: usize) {
+        // The anchor and `n` drafts are committed. An injection failure here surfaces as an
+        // empty context at the next draft (no drafts), never as wrong output.
+        if self.flush(n + 1).is_err() {
+            self.ctx_tokens.clear();
+        }
+    }
+
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.last_draft.clear();
+        let Some(&anchor) = p.history.last() else {
+            return Ok(Vec::new());
+        };
+        // The anchor's position: everything before it is committed target context.
+        let committed = p.history.len() - 1;
+        if let Some(st) = &self.stash {
+            let keep = committed.saturating_sub(st.pos0);
+            self.flush(keep)?;
+        }
+        // Rows past the committed ones were rejected (eager injection writes them).
+        let common = self
+            .ctx_tokens
+            .iter()
+            .zip(p.history)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.ctx_tokens.truncate(common.min(committed));
+        let block_size = self.net.hparams().block_size;
+        let k = p
+            .n_max
+            .min(block_size - 1)
+            .min(self.n_ctx.saturating_sub(committed + 1));
+        if k == 0 || self.ctx_tokens.len() < committed {
+            return Ok(Vec::new());
+        }
+        let mask = self.net.hparams().mask_token_id;
+        self.block.clear();
+        self.block.push(anchor);
+        self.block.resize(k + 1, mask);
+        self.rows.clear();
+        self.rows.extend(1..=k);
+        let logits = self
+            .net
+            .block(
+                &self.backend,
+                &mut self.kv,
+                self.n_ctx,
+                &mut self.scratch,
+                &self.block,
+                committed,
+                &self.rows,
+            )
+            .map_err(err)?;
+        self.logits.clear();
+        self.logits.extend_from_slice(logits);
+        let n_vocab = self.net.n_vocab();
+        let mut out = Vec::with_capacity(k);
+        for row in self.logits.chunks_exact(n_vocab) {
+            let (tok, prob) = top1(row);
+            if prob < p.p_min {
+                break;
+            }
+            out.push(tok);
+        }
+        self.last_draft.clone_from(&out);
+        Ok(out)
+    }
+
+    fn state(&self) -> DrafterState {
+        Box::new(State {
+            ctx_tokens: self.ctx_tokens.clone(),
+            stash: self.stash.clone(),
+        })
+    }
+
+    fn restore(&mut self, state: &DrafterState) -> Result<(), SpecError> {
+        let st = state
+            .downcast_ref::<State>()
+            .ok_or(SpecError::ForeignState("draft-dflash"))?;
+        // Cells are positions: what the cache still holds of the snapshot is the common prefix
+        // of both token lists; the rest comes back with the next target batches.
+        let common = self
+            .ctx_tokens
+            .iter()
+            .zip(&st.ctx_tokens)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.ctx_tokens.truncate(common);
+        self.stash.clone_from(&st.stash);
+        self.last_draft.clear();
+        Ok(())
+    }
+}

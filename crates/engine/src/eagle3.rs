@@ -1,0 +1,271 @@
+//! EAGLE-3 as a [`Drafter`]: chain drafting in feature space.
+//!
+//! Every target batch is encoded at once (`g = fc(features)`, kept on the host: one row of
+//! the head's width per position). The head's cache holds pairs `(token[P + 1], g[P])` at
+//! positions `P`; a pair can only be written once the token after `P` is committed, so pairs
+//! are written lazily, in one batch, when a draft is asked for — only ever for committed
+//! positions (no rollback needed, and a snapshot is complete whenever it is taken). The draft
+//! then seeds with `(anchor, g[N − 1])` at `N − 1` and chains greedily: each step's token is
+//! the argmax (mapped through `d2t`), its `g` the previous step's prenorm state, stopping at
+//! `n_max` or where the top-1 probability falls below `p_min` (llama.cpp's `draft-eagle3`).
+
+use std::sync::Arc;
+
+use specula_gguf::Gguf;
+use specula_models::eagle3::{Eagle3, Eagle3Scratch};
+use specula_quant::QType;
+use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_tensor::Backend;
+
+use crate::spec::top1;
+use crate::{Engine, Result};
+
+/// What [`Drafter::state`] saves: the head's context.
+#[derive(Clone, Debug)]
+struct State {
+    seq: Vec<u32>,
+    g: Vec<f32>,
+    pairs: usize,
+}
+
+/// An EAGLE-3 drafter for one target.
+pub struct Eagle3Drafter<B: Backend> {
+    backend: B,
+    net: Eagle3<B>,
+    kv: B::Kv,
+    n_ctx: usize,
+    scratch: Eagle3Scratch<B>,
+    taps: Vec<usize>,
+    /// Tokens at positions `0..seq.len()` whose `g` is known (target-run positions).
+    seq: Vec<u32>,
+    /// `g` of those positions, row-major.
+    g: Vec<f32>,
+    /// Pairs written into the cache: positions `0..pairs`.
+    pairs: usize,
+    tokens: Vec<u32>,
+    pos: Vec<u32>,
+    gbuf: Vec<f32>,
+}
+
+impl<B: Backend> std::fmt::Debug for Eagle3Drafter<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Eagle3Drafter")
+            .field("net", &self.net)
+            .field("pairs", &self.pairs)
+            .finish_non_exhaustive()
+    }
+}
+
+fn err(e: impl std::fmt::Display) -> SpecError {
+    SpecError::Drafter {
+        drafter: "draft-eagle3",
+        message: e.to_string(),
+    }
+}
+
+impl<B: Backend> Eagle3Drafter<B> {
+    /// A drafter from the head GGUF `file` for `target`, on `backend`, with a cache of
+    /// `n_ctx` cells.
+    ///
+    /// # Errors
+    /// Loading errors of the head and cache formats the backend refuses.
+    pub fn new(
+        backend: B,
+        file: Arc<Gguf>,
+        target: &Engine<B>,
+        n_ctx: usize,
+        k_type: QType,
+        v_type: QType,
+    ) -> Result<Self> {
+        let net = Eagle3::load(&backend, file, &target.model)?;
+        let kv = backend
+            .kv_new(net.kv_shape(n_ctx, k_type, v_type))
+            .map_err(specula_models::ModelError::from)?;
+        let scratch = net.scratch(&backend);
+        let taps = net.hparams().target_layers.clone();
+        Ok(Self {
+            backend,
+            net,
+            kv,
+            n_ctx,
+            scratch,
+            taps,
+            seq: Vec::new(),
+            g: Vec::new(),
+            pairs: 0,
+            tokens: Vec::new(),
+            pos: Vec::new(),
+            gbuf: Vec::new(),
+        })
+    }
+
+    /// The network.
+    #[must_use]
+    pub fn net(&self) -> &Eagle3<B> {
+        &self.net
+    }
+
+    /// Pairs the head's cache holds (positions `0..pairs`).
+    #[must_use]
+    pub fn pairs(&self) -> usize {
+        self.pairs
+    }
+}
+
+impl<B: Backend> Drafter for Eagle3Drafter<B> {
+    fn name(&self) -> &'static str {
+        "draft-eagle3"
+    }
+
+    fn target_taps(&self) -> &[usize] {
+        &self.taps
+    }
+
+    fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
+        let common = self
+            .seq
+            .iter()
+            .zip(prompt)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.truncate(common);
+        Ok(())
+    }
+
+    fn process(&mut self, _tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        self.truncate(pos0.min(self.seq.len()));
+        Ok(())
+    }
+
+    fn process_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &[f32],
+    ) -> Result<(), SpecError> {
+        if pos0 > self.seq.len() {
+            // The target ran positions we never saw: no context past the gap.
+            return Ok(());
+        }
+        self.truncate(pos0);
+        let before = self.g.len();
+        self.net
+            .encode(&self.backend, &mut self.scratch, features, &mut self.g)
+            .map_err(err)?;
+        let e = self.net.hparams().n_embd;
+        if self.g.len() - before != tokens.len() * e {
+            self.g.truncate(before);
+            return Err(err(format!(
+                "{} feature rows for {} tokens",
+                (self.g.len() - before) / e,
+                tokens.len()
+            )));
+        }
+        self.seq.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        let Some(&anchor) = p.history.last() else {
+            return Ok(Vec::new());
+        };
+        let n = p.history.len() - 1;
+        let common = self
+            .seq
+            .iter()
+            .zip(p.history)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.truncate(common);
+        let k = p.n_max.min(self.n_ctx.saturating_sub(n + 1));
+        if n == 0 || self.seq.len() < n || k == 0 {
+            return Ok(Vec::new());
+        }
+        let e = self.net.hparams().n_embd;
+        // Pairs of the committed positions not written yet: (token[P + 1], g[P]), P < N − 1.
+        if self.pairs + 1 < n {
+            self.tokens.clear();
+            self.tokens.extend_from_slice(&p.history[self.pairs + 1..n]);
+            self.pos.clear();
+            self.pos
+                .extend((self.pairs..n - 1).map(|q| u32::try_from(q).unwrap_or(u32::MAX)));
+            self.net
+                .decode(
+                    &self.backend,
+                    &mut self.kv,
+                    self.n_ctx,
+                    &mut self.scratch,
+                    &self.tokens,
+                    &self.g[self.pairs * e..(n - 1) * e],
+                    &self.pos,
+                    false,
+                )
+                .map_err(err)?;
+            self.pairs = n - 1;
+        }
+        // The chain: seed (anchor, g[N − 1]) at N − 1, then (draft, prenorm) onwards.
+        self.gbuf.clear();
+        self.gbuf.extend_from_slice(&self.g[(n - 1) * e..n * e]);
+        let mut tok = anchor;
+        let mut out = Vec::with_capacity(k);
+        for step in 0..k {
+            let pos = u32::try_from(n - 1 + step).unwrap_or(u32::MAX);
+            self.net
+                .decode(
+                    &self.backend,
+                    &mut self.kv,
+                    self.n_ctx,
+                    &mut self.scratch,
+                    &[tok],
+                    &self.gbuf,
+                    &[pos],
+                    true,
+                )
+                .map_err(err)?;
+            let (t, prob) = top1(&self.scratch.logits_host);
+            if prob < p.p_min {
+                break;
+            }
+            out.push(t);
+            tok = t;
+            self.gbuf.clone_from(&self.scratch.prenorm);
+        }
+        Ok(out)
+    }
+
+    fn state(&self) -> DrafterState {
+        Box::new(State {
+            seq: self.seq.clone(),
+            g: self.g.clone(),
+            pairs: self.pairs,
+        })
+    }
+
+    fn restore(&mut self, state: &DrafterState) -> Result<(), SpecError> {
+        let st = state
+            .downcast_ref::<State>()
+            .ok_or(SpecError::ForeignState("draft-eagle3"))?;
+        // Cells are positions: the cache still holds the pairs of the common prefix.
+        let common = self
+            .seq
+            .iter()
+            .zip(&st.seq)
+            .take_while(|(a, b)| a == b)
+            .count();
+        let pairs = self.pairs.min(st.pairs).min(common.saturating_sub(1));
+        self.seq.clone_from(&st.seq);
+        self.g.clone_from(&st.g);
+        self.pairs = pairs;
+        Ok(())
+    }
+}
+
+impl<B: Backend> Eagle3Drafter<B> {
+    /// Keeps the context of positions `0..n`: pairs need the token after them.
+    fn truncate(&mut self, n: usize) {
+        let e = self.net.hparams().n_embd;
+        self.seq.truncate(n);
+        self.g.truncate(n * e);
+        self.pairs = self.pairs.min(n.saturating_sub(1));
+    }
+}

@@ -1,0 +1,828 @@
+//! The DFlash block-diffusion draft network (Chen, Liang, Liu, "DFlash: Block Diffusion for
+//! Flash Speculative Decoding", arXiv 2602.06036; reference `z-lab/dflash:dflash/model.py`),
+//! loaded from a GGUF as llama.cpp's converter writes it (`general.architecture = dflash`).
+//!
+//! Scope: the network only — its two entry points on one KV cache. The drafting lifecycle
+//! (when to inject, what the cache holds between rounds) lives in `specula-engine`.
+//!
+//! - [`Dflash::inject`] — *KV injection* with the encoder fused in: raw target features
+//!   `[n, n_extract · H_t]` → `fc` (+ per-tensor scale) → RMSNorm (`enc.output_norm`) → for
+//!   every layer `K = k_norm(W_k·g)` with RoPE at the target positions, `V = W_v·g`, written
+//!   into the draft cache. One pass, no attention, no logits; the features never leave the
+//!   backend between the encoder and the cache.
+//! - [`Dflash::block`] — the noise block `[anchor, MASK × n]` in one forward: embeddings from the
+//!   (usually borrowed) target `token_embd`, Qwen3-style layers whose queries see every cached
+//!   context key and every block key (non-causal unless `dflash.attention.causal`), final norm,
+//!   the (usually borrowed) target output head, and `d2t` scattered to the target vocabulary.
+//!
+//! Layer taps: `dflash.target_layers` holds Hugging Face `target_layer_ids + 1`, i.e. indices
+//! of target layer *inputs* — exactly [`crate::Taps`] indices, so they are used as they are.
+
+use std::sync::Arc;
+
+use specula_gguf::{Gguf, Value};
+use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
+
+use crate::{Loader, Model, ModelError, Result, get_f32, get_usize};
+
+/// One matrix with llama.cpp's optional per-tensor scale (`<name>.scale`, NVFP4 exports):
+/// every product with it is multiplied by the scale.
+#[derive(Debug)]
+pub(crate) struct Mat<W> {
+    pub(crate) w: W,
+    pub(crate) scale: Option<f32>,
+}
+
+impl<W> Mat<W> {
+    /// `out = (x · wᵀ) · scale`.
+    pub(crate) fn apply<B: Backend<Weight = W>>(&self, be: &B, x: &B::Tensor, out: &mut B::Tensor) {
+        be.matmul(x, &self.w, out);
+        if let Some(s) = self.scale {
+            be.scale(out, s);
+        }
+    }
+}
+
+/// Reads a per-tensor scale `<base>.scale` (F32, one element) if the file has one.
+pub(crate) fn tensor_scale(file: &Gguf, base: &str) -> Result<Option<f32>> {
+    let name = format!("{base}.scale");
+    let Some(info) = file.tensor(&name) else {
+        return Ok(None);
+    };
+    let data = file.tensor_data_by_name(&name).unwrap_or(&[]);
+    if info.ty != specula_gguf::GgmlType::F32 || info.n_elements() != 1 || data.len() != 4 {
+        return Err(ModelError::BadShape {
+            name,
+            expected: vec![1],
+            got: info
+                .dims
+                .iter()
+                .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+                .collect(),
+        });
+    }
+    Ok(Some(f32::from_le_bytes([
+        data[0], data[1], data[2], data[3],
+    ])))
+}
+
+/// Loads matrix `<base>.weight` (required) with its optional scale.
+pub(crate) fn load_mat<B: Backend>(
+    l: &Loader<'_, B>,
+    base: &str,
+    dims: &[usize],
+) -> Result<Mat<B::Weight>> {
+    Ok(Mat {
+        w: l.mat(&format!("{base}.weight"), dims)?,
+        scale: tensor_scale(l.file, base)?,
+    })
+}
+
+/// Hyperparameters of a DFlash draft (`dflash.*` keys).
+#[derive(Clone, Debug, PartialEq)]
+pub struct DflashHparams {
+    /// Draft layers.
+    pub n_layer: usize,
+    /// Hidden size of the draft (= the target's when it borrows the embedding).
+    pub n_embd: usize,
+    /// Feed-forward size.
+    pub n_ff: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads.
+    pub n_head_kv: usize,
+    /// Values per head (K and V).
+    pub head_dim: usize,
+    /// Rotated dimensions per head.
+    pub n_rot: usize,
+    /// RoPE θ.
+    pub rope_freq_base: f32,
+    /// RoPE linear scale (`1/factor`).
+    pub rope_freq_scale: f32,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// Target taps in the layer-input convention (`dflash.target_layers`, HF ids + 1).
+    pub target_layers: Vec<usize>,
+    /// Trained block size `B` (`dflash.block_size`, 16 when absent): at most `B − 1` drafts.
+    pub block_size: usize,
+    /// The MASK token filling the block after the anchor.
+    pub mask_token_id: u32,
+    /// Block attention causal inside the block (`dflash.attention.causal`); normally false.
+    pub causal: bool,
+    /// Scale of the block embeddings (`dflash.embedding_scale`), 1 when absent.
+    pub embedding_scale: f32,
+    /// Attention score scale (`dflash.attention.scale`), `1/√head_dim` when absent.
+    pub attention_scale: f32,
+    /// Scale of each attention output before `W_o` (`dflash.attention.value_scale`).
+    pub attn_value_scale: Option<f32>,
+    /// GELU (tanh) instead of SiLU in the gated MLP (`dflash.hidden_activation`).
+    pub gelu: bool,
+}
+
+fn bad(key: &str, detail: impl Into<String>) -> ModelError {
+    ModelError::BadValue {
+        key: key.to_owned(),
+        detail: detail.into(),
+    }
+}
+
+/// An integer array key as `usize`s.
+pub(crate) fn usize_array(file: &Gguf, key: &str) -> Result<Option<Vec<usize>>> {
+    let Some(v) = file.metadata().get(key) else {
+        return Ok(None);
+    };
+    let Value::Array(a) = v else {
+        return Err(bad(key, "expected an integer array"));
+    };
+    let ints: Vec<i64> = match a {
+        specula_gguf::Array::I32(x) => x.iter().map(|&v| i64::from(v)).collect(),
+        specula_gguf::Array::U32(x) => x.iter().map(|&v| i64::from(v)).collect(),
+        specula_gguf::Array::I64(x) => x.clone(),
+        specula_gguf::Array::U64(x) => x.iter().map(|&v| i64::try_from(v).unwrap_or(-1)).collect(),
+        _ => return Err(bad(key, "expected an integer array")),
+    };
+    ints.iter()
+        .map(|&v| usize::try_from(v).map_err(|_| bad(key, format!("negative layer {v}"))))
+        .collect::<Result<Vec<_>>>()
+        .map(Some)
+}
+
+fn get_bool(file: &Gguf, key: &str) -> Option<bool> {
+    file.metadata().get(key).and_then(Value::as_bool)
+}
+
+impl DflashHparams {
+    /// Reads the hyperparameters of a `dflash` GGUF, refusing variants specula does not run
+    /// by name.
+    ///
+    /// # Errors
+    /// A missing or invalid key, or an unsupported variant (DSpark, DFlash2, sliding-window,
+    /// DeepSeek-V4 backbone, the buun fork's `dflash-draft` layout).
+    pub fn from_file(file: &Gguf) -> Result<Self> {
+        let md = file.metadata();
+        let arch = md
+            .get_str("general.architecture")
+            .ok_or_else(|| ModelError::MissingKey {
+                key: "general.architecture".into(),
+            })?;
+        if arch == "dflash-draft" {
+            return Err(ModelError::UnsupportedArch {
+                arch: "dflash-draft (a GGUF of the buun llama.cpp fork, tensor `dflash_fc`; \
+                       reconvert the draft with upstream convert_hf_to_gguf.py)"
+                    .into(),
+            });
+        }
+        if arch != "dflash" {
+            return Err(ModelError::UnsupportedArch {
+                arch: format!("{arch} (a DFlash draft has general.architecture = dflash)"),
+            });
+        }
+        if file.tensor("markov_w1.weight").is_some() {
+            return Err(ModelError::UnsupportedArch {
+                arch: "dflash with a Markov head (`markov_w1`): a DSpark draft \
+                       (--spec-type draft-dspark), which specula does not run"
+                    .into(),
+            });
+        }
+        let k = |s: &str| format!("dflash.{s}");
+        if md.get_u64(&k("selector_top_k")).is_some_and(|v| v > 0)
+            || file.tensor("selector_hidden.weight").is_some()
+        {
+            return Err(ModelError::UnsupportedArch {
+                arch: "dflash with a candidate selector (`dflash.selector_top_k` > 0): a DFlash2 \
+                       draft, which specula does not run yet"
+                    .into(),
+            });
+        }
+        if md
+            .get_u64(&k("hyper_connection_count"))
+            .is_some_and(|v| v > 0)
+        {
+            return Err(ModelError::UnsupportedArch {
+                arch: "dflash with a DeepSeek-V4 backbone (hyper-connections): a DSpark DSV4 \
+                       draft, which specula does not run"
+                    .into(),
+            });
+        }
+        if md
+            .get_u64(&k("attention.sliding_window"))
+            .is_some_and(|v| v > 0)
+        {
+            return Err(bad(
+                &k("attention.sliding_window"),
+                "sliding-window DFlash drafts are not supported yet",
+            ));
+        }
+        if let Some(a) = md.get_str(&k("decoder_arch")) {
+            return Err(bad(
+                &k("decoder_arch"),
+                format!("DFlash decoder `{a}` is not supported (only the Qwen3-style one)"),
+            ));
+        }
+
+        let n_embd = get_usize(md, &k("embedding_length"))?;
+        let n_head = get_usize(md, &k("attention.head_count"))?;
+        let n_head_kv = md
+            .get_u64(&k("attention.head_count_kv"))
+            .map_or(Ok(n_head), usize::try_from)
+            .map_err(|_| bad(&k("attention.head_count_kv"), "too large"))?;
+        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(bad(
+                &k("attention.head_count_kv"),
+                format!("{n_head} query heads cannot share {n_head_kv} K/V heads"),
+            ));
+        }
+        let head_dim = md
+            .get_u64(&k("attention.key_length"))
+            .and_then(|v| usize::try_from(v).ok())
+            .unwrap_or(n_embd / n_head);
+        if let Some(vl) = md.get_u64(&k("attention.value_length"))
+            && usize::try_from(vl).ok() != Some(head_dim)
+        {
+            return Err(bad(
+                &k("attention.value_length"),
+                format!("{vl} differs from the key length {head_dim}"),
+            ));
+        }
+        let n_rot = md
+            .get_u64(&k("rope.dimension_count"))
+            .and_then(|v| usize::try_from(v).ok())
+            .unwrap_or(head_dim);
+        // Drafts of M-RoPE targets carry degenerate sections [n_rot/2, 0, 0, 0]: plain RoPE on
+        // the temporal positions, which is what text positions are.
+        if let Some(sec) = usize_array(file, &k("rope.dimension_sections"))?
+            && sec.iter().skip(1).any(|&s| s != 0)
+        {
+            return Err(bad(
+                &k("rope.dimension_sections"),
+                format!("{sec:?}: only degenerate sections [n, 0, 0, 0] are supported"),
+            ));
+        }
+        let rope_freq_scale = match get_f32(md, &k("rope.scaling.factor")) {
+            Some(f) if f > 0.0 => 1.0 / f,
+            _ => 1.0,
+        };
+        // The layer taps: current key, then the earlier spelling (both hold HF ids + 1).
+        let target_layers = match usize_array(file, &k("target_layers"))? {
+            Some(t) => t,
+            None => usize_array(file, &k("target_layer_ids"))?.ok_or_else(|| {
+                ModelError::MissingKey {
+                    key: k("target_layers"),
+                }
+            })?,
+        };
+        if target_layers.is_empty() {
+            return Err(bad(&k("target_layers"), "no target layers"));
+        }
+        let block_size = md
+            .get_u64(&k("block_size"))
+            .map_or(Ok(16), usize::try_from)
+            .map_err(|_| bad(&k("block_size"), "too large"))?;
+        if block_size < 2 {
+            return Err(bad(
+                &k("block_size"),
+                format!("{block_size}: a block needs the anchor and at least one MASK"),
+            ));
+        }
+        let mask_token_id = md
+            .get_u64("tokenizer.ggml.mask_token_id")
+            .or_else(|| md.get_u64(&k("mask_token_id")))
+            .ok_or_else(|| ModelError::MissingKey {
+                key: "tokenizer.ggml.mask_token_id".into(),
+            })?;
+        let mask_token_id = u32::try_from(mask_token_id)
+            .map_err(|_| bad("tokenizer.ggml.mask_token_id", "too large"))?;
+        let gelu = match md.get_str(&k("hidden_activation")) {
+            None | Some("silu") => false,
+            Some("gelu" | "gelu_pytorch_tanh") => true,
+            Some(other) => {
+                return Err(bad(
+                    &k("hidden_activation"),
+                    format!("unsupported activation `{other}`"),
+                ));
+            }
+        };
+        #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
+        let default_scale = 1.0 / (head_dim as f32).sqrt();
+        let nonzero = |key: &str| get_f32(md, &k(key)).filter(|&v| v != 0.0);
+        Ok(Self {
+            n_layer: get_usize(md, &k("block_count"))?,
+            n_embd,
+            n_ff: get_usize(md, &k("feed_forward_length"))?,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_rot,
+            rope_freq_base: get_f32(md, &k("rope.freq_base")).unwrap_or(10_000.0),
+            rope_freq_scale,
+            rms_eps: get_f32(md, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+            target_layers,
+            block_size,
+            mask_token_id,
+            causal: get_bool(file, &k("attention.causal")).unwrap_or(false),
+            embedding_scale: nonzero("embedding_scale").unwrap_or(1.0),
+            attention_scale: nonzero("attention.scale").unwrap_or(default_scale),
+            attn_value_scale: nonzero("attention.value_scale"),
+            gelu,
+        })
+    }
+}
+
+#[derive(Debug)]
+struct DLayer<W> {
+    attn_norm: W,
+    wq: Mat<W>,
+    wk: Mat<W>,
+    wv: Mat<W>,
+    wo: Mat<W>,
+    q_norm: W,
+    k_norm: W,
+    ffn_norm: W,
+    ffn_gate: Mat<W>,
+    ffn_up: Mat<W>,
+    ffn_down: Mat<W>,
+}
+
+/// Reusable buffers of the draft's two passes.
+#[derive(Debug)]
+pub struct DflashScratch<B: Backend> {
+    feats: B::Tensor,
+    fc: B::Tensor,
+    g: B::Tensor,
+    x: B::Tensor,
+    cur: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    proj: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    act: B::Tensor,
+    sel: B::Tensor,
+    norm: B::Tensor,
+    logits: B::Tensor,
+    pos: Vec<u32>,
+    kv_pos: Vec<u32>,
+    cells: Vec<usize>,
+    sanitized: Vec<f32>,
+    host: Vec<f32>,
+    full: Vec<f32>,
+}
+
+/// A loaded DFlash draft network.
+pub struct Dflash<B: Backend> {
+    hp: DflashHparams,
+    fc: Mat<B::Weight>,
+    enc_norm: B::Weight,
+    output_norm: B::Weight,
+    tok_embd: Arc<B::Weight>,
+    output: Arc<B::Weight>,
+    output_scale: Option<f32>,
+    /// Draft row → absolute target id, for reduced-vocabulary drafts.
+    d2t: Option<Vec<u32>>,
+    n_vocab: usize,
+    n_embd_target: usize,
+    layers: Vec<DLayer<B::Weight>>,
+}
+
+impl<B: Backend> std::fmt::Debug for Dflash<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dflash")
+            .field("hparams", &self.hp)
+            .field("d2t", &self.d2t.as_ref().map(Vec::len))
+            .finish_non_exhaustive()
+    }
+}
+
+/// Reads the `d2t` tensor (I64 absolute target ids, as llama.cpp's converter stores them).
+pub(crate) fn read_d2t(file: &Gguf, n_vocab_target: usize) -> Result<Option<Vec<u32>>> {
+    let Some(info) = file.tensor("d2t") else {
+        return Ok(None);
+    };
+    if info.ty != specula_gguf::GgmlType::I64 || info.dims.len() != 1 {
+        return Err(ModelError::UnsupportedType {
+            name: "d2t".into(),
+            ty: format!(
+                "{} with {} dims (expected i64, 1 dim)",
+                info.ty.name(),
+                info.dims.len()
+            ),
+        });
+    }
+    let data = file.tensor_data_by_name("d2t").unwrap_or(&[]);
+    let mut out = Vec::with_capacity(data.len() / 8);
+    let mut prev: Option<u32> = None;
+    for c in data.chunks_exact(8) {
+        let v = i64::from_le_bytes(c.try_into().unwrap_or([0; 8]));
+        let id = u32::try_from(v)
+            .ok()
+            .filter(|&id| (id as usize) < n_vocab_target)
+            .ok_or_else(|| ModelError::BadValue {
+                key: "d2t".into(),
+                detail: format!("target id {v} outside the target vocabulary of {n_vocab_target}"),
+            })?;
+        if prev.is_some_and(|p| id <= p) {
+            return Err(ModelError::BadValue {
+                key: "d2t".into(),
+                detail: "ids must be strictly increasing absolute target ids (an offset-style \
+                         d2t from the HF checkpoint was not converted)"
+                    .into(),
+            });
+        }
+        prev = Some(id);
+        out.push(id);
+    }
+    Ok(Some(out))
+}
+
+/// `NaN → 0`, `|x| > 65504 → ±65504` (llama.cpp's guard against massive activations poisoning
+/// the draft cache through f16 staging).
+pub(crate) fn sanitize(src: &[f32], dst: &mut Vec<f32>) {
+    dst.clear();
+    dst.extend(src.iter().map(|&x| {
+        if x.is_nan() {
+            0.0
+        } else {
+            x.clamp(-65504.0, 65504.0)
+        }
+    }));
+}
+
+/// Scatters rows of draft-vocabulary logits into target-vocabulary rows, −∞ elsewhere.
+pub(crate) fn scatter_d2t(d2t: &[u32], draft: &[f32], n_vocab: usize, out: &mut Vec<f32>) {
+    let rows = draft.len() / d2t.len().max(1);
+    out.clear();
+    out.resize(rows * n_vocab, f32::NEG_INFINITY);
+    for r in 0..rows {
+        let src = &draft[r * d2t.len()..(r + 1) * d2t.len()];
+        let dst = &mut out[r * n_vocab..(r + 1) * n_vocab];
+        for (&id, &x) in d2t.iter().zip(src) {
+            dst[id as usize] = x;
+        }
+    }
+}
+
+impl<B: Backend> Dflash<B> {
+    /// Loads a DFlash draft for `target`; the token embedding and the output head are the
+    /// target's unless the draft ships its own.
+    ///
+    /// # Errors
+    /// Unsupported variants (by name), missing keys or tensors, wrong shapes, taps past the
+    /// target's layers, a draft width that differs from the target's while borrowing its
+    /// embedding.
+    pub fn load(backend: &B, file: Arc<Gguf>, target: &Model<B>) -> Result<Self> {
+        let hp = DflashHparams::from_file(&file)?;
+        let thp = target.hparams();
+        if let Some(&t) = hp.target_layers.iter().find(|&&t| t > thp.n_layer) {
+            return Err(bad(
+                "dflash.target_layers",
+                format!(
+                    "tap {t} is past the target's {} layers (taps are layer inputs, HF id + 1; \
+                     {} is the final pre-norm state)",
+                    thp.n_layer, thp.n_layer
+                ),
+            ));
+        }
+        let l = Loader {
+            backend,
+            file: &file,
+        };
+        let (e, f, hd) = (hp.n_embd, hp.n_ff, hp.head_dim);
+        let (qd, kd) = (hp.n_head * hd, hp.n_head_kv * hd);
+        let n_vocab = thp.n_vocab;
+        let d2t = read_d2t(&file, n_vocab)?;
+        let n_vocab_draft = d2t.as_ref().map_or(n_vocab, Vec::len);
+        let own_embd = l.get("token_embd.weight", &[e, n_vocab])?;
+        if own_embd.is_none() && e != thp.n_embd {
+            return Err(bad(
+                "dflash.embedding_length",
+                format!(
+                    "{e} differs from the target's {} and the draft has no token_embd of its own",
+                    thp.n_embd
+                ),
+            ));
+        }
+        let mut own_output = l.get("output.weight", &[e, n_vocab_draft])?;
+        if let Some(w) = own_output.as_mut() {
+            backend.prepare_matmul(w);
+        }
+        let output_scale = tensor_scale(&file, "output")?;
+        let tok_embd = match own_embd {
+            Some(w) => Arc::new(w),
+            None => target.token_embedding(),
+        };
+        let output = match own_output {
+            Some(w) => Arc::new(w),
+            None if d2t.is_some() => {
+                return Err(ModelError::MissingTensor {
+                    name: "output.weight (a reduced-vocabulary draft with d2t needs its own head)"
+                        .into(),
+                });
+            }
+            None if file.tensor("token_embd.weight").is_some() => {
+                // llama.cpp ties a draft's own embedding as its head.
+                let mut w = l.req("token_embd.weight", &[e, n_vocab])?;
+                backend.prepare_matmul(&mut w);
+                Arc::new(w)
+            }
+            None => target.output_head(),
+        };
+        let n_extract = hp.target_layers.len();
+        let fc = load_mat(&l, "fc", &[n_extract * thp.n_embd, e])?;
+        let enc_norm = match l.get("enc.output_norm.weight", &[e])? {
+            Some(w) => w,
+            // The earliest upstream converter named the encoder norm after HF's `hidden_norm`.
+            None => {
+                l.get("hidden_norm.weight", &[e])?
+                    .ok_or_else(|| ModelError::MissingTensor {
+                        name: "enc.output_norm.weight".into(),
+                    })?
+            }
+        };
+        let output_norm = l.req("output_norm.weight", &[e])?;
+        let mut layers = Vec::with_capacity(hp.n_layer);
+        for i in 0..hp.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}");
+            for unsupported in [
+                "attn_sinks.weight",
+                "attn_post_norm.weight",
+                "ffn_post_norm.weight",
+                "layer_output_scale.weight",
+                "rope_freqs.weight",
+            ] {
+                if file.tensor(&n(unsupported)).is_some() {
+                    return Err(ModelError::UnsupportedArch {
+                        arch: format!("dflash with `{}` (not supported)", n(unsupported)),
+                    });
+                }
+            }
+            if file.tensor(&n("attn_v.weight")).is_none() {
+                return Err(ModelError::UnsupportedArch {
+                    arch: format!("dflash with shared K/V (no `{}`)", n("attn_v.weight")),
+                });
+            }
+            layers.push(DLayer {
+                attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
+                wq: load_mat(&l, &n("attn_q"), &[e, qd])?,
+                wk: load_mat(&l, &n("attn_k"), &[e, kd])?,
+                wv: load_mat(&l, &n("attn_v"), &[e, kd])?,
+                wo: load_mat(&l, &n("attn_output"), &[qd, e])?,
+                q_norm: l.req(&n("attn_q_norm.weight"), &[hd])?,
+                k_norm: l.req(&n("attn_k_norm.weight"), &[hd])?,
+                ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
+                ffn_gate: load_mat(&l, &n("ffn_gate"), &[e, f])?,
+                ffn_up: load_mat(&l, &n("ffn_up"), &[e, f])?,
+                ffn_down: load_mat(&l, &n("ffn_down"), &[f, e])?,
+            });
+        }
+        Ok(Self {
+            hp,
+            fc,
+            enc_norm,
+            output_norm,
+            tok_embd,
+            output,
+            output_scale,
+            d2t,
+            n_vocab,
+            n_embd_target: thp.n_embd,
+            layers,
+        })
+    }
+
+    /// The hyperparameters.
+    #[must_use]
+    pub fn hparams(&self) -> &DflashHparams {
+        &self.hp
+    }
+
+    /// Width of one feature row: `n_extract · H_t`.
+    #[must_use]
+    pub fn feature_width(&self) -> usize {
+        self.hp.target_layers.len() * self.n_embd_target
+    }
+
+    /// Logit row width (the target vocabulary).
+    #[must_use]
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    /// The shape of a draft cache of `n_ctx` cells.
+    #[must_use]
+    pub fn kv_shape(
+        &self,
+        n_ctx: usize,
+        k_type: specula_quant::QType,
+        v_type: specula_quant::QType,
+    ) -> KvShape {
+        KvShape {
+            n_layer: self.hp.n_layer,
+            n_ctx,
+            n_kv_head: self.hp.n_head_kv,
+            head_dim_k: self.hp.head_dim,
+            head_dim_v: self.hp.head_dim,
+            k_type,
+            v_type,
+            overrides: Vec::new(),
+        }
+    }
+
+    /// Fresh buffers.
+    #[must_use]
+    pub fn scratch(&self, be: &B) -> DflashScratch<B> {
+        let z = || be.zeros(0, 0);
+        DflashScratch {
+            feats: z(),
+            fc: z(),
+            g: z(),
+            x: z(),
+            cur: z(),
+            q: z(),
+            k: z(),
+            v: z(),
+            attn: z(),
+            proj: z(),
+            gate: z(),
+            up: z(),
+            act: z(),
+            sel: z(),
+            norm: z(),
+            logits: z(),
+            pos: Vec::new(),
+            kv_pos: Vec::new(),
+            cells: Vec::new(),
+            sanitized: Vec::new(),
+            host: Vec::new(),
+            full: Vec::new(),
+        }
+    }
+
+    fn rope(&self) -> RopeConfig {
+        let mut r = RopeConfig::new(RopeKind::Neox, self.hp.n_rot, self.hp.rope_freq_base);
+        r.freq_scale = self.hp.rope_freq_scale;
+        r
+    }
+
+    /// KV injection: encodes `features` (row-major `[pos.len(), feature_width]`, the target
+    /// taps side by side) with `fc` and the encoder norm, and writes every layer's context
+    /// K/V for them into cells `pos` (cell = position). One pass; no attention.
+    ///
+    /// # Errors
+    /// A feature buffer of the wrong size, or positions past the cache.
+    pub fn inject(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut DflashScratch<B>,
+        features: &[f32],
+        pos: &[u32],
+    ) -> Result<()> {
+        let (n, w) = (pos.len(), self.feature_width());
+        if n == 0 {
+            return Ok(());
+        }
+        if features.len() != n * w {
+            return Err(ModelError::Batch(format!(
+                "DFlash injection: {} feature values for {n} rows of width {w}",
+                features.len()
+            )));
+        }
+        if let Some(&p) = pos.iter().find(|&&p| p as usize >= n_ctx) {
+            return Err(ModelError::Batch(format!(
+                "DFlash injection at position {p} of a {n_ctx}-cell draft cache"
+            )));
+        }
+        let hp = &self.hp;
+        sanitize(features, &mut s.sanitized);
+        s.feats = be.from_host(n, w, &s.sanitized);
+        self.fc.apply(be, &s.feats, &mut s.fc);
+        be.rms_norm(&s.fc, Some(&self.enc_norm), hp.rms_eps, &mut s.g);
+        s.cells.clear();
+        s.cells.extend(pos.iter().map(|&p| p as usize));
+        let rope = self.rope();
+        for (il, layer) in self.layers.iter().enumerate() {
+            layer.wk.apply(be, &s.g, &mut s.k);
+            layer.wv.apply(be, &s.g, &mut s.v);
+            be.rms_norm_groups(&mut s.k, hp.head_dim, &layer.k_norm, hp.rms_eps);
+            be.rope(&mut s.k, hp.head_dim, pos, &rope);
+            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
+        }
+        Ok(())
+    }
+
+    /// The noise block: `tokens` (`[anchor, MASK, …]`) at positions `pos0..`, attending to the
+    /// context in cells `0..pos0` and to every block row (their K/V go to cells
+    /// `pos0..pos0 + n` for this pass only: the next injection or block overwrites them).
+    /// Returns the logits (target vocabulary) of `rows`, row-major.
+    ///
+    /// # Errors
+    /// An empty block, ids past the vocabulary, or a block past the cache.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the block forward's inputs are all needed"
+    )]
+    pub fn block<'s>(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &'s mut DflashScratch<B>,
+        tokens: &[u32],
+        pos0: usize,
+        rows: &[usize],
+    ) -> Result<&'s [f32]> {
+        let hp = &self.hp;
+        let n = tokens.len();
+        if n == 0 || pos0 + n > n_ctx {
+            return Err(ModelError::Batch(format!(
+                "DFlash block of {n} rows at position {pos0} in a {n_ctx}-cell draft cache"
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.n_vocab) {
+            return Err(ModelError::Batch(format!(
+                "DFlash block token {t} outside the vocabulary of {}",
+                self.n_vocab
+            )));
+        }
+        if let Some(&r) = rows.iter().find(|&&r| r >= n) {
+            return Err(ModelError::Batch(format!(
+                "logits asked for row {r} of a {n}-row block"
+            )));
+        }
+        let start = u32::try_from(pos0).unwrap_or(u32::MAX);
+        s.pos.clear();
+        s.pos.extend((start..).take(n));
+        s.cells.clear();
+        s.cells.extend(pos0..pos0 + n);
+        s.kv_pos.clear();
+        s.kv_pos
+            .extend(0..u32::try_from(pos0 + n).unwrap_or(u32::MAX));
+        let rope = self.rope();
+        let mask = if hp.causal { Mask::Causal } else { Mask::None };
+
+        be.get_rows(&self.tok_embd, tokens, &mut s.x);
+        if hp.embedding_scale != 1.0 {
+            be.scale(&mut s.x, hp.embedding_scale);
+        }
+        for (il, layer) in self.layers.iter().enumerate() {
+            be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
+            layer.wq.apply(be, &s.cur, &mut s.q);
+            layer.wk.apply(be, &s.cur, &mut s.k);
+            layer.wv.apply(be, &s.cur, &mut s.v);
+            be.rms_norm_groups(&mut s.q, hp.head_dim, &layer.q_norm, hp.rms_eps);
+            be.rms_norm_groups(&mut s.k, hp.head_dim, &layer.k_norm, hp.rms_eps);
+            be.rope(&mut s.q, hp.head_dim, &s.pos, &rope);
+            be.rope(&mut s.k, hp.head_dim, &s.pos, &rope);
+            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
+            be.attention(
+                &s.q,
+                kv,
+                &AttentionParams {
+                    layer: il,
+                    n_head: hp.n_head,
+                    q_pos: &s.pos,
+                    kv_pos: &s.kv_pos,
+                    scale: hp.attention_scale,
+                    mask,
+                    softcap: None,
+                },
+                &mut s.attn,
+            );
+            if let Some(vs) = hp.attn_value_scale {
+                be.scale(&mut s.attn, vs);
+            }
+            layer.wo.apply(be, &s.attn, &mut s.proj);
+            be.add(&mut s.x, &s.proj);
+
+            be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
+            layer.ffn_gate.apply(be, &s.cur, &mut s.gate);
+            layer.ffn_up.apply(be, &s.cur, &mut s.up);
+            if hp.gelu {
+                be.geglu(&s.gate, &s.up, &mut s.act);
+            } else {
+                be.swiglu(&s.gate, &s.up, &mut s.act);
+            }
+            layer.ffn_down.apply(be, &s.act, &mut s.proj);
+            be.add(&mut s.x, &s.proj);
+        }
+        if rows.is_empty() {
+            s.host.clear();
+            return Ok(&s.host);
+        }
+        be.copy_rows(&s.x, rows, &mut s.sel);
+        be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
+        be.matmul(&s.norm, self.output.as_ref(), &mut s.logits);
+        if let Some(sc) = self.output_scale {
+            be.scale(&mut s.logits, sc);
+        }
+        be.to_host(&s.logits, &mut s.host);
+        if let Some(d2t) = &self.d2t {
+            scatter_d2t(d2t, &s.host, self.n_vocab, &mut s.full);
+            return Ok(&s.full);
+        }
+        Ok(&s.host)
+    }
+}

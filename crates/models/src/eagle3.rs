@@ -1,0 +1,526 @@
+//! The EAGLE-3 draft head (Li, Wei, Zhang, Zhang, arXiv 2503.01840; HF
+//! `LlamaForCausalLMEagle3`), loaded from a GGUF as llama.cpp's converter writes it
+//! (`general.architecture = eagle3`).
+//!
+//! Scope: the network — [`Eagle3::encode`] (target features → `g` through `fc`, with the
+//! optional `enc.output_norm` before it) and [`Eagle3::decode`] (one decoder layer over pairs
+//! `(token, g)`, causal attention over its own cache). The drafting lifecycle is in
+//! `specula-engine`.
+//!
+//! The decoder row at memory position `P` takes the token at `P + 1` and `g[P]` (llama.cpp's
+//! convention): `input_layernorm(embed(token))` and `hidden_norm(g)` (`blk.0.attn_norm_2`) side
+//! by side feed Q/K/V; the residual is `g` (or `hidden_norm(g)` with `norm_before_residual`);
+//! post-attention norm, SwiGLU, residual give the *prenorm* state, which is the next chain
+//! step's `g`; the final norm and the head (own, over a reduced vocabulary mapped by `d2t` to
+//! absolute target ids, or the target's) give the logits.
+//!
+//! Taps: `eagle3.target_layers` (or the older `eagle3.extract_layers`) are layer *inputs*
+//! already (vLLM's aux hidden-state ids, default `[2, n/2, n − 3]`), i.e. [`crate::Taps`]
+//! indices.
+
+use std::sync::Arc;
+
+use specula_gguf::Gguf;
+use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
+
+use crate::dflash::{Mat, load_mat, read_d2t, sanitize, scatter_d2t, usize_array};
+use crate::{Loader, Model, ModelError, Result, get_f32, get_usize};
+
+/// Hyperparameters of an EAGLE-3 head (`eagle3.*` keys).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Eagle3Hparams {
+    /// Hidden size of the head.
+    pub n_embd: usize,
+    /// Feed-forward size.
+    pub n_ff: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads.
+    pub n_head_kv: usize,
+    /// Values per head.
+    pub head_dim: usize,
+    /// Rotated dimensions per head.
+    pub n_rot: usize,
+    /// RoPE θ.
+    pub rope_freq_base: f32,
+    /// RoPE linear scale.
+    pub rope_freq_scale: f32,
+    /// RMSNorm epsilon.
+    pub rms_eps: f32,
+    /// Target taps, layer-input convention.
+    pub target_layers: Vec<usize>,
+    /// Hidden size of the target (`eagle3.target_hidden_size`).
+    pub target_hidden_size: usize,
+    /// The residual is `hidden_norm(g)` instead of `g` (RedHat speculators format).
+    pub norm_before_residual: bool,
+    /// RMSNorm over the concatenated features before `fc` (EAGLE 3.1).
+    pub norm_before_fc: bool,
+}
+
+impl Eagle3Hparams {
+    /// Reads the hyperparameters of an `eagle3` GGUF.
+    ///
+    /// # Errors
+    /// Another architecture, a missing or invalid key.
+    pub fn from_file(file: &Gguf) -> Result<Self> {
+        let md = file.metadata();
+        let arch = md
+            .get_str("general.architecture")
+            .ok_or_else(|| ModelError::MissingKey {
+                key: "general.architecture".into(),
+            })?;
+        if arch != "eagle3" {
+            return Err(ModelError::UnsupportedArch {
+                arch: format!("{arch} (an EAGLE-3 head has general.architecture = eagle3)"),
+            });
+        }
+        let k = |s: &str| format!("eagle3.{s}");
+        let bad = |key: String, detail: String| ModelError::BadValue { key, detail };
+        let n_layer = get_usize(md, &k("block_count"))?;
+        if n_layer != 1 {
+            return Err(bad(
+                k("block_count"),
+                format!("{n_layer}: an EAGLE-3 head has exactly one decoder layer"),
+            ));
+        }
+        let n_embd = get_usize(md, &k("embedding_length"))?;
+        let n_head = get_usize(md, &k("attention.head_count"))?;
+        let n_head_kv = md
+            .get_u64(&k("attention.head_count_kv"))
+            .map_or(Ok(n_head), usize::try_from)
+            .map_err(|_| bad(k("attention.head_count_kv"), "too large".into()))?;
+        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
+            return Err(bad(
+                k("attention.head_count_kv"),
+                format!("{n_head} query heads cannot share {n_head_kv} K/V heads"),
+            ));
+        }
+        let head_dim = md
+            .get_u64(&k("attention.key_length"))
+            .and_then(|v| usize::try_from(v).ok())
+            .unwrap_or(n_embd / n_head);
+        let n_rot = md
+            .get_u64(&k("rope.dimension_count"))
+            .and_then(|v| usize::try_from(v).ok())
+            .unwrap_or(head_dim);
+        let target_layers = match usize_array(file, &k("target_layers"))? {
+            Some(t) => t,
+            None => {
+                usize_array(file, &k("extract_layers"))?.ok_or_else(|| ModelError::MissingKey {
+                    key: k("target_layers"),
+                })?
+            }
+        };
+        if target_layers.is_empty() {
+            return Err(bad(k("target_layers"), "no target layers".into()));
+        }
+        let rope_freq_scale = match get_f32(md, &k("rope.scaling.factor")) {
+            Some(f) if f > 0.0 => 1.0 / f,
+            _ => 1.0,
+        };
+        let flag = |key: &str| {
+            md.get(&k(key))
+                .and_then(specula_gguf::Value::as_bool)
+                .unwrap_or(false)
+        };
+        Ok(Self {
+            n_embd,
+            n_ff: get_usize(md, &k("feed_forward_length"))?,
+            n_head,
+            n_head_kv,
+            head_dim,
+            n_rot,
+            rope_freq_base: get_f32(md, &k("rope.freq_base")).unwrap_or(10_000.0),
+            rope_freq_scale,
+            rms_eps: get_f32(md, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+            target_layers,
+            target_hidden_size: get_usize(md, &k("target_hidden_size"))?,
+            norm_before_residual: flag("norm_before_residual"),
+            norm_before_fc: flag("norm_before_fc"),
+        })
+    }
+}
+
+/// Reusable buffers.
+#[derive(Debug)]
+pub struct Eagle3Scratch<B: Backend> {
+    feats: B::Tensor,
+    fnorm: B::Tensor,
+    g: B::Tensor,
+    emb: B::Tensor,
+    enorm: B::Tensor,
+    gnorm: B::Tensor,
+    cat: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
+    attn: B::Tensor,
+    x: B::Tensor,
+    cur: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    act: B::Tensor,
+    proj: B::Tensor,
+    norm: B::Tensor,
+    logits: B::Tensor,
+    kv_pos: Vec<u32>,
+    cells: Vec<usize>,
+    h1: Vec<f32>,
+    h2: Vec<f32>,
+    hcat: Vec<f32>,
+    sanitized: Vec<f32>,
+    /// Logits of the last decode (target vocabulary).
+    pub logits_host: Vec<f32>,
+    /// Prenorm states of the last decode.
+    pub prenorm: Vec<f32>,
+    full: Vec<f32>,
+}
+
+/// A loaded EAGLE-3 head.
+pub struct Eagle3<B: Backend> {
+    hp: Eagle3Hparams,
+    fc: Mat<B::Weight>,
+    fc_norm: Option<B::Weight>,
+    attn_norm: B::Weight,
+    hidden_norm: B::Weight,
+    wq: Mat<B::Weight>,
+    wk: Mat<B::Weight>,
+    wv: Mat<B::Weight>,
+    wo: Mat<B::Weight>,
+    ffn_norm: B::Weight,
+    ffn_gate: Mat<B::Weight>,
+    ffn_up: Mat<B::Weight>,
+    ffn_down: Mat<B::Weight>,
+    output_norm: B::Weight,
+    tok_embd: Arc<B::Weight>,
+    output: Arc<B::Weight>,
+    output_scale: Option<f32>,
+    d2t: Option<Vec<u32>>,
+    n_vocab: usize,
+}
+
+impl<B: Backend> std::fmt::Debug for Eagle3<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Eagle3")
+            .field("hparams", &self.hp)
+            .field("d2t", &self.d2t.as_ref().map(Vec::len))
+            .finish_non_exhaustive()
+    }
+}
+
+impl<B: Backend> Eagle3<B> {
+    /// Loads an EAGLE-3 head for `target` (its embedding and head borrowed when absent).
+    ///
+    /// # Errors
+    /// Loading errors: keys, tensors, shapes, taps past the target, a target hidden size that
+    /// is not the target's, a borrowed embedding or head of another width.
+    pub fn load(backend: &B, file: Arc<Gguf>, target: &Model<B>) -> Result<Self> {
+        let hp = Eagle3Hparams::from_file(&file)?;
+        let thp = target.hparams();
+        if hp.target_hidden_size != thp.n_embd {
+            return Err(ModelError::BadValue {
+                key: "eagle3.target_hidden_size".into(),
+                detail: format!(
+                    "{} but the target's is {}",
+                    hp.target_hidden_size, thp.n_embd
+                ),
+            });
+        }
+        if let Some(&t) = hp.target_layers.iter().find(|&&t| t > thp.n_layer) {
+            return Err(ModelError::BadValue {
+                key: "eagle3.target_layers".into(),
+                detail: format!("tap {t} is past the target's {} layers", thp.n_layer),
+            });
+        }
+        if file.tensor("blk.0.rope_freqs.weight").is_some()
+            || file.tensor("rope_freqs.weight").is_some()
+        {
+            return Err(ModelError::UnsupportedArch {
+                arch: "eagle3 with `rope_freqs` (llama3 rope scaling, not supported)".into(),
+            });
+        }
+        let l = Loader {
+            backend,
+            file: &file,
+        };
+        let (e, f, hd) = (hp.n_embd, hp.n_ff, hp.head_dim);
+        let (qd, kd) = (hp.n_head * hd, hp.n_head_kv * hd);
+        let n_vocab = thp.n_vocab;
+        let d2t = read_d2t(&file, n_vocab)?;
+        let n_vocab_draft = d2t.as_ref().map_or(n_vocab, Vec::len);
+        let n_in = hp.target_layers.len() * thp.n_embd;
+        let tok_embd = match l.get("token_embd.weight", &[e, n_vocab])? {
+            Some(w) => Arc::new(w),
+            None if e == thp.n_embd => target.token_embedding(),
+            None => {
+                return Err(ModelError::MissingTensor {
+                    name: format!(
+                        "token_embd.weight (the head is {e} wide, the target's embedding {})",
+                        thp.n_embd
+                    ),
+                });
+            }
+        };
+        let output = match l.get("output.weight", &[e, n_vocab_draft])? {
+            Some(mut w) => {
+                backend.prepare_matmul(&mut w);
+                Arc::new(w)
+            }
+            None if d2t.is_none() && e == thp.n_embd => target.output_head(),
+            None => {
+                return Err(ModelError::MissingTensor {
+                    name: "output.weight".into(),
+                });
+            }
+        };
+        let n = |s: &str| format!("blk.0.{s}");
+        Ok(Self {
+            fc: load_mat(&l, "fc", &[n_in, e])?,
+            fc_norm: if hp.norm_before_fc {
+                Some(l.req("enc.output_norm.weight", &[n_in])?)
+            } else {
+                None
+            },
+            attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
+            hidden_norm: l.req(&n("attn_norm_2.weight"), &[e])?,
+            wq: load_mat(&l, &n("attn_q"), &[2 * e, qd])?,
+            wk: load_mat(&l, &n("attn_k"), &[2 * e, kd])?,
+            wv: load_mat(&l, &n("attn_v"), &[2 * e, kd])?,
+            wo: load_mat(&l, &n("attn_output"), &[qd, e])?,
+            ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
+            ffn_gate: load_mat(&l, &n("ffn_gate"), &[e, f])?,
+            ffn_up: load_mat(&l, &n("ffn_up"), &[e, f])?,
+            ffn_down: load_mat(&l, &n("ffn_down"), &[f, e])?,
+            output_norm: l.req("output_norm.weight", &[e])?,
+            output_scale: crate::dflash::tensor_scale(&file, "output")?,
+            tok_embd,
+            output,
+            d2t,
+            n_vocab,
+            hp,
+        })
+    }
+
+    /// The hyperparameters.
+    #[must_use]
+    pub fn hparams(&self) -> &Eagle3Hparams {
+        &self.hp
+    }
+
+    /// Logit row width (the target vocabulary).
+    #[must_use]
+    pub fn n_vocab(&self) -> usize {
+        self.n_vocab
+    }
+
+    /// Width of one raw feature row.
+    #[must_use]
+    pub fn feature_width(&self) -> usize {
+        self.hp.target_layers.len() * self.hp.target_hidden_size
+    }
+
+    /// The shape of a head cache of `n_ctx` cells (one layer).
+    #[must_use]
+    pub fn kv_shape(
+        &self,
+        n_ctx: usize,
+        k_type: specula_quant::QType,
+        v_type: specula_quant::QType,
+    ) -> KvShape {
+        KvShape {
+            n_layer: 1,
+            n_ctx,
+            n_kv_head: self.hp.n_head_kv,
+            head_dim_k: self.hp.head_dim,
+            head_dim_v: self.hp.head_dim,
+            k_type,
+            v_type,
+            overrides: Vec::new(),
+        }
+    }
+
+    /// Fresh buffers.
+    #[must_use]
+    pub fn scratch(&self, be: &B) -> Eagle3Scratch<B> {
+        let z = || be.zeros(0, 0);
+        Eagle3Scratch {
+            feats: z(),
+            fnorm: z(),
+            g: z(),
+            emb: z(),
+            enorm: z(),
+            gnorm: z(),
+            cat: z(),
+            q: z(),
+            k: z(),
+            v: z(),
+            attn: z(),
+            x: z(),
+            cur: z(),
+            gate: z(),
+            up: z(),
+            act: z(),
+            proj: z(),
+            norm: z(),
+            logits: z(),
+            kv_pos: Vec::new(),
+            cells: Vec::new(),
+            h1: Vec::new(),
+            h2: Vec::new(),
+            hcat: Vec::new(),
+            sanitized: Vec::new(),
+            logits_host: Vec::new(),
+            prenorm: Vec::new(),
+            full: Vec::new(),
+        }
+    }
+
+    /// `g = fc(features)` for `n` rows (row-major `[n, feature_width]`), appended to `out`.
+    ///
+    /// # Errors
+    /// A feature buffer of the wrong size.
+    pub fn encode(
+        &self,
+        be: &B,
+        s: &mut Eagle3Scratch<B>,
+        features: &[f32],
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let w = self.feature_width();
+        if !features.len().is_multiple_of(w) {
+            return Err(ModelError::Batch(format!(
+                "EAGLE-3 encoder: {} feature values are not rows of {w}",
+                features.len()
+            )));
+        }
+        let n = features.len() / w;
+        if n == 0 {
+            return Ok(());
+        }
+        sanitize(features, &mut s.sanitized);
+        s.feats = be.from_host(n, w, &s.sanitized);
+        if let Some(nw) = &self.fc_norm {
+            be.rms_norm(&s.feats, Some(nw), self.hp.rms_eps, &mut s.fnorm);
+            self.fc.apply(be, &s.fnorm, &mut s.g);
+        } else {
+            self.fc.apply(be, &s.feats, &mut s.g);
+        }
+        be.to_host(&s.g, &mut s.h1);
+        out.extend_from_slice(&s.h1);
+        Ok(())
+    }
+
+    /// Runs decoder rows `(tokens[i], g[i])` at positions `pos[i]` (cell = position), causal
+    /// over the cache, and leaves in `s.prenorm` their prenorm states and, when `logits`, in
+    /// `s.logits_host` their logits over the target vocabulary (−∞ outside `d2t`).
+    ///
+    /// # Errors
+    /// Sizes that do not fit, positions past the cache.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the decoder's inputs are all needed"
+    )]
+    pub fn decode(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut Eagle3Scratch<B>,
+        tokens: &[u32],
+        g: &[f32],
+        pos: &[u32],
+        logits: bool,
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let (n, e) = (tokens.len(), hp.n_embd);
+        if n == 0 || pos.len() != n || g.len() != n * e {
+            return Err(ModelError::Batch(format!(
+                "EAGLE-3 decoder: {n} tokens, {} positions, {} g values (rows of {e})",
+                pos.len(),
+                g.len()
+            )));
+        }
+        let max = pos.iter().max().map_or(0, |&p| p as usize);
+        if max >= n_ctx {
+            return Err(ModelError::Batch(format!(
+                "EAGLE-3 decoder at position {max} of a {n_ctx}-cell cache"
+            )));
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.n_vocab) {
+            return Err(ModelError::Batch(format!(
+                "EAGLE-3 token {t} outside the vocabulary of {}",
+                self.n_vocab
+            )));
+        }
+        s.cells.clear();
+        s.cells.extend(pos.iter().map(|&p| p as usize));
+        s.kv_pos.clear();
+        s.kv_pos
+            .extend(0..u32::try_from(max + 1).unwrap_or(u32::MAX));
+        let mut rope = RopeConfig::new(RopeKind::Normal, hp.n_rot, hp.rope_freq_base);
+        rope.freq_scale = hp.rope_freq_scale;
+
+        be.get_rows(&self.tok_embd, tokens, &mut s.emb);
+        be.rms_norm(&s.emb, Some(&self.attn_norm), hp.rms_eps, &mut s.enorm);
+        let gt = be.from_host(n, e, g);
+        be.rms_norm(&gt, Some(&self.hidden_norm), hp.rms_eps, &mut s.gnorm);
+        // [embed_norm | g_norm], 2·E wide.
+        be.to_host(&s.enorm, &mut s.h1);
+        be.to_host(&s.gnorm, &mut s.h2);
+        s.hcat.clear();
+        for r in 0..n {
+            s.hcat.extend_from_slice(&s.h1[r * e..(r + 1) * e]);
+            s.hcat.extend_from_slice(&s.h2[r * e..(r + 1) * e]);
+        }
+        s.cat = be.from_host(n, 2 * e, &s.hcat);
+        self.wq.apply(be, &s.cat, &mut s.q);
+        self.wk.apply(be, &s.cat, &mut s.k);
+        self.wv.apply(be, &s.cat, &mut s.v);
+        be.rope(&mut s.q, hp.head_dim, pos, &rope);
+        be.rope(&mut s.k, hp.head_dim, pos, &rope);
+        be.kv_write(kv, 0, &s.cells, &s.k, &s.v);
+        #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
+        let scale = 1.0 / (hp.head_dim as f32).sqrt();
+        be.attention(
+            &s.q,
+            kv,
+            &AttentionParams {
+                layer: 0,
+                n_head: hp.n_head,
+                q_pos: pos,
+                kv_pos: &s.kv_pos,
+                scale,
+                mask: Mask::Causal,
+                softcap: None,
+            },
+            &mut s.attn,
+        );
+        self.wo.apply(be, &s.attn, &mut s.x);
+        if hp.norm_before_residual {
+            be.add(&mut s.x, &s.gnorm);
+        } else {
+            be.add(&mut s.x, &gt);
+        }
+        be.rms_norm(&s.x, Some(&self.ffn_norm), hp.rms_eps, &mut s.cur);
+        self.ffn_gate.apply(be, &s.cur, &mut s.gate);
+        self.ffn_up.apply(be, &s.cur, &mut s.up);
+        be.swiglu(&s.gate, &s.up, &mut s.act);
+        self.ffn_down.apply(be, &s.act, &mut s.proj);
+        be.add(&mut s.x, &s.proj);
+        be.to_host(&s.x, &mut s.prenorm);
+        if !logits {
+            return Ok(());
+        }
+        be.rms_norm(&s.x, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
+        be.matmul(&s.norm, self.output.as_ref(), &mut s.logits);
+        if let Some(sc) = self.output_scale {
+            be.scale(&mut s.logits, sc);
+        }
+        be.to_host(&s.logits, &mut s.logits_host);
+        if let Some(d2t) = &self.d2t {
+            scatter_d2t(d2t, &s.logits_host, self.n_vocab, &mut s.full);
+            std::mem::swap(&mut s.full, &mut s.logits_host);
+        }
+        Ok(())
+    }
+}
