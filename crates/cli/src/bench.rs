@@ -83,6 +83,9 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
+    /// Per-layer K/V cache types.
+    #[command(flatten)]
+    pub layer_types: load::LayerTypeArgs,
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value = "md")]
     pub output: Output,
@@ -372,6 +375,7 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    let overrides = load::layer_types(&args.layer_types)?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -401,6 +405,7 @@ pub fn run(args: &Args) -> Result<String> {
         .unwrap_or(1)
         .max(1)
         + args.n_depth.iter().copied().max().unwrap_or(0);
+    engine.kv_overrides = overrides;
     let mut attached = attach(args, &engine, n_ctx + 64)?;
     if let Some(a) = &attached {
         if args.n_depth.iter().any(|&d| d > 0) {

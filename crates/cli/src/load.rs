@@ -61,9 +61,10 @@ pub fn cache_type(s: &str) -> Result<QType> {
 /// GQA ratio (query heads per K/V head) from which a turbo K is known to hurt a model: the
 /// TurboQuant fork switches K to q8_0 there (`TURBO_AUTO_ASYMMETRIC`, ratio ≥ 6, after Qwen2.5
 /// at 7:1 went from PPL 7.4 to 2887 with turbo3 K). Measured here on Qwen2.5-Coder-0.5B (7:1,
-/// textwrap.py, 2 × 512, KLD vs the f16 cache): turbo3 K + q8_0 V 3.37 (collapsed, PPL 151),
-/// q8_0 K + turbo3 V 0.0126; turbo4 K + q8_0 V 0.060 against 0.0019 for q8_0/q8_0
-/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K without collapse.
+/// textwrap.py, 2 × 512, KLD vs the f16 cache): before padded heads were refined on write,
+/// turbo3 K + q8_0 V collapsed (3.37, PPL 151); with the refinement turbo3/turbo3 is 0.093 and
+/// turbo4/turbo4 0.020, still 24 × and 8 × the 0.0039 / 0.0025 of q8_0 K with the same V
+/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K well.
 pub const TURBO_K_GQA_LIMIT: usize = 6;
 
 /// The start-up warning for a turbo K on a model whose GQA ratio makes it harmful, naming the
@@ -74,9 +75,36 @@ pub fn turbo_k_warning(n_head: usize, n_head_kv: usize, k: QType, v: QType) -> O
     (specula_kv::is_turbo(k) && ratio >= TURBO_K_GQA_LIMIT).then(|| {
         let fix_v = if specula_kv::is_turbo(v) { v } else { k };
         format!(
-            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads; Qwen2.5 collapses with turbo3 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
+            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads, so its error reaches {ratio} heads; on Qwen2.5 turbo3 K has 24 × the KL divergence of q8_0 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
         )
     })
+}
+
+/// Per-layer cache formats (`run`, `perplexity`, `bench`).
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct LayerTypeArgs {
+    /// K cache type of some layers, overriding -ctk there: comma-separated `LAYERS:TYPE`, LAYERS
+    /// one 0-based layer `N` or a range `A-B` (inclusive), e.g. `0-3:q8_0,28-29:q8_0`.
+    #[arg(long = "cache-type-k-layers", value_name = "SPEC")]
+    pub cache_type_k_layers: Option<String>,
+    /// V cache type of some layers, overriding -ctv there (same syntax).
+    #[arg(long = "cache-type-v-layers", value_name = "SPEC")]
+    pub cache_type_v_layers: Option<String>,
+}
+
+/// The per-layer cache formats of the flags (whether the layers exist is checked against the
+/// model by [`check_cache`]).
+pub fn layer_types(args: &LayerTypeArgs) -> Result<Vec<specula_kv::LayerOverride>> {
+    let mut o = Vec::new();
+    for (spec, v) in [
+        (&args.cache_type_k_layers, false),
+        (&args.cache_type_v_layers, true),
+    ] {
+        if let Some(spec) = spec {
+            o.extend(specula_kv::parse_layer_types(spec, v)?);
+        }
+    }
+    Ok(o)
 }
 
 /// Checks that the model's heads can be stored in `k` / `v` (a clear error at start, before
@@ -91,8 +119,29 @@ pub fn check_cache(
     let layout = engine
         .kv_layout(n_ctx, k, v)
         .with_context(|| format!("cannot use -ctk {k} -ctv {v} with this model"))?;
-    if let Some(w) = turbo_k_warning(hp.n_head, hp.n_head_kv, k, v) {
+    let turbo_k = layout
+        .layers
+        .iter()
+        .find(|l| specula_kv::is_turbo(l.types.k));
+    if let Some(w) = turbo_k.and_then(|l| turbo_k_warning(hp.n_head, hp.n_head_kv, l.types.k, v)) {
         eprintln!("warning: {w}");
     }
     Ok(layout)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A turbo K at GQA ≥ 6 (Qwen2.5-0.5B: 14 query heads on 2 K/V heads) is warned about, with
+    /// the asymmetric setting that fixes it; SmolLM2's 9:3 and a q8_0 K are not.
+    #[test]
+    fn the_turbo_k_warning_names_the_fix() {
+        let w = turbo_k_warning(14, 2, QType::Turbo3, QType::Turbo3).unwrap();
+        assert!(w.contains("-ctk q8_0 -ctv turbo3"), "{w}");
+        let w = turbo_k_warning(14, 2, QType::Turbo4, QType::F16).unwrap();
+        assert!(w.contains("-ctk q8_0 -ctv turbo4"), "{w}");
+        assert!(turbo_k_warning(9, 3, QType::Turbo3, QType::Turbo3).is_none());
+        assert!(turbo_k_warning(14, 2, QType::Q8_0, QType::Turbo3).is_none());
+    }
 }

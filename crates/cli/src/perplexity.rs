@@ -49,6 +49,9 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
+    /// Per-layer K/V cache types.
+    #[command(flatten)]
+    pub layer_types: load::LayerTypeArgs,
     /// Save the scored log-probabilities to FILE (alone), or read them from FILE (with
     /// `--kl-divergence`).
     #[arg(long = "kl-divergence-base", value_name = "FILE")]
@@ -96,10 +99,12 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    let overrides = load::layer_types(&args.layer_types)?;
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
+    engine.kv_overrides = overrides;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     engine.n_batch = args.batch_size.max(1);
     let n_ctx = args.ctx_size;

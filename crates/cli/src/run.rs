@@ -64,6 +64,9 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
+    /// Per-layer K/V cache types.
+    #[command(flatten)]
+    pub layer_types: load::LayerTypeArgs,
     /// Apply the model's chat template to the prompt as one user message.
     #[arg(long)]
     pub chat: bool,
@@ -234,6 +237,7 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    let overrides = load::layer_types(&args.layer_types)?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -287,6 +291,7 @@ pub fn run(args: &Args) -> Result<String> {
         top_logits: args.top_logits,
         stop_at_eog: !args.ignore_eos,
     };
+    engine.kv_overrides = overrides;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
     let (kind, mut drafter, n_max) = drafter(args, &engine)?;

@@ -68,6 +68,27 @@ fn bad_flags_are_one_line_errors() {
         "unknown KV cache type `x`",
     );
 
+    // Per-layer formats: malformed specs before the model is read.
+    assert_clean_error(
+        &specula(&["run", "-m", m, "--cache-type-k-layers", "3-1:q8_0"]),
+        "runs backwards",
+    );
+    assert_clean_error(
+        &specula(&["bench", "-m", m, "--cache-type-v-layers", "0-3"]),
+        "expected LAYERS:TYPE",
+    );
+    assert_clean_error(
+        &specula(&[
+            "perplexity",
+            "-m",
+            m,
+            "-f",
+            m,
+            "--cache-type-k-layers",
+            "2:q9",
+        ]),
+        "unknown KV cache type `q9`",
+    );
     assert_clean_error(&specula(&["bench", "-m", m, "-r", "0"]), "must be positive");
     // clap's own errors exit with 2 and name the flag.
     let out = specula(&["run", "-n", "many"]);
@@ -149,4 +170,51 @@ fn default_model_generates_and_respects_the_context() {
     let long = "word ".repeat(64);
     let out = specula(&["run", "-m", m, "-p", &long, "-c", "16", "-n", "4"]);
     assert_clean_error(&out, "raise the context size");
+}
+
+/// Per-layer formats reach the cache: a layer the model does not have is refused at start,
+/// and a mixed layout runs.
+#[test]
+fn per_layer_cache_types_reach_the_cache() {
+    let Some(smollm) = specula_fetch::cached_model_path("smollm2-135m") else {
+        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+        return;
+    };
+    let m = smollm.to_str().unwrap();
+    let out = specula(&[
+        "run",
+        "-m",
+        m,
+        "-p",
+        "x",
+        "-n",
+        "1",
+        "--cache-type-k-layers",
+        "28-30:q8_0",
+    ]);
+    assert_clean_error(&out, "layers 28-30 of a 30-layer model");
+    let out = specula(&[
+        "run",
+        "-m",
+        m,
+        "-p",
+        "def f(x):",
+        "-n",
+        "4",
+        "--temp",
+        "0",
+        "-ctk",
+        "turbo4",
+        "-ctv",
+        "turbo4",
+        "--cache-type-k-layers",
+        "0-3:q8_0,29:f16",
+        "--cache-type-v-layers",
+        "5:q4_0",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -293,7 +293,7 @@ impl Backend for CpuBackend {
         k: &CpuTensor,
         v: &CpuTensor,
     ) {
-        attention::kv_write(kv, layer, cells, k, v);
+        attention::kv_write(self, kv, layer, cells, k, v);
     }
 
     fn attention(

@@ -26,6 +26,7 @@ fn shape(c: &Case, n_ctx: usize) -> KvShape {
         head_dim_v: c.hd_v,
         k_type: c.kv_type,
         v_type: c.kv_type,
+        overrides: Vec::new(),
     }
 }
 

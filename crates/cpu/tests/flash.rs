@@ -24,6 +24,7 @@ fn shape(k: QType, v: QType, n_ctx: usize) -> KvShape {
         head_dim_v: HD,
         k_type: k,
         v_type: v,
+        overrides: Vec::new(),
     }
 }
 
@@ -223,32 +224,74 @@ fn turbo_rotated_domain_equals_original_domain() {
 }
 
 /// A query row's output does not depend on the other rows of the batch or the thread count:
-/// decode (one row) gives the bits of the same row inside a prefill batch.
+/// decode (one row, the cache as long as its position) gives the bits of the same row inside a
+/// prefill batch. The cache spans three key chunks, so decode splits the keys over threads
+/// (split-K) while the batch runs each row's chunks in one task.
 #[test]
 fn flash_attention_is_batch_invariant_for_every_format() {
     let mut rng = Rng::new(13);
-    let n = 70;
+    let n = 600;
     for &t in CACHE_TYPES {
         let be1 = CpuBackend::new(1);
         let be3 = CpuBackend::new(3);
         let kv = filled(&be1, t, t, n, &mut rng);
         let q_pos: Vec<u32> = (0..u32::try_from(n).unwrap()).collect();
+        let rows = [0usize, 9, 255, 256, 300, 511, 513, 599];
         let q = rng.values(n * N_HEAD * HD, 1.0);
         let all = run(&be3, &kv, &q, &q_pos, n, Mask::Causal);
-        for r in [0usize, 9, 33, 69] {
-            let one = run(
-                &be1,
-                &kv,
-                &q[r * N_HEAD * HD..(r + 1) * N_HEAD * HD],
-                &q_pos[r..=r],
-                n,
-                Mask::Causal,
-            );
-            assert_eq!(
-                one,
-                all[r * N_HEAD * HD..(r + 1) * N_HEAD * HD],
-                "{t} row {r}"
-            );
+        for r in rows {
+            for be in [&be1, &be3] {
+                let one = run(
+                    be,
+                    &kv,
+                    &q[r * N_HEAD * HD..(r + 1) * N_HEAD * HD],
+                    &q_pos[r..=r],
+                    r + 1,
+                    Mask::Causal,
+                );
+                assert_eq!(
+                    one,
+                    all[r * N_HEAD * HD..(r + 1) * N_HEAD * HD],
+                    "{t} row {r} on {} threads",
+                    be.n_threads()
+                );
+            }
+        }
+        // A short verify batch at depth (split-K over its rows) against the same rows alone.
+        let tail = 595..600;
+        let few = run(
+            &be3,
+            &kv,
+            &q[tail.start * N_HEAD * HD..],
+            &q_pos[tail.clone()],
+            n,
+            Mask::Causal,
+        );
+        assert_eq!(few, all[tail.start * N_HEAD * HD..], "{t} verify batch");
+    }
+}
+
+/// Split-K decode over a long cache equals naive attention over the dequantized cache.
+#[test]
+fn split_k_decode_equals_naive_attention() {
+    let mut rng = Rng::new(21);
+    let n = 1000;
+    let be = CpuBackend::new(2);
+    for (kt, vt) in [
+        (QType::F16, QType::F16),
+        (QType::F32, QType::Turbo4),
+        (QType::Turbo3, QType::F16),
+    ] {
+        let kv = filled(&be, kt, vt, n, &mut rng);
+        let k: Vec<Vec<f32>> = (0..n).map(|j| kv.k_row(0, j)).collect();
+        let v: Vec<Vec<f32>> = (0..n).map(|j| kv.v_row(0, j)).collect();
+        let q_pos = [999u32];
+        let q = rng.values(N_HEAD * HD, 1.5);
+        for mask in [Mask::Causal, Mask::SlidingWindow(300)] {
+            let got = run(&be, &kv, &q, &q_pos, n, mask);
+            let want = naive(&q, &k, &v, &q_pos, mask);
+            let e = nmse(&got, &want);
+            assert!(e <= 1e-9, "K {kt} V {vt} {mask:?}: NMSE {e:e}");
         }
     }
 }

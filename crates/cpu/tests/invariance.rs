@@ -154,6 +154,7 @@ fn attention_is_batch_invariant() {
                 head_dim_v: hd,
                 k_type: kv_type,
                 v_type: kv_type,
+                overrides: Vec::new(),
             };
             let mut kv = one.kv_new(shape).unwrap();
             let kw = n_kv_head * hd;

@@ -90,6 +90,9 @@ pub struct Engine<B: Backend> {
     pub tokenizer: Tokenizer,
     /// Tokens per prefill chunk.
     pub n_batch: usize,
+    /// Per-layer cache formats that differ from a session's `-ctk` / `-ctv`
+    /// (`--cache-type-k-layers`), applied to every session of this engine.
+    pub kv_overrides: Vec<specula_tensor::LayerOverride>,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -264,6 +267,7 @@ impl<B: Backend> Engine<B> {
             model,
             tokenizer,
             n_batch: 512,
+            kv_overrides: Vec::new(),
         }
     }
 
@@ -274,7 +278,10 @@ impl<B: Backend> Engine<B> {
     pub fn session(&self, n_ctx: usize, k_type: QType, v_type: QType) -> Result<Session<B>> {
         Ok(Session {
             layout: self.kv_layout(n_ctx, k_type, v_type)?,
-            kv: self.model.new_kv(&self.backend, n_ctx, k_type, v_type)?,
+            kv: self
+                .backend
+                .kv_new(self.kv_shape(n_ctx, k_type, v_type))
+                .map_err(specula_models::ModelError::from)?,
             scratch: self.model.scratch(&self.backend),
             pos: Vec::new(),
             rows: Vec::new(),
@@ -296,8 +303,15 @@ impl<B: Backend> Engine<B> {
         v_type: QType,
     ) -> Result<specula_kv::KvLayout> {
         Ok(specula_kv::KvLayout::new(
-            &self.model.kv_shape(n_ctx, k_type, v_type),
+            &self.kv_shape(n_ctx, k_type, v_type),
         )?)
+    }
+
+    /// The shape of a session's cache: the model's, with this engine's per-layer overrides.
+    fn kv_shape(&self, n_ctx: usize, k_type: QType, v_type: QType) -> specula_tensor::KvShape {
+        let mut shape = self.model.kv_shape(n_ctx, k_type, v_type);
+        shape.overrides.clone_from(&self.kv_overrides);
+        shape
     }
 
     fn check_ids(&self, ids: &[u32]) -> Result<()> {

@@ -1,7 +1,7 @@
 //! Which format each layer's K and V use, how wide a stored head is, and what a token costs.
 
 use specula_quant::QType;
-use specula_tensor::KvShape;
+use specula_tensor::{KvShape, LayerOverride};
 
 use crate::{KvError, Result};
 
@@ -29,6 +29,48 @@ pub fn parse_cache_type(name: &str) -> Result<QType> {
     QType::from_name(name)
         .filter(|t| CACHE_TYPES.contains(t))
         .ok_or_else(|| KvError::UnknownType(name.to_owned()))
+}
+
+/// Per-layer formats of K (`v = false`) or V from a `--cache-type-k-layers` /
+/// `--cache-type-v-layers` spec: comma-separated `LAYERS:TYPE` items, `LAYERS` one layer `N` or
+/// an inclusive range `A-B` (0-based), e.g. `0-3:q8_0,28-29:q8_0`. Later items win where
+/// ranges overlap; whether the layers exist is checked against the model by [`KvLayout::new`].
+///
+/// # Errors
+/// [`KvError::Shape`] for a malformed item or a range that runs backwards;
+/// [`KvError::UnknownType`] for a name that is not one of [`CACHE_TYPES`].
+pub fn parse_layer_types(spec: &str, v: bool) -> Result<Vec<LayerOverride>> {
+    let bad = |item: &str, why: &str| {
+        KvError::Shape(format!(
+            "per-layer cache type `{item}`: {why} (expected LAYERS:TYPE, LAYERS `N` or `A-B`, e.g. 0-3:q8_0)"
+        ))
+    };
+    spec.split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(|item| {
+            let (layers, ty) = item.split_once(':').ok_or_else(|| bad(item, "no `:`"))?;
+            let ty = parse_cache_type(ty.trim())?;
+            let num = |x: &str| {
+                x.trim()
+                    .parse::<usize>()
+                    .map_err(|_| bad(item, "a layer is not a non-negative number"))
+            };
+            let (first, last) = match layers.split_once('-') {
+                Some((a, b)) => (num(a)?, num(b)?),
+                None => (num(layers)?, num(layers)?),
+            };
+            if first > last {
+                return Err(bad(item, "the range runs backwards"));
+            }
+            Ok(LayerOverride {
+                first,
+                last,
+                k: (!v).then_some(ty),
+                v: v.then_some(ty),
+            })
+        })
+        .collect()
 }
 
 /// Whether `ty` is a TurboQuant type (stored in the rotated domain, 128-value groups).
@@ -188,16 +230,30 @@ pub struct KvLayout {
 }
 
 impl KvLayout {
-    /// The layout with `shape.k_type` / `shape.v_type` in every layer.
+    /// The layout with `shape.k_type` / `shape.v_type` in every layer but those of
+    /// `shape.overrides`.
     ///
     /// # Errors
-    /// As [`KvLayout::with_types`].
+    /// [`KvError::Shape`] when an override names a layer the model does not have; as
+    /// [`KvLayout::with_types`].
     pub fn new(shape: &KvShape) -> Result<Self> {
-        let t = LayerTypes {
-            k: shape.k_type,
-            v: shape.v_type,
-        };
-        Self::with_types(shape, &vec![t; shape.n_layer])
+        if let Some(o) = shape
+            .overrides
+            .iter()
+            .find(|o| o.first > o.last || o.last >= shape.n_layer)
+        {
+            return Err(KvError::Shape(format!(
+                "a per-layer cache format for layers {}-{} of a {}-layer model",
+                o.first, o.last, shape.n_layer
+            )));
+        }
+        let types: Vec<LayerTypes> = (0..shape.n_layer)
+            .map(|l| {
+                let (k, v) = shape.layer_types(l);
+                LayerTypes { k, v }
+            })
+            .collect();
+        Self::with_types(shape, &types)
     }
 
     /// The layout with per-layer formats (`types[l]` for layer `l`; `shape.k_type`/`v_type` are
@@ -238,7 +294,7 @@ impl KvLayout {
             })
             .collect::<Result<_>>()?;
         Ok(Self {
-            shape: *shape,
+            shape: shape.clone(),
             layers,
         })
     }
@@ -287,13 +343,14 @@ impl KvLayout {
     }
 }
 
-/// Values of the padding of a `hd`-value head to `dim` that copy head value `i`, plus one.
-fn copies(i: usize, hd: usize, dim: usize) -> f32 {
+/// `1 / copies` of head value `i` in a head of `hd` values padded to `dim` (the value and its
+/// signed copies): every value has `pad / hd + 1` of them, the first `pad % hd` one more.
+#[inline]
+fn inv_copies(hd: usize, dim: usize) -> (f32, f32, usize) {
     let pad = dim - hd;
-    let n = pad / hd + usize::from(i < pad % hd);
     #[allow(clippy::cast_precision_loss, reason = "a count of at most dim / hd")]
-    let n = (n + 1) as f32;
-    n
+    let base = (pad / hd + 1) as f32;
+    (1.0 / (base + 1.0), 1.0 / base, pad % hd)
 }
 
 /// The sign of padding value `t`: a fixed ±1 pattern (the fork's second WHT sign table), so a
@@ -312,33 +369,40 @@ fn pad_sign(t: usize) -> f32 {
 /// copies ([`turbo_pad_query`], [`turbo_fold`]), and the error of a 64-value head halves at
 /// the same memory (tested in `tests.rs`).
 pub fn turbo_pad(x: &mut [f32], hd: usize) {
-    for t in 0..x.len() - hd {
-        x[hd + t] = pad_sign(t) * x[t % hd];
+    let (head, rest) = x.split_at_mut(hd);
+    for (c, chunk) in rest.chunks_mut(hd).enumerate() {
+        for (j, (o, &v)) in chunk.iter_mut().zip(head.iter()).enumerate() {
+            *o = pad_sign(c * hd + j) * v;
+        }
     }
 }
 
 /// Pads a query head for a turbo K padded by [`turbo_pad`]: every copy of value `i` gets
 /// `q_i / c_i` (with its sign), so `⟨q', k'⟩` is `q` dotted with the mean of `k`'s copies.
 pub fn turbo_pad_query(x: &mut [f32], hd: usize) {
-    let dim = x.len();
-    for t in 0..dim - hd {
-        let i = t % hd;
-        x[hd + t] = pad_sign(t) * x[i] / copies(i, hd, dim);
+    let (more, fewer, rem) = inv_copies(hd, x.len());
+    let (head, rest) = x.split_at_mut(hd);
+    for (i, v) in head.iter_mut().enumerate() {
+        *v *= if i < rem { more } else { fewer };
     }
-    for (i, v) in x[..hd].iter_mut().enumerate() {
-        *v /= copies(i, hd, dim);
+    for (c, chunk) in rest.chunks_mut(hd).enumerate() {
+        for (j, (o, &v)) in chunk.iter_mut().zip(head.iter()).enumerate() {
+            *o = pad_sign(c * hd + j) * v;
+        }
     }
 }
 
 /// Folds a padded turbo V head (or attention output) back onto its `hd` values: the mean of
 /// each value's copies, in `x[..hd]`.
 pub fn turbo_fold(x: &mut [f32], hd: usize) {
-    let dim = x.len();
-    for t in 0..dim - hd {
-        let i = t % hd;
-        x[i] += pad_sign(t) * x[hd + t];
+    let (more, fewer, rem) = inv_copies(hd, x.len());
+    let (head, rest) = x.split_at_mut(hd);
+    for (c, chunk) in rest.chunks(hd).enumerate() {
+        for (j, (o, &v)) in head.iter_mut().zip(chunk).enumerate() {
+            *o += pad_sign(c * hd + j) * v;
+        }
     }
-    for (i, v) in x[..hd].iter_mut().enumerate() {
-        *v /= copies(i, hd, dim);
+    for (i, v) in head.iter_mut().enumerate() {
+        *v *= if i < rem { more } else { fewer };
     }
 }

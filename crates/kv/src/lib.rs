@@ -22,6 +22,7 @@
 //! let shape = KvShape {
 //!     n_layer: 30, n_ctx: 4096, n_kv_head: 3, head_dim_k: 64, head_dim_v: 64,
 //!     k_type: parse_cache_type("q8_0")?, v_type: parse_cache_type("turbo4")?,
+//!     overrides: Vec::new(),
 //! };
 //! let layout = KvLayout::new(&shape)?;
 //! // q8_0: 34 bytes per 32 values; turbo4: 66 bytes per 128 values, 64-wide heads padded.
@@ -32,15 +33,17 @@
 mod cells;
 mod layout;
 mod plane;
+mod refine;
 
 pub use cells::{Cells, MAX_SEQ, SeqId};
 pub use layout::{
     CACHE_TYPES, KvLayout, LayerLayout, LayerTypes, Rotation, hadamard, is_turbo, k_rotation,
-    parse_cache_type, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query, v_rotation,
+    parse_cache_type, parse_layer_types, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query,
+    v_rotation,
 };
-pub use plane::{Plane, quantize_head};
+pub use plane::{Plane, RowEncoder, quantize_head};
 use specula_quant::QType;
-pub use specula_tensor::Mask;
+pub use specula_tensor::{LayerOverride, Mask};
 
 /// Errors of the KV cache.
 #[derive(Debug, thiserror::Error)]

@@ -195,11 +195,8 @@ impl Plane {
         &self.bytes()[cell * rb..(cell + 1) * rb]
     }
 
-    /// Quantizes one row (`n_head · head_dim` values) into `cell`: each head is rotated (a
-    /// Hadamard rotation here; for turbo inside the quantizer, so `row` is in the model's
-    /// domain), padded to the stored width (turbo: [`crate::turbo_pad`]) and encoded with the cache quantizer of the
-    /// format (for IQ4_NL the `ntry = −1` reference ggml-cpu uses for caches). `pad` is scratch
-    /// space.
+    /// Quantizes one row (`n_head · head_dim` values) into `cell` with [`RowEncoder::encode`].
+    /// `pad` is scratch space.
     ///
     /// # Errors
     /// [`KvError::Shape`] when the row has the wrong length or the cell is out of range.
@@ -210,47 +207,60 @@ impl Plane {
                 self.n_cells
             )));
         }
-        if row.len() != self.n_head * self.head_dim {
-            return Err(KvError::Shape(format!(
-                "a row of {} values, expected {} heads × {}",
-                row.len(),
-                self.n_head,
-                self.head_dim
-            )));
-        }
-        let (rot, ty, hd, dim, hb, nh) = (
-            self.rot,
-            self.ty,
-            self.head_dim,
-            self.dim,
-            self.head_bytes,
-            self.n_head,
-        );
-        pad.clear();
-        pad.resize(dim, 0.0);
-        let len = self.n_cells * nh * hb;
-        let center = self.center.as_deref();
-        let all = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len];
-        let dst = &mut all[cell * nh * hb..(cell + 1) * nh * hb];
-        for (h, (src, dst)) in row
-            .chunks_exact(hd)
-            .zip(dst.chunks_exact_mut(hb))
-            .enumerate()
-        {
-            pad[..hd].copy_from_slice(src);
-            if let Some(c) = center {
-                for (p, m) in pad[..hd].iter_mut().zip(&c[h * hd..(h + 1) * hd]) {
-                    *p -= m;
-                }
+        let rb = self.row_bytes();
+        let enc = RowEncoder {
+            ty: self.ty,
+            rot: self.rot,
+            n_head: self.n_head,
+            head_dim: self.head_dim,
+            dim: self.dim,
+            head_bytes: self.head_bytes,
+            center: self.center.as_deref(),
+        };
+        let bytes = bytemuck::cast_slice_mut::<u64, u8>(&mut self.words);
+        enc.encode(row, &mut bytes[cell * rb..(cell + 1) * rb], pad)
+    }
+
+    /// The encoder of this plane's rows and the bytes of `cells` (in that order), so that rows
+    /// can be written into different cells at the same time.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when a cell is out of range or named twice.
+    pub fn encoder_and_cells(
+        &mut self,
+        cells: &[usize],
+    ) -> Result<(RowEncoder<'_>, Vec<&mut [u8]>)> {
+        let rb = self.row_bytes();
+        let n_cells = self.n_cells;
+        let enc = RowEncoder {
+            ty: self.ty,
+            rot: self.rot,
+            n_head: self.n_head,
+            head_dim: self.head_dim,
+            dim: self.dim,
+            head_bytes: self.head_bytes,
+            center: self.center.as_deref(),
+        };
+        let mut order: Vec<usize> = (0..cells.len()).collect();
+        order.sort_unstable_by_key(|&i| cells[i]);
+        let bytes = &mut bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..n_cells * rb];
+        let mut it = bytes.chunks_exact_mut(rb.max(1));
+        let mut out: Vec<Option<&mut [u8]>> = (0..cells.len()).map(|_| None).collect();
+        let mut next = 0;
+        for &i in &order {
+            let c = cells[i];
+            if c < next || c >= n_cells {
+                return Err(KvError::Shape(format!(
+                    "cell {c} of a {n_cells}-cell cache (or named twice)"
+                )));
             }
-            match rot {
-                Rotation::Hadamard(n) => hadamard(&mut pad[..hd], n),
-                Rotation::Turbo => turbo_pad(pad, hd),
-                Rotation::None => {}
-            }
-            quantize_head(ty, pad, dst)?;
+            out[i] = it.nth(c - next);
+            next = c + 1;
         }
-        Ok(())
+        Ok((
+            enc,
+            out.into_iter().map(Option::unwrap_or_default).collect(),
+        ))
     }
 
     /// Dequantizes head `head` of `cell` into `out` (`dim` values, still in the rotated domain
@@ -287,4 +297,70 @@ pub fn quantize_head(ty: QType, x: &[f32], dst: &mut [u8]) -> Result<()> {
         return Ok(());
     }
     Ok(specula_quant::quantize_row(ty, x, dst)?)
+}
+
+/// Encodes rows of one plane (its format, rotation, padding and offset); shared by threads.
+#[derive(Clone, Copy, Debug)]
+pub struct RowEncoder<'a> {
+    ty: QType,
+    rot: Rotation,
+    n_head: usize,
+    head_dim: usize,
+    dim: usize,
+    head_bytes: usize,
+    center: Option<&'a [f32]>,
+}
+
+impl RowEncoder<'_> {
+    /// Quantizes one row (`n_head · head_dim` values) into the bytes of one cell: each head
+    /// minus its offset is rotated (a Hadamard rotation here; for turbo inside the quantizer,
+    /// so `row` is in the model's domain), padded to the stored width (turbo:
+    /// [`crate::turbo_pad`]) and encoded with the cache quantizer of the format (for IQ4_NL the
+    /// `ntry = −1` reference ggml-cpu uses for caches); the codes of a padded turbo head are
+    /// then refined against the head attention reads back (`refine.rs`). `pad` is scratch.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when the row or the cell has the wrong length.
+    pub fn encode(&self, row: &[f32], dst: &mut [u8], pad: &mut Vec<f32>) -> Result<()> {
+        let (rot, ty, hd, dim, hb, nh) = (
+            self.rot,
+            self.ty,
+            self.head_dim,
+            self.dim,
+            self.head_bytes,
+            self.n_head,
+        );
+        if row.len() != nh * hd || dst.len() != nh * hb {
+            return Err(KvError::Shape(format!(
+                "a row of {} values into {} bytes, expected {nh} heads × {hd} into {}",
+                row.len(),
+                dst.len(),
+                nh * hb
+            )));
+        }
+        pad.clear();
+        pad.resize(dim, 0.0);
+        for (h, (src, dst)) in row
+            .chunks_exact(hd)
+            .zip(dst.chunks_exact_mut(hb))
+            .enumerate()
+        {
+            pad[..hd].copy_from_slice(src);
+            if let Some(c) = self.center {
+                for (p, m) in pad[..hd].iter_mut().zip(&c[h * hd..(h + 1) * hd]) {
+                    *p -= m;
+                }
+            }
+            match rot {
+                Rotation::Hadamard(n) => hadamard(&mut pad[..hd], n),
+                Rotation::Turbo => turbo_pad(pad, hd),
+                Rotation::None => {}
+            }
+            quantize_head(ty, pad, dst)?;
+            if rot == Rotation::Turbo && dim > hd {
+                crate::refine::refine_turbo(ty, &pad[..hd], dst);
+            }
+        }
+        Ok(())
+    }
 }

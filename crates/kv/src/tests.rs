@@ -12,6 +12,7 @@ fn shape(hd: usize, k: QType, v: QType) -> KvShape {
         head_dim_v: hd,
         k_type: k,
         v_type: v,
+        overrides: Vec::new(),
     }
 }
 
@@ -294,4 +295,94 @@ fn turbo_padding_with_copies_halves_the_error() {
     assert!((d(&qp, &kp) - d(&q, &k)).abs() < 1e-4);
     turbo_fold(&mut kp, 80);
     assert!(kp[..80].iter().zip(&k).all(|(a, b)| (a - b).abs() < 1e-6));
+}
+
+/// `--cache-type-k-layers` / `--cache-type-v-layers` specs become per-layer formats; a later
+/// item wins, bad specs and layers the model does not have are errors.
+#[test]
+fn per_layer_overrides_parse_and_lay_out() {
+    use crate::parse_layer_types;
+    let mut s = shape(64, QType::Turbo4, QType::Turbo4);
+    s.n_layer = 6;
+    s.overrides = parse_layer_types("0-1:q8_0, 5:f16,1:q4_0", false).unwrap();
+    s.overrides
+        .extend(parse_layer_types("5:q8_0", true).unwrap());
+    let l = KvLayout::new(&s).unwrap();
+    let got: Vec<(QType, QType)> = l.layers.iter().map(|l| (l.types.k, l.types.v)).collect();
+    use QType::*;
+    assert_eq!(
+        got,
+        [
+            (Q8_0, Turbo4),
+            (Q4_0, Turbo4),
+            (Turbo4, Turbo4),
+            (Turbo4, Turbo4),
+            (Turbo4, Turbo4),
+            (F16, Q8_0)
+        ]
+    );
+    // Layer 0: 3 heads × (q8_0 64 values = 68 B + turbo4 padded to 128 = 66 B).
+    assert_eq!(l.bytes_per_token_layer(0), 3 * (68 + 66));
+    assert_eq!(l.bytes_per_token_layer(5), 3 * (128 + 68));
+    for bad in ["0-1", "x:q8_0", "3-1:q8_0", "1:q9_0", "-1:f16"] {
+        assert!(parse_layer_types(bad, false).is_err(), "{bad}");
+    }
+    s.overrides = parse_layer_types("4-6:q8_0", false).unwrap();
+    let e = KvLayout::new(&s).unwrap_err().to_string();
+    assert!(e.contains("layers 4-6 of a 6-layer model"), "{e}");
+}
+
+/// A padded turbo head written through the plane (codes refined against the head attention
+/// reads back) has a much smaller error than the reference encoding of the padded head, for
+/// one group (64 → 128, 80 → 128) and two (192 → 256); unpadded heads keep the reference bytes.
+#[test]
+fn refined_turbo_codes_cut_the_error_of_padded_heads() {
+    use crate::{Plane, Rotation};
+    for (hd, dim) in [(64usize, 128usize), (80, 128), (192, 256), (128, 128)] {
+        for (ty, most) in [
+            (QType::Turbo4, 0.45),
+            (QType::Turbo3, 0.45),
+            (QType::Turbo2, 0.6),
+        ] {
+            let n = 64;
+            let mut plane = Plane::new(ty, n, 1, hd, dim, Rotation::Turbo).unwrap();
+            let (mut refined, mut plain, mut den) = (0.0f64, 0.0f64, 0.0f64);
+            let mut scratch = Vec::new();
+            for cell in 0..n {
+                let x = row(u32::try_from(cell).unwrap() + 7, hd);
+                plane.write(cell, &x, &mut scratch).unwrap();
+                let mut p = vec![0.0f32; dim];
+                p[..hd].copy_from_slice(&x);
+                turbo_pad(&mut p, hd);
+                let mut q = vec![0u8; ty.row_bytes(dim).unwrap()];
+                quantize_head(ty, &p, &mut q).unwrap();
+                if hd == dim {
+                    assert_eq!(plane.head(cell, 0), &q[..], "{ty} {hd}: unpadded bytes");
+                    continue;
+                }
+                for (bytes, err) in [
+                    (plane.head(cell, 0).to_vec(), &mut refined),
+                    (q, &mut plain),
+                ] {
+                    let mut out = vec![0.0f32; dim];
+                    specula_quant::dequantize_row(ty, &bytes, &mut out).unwrap();
+                    specula_quant::wht::inverse_row(&mut out);
+                    turbo_fold(&mut out, hd);
+                    *err += x
+                        .iter()
+                        .zip(&out)
+                        .map(|(a, b)| f64::from(a - b).powi(2))
+                        .sum::<f64>();
+                }
+                den += x.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>();
+            }
+            if hd < dim {
+                let (r, p) = (refined / den, plain / den);
+                // 192 → 256 has a third of the free directions of 64 → 128.
+                let most = if dim - hd < hd { 0.7 } else { most };
+                eprintln!("{ty} {hd}→{dim}: refined {r:.5} vs {p:.5}");
+                assert!(r < most * p, "{ty} {hd}→{dim}: refined {r:.5} vs {p:.5}");
+            }
+        }
+    }
 }

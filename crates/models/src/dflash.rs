@@ -810,6 +810,7 @@ impl<B: Backend> Dflash<B> {
             head_dim_v: self.hp.head_dim,
             k_type,
             v_type,
+            overrides: Vec::new(),
         }
     }
 

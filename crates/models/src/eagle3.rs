@@ -335,6 +335,7 @@ impl<B: Backend> Eagle3<B> {
             head_dim_v: self.hp.head_dim,
             k_type,
             v_type,
+            overrides: Vec::new(),
         }
     }
 

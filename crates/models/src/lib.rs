@@ -391,6 +391,7 @@ impl<B: Backend> Model<B> {
             head_dim_v: self.hp.head_dim_v,
             k_type,
             v_type,
+            overrides: Vec::new(),
         }
     }
 

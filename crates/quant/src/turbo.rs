@@ -39,8 +39,8 @@ pub const THRESHOLDS_4: [f32; 15] = [
 /// The code of `r`: how many thresholds lie at or below it.
 #[inline]
 fn code_of(r: f32, thresholds: &[f32]) -> u8 {
-    let n = thresholds.iter().take_while(|&&t| r >= t).count();
-    u8::try_from(n).unwrap_or(u8::MAX)
+    // Thresholds ascend, so the count of those ≤ r is the code (branch-free).
+    thresholds.iter().map(|&t| u8::from(r >= t)).sum()
 }
 
 /// Steps 2–5 of the reference quantizer for one group: returns the codes and the stored norm.

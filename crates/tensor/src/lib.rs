@@ -211,8 +211,22 @@ pub enum Mask {
     None,
 }
 
-/// Shape of the KV cache a model asks for.
+/// Cache formats of a range of layers that differ from the cache's `k_type` / `v_type`
+/// (`--cache-type-k-layers 0-3:q8_0`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerOverride {
+    /// First layer of the range.
+    pub first: usize,
+    /// Last layer of the range (inclusive).
+    pub last: usize,
+    /// Format of K in these layers, when it differs.
+    pub k: Option<QType>,
+    /// Format of V in these layers, when it differs.
+    pub v: Option<QType>,
+}
+
+/// Shape of the KV cache a model asks for.
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KvShape {
     /// Layers.
     pub n_layer: usize,
@@ -228,6 +242,24 @@ pub struct KvShape {
     pub k_type: QType,
     /// Format of V.
     pub v_type: QType,
+    /// Per-layer formats that differ from `k_type` / `v_type`; a later entry wins where
+    /// ranges overlap. Empty: every layer uses `k_type` / `v_type`.
+    pub overrides: Vec<LayerOverride>,
+}
+
+impl KvShape {
+    /// The K and V formats of layer `l`.
+    #[must_use]
+    pub fn layer_types(&self, l: usize) -> (QType, QType) {
+        let (mut k, mut v) = (self.k_type, self.v_type);
+        for o in &self.overrides {
+            if (o.first..=o.last).contains(&l) {
+                k = o.k.unwrap_or(k);
+                v = o.v.unwrap_or(v);
+            }
+        }
+        (k, v)
+    }
 }
 
 /// One attention call: `n_head` query heads over the cache cells of `layer`.

@@ -50,6 +50,11 @@ use crate::tensor::CpuTensor;
 
 /// Cells per tile of the key loop.
 pub(crate) const TILE: usize = 32;
+/// Cells per key chunk: the softmax state of a query is computed per chunk of cells
+/// `[c·CHUNK, (c+1)·CHUNK)` and the chunks' states are merged in order (flash-decoding's
+/// split-K). The chunk grid is fixed in cell space, so a query's result does not depend on the
+/// cache length, the batch or how chunks are spread over threads.
+pub(crate) const CHUNK: usize = 256;
 /// Query rows per task when a batch has many.
 const ROWS_PER_TASK: usize = 8;
 
@@ -100,7 +105,7 @@ impl CpuKv {
     /// The shape the cache was made with.
     #[must_use]
     pub fn shape(&self) -> KvShape {
-        self.layout.shape
+        self.layout.shape.clone()
     }
 
     /// Formats, stored widths and memory accounting.
@@ -234,15 +239,19 @@ fn turbo4_lut() -> &'static [[f32; 2]; 256] {
     })
 }
 
+/// One row to encode: its index in the batch, whether it is V, and the cell's bytes.
+type WriteItem<'a> = (usize, bool, &'a mut [u8]);
+
 /// Writes K and V rows of `layer` into `cells`.
 pub(crate) fn kv_write(
+    be: &CpuBackend,
     kv: &mut CpuKv,
     layer: usize,
     cells: &[usize],
     k: &CpuTensor,
     v: &CpuTensor,
 ) {
-    let s = kv.layout.shape;
+    let s = &kv.layout.shape;
     let (kw, vw) = (s.n_kv_head * s.head_dim_k, s.n_kv_head * s.head_dim_v);
     assert!(
         layer < kv.layers.len(),
@@ -261,29 +270,65 @@ pub(crate) fn kv_write(
         "kv_write: V must be [{}, {vw}]",
         cells.len()
     );
+    if cells.is_empty() {
+        return;
+    }
     let l = &mut kv.layers[layer];
-    if !cells.is_empty() {
-        let calibrated =
-            l.k.calibrate(k.as_slice())
-                .and_then(|()| l.v.calibrate(v.as_slice()));
-        if let Err(e) = calibrated {
-            panic!("kv_write: {e}");
-        }
+    let calibrated =
+        l.k.calibrate(k.as_slice())
+            .and_then(|()| l.v.calibrate(v.as_slice()));
+    if let Err(e) = calibrated {
+        panic!("kv_write: {e}");
     }
-    let mut pad = Vec::new();
-    for (t, &cell) in cells.iter().enumerate() {
-        assert!(
-            cell < s.n_ctx,
-            "kv_write: cell {cell} of a {}-cell cache",
-            s.n_ctx
-        );
-        if let Err(e) = l.k.write(cell, k.row(t), &mut pad) {
-            panic!("kv_write: K: {e}");
+    // Padded turbo heads are refined on write (`specula_kv` `refine.rs`), which costs far more
+    // than the other encoders: spread rows over threads when there is enough of it.
+    let padded = |p: &Plane| p.rotation() == Rotation::Turbo && p.dim() > p.head_dim();
+    let heavy = padded(&l.k) || padded(&l.v);
+    let (ek, ck) = match l.k.encoder_and_cells(cells) {
+        Ok(x) => x,
+        Err(e) => panic!("kv_write: K: {e}"),
+    };
+    let (ev, cv) = match l.v.encoder_and_cells(cells) {
+        Ok(x) => x,
+        Err(e) => panic!("kv_write: V: {e}"),
+    };
+    // One item per (cell, K or V).
+    let mut items: Vec<WriteItem<'_>> = ck
+        .into_iter()
+        .zip(cv)
+        .enumerate()
+        .flat_map(|(t, (dk, dv))| [(t, false, dk), (t, true, dv)])
+        .collect();
+    let write = |(t, is_v, dst): &mut WriteItem<'_>, pad: &mut Vec<f32>| {
+        let r = if *is_v {
+            ev.encode(v.row(*t), dst, pad)
+        } else {
+            ek.encode(k.row(*t), dst, pad)
+        };
+        if let Err(e) = r {
+            panic!("kv_write: {}: {e}", if *is_v { "V" } else { "K" });
         }
-        if let Err(e) = l.v.write(cell, v.row(t), &mut pad) {
-            panic!("kv_write: V: {e}");
+    };
+    let nth = be.n_threads();
+    if nth == 1 || !(heavy || cells.len() >= 16) {
+        let mut pad = Vec::new();
+        for it in &mut items {
+            write(it, &mut pad);
         }
+        return;
     }
+    let per = items.len().div_ceil(nth);
+    let parts: Vec<std::sync::Mutex<&mut [WriteItem<'_>]>> =
+        items.chunks_mut(per).map(std::sync::Mutex::new).collect();
+    be.pool().run(&|t| {
+        if let Some(p) = parts.get(t) {
+            let mut part = p.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            let mut pad = Vec::new();
+            for it in part.iter_mut() {
+                write(it, &mut pad);
+            }
+        }
+    });
 }
 
 /// Whether a query at `qp` sees a key at `kp`.
@@ -294,6 +339,32 @@ fn visible(mask: Mask, qp: u32, kp: u32) -> bool {
         Mask::SlidingWindow(w) => kp <= qp && usize::try_from(qp - kp).is_ok_and(|d| d < w),
         Mask::None => true,
     }
+}
+
+/// Merges the softmax state of one chunk `(m, l, acc)` into a running state: both rescaled to
+/// the larger maximum and added. An empty chunk (`m = −∞`) leaves the state as it is; into an
+/// empty state the chunk is copied. Every path (one task over many chunks, or one task per
+/// chunk merged afterwards) merges with this function in chunk order, so the bits agree.
+#[inline]
+fn merge_state(run: (&mut f32, &mut f32, &mut [f32]), chunk: (f32, f32, &[f32])) {
+    let (m, l, acc) = run;
+    let (cm, cl, cacc) = chunk;
+    if cm == f32::NEG_INFINITY {
+        return;
+    }
+    if *m == f32::NEG_INFINITY {
+        *m = cm;
+        *l = cl;
+        acc.copy_from_slice(cacc);
+        return;
+    }
+    let mn = m.max(cm);
+    let (a, c) = ((*m - mn).exp(), (cm - mn).exp());
+    *l = *l * a + cl * c;
+    for (x, &y) in acc.iter_mut().zip(cacc) {
+        *x = *x * a + y * c;
+    }
+    *m = mn;
 }
 
 /// How `q·k` is computed for a key format.
@@ -341,8 +412,13 @@ struct TaskBufs {
     vt: Vec<f32>,
     /// Scores, then weights (`rows · heads · TILE`).
     s: Vec<f32>,
-    /// Accumulators (`rows · heads · v_dim`).
+    /// Accumulators of the merged chunks (`rows · heads · v_dim`).
     acc: Vec<f32>,
+    /// Accumulators of the current chunk.
+    cacc: Vec<f32>,
+    /// Running maximum and sum of the current chunk per (row, head).
+    cm: Vec<f32>,
+    cl: Vec<f32>,
     /// `q·m` per (row, head): the key offset's part of every score.
     qm: Vec<f32>,
     /// Running maximum and sum per (row, head).
@@ -390,8 +466,9 @@ impl Ctx<'_> {
         }
     }
 
-    /// Computes rows `rows` × query heads `heads` (all sharing K/V head `kvh`) into `o`
-    /// (row-major over `rows`, each row `heads.len() · hd_v` values, heads contiguous).
+    /// Computes the softmax state of rows `rows` × query heads `heads` (all sharing K/V head
+    /// `kvh`) over the key chunks `chunks`, merged in chunk order into `b.m`, `b.l`, `b.acc`
+    /// (unnormalized; index `row · heads + head`).
     #[allow(
         clippy::too_many_lines,
         reason = "one flash-attention loop, kept in one piece to read in order"
@@ -401,12 +478,12 @@ impl Ctx<'_> {
         rows: std::ops::Range<usize>,
         kvh: usize,
         heads: std::ops::Range<usize>,
-        o: &mut [f32],
+        chunks: std::ops::Range<usize>,
         b: &mut TaskBufs,
     ) {
         let (nr, nh) = (rows.len(), heads.len());
         let nq = nr * nh;
-        let (k_dim, v_dim, hd_k, hd_v) = (self.k_dim, self.v_dim, self.hd_k, self.hd_v);
+        let (k_dim, v_dim, hd_k) = (self.k_dim, self.v_dim, self.hd_k);
         let kv_len = self.p.kv_pos.len();
 
         // Queries, prepared once for the key format.
@@ -458,136 +535,164 @@ impl Ctx<'_> {
         fit(&mut b.l, nq);
         b.m[..nq].fill(f32::NEG_INFINITY);
         b.l[..nq].fill(0.0);
+        fit(&mut b.cacc, nq * v_dim);
+        fit(&mut b.cm, nq);
+        fit(&mut b.cl, nq);
         fit(&mut b.s, nq * TILE);
         fit(&mut b.kt, TILE * k_dim);
         fit(&mut b.vt, TILE * v_dim);
         fit(&mut b.vis, nr * TILE);
 
-        let mut j0 = 0;
-        while j0 < kv_len {
-            let n = TILE.min(kv_len - j0);
-            // Visibility of each cell to each row; skip the tile if no row sees any cell.
-            let mut any = false;
-            for (ri, r) in rows.clone().enumerate() {
-                let qp = self.p.q_pos[r];
-                for jj in 0..n {
-                    let v = visible(self.p.mask, qp, self.p.kv_pos[j0 + jj]);
-                    b.vis[ri * TILE + jj] = v;
-                    any |= v;
-                }
-            }
-            if !any {
-                j0 += n;
+        for c in chunks {
+            let end = ((c + 1) * CHUNK).min(kv_len);
+            let mut j0 = c * CHUNK;
+            if j0 >= end {
                 continue;
             }
-            // Decode the tile's keys when their format is read in f32.
-            if matches!(self.key, KeyDot::Decoded) {
+            b.cacc[..nq * v_dim].fill(0.0);
+            b.cm[..nq].fill(f32::NEG_INFINITY);
+            b.cl[..nq].fill(0.0);
+            while j0 < end {
+                let n = TILE.min(end - j0);
+                // Visibility of each cell to each row; skip the tile if no row sees any cell.
+                let mut any = false;
+                for (ri, r) in rows.clone().enumerate() {
+                    let qp = self.p.q_pos[r];
+                    for jj in 0..n {
+                        let v = visible(self.p.mask, qp, self.p.kv_pos[j0 + jj]);
+                        b.vis[ri * TILE + jj] = v;
+                        any |= v;
+                    }
+                }
+                if !any {
+                    j0 += n;
+                    continue;
+                }
+                // Decode the tile's keys when their format is read in f32.
+                if matches!(self.key, KeyDot::Decoded) {
+                    for jj in 0..n {
+                        if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
+                            self.decode(
+                                self.k.ty(),
+                                self.k.head(j0 + jj, kvh),
+                                &mut b.kt[jj * k_dim..(jj + 1) * k_dim],
+                            );
+                        }
+                    }
+                }
+                // Scores.
                 for jj in 0..n {
-                    if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
-                        self.decode(
-                            self.k.ty(),
-                            self.k.head(j0 + jj, kvh),
-                            &mut b.kt[jj * k_dim..(jj + 1) * k_dim],
-                        );
-                    }
-                }
-            }
-            // Scores.
-            for jj in 0..n {
-                let kb = self.k.head(j0 + jj, kvh);
-                let kf: &[f32] = match self.key {
-                    KeyDot::F32 => bytemuck::cast_slice(kb),
-                    KeyDot::Decoded => &b.kt[jj * k_dim..(jj + 1) * k_dim],
-                    KeyDot::Quant { .. } => &[],
-                };
-                for ri in 0..nr {
-                    let seen = b.vis[ri * TILE + jj];
-                    for hi in 0..nh {
-                        let i = ri * nh + hi;
-                        b.s[i * TILE + jj] = if seen {
-                            let d = match self.key {
-                                KeyDot::Quant { f, .. } => {
-                                    f(self.kernels, kb, &b.qb[i * qbytes..(i + 1) * qbytes])
+                    let kb = self.k.head(j0 + jj, kvh);
+                    let kf: &[f32] = match self.key {
+                        KeyDot::F32 => bytemuck::cast_slice(kb),
+                        KeyDot::Decoded => &b.kt[jj * k_dim..(jj + 1) * k_dim],
+                        KeyDot::Quant { .. } => &[],
+                    };
+                    for ri in 0..nr {
+                        let seen = b.vis[ri * TILE + jj];
+                        for hi in 0..nh {
+                            let i = ri * nh + hi;
+                            b.s[i * TILE + jj] = if seen {
+                                let d = match self.key {
+                                    KeyDot::Quant { f, .. } => {
+                                        f(self.kernels, kb, &b.qb[i * qbytes..(i + 1) * qbytes])
+                                    }
+                                    _ => (self.attn.dot_f32)(&b.qf[i * k_dim..(i + 1) * k_dim], kf),
+                                };
+                                let mut x = (d + b.qm[i]) * self.p.scale;
+                                if let Some(c) = self.p.softcap {
+                                    x = c * (x / c).tanh();
                                 }
-                                _ => (self.attn.dot_f32)(&b.qf[i * k_dim..(i + 1) * k_dim], kf),
+                                x
+                            } else {
+                                f32::NEG_INFINITY
                             };
-                            let mut x = (d + b.qm[i]) * self.p.scale;
-                            if let Some(c) = self.p.softcap {
-                                x = c * (x / c).tanh();
-                            }
-                            x
-                        } else {
-                            f32::NEG_INFINITY
-                        };
+                        }
                     }
                 }
-            }
-            // Online softmax: new maxima, rescaled accumulators, weights.
-            for i in 0..nq {
-                let s = &mut b.s[i * TILE..i * TILE + n];
-                let tmax = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                if tmax == f32::NEG_INFINITY {
-                    s.fill(0.0);
-                    continue;
-                }
-                let m_old = b.m[i];
-                let m_new = m_old.max(tmax);
-                if m_new > m_old {
-                    let corr = if m_old == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        (m_old - m_new).exp()
-                    };
-                    b.l[i] *= corr;
-                    for a in &mut b.acc[i * v_dim..(i + 1) * v_dim] {
-                        *a *= corr;
-                    }
-                    b.m[i] = m_new;
-                }
-                let mut l = b.l[i];
-                for x in s.iter_mut() {
-                    *x = if *x == f32::NEG_INFINITY {
-                        0.0
-                    } else {
-                        (*x - m_new).exp()
-                    };
-                    l += *x;
-                }
-                b.l[i] = l;
-            }
-            // Values.
-            for jj in 0..n {
-                if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
-                    continue;
-                }
-                let vb = self.v.head(j0 + jj, kvh);
-                let vf: &[f32] = if self.v.ty() == QType::F32 {
-                    bytemuck::cast_slice(vb)
-                } else {
-                    let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
-                    self.decode(self.v.ty(), vb, d);
-                    d
-                };
+                // Online softmax: new maxima, rescaled accumulators, weights.
                 for i in 0..nq {
-                    let w = b.s[i * TILE + jj];
-                    if w != 0.0 {
-                        (self.attn.axpy)(&mut b.acc[i * v_dim..(i + 1) * v_dim], w, vf);
+                    let s = &mut b.s[i * TILE..i * TILE + n];
+                    let tmax = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    if tmax == f32::NEG_INFINITY {
+                        s.fill(0.0);
+                        continue;
+                    }
+                    let m_old = b.cm[i];
+                    let m_new = m_old.max(tmax);
+                    if m_new > m_old {
+                        let corr = if m_old == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (m_old - m_new).exp()
+                        };
+                        b.cl[i] *= corr;
+                        for a in &mut b.cacc[i * v_dim..(i + 1) * v_dim] {
+                            *a *= corr;
+                        }
+                        b.cm[i] = m_new;
+                    }
+                    let mut l = b.cl[i];
+                    for x in s.iter_mut() {
+                        *x = if *x == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (*x - m_new).exp()
+                        };
+                        l += *x;
+                    }
+                    b.cl[i] = l;
+                }
+                // Values.
+                for jj in 0..n {
+                    if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
+                        continue;
+                    }
+                    let vb = self.v.head(j0 + jj, kvh);
+                    let vf: &[f32] = if self.v.ty() == QType::F32 {
+                        bytemuck::cast_slice(vb)
+                    } else {
+                        let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
+                        self.decode(self.v.ty(), vb, d);
+                        d
+                    };
+                    for i in 0..nq {
+                        let w = b.s[i * TILE + jj];
+                        if w != 0.0 {
+                            (self.attn.axpy)(&mut b.cacc[i * v_dim..(i + 1) * v_dim], w, vf);
+                        }
                     }
                 }
+                j0 += n;
             }
-            j0 += n;
+            for i in 0..nq {
+                merge_state(
+                    (
+                        &mut b.m[i],
+                        &mut b.l[i],
+                        &mut b.acc[i * v_dim..(i + 1) * v_dim],
+                    ),
+                    (b.cm[i], b.cl[i], &b.cacc[i * v_dim..(i + 1) * v_dim]),
+                );
+            }
         }
+    }
 
+    /// Normalizes merged states (`l`, `acc`: `nq` queries of K/V head `kvh`) into `o` (`nq`
+    /// heads of `hd_v` values): divides by the sum, rotates a turbo / Hadamard V back, folds
+    /// the padding and adds the V offset.
+    fn finish(&self, kvh: usize, l: &[f32], acc: &mut [f32], o: &mut [f32]) {
+        let (v_dim, hd_v) = (self.v_dim, self.hd_v);
         let v_rot = self.v.rotation();
         let v_center = self.v.center(kvh);
-        for i in 0..nq {
+        for (i, &li) in l.iter().enumerate() {
             let dst = &mut o[i * hd_v..(i + 1) * hd_v];
-            if b.l[i] == 0.0 {
+            if li == 0.0 {
                 dst.fill(0.0);
                 continue;
             }
-            let inv = 1.0 / b.l[i];
-            let acc = &mut b.acc[i * v_dim..(i + 1) * v_dim];
+            let inv = 1.0 / li;
+            let acc = &mut acc[i * v_dim..(i + 1) * v_dim];
             for a in acc.iter_mut() {
                 *a *= inv;
             }
@@ -617,7 +722,7 @@ pub(crate) fn attention(
     p: &AttentionParams<'_>,
     out: &mut CpuTensor,
 ) {
-    let s = kv.layout.shape;
+    let s = &kv.layout.shape;
     let (hd_k, hd_v, n_kv_head, n_head) = (s.head_dim_k, s.head_dim_v, s.n_kv_head, p.n_head);
     let n_q = q.rows();
     let kv_len = p.kv_pos.len();
@@ -661,13 +766,94 @@ pub(crate) fn attention(
         v_dim: ly.v_dim,
     };
     let nth = be.n_threads();
-    // Tasks: row blocks × K/V heads × slices of the query heads of a group. Every task decodes
-    // the K/V tiles it reads: for block and turbo formats, where decoding costs about as much
-    // as a head's arithmetic, a group is split only as far as it takes to give each thread a
-    // task; float tiles are cheap to convert, so the split aims at four tasks per thread for
-    // balance. The split changes no result (see the module docs).
     let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
     let rows_per = n_q.div_ceil(n_rb).max(1);
+    let n_chunks = kv_len.div_ceil(CHUNK).max(1);
+    let row_w = n_head * hd_v;
+    let dst = Disjoint::new(out.as_mut_slice());
+    // Split-K (flash decoding): when the row blocks alone give each thread fewer than two
+    // tasks (decode, short verify batches) and the cache spans several chunks, every
+    // (row block, K/V head, chunk) is a task that leaves its chunk's softmax state in `parts`,
+    // and the states are merged in chunk order afterwards — the same merges, in the same order,
+    // that a task over all chunks does, so the split changes no bit.
+    if n_chunks > 1 && n_rb * n_kv_head < 2 * nth {
+        let nq_task = rows_per * group;
+        let stride = nq_task * (ly.v_dim + 2);
+        let n_tasks = n_rb * n_kv_head * n_chunks;
+        let mut parts = vec![0.0f32; n_tasks * stride];
+        let pd = Disjoint::new(&mut parts);
+        let work = |t: usize| {
+            BUFS.with(|cell| {
+                let mut b = cell.borrow_mut();
+                for i in split(n_tasks, nth, t) {
+                    let rb = i / (n_kv_head * n_chunks);
+                    let kvh = (i / n_chunks) % n_kv_head;
+                    let c = i % n_chunks;
+                    let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
+                    if rows.is_empty() {
+                        continue;
+                    }
+                    let heads = kvh * group..(kvh + 1) * group;
+                    let nq = rows.len() * group;
+                    ctx.task(rows, kvh, heads, c..c + 1, &mut b);
+                    // SAFETY: task i writes only its own `stride` slot of `parts`, and each
+                    // task belongs to exactly one thread of the split.
+                    let slot = unsafe { pd.slice(i * stride..(i + 1) * stride) };
+                    let (ml, acc) = slot.split_at_mut(2 * nq_task);
+                    ml[..nq].copy_from_slice(&b.m[..nq]);
+                    ml[nq_task..nq_task + nq].copy_from_slice(&b.l[..nq]);
+                    acc[..nq * ly.v_dim].copy_from_slice(&b.acc[..nq * ly.v_dim]);
+                }
+            });
+        };
+        if nth == 1 || n_tasks < 2 {
+            for t in 0..nth {
+                work(t);
+            }
+        } else {
+            be.pool().run(&work);
+        }
+        // Merge in chunk order and normalize (small: rows × heads × chunks × v_dim).
+        let v_dim = ly.v_dim;
+        let mut m = vec![f32::NEG_INFINITY; nq_task];
+        let mut l = vec![0.0f32; nq_task];
+        let mut acc = vec![0.0f32; nq_task * v_dim];
+        let mut tmp = vec![0.0f32; nq_task * hd_v];
+        for rb in 0..n_rb {
+            let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
+            let nq = rows.len() * group;
+            for kvh in 0..n_kv_head {
+                m[..nq].fill(f32::NEG_INFINITY);
+                l[..nq].fill(0.0);
+                acc[..nq * v_dim].fill(0.0);
+                for c in 0..n_chunks {
+                    let i = (rb * n_kv_head + kvh) * n_chunks + c;
+                    let slot = &parts[i * stride..(i + 1) * stride];
+                    let (ml, cacc) = slot.split_at(2 * nq_task);
+                    for q in 0..nq {
+                        merge_state(
+                            (&mut m[q], &mut l[q], &mut acc[q * v_dim..(q + 1) * v_dim]),
+                            (ml[q], ml[nq_task + q], &cacc[q * v_dim..(q + 1) * v_dim]),
+                        );
+                    }
+                }
+                ctx.finish(kvh, &l[..nq], &mut acc[..nq * v_dim], &mut tmp[..nq * hd_v]);
+                let w = group * hd_v;
+                for (ri, r) in rows.clone().enumerate() {
+                    let start = r * row_w + kvh * w;
+                    // SAFETY: the pool has finished; this is the only writer.
+                    let o = unsafe { dst.slice(start..start + w) };
+                    o.copy_from_slice(&tmp[ri * w..(ri + 1) * w]);
+                }
+            }
+        }
+        return;
+    }
+    // Tasks: row blocks × K/V heads × slices of the query heads of a group, each over every
+    // chunk. Every task decodes the K/V tiles it reads: for block and turbo formats, where
+    // decoding costs about as much as a head's arithmetic, a group is split only as far as it
+    // takes to give each thread a task; float tiles are cheap to convert, so the split aims
+    // at four tasks per thread for balance. The split changes no result (see the module docs).
     let float = |t: QType| matches!(t, QType::F32 | QType::F16 | QType::BF16);
     let per_thread = if float(ly.types.k) && float(ly.types.v) {
         4
@@ -680,8 +866,6 @@ pub(crate) fn attention(
     let heads_per = group.div_ceil(n_sub);
     let n_sub = group.div_ceil(heads_per);
     let n_tasks = n_rb * n_kv_head * n_sub;
-    let dst = Disjoint::new(out.as_mut_slice());
-    let row_w = n_head * hd_v;
 
     let work = |t: usize| {
         BUFS.with(|cell| {
@@ -698,9 +882,12 @@ pub(crate) fn attention(
                     continue;
                 }
                 let w = heads.len() * hd_v;
+                let nq = rows.len() * heads.len();
                 tmp.clear();
                 tmp.resize(rows.len() * w, 0.0);
-                ctx.task(rows.clone(), kvh, heads.clone(), &mut tmp, &mut bufs);
+                ctx.task(rows.clone(), kvh, heads.clone(), 0..n_chunks, &mut bufs);
+                let b = &mut *bufs;
+                ctx.finish(kvh, &b.l[..nq], &mut b.acc[..nq * ly.v_dim], &mut tmp);
                 for (ri, r) in rows.enumerate() {
                     let start = r * row_w + heads.start * hd_v;
                     // SAFETY: task i writes only row r's heads `heads` for its rows; tasks
