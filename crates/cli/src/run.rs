@@ -370,7 +370,7 @@ pub fn run(args: &Args) -> Result<String> {
 
 /// The `--spec-type` a draft GGUF asks for, from its `general.architecture` (llama.cpp's
 /// auto-detection: `dflash` → DFlash, `eagle3` → EAGLE-3, anything else a draft model).
-fn detect_spec_type(path: &std::path::Path) -> Result<SpecType> {
+pub(crate) fn detect_spec_type(path: &std::path::Path) -> Result<SpecType> {
     let file = specula_gguf::Gguf::open(path)
         .with_context(|| format!("cannot load the draft {}", path.display()))?;
     Ok(match file.header().architecture() {

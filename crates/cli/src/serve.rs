@@ -179,7 +179,7 @@ pub fn run(args: &Args) -> Result<String> {
 fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Option<Speculative>> {
     let kind = match (args.spec_type, &args.model_draft) {
         (Some(t), _) => t,
-        (None, Some(_)) => SpecType::DraftSimple,
+        (None, Some(md)) => crate::run::detect_spec_type(&load::model_path(Some(md))?)?,
         (None, None) => return Ok(None),
     };
     if kind == SpecType::None {
@@ -225,7 +225,9 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
         SpecType::NgramSimple => Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
         SpecType::NgramCache => Box::new(|| Ok(Box::new(NgramCache::default()) as _)),
         SpecType::DraftEagle3 | SpecType::DraftDflash => bail!(
-            "--spec-type {name} is not available yet: EAGLE-3 and DFlash drafters come with the next release; use draft-simple or an n-gram type"
+            "--spec-type {name}: specula serve does not run feature drafters (DFlash, EAGLE-3) yet, \
+             its batched forward does not tap hidden states; use them with `specula run`, or serve \
+             with a draft model (draft-simple) or an n-gram type"
         ),
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;

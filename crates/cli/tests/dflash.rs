@@ -293,3 +293,18 @@ fn dflash_drafter_from_the_command_line() {
     // The target as a "DFlash drafter".
     bad(&["-md", &t, "--dflash"], "DFlash");
 }
+
+#[test]
+fn serve_names_feature_drafters_it_cannot_run_yet() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, d) = files(dir.path());
+    // Auto-detected from the draft's architecture, refused before the server listens.
+    let out = specula(&["serve", "-m", &t, "-md", &d, "--port", "0"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("draft-dflash") && err.contains("feature drafters"),
+        "{err}"
+    );
+    assert!(!err.contains("panicked"), "{err}");
+}

@@ -6,14 +6,19 @@
 //! token). [`Adaptive`] picks the `k ≤ n_max` with the most tokens per second — `0`, a plain
 //! decode step, when drafting does not pay — and keeps learning: `v(k)` from every round
 //! (measured sizes directly, the others from a line fitted through the measured ones),
-//! acceptance per position with an optimistic prior, and a short probe draft every
-//! [`PROBE_EVERY`] plain steps so that a drafter that starts to fit again is noticed.
+//! acceptance per position with a uniform prior, draft lengths that grow with what rounds
+//! have kept, and a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while
+//! probes keep nothing) so that a drafter that starts to fit again is noticed.
 
-/// Plain steps between two probe drafts while drafting does not pay.
+/// Plain steps between two probe drafts while drafting does not pay; the interval doubles
+/// with each drafted round in a row that kept nothing, up to `PROBE_EVERY << MAX_BACKOFF`.
 pub const PROBE_EVERY: usize = 16;
 
+/// Most doublings of the probe interval.
+pub const MAX_BACKOFF: u32 = 3;
+
 /// Length of a probe draft.
-pub const PROBE_LEN: usize = 2;
+pub const PROBE_LEN: usize = 1;
 
 /// Weight of a new measurement in the cost averages.
 const EMA: f64 = 0.2;
@@ -30,6 +35,11 @@ pub struct Adaptive {
     reached: Vec<f64>,
     kept: Vec<f64>,
     plain_streak: usize,
+    /// Drafted rounds in a row that kept nothing (capped at [`MAX_BACKOFF`]).
+    misses: u32,
+    /// The most draft tokens any round has kept: drafts grow to at most twice this plus
+    /// two, so that one lucky probe does not buy a full-length draft.
+    best_kept: usize,
 }
 
 impl Adaptive {
@@ -43,6 +53,8 @@ impl Adaptive {
             reached: vec![0.0; n_max],
             kept: vec![0.0; n_max],
             plain_streak: 0,
+            misses: 0,
+            best_kept: 0,
         }
     }
 
@@ -52,14 +64,14 @@ impl Adaptive {
         self.n_max
     }
 
-    /// Chance that position `j` is accepted when reached: measured, with an optimistic prior
-    /// of one accepted out of one (so that a drafter that keeps being right is soon trusted
-    /// with long drafts, and one that is wrong is dropped after a few rounds); a position
+    /// Chance that position `j` is accepted when reached: measured, with a uniform prior of
+    /// one accepted out of two (a drafter that keeps being right is soon trusted, one
+    /// lucky probe is not mistaken for a good drafter); a position
     /// never reached takes the estimate of the deepest one that was (acceptance changes slowly
     /// along a draft, and a probe only reaches the first positions).
     fn accept_at(&self, j: usize) -> f64 {
         let j = (0..=j).rev().find(|&i| self.reached[i] > 0.0).unwrap_or(j);
-        (self.kept[j] + 1.0) / (self.reached[j] + 1.0)
+        (self.kept[j] + 1.0) / (self.reached[j] + 2.0)
     }
 
     /// Expected committed tokens of a round that drafts `k`.
@@ -107,7 +119,7 @@ impl Adaptive {
     /// The draft length for the next round, at most `room` (what context and budget allow).
     #[must_use]
     pub fn next(&self, room: usize) -> usize {
-        let cap = self.n_max.min(room);
+        let cap = self.n_max.min(room).min(2 * self.best_kept + 2);
         if cap == 0 {
             return 0;
         }
@@ -131,7 +143,7 @@ impl Adaptive {
         let best = (0..=cap)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
             .unwrap_or(0);
-        if best == 0 && self.plain_streak >= PROBE_EVERY {
+        if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
             return cap.min(PROBE_LEN);
         }
         best
@@ -163,6 +175,12 @@ impl Adaptive {
                 }
             }
             self.plain_streak = 0;
+            self.best_kept = self.best_kept.max(accepted);
+            self.misses = if accepted == 0 {
+                (self.misses + 1).min(MAX_BACKOFF)
+            } else {
+                0
+            };
         } else {
             self.plain_streak += 1;
         }
@@ -201,10 +219,25 @@ mod tests {
         }
         p.record(0, 0, 0.010, 0.0, 0);
         assert_eq!(p.next(100), 0);
+        // Every drafted round kept nothing: the probe interval has backed off to its longest.
+        for _ in 1..=PROBE_EVERY {
+            p.record(0, 0, 0.010, 0.0, 0);
+        }
+        assert_eq!(
+            p.next(100),
+            0,
+            "no probe after only {PROBE_EVERY} plain steps"
+        );
+        for _ in PROBE_EVERY + 1..PROBE_EVERY << MAX_BACKOFF {
+            p.record(0, 0, 0.010, 0.0, 0);
+        }
+        assert_eq!(p.next(100), PROBE_LEN);
+        // A probe that keeps its token shortens the interval again.
+        p.record(1, 1, 0.011, 0.002, 1);
         for _ in 0..PROBE_EVERY {
             p.record(0, 0, 0.010, 0.0, 0);
         }
-        assert_eq!(p.next(100), 2);
+        assert_eq!(p.next(100), PROBE_LEN);
     }
 
     #[test]
