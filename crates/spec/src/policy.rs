@@ -11,13 +11,8 @@
 //! probes keep nothing) so that a drafter that starts to fit again is noticed.
 
 /// Plain steps between two probe drafts while drafting does not pay; the interval doubles
-/// with each probe in a row after which drafting still did not pay, up to
-/// `PROBE_EVERY << MAX_BACKOFF`.
+/// with each drafted round in a row that kept nothing, up to `PROBE_EVERY << MAX_BACKOFF`.
 pub const PROBE_EVERY: usize = 16;
-
-/// A draft must promise this many times the tokens per second of a plain step: near
-/// break-even, measurement noise and the cost line's extrapolation would decide.
-pub const MIN_GAIN: f64 = 1.05;
 
 /// Most doublings of the probe interval.
 pub const MAX_BACKOFF: u32 = 3;
@@ -40,8 +35,7 @@ pub struct Adaptive {
     reached: Vec<f64>,
     kept: Vec<f64>,
     plain_streak: usize,
-    /// Probes in a row that the measurements did not call for (capped at [`MAX_BACKOFF`]):
-    /// each costs a verify row and, for a draft model, catching up on the plain steps.
+    /// Drafted rounds in a row that kept nothing (capped at [`MAX_BACKOFF`]).
     misses: u32,
     /// The most draft tokens any round has kept: drafts grow to at most twice this plus
     /// two, so that one lucky probe does not buy a full-length draft.
@@ -123,9 +117,8 @@ impl Adaptive {
     }
 
     /// The draft length for the next round, at most `room` (what context and budget allow).
-    /// A probe the measurements did not call for doubles the interval to the next one; a
-    /// round the measurements call for resets it.
-    pub fn next(&mut self, room: usize) -> usize {
+    #[must_use]
+    pub fn next(&self, room: usize) -> usize {
         let cap = self.n_max.min(room).min(2 * self.best_kept + 2);
         if cap == 0 {
             return 0;
@@ -147,17 +140,10 @@ impl Adaptive {
             let cost = self.verify_cost(k).unwrap_or(v0) + steps * d;
             self.expected_tokens(k) / cost.max(1e-12)
         };
-        let mut best = (1..=cap)
+        let best = (0..=cap)
             .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
             .unwrap_or(0);
-        // Near break-even the estimates' errors decide: draft only for a clear gain.
-        if best > 0 && rate(best) < MIN_GAIN * rate(0) {
-            best = 0;
-        }
-        if best > 0 {
-            self.misses = 0;
-        } else if self.plain_streak >= PROBE_EVERY << self.misses {
-            self.misses = (self.misses + 1).min(MAX_BACKOFF);
+        if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
             return cap.min(PROBE_LEN);
         }
         best
@@ -190,6 +176,11 @@ impl Adaptive {
             }
             self.plain_streak = 0;
             self.best_kept = self.best_kept.max(accepted);
+            self.misses = if accepted == 0 {
+                (self.misses + 1).min(MAX_BACKOFF)
+            } else {
+                0
+            };
         } else {
             self.plain_streak += 1;
         }
@@ -228,17 +219,8 @@ mod tests {
         }
         p.record(0, 0, 0.010, 0.0, 0);
         assert_eq!(p.next(100), 0);
-        for _ in 1..PROBE_EVERY {
-            p.record(0, 0, 0.010, 0.0, 0);
-        }
-        assert_eq!(
-            p.next(100),
-            PROBE_LEN,
-            "first probe after {PROBE_EVERY} plain steps"
-        );
-        p.record(1, 0, 0.011, 0.002, 1);
-        // Drafting still does not pay: the next probe waits twice as long.
-        for _ in 0..PROBE_EVERY {
+        // Every drafted round kept nothing: the probe interval has backed off to its longest.
+        for _ in 1..=PROBE_EVERY {
             p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(
@@ -246,18 +228,12 @@ mod tests {
             0,
             "no probe after only {PROBE_EVERY} plain steps"
         );
-        for _ in PROBE_EVERY..2 * PROBE_EVERY {
+        for _ in PROBE_EVERY + 1..PROBE_EVERY << MAX_BACKOFF {
             p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(p.next(100), PROBE_LEN);
-        // A drafter that turns good is drafted for, and the interval is short again.
-        for _ in 0..20 {
-            p.record(1, 1, 0.0105, 0.0, 1);
-        }
-        assert!(p.next(100) > 0);
-        for _ in 0..40 {
-            p.record(3, 0, 0.014, 0.002, 1);
-        }
+        // A probe that keeps its token shortens the interval again.
+        p.record(1, 1, 0.011, 0.002, 1);
         for _ in 0..PROBE_EVERY {
             p.record(0, 0, 0.010, 0.0, 0);
         }
