@@ -7,6 +7,7 @@
 //! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
 
 mod bench;
+mod draft_args;
 mod inspect;
 mod load;
 mod perplexity;
@@ -145,7 +146,7 @@ mod tests {
         assert_eq!(got, want.map(std::ffi::OsString::from));
         let cli = Cli::try_parse_from(got).unwrap();
         assert!(
-            matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.ctx_size_draft == 64)
+            matches!(cli.command, Command::Run(ref a) if a.model_draft.as_deref() == Some("d.gguf") && a.draft.ctx_size_draft == 64)
         );
     }
 
@@ -187,6 +188,6 @@ mod tests {
         assert_eq!(a.api_key.as_deref(), Some("k"));
         assert_eq!(a.timeout, 30);
         assert_eq!((a.host.as_str(), a.port), ("0.0.0.0", 9000));
-        assert_eq!(a.spec_n_max, 8);
+        assert_eq!(a.draft.spec_n_max, 8);
     }
 }

@@ -103,51 +103,9 @@ pub struct Args {
         value_parser = clap::value_parser!(u8).range(0..=1)
     )]
     pub dflash_defer_injection: u8,
-    /// Most draft tokens per round.
-    #[arg(
-        long = "spec-draft-n-max",
-        visible_alias = "draft-max",
-        default_value_t = 16
-    )]
-    pub spec_n_max: usize,
-    /// Drafts shorter than this are not verified.
-    #[arg(
-        long = "spec-draft-n-min",
-        visible_alias = "draft-min",
-        default_value_t = 0
-    )]
-    pub spec_n_min: usize,
-    /// A draft model stops where its top-1 probability falls below this.
-    #[arg(
-        long = "spec-draft-p-min",
-        visible_alias = "draft-p-min",
-        default_value_t = 0.75
-    )]
-    pub spec_p_min: f32,
-    /// Always ask for `--spec-draft-n-max` tokens instead of choosing each round's draft
-    /// length from measured acceptance and costs.
-    #[arg(long = "spec-fixed")]
-    pub spec_fixed: bool,
-    /// Context size of the draft model (0 = as -c).
-    #[arg(long = "ctx-size-draft", visible_alias = "cd", default_value_t = 0)]
-    pub ctx_size_draft: usize,
-    /// Threads of the draft model (0 = as -t).
-    #[arg(long = "threads-draft", visible_alias = "td", default_value_t = 0)]
-    pub threads_draft: usize,
-    /// K cache type of the draft model.
-    #[arg(
-        long = "cache-type-k-draft",
-        visible_alias = "ctkd",
-        default_value = "f16"
-    )]
-    pub cache_type_k_draft: String,
-    /// V cache type of the draft model.
-    #[arg(
-        long = "cache-type-v-draft",
-        visible_alias = "ctvd",
-        default_value = "f16"
-    )]
-    pub cache_type_v_draft: String,
+    /// The draft-model and draft-length flags shared with `specula serve`.
+    #[command(flatten)]
+    pub draft: crate::draft_args::DraftArgs,
 }
 
 /// `--spec-type` (llama.cpp's names).
@@ -297,9 +255,9 @@ pub fn run(args: &Args) -> Result<String> {
     let (kind, mut drafter, n_max) = drafter(args, &engine)?;
     let spec = SpecOptions {
         n_max,
-        n_min: args.spec_n_min,
-        p_min: args.spec_p_min,
-        adaptive: !args.spec_fixed,
+        n_min: args.draft.spec_n_min,
+        p_min: args.draft.spec_p_min,
+        adaptive: !args.draft.spec_fixed,
     };
 
     let stream = !args.json;
@@ -390,13 +348,13 @@ fn drafter(
     args: &Args,
     target: &specula_engine::Engine<specula_cpu::CpuBackend>,
 ) -> Result<Chosen> {
-    if args.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
+    if args.draft.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
         bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
     }
-    if !(0.0..=1.0).contains(&args.spec_p_min) {
+    if !(0.0..=1.0).contains(&args.draft.spec_p_min) {
         bail!(
             "--spec-draft-p-min must be in [0, 1], got {}",
-            args.spec_p_min
+            args.draft.spec_p_min
         );
     }
     let flag = if args.dflash {
@@ -436,22 +394,18 @@ fn drafter(
     let name = kind
         .to_possible_value()
         .map_or_else(String::new, |v| v.get_name().to_owned());
-    let threads = if args.threads_draft == 0 {
-        args.threads
-    } else {
-        args.threads_draft
-    };
+    let threads = args.draft.threads(args.threads);
     let threads = if threads == 0 {
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
     } else {
         threads
     };
-    let draft_ctx = if args.ctx_size_draft == 0 {
+    let draft_ctx = if args.draft.ctx_size_draft == 0 {
         args.ctx_size
     } else {
-        args.ctx_size_draft
+        args.draft.ctx_size_draft
     };
-    let mut n_max = args.spec_n_max;
+    let mut n_max = args.draft.spec_n_max;
     let drafter: Option<Box<dyn Drafter>> = match kind {
         SpecType::None => None,
         SpecType::NgramSimple => Some(Box::new(NgramSimple::default())),
@@ -467,8 +421,8 @@ fn drafter(
                 file,
                 target,
                 draft_ctx.max(args.ctx_size),
-                load::cache_type(&args.cache_type_k_draft)?,
-                load::cache_type(&args.cache_type_v_draft)?,
+                load::cache_type(&args.draft.cache_type_k_draft)?,
+                load::cache_type(&args.draft.cache_type_v_draft)?,
             )
             .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
             Some(Box::new(d))
@@ -489,8 +443,8 @@ fn drafter(
                 file,
                 target,
                 draft_ctx.max(args.ctx_size),
-                load::cache_type(&args.cache_type_k_draft)?,
-                load::cache_type(&args.cache_type_v_draft)?,
+                load::cache_type(&args.draft.cache_type_k_draft)?,
+                load::cache_type(&args.draft.cache_type_v_draft)?,
                 policy,
             )
             .with_context(|| format!("cannot use {} as a DFlash drafter", path.display()))?;
@@ -513,8 +467,8 @@ fn drafter(
                 draft,
                 &target.tokenizer,
                 draft_ctx,
-                load::cache_type(&args.cache_type_k_draft)?,
-                load::cache_type(&args.cache_type_v_draft)?,
+                load::cache_type(&args.draft.cache_type_k_draft)?,
+                load::cache_type(&args.draft.cache_type_v_draft)?,
             )
             .with_context(|| {
                 format!(

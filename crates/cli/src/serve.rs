@@ -68,50 +68,10 @@ pub struct Args {
     /// Speculative method; default: `draft-simple` with `-md`, else none.
     #[arg(long = "spec-type", value_enum)]
     pub spec_type: Option<SpecType>,
-    /// Most draft tokens per round (a request may lower it: `speculative.n_max`).
-    #[arg(
-        long = "spec-draft-n-max",
-        visible_alias = "draft-max",
-        default_value_t = 16
-    )]
-    pub spec_n_max: usize,
-    /// Drafts shorter than this are not verified.
-    #[arg(
-        long = "spec-draft-n-min",
-        visible_alias = "draft-min",
-        default_value_t = 0
-    )]
-    pub spec_n_min: usize,
-    /// A draft model stops where its top-1 probability falls below this.
-    #[arg(
-        long = "spec-draft-p-min",
-        visible_alias = "draft-p-min",
-        default_value_t = 0.75
-    )]
-    pub spec_p_min: f32,
-    /// Always ask for `--spec-draft-n-max` tokens instead of choosing each round's length.
-    #[arg(long = "spec-fixed")]
-    pub spec_fixed: bool,
-    /// Context size of each slot's draft cache (0 = a slot's context).
-    #[arg(long = "ctx-size-draft", visible_alias = "cd", default_value_t = 0)]
-    pub ctx_size_draft: usize,
-    /// Threads of the draft model (0 = as -t).
-    #[arg(long = "threads-draft", visible_alias = "td", default_value_t = 0)]
-    pub threads_draft: usize,
-    /// K cache type of the draft model.
-    #[arg(
-        long = "cache-type-k-draft",
-        visible_alias = "ctkd",
-        default_value = "f16"
-    )]
-    pub cache_type_k_draft: String,
-    /// V cache type of the draft model.
-    #[arg(
-        long = "cache-type-v-draft",
-        visible_alias = "ctvd",
-        default_value = "f16"
-    )]
-    pub cache_type_v_draft: String,
+    /// The draft-model and draft-length flags shared with `specula run` (a request may lower
+    /// `--spec-draft-n-max`: `speculative.n_max`; `-cd` 0 is a slot's context).
+    #[command(flatten)]
+    pub draft: crate::draft_args::DraftArgs,
 }
 
 /// Runs the server until SIGTERM / Ctrl-C.
@@ -188,15 +148,7 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
         }
         return Ok(None);
     }
-    if args.spec_n_max == 0 {
-        bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
-    }
-    if !(0.0..=1.0).contains(&args.spec_p_min) {
-        bail!(
-            "--spec-draft-p-min must be in [0, 1], got {}",
-            args.spec_p_min
-        );
-    }
+    args.draft.check()?;
     let name = kind
         .to_possible_value()
         .map_or_else(String::new, |v| v.get_name().to_owned());
@@ -215,10 +167,10 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
         );
     }
     let options = SpecOptions {
-        n_max: args.spec_n_max,
-        n_min: args.spec_n_min,
-        p_min: args.spec_p_min,
-        adaptive: !args.spec_fixed,
+        n_max: args.draft.spec_n_max,
+        n_min: args.draft.spec_n_min,
+        p_min: args.draft.spec_p_min,
+        adaptive: !args.draft.spec_fixed,
     };
     let factory: specula_server::DrafterFactory = match kind {
         SpecType::None => return Ok(None),
@@ -231,25 +183,21 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
         ),
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
-            let threads = if args.threads_draft == 0 {
-                args.threads
-            } else {
-                args.threads_draft
-            };
+            let threads = args.draft.threads(args.threads);
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
             specula_engine::check_vocab(target, &draft.tokenizer)
                 .with_context(|| format!("cannot use {} as the draft model", path.display()))?;
             let draft = Arc::new(draft);
             let target_file = target_tokenizer_copy(args)?;
-            let n_ctx = if args.ctx_size_draft == 0 {
+            let n_ctx = if args.draft.ctx_size_draft == 0 {
                 n_ctx_slot
             } else {
-                args.ctx_size_draft
+                args.draft.ctx_size_draft
             };
             let (k, v) = (
-                load::cache_type(&args.cache_type_k_draft)?,
-                load::cache_type(&args.cache_type_v_draft)?,
+                load::cache_type(&args.draft.cache_type_k_draft)?,
+                load::cache_type(&args.draft.cache_type_v_draft)?,
             );
             Box::new(move || {
                 DraftModel::shared(Arc::clone(&draft), &target_file, n_ctx, k, v)

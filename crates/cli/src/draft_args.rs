@@ -1,0 +1,83 @@
+//! The speculative-decoding flags `specula run` and `specula serve` share (llama.cpp's names):
+//! draft length per round and the draft model's own context, threads and cache types.
+
+use anyhow::{Result, bail};
+
+/// Draft length and draft-model flags.
+#[derive(Debug, Clone, clap::Args)]
+pub struct DraftArgs {
+    /// Most draft tokens per round.
+    #[arg(
+        long = "spec-draft-n-max",
+        visible_alias = "draft-max",
+        default_value_t = 16
+    )]
+    pub spec_n_max: usize,
+    /// Drafts shorter than this are not verified.
+    #[arg(
+        long = "spec-draft-n-min",
+        visible_alias = "draft-min",
+        default_value_t = 0
+    )]
+    pub spec_n_min: usize,
+    /// A draft model stops where its top-1 probability falls below this.
+    #[arg(
+        long = "spec-draft-p-min",
+        visible_alias = "draft-p-min",
+        default_value_t = 0.75
+    )]
+    pub spec_p_min: f32,
+    /// Always ask for `--spec-draft-n-max` tokens instead of choosing each round's draft
+    /// length from measured acceptance and costs.
+    #[arg(long = "spec-fixed")]
+    pub spec_fixed: bool,
+    /// Context size of the draft model (0 = the target's context).
+    #[arg(long = "ctx-size-draft", visible_alias = "cd", default_value_t = 0)]
+    pub ctx_size_draft: usize,
+    /// Threads of the draft model (0 = as -t).
+    #[arg(long = "threads-draft", visible_alias = "td", default_value_t = 0)]
+    pub threads_draft: usize,
+    /// K cache type of the draft model.
+    #[arg(
+        long = "cache-type-k-draft",
+        visible_alias = "ctkd",
+        default_value = "f16"
+    )]
+    pub cache_type_k_draft: String,
+    /// V cache type of the draft model.
+    #[arg(
+        long = "cache-type-v-draft",
+        visible_alias = "ctvd",
+        default_value = "f16"
+    )]
+    pub cache_type_v_draft: String,
+}
+
+impl DraftArgs {
+    /// Checks the draft-length flags for a speculative run.
+    ///
+    /// # Errors
+    /// `--spec-draft-n-max 0` or a `--spec-draft-p-min` outside `[0, 1]`.
+    pub fn check(&self) -> Result<()> {
+        if self.spec_n_max == 0 {
+            bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
+        }
+        if !(0.0..=1.0).contains(&self.spec_p_min) {
+            bail!(
+                "--spec-draft-p-min must be in [0, 1], got {}",
+                self.spec_p_min
+            );
+        }
+        Ok(())
+    }
+
+    /// Threads of the draft model: `-td`, or the target's `threads` when 0.
+    #[must_use]
+    pub fn threads(&self, target_threads: usize) -> usize {
+        if self.threads_draft == 0 {
+            target_threads
+        } else {
+            self.threads_draft
+        }
+    }
+}
