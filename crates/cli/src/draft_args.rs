@@ -31,6 +31,12 @@ pub struct DraftArgs {
     /// length from measured acceptance and costs.
     #[arg(long = "spec-fixed")]
     pub spec_fixed: bool,
+    /// The draft model drafts only among this many of the most frequent tokens (plus the
+    /// control and end-of-generation ones): its output head shrinks to those rows, which makes
+    /// each draft step cheaper; 0 = the whole vocabulary. Default: 32768 for vocabularies
+    /// over 65536 tokens (Qwen2.5's head is 37 % of its 0.5B model's decode step), else all.
+    #[arg(long = "spec-draft-vocab")]
+    pub spec_draft_vocab: Option<usize>,
     /// Context size of the draft model (0 = the target's context).
     #[arg(long = "ctx-size-draft", visible_alias = "cd", default_value_t = 0)]
     pub ctx_size_draft: usize,
@@ -80,4 +86,35 @@ impl DraftArgs {
             self.threads_draft
         }
     }
+}
+
+/// `--spec-draft-vocab` by default: the size of EAGLE-3's and FR-Spec's draft vocabularies…
+const AUTO_DRAFT_VOCAB: usize = 32_768;
+/// …for vocabularies larger than this.
+const AUTO_DRAFT_VOCAB_OVER: usize = 65_536;
+
+/// Applies `--spec-draft-vocab` to a loaded draft model; returns the message to log when it
+/// cut the head.
+///
+/// # Errors
+/// Errors cutting the head.
+pub fn restrict_draft_vocab(
+    draft: &mut specula_engine::Engine<specula_cpu::CpuBackend>,
+    args: &DraftArgs,
+) -> Result<Option<String>> {
+    let n_vocab = draft.model.hparams().n_vocab;
+    let n = args
+        .spec_draft_vocab
+        .unwrap_or(if n_vocab > AUTO_DRAFT_VOCAB_OVER {
+            AUTO_DRAFT_VOCAB
+        } else {
+            0
+        });
+    if n == 0 || n >= n_vocab {
+        return Ok(None);
+    }
+    let kept = draft.restrict_draft_vocab(n)?;
+    Ok(Some(format!(
+        "the draft model drafts among {kept} of its {n_vocab} tokens (--spec-draft-vocab {n})"
+    )))
 }

@@ -462,6 +462,9 @@ fn drafter(
             let path = load::model_path(args.model_draft.as_deref())?;
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
+            if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {
+                eprintln!("{msg}");
+            }
             let arch = draft.model.hparams().arch;
             let d = DraftModel::new(
                 draft,

@@ -186,6 +186,9 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
             let threads = args.draft.threads(args.threads);
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
+            if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {
+                tracing::info!("{msg}");
+            }
             specula_engine::check_vocab(target, &draft.tokenizer)
                 .with_context(|| format!("cannot use {} as the draft model", path.display()))?;
             let draft = Arc::new(draft);

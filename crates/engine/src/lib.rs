@@ -75,7 +75,7 @@ pub enum EngineError {
 
 pub use dflash::{DflashDrafter, Injection};
 pub use eagle3::Eagle3Drafter;
-pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab};
+pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab, frequent_tokens};
 
 /// Result alias.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;

@@ -14,7 +14,7 @@ use specula_spec::policy::Adaptive;
 use specula_spec::verify::sample_and_match;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError, SpecStats};
 use specula_tensor::Backend;
-use specula_tokenizer::{DecodeOptions, Tokenizer};
+use specula_tokenizer::{DecodeOptions, TokenAttr, Tokenizer, VocabKind};
 
 use crate::{Engine, EngineError, GenerateOptions, Generation, Result, Session, ms, top_k_logits};
 
@@ -422,6 +422,40 @@ impl<B: Backend> DraftModel<B> {
     }
 }
 
+/// The `n` most frequent ordinary tokens of `tok` by the vocabulary's own ranking (BPE ids
+/// are merge ranks, learned most frequent first; SentencePiece scores are log frequencies),
+/// plus every control, user-defined and end-of-generation token, in id order: the head rows a
+/// draft model keeps with `--spec-draft-vocab` ([`Engine::restrict_draft_vocab`]).
+#[must_use]
+pub fn frequent_tokens(tok: &Tokenizer, n: usize) -> Vec<u32> {
+    let n_tokens = u32::try_from(tok.n_tokens()).unwrap_or(u32::MAX);
+    let special = TokenAttr::CONTROL | TokenAttr::USER_DEFINED;
+    let (mut keep, mut ordinary): (Vec<u32>, Vec<u32>) = (0..n_tokens)
+        .filter(|&t| !tok.token_attr(t).intersects(TokenAttr::UNUSED))
+        .partition(|&t| tok.token_attr(t).intersects(special) || tok.is_eog(t));
+    if tok.kind() == VocabKind::Spm {
+        // Stable: equal scores keep id order.
+        ordinary.sort_by(|&a, &b| tok.token_score(b).total_cmp(&tok.token_score(a)));
+    }
+    keep.extend(ordinary.into_iter().take(n));
+    keep.sort_unstable();
+    keep
+}
+
+impl<B: Backend> Engine<B> {
+    /// Cuts this (draft) model's output head to [`frequent_tokens`]`(n)`; returns how many
+    /// rows it kept. Drafting then never proposes a token outside them, which verification
+    /// handles like any rejected draft.
+    ///
+    /// # Errors
+    /// Errors of [`specula_models::Model::restrict_head`].
+    pub fn restrict_draft_vocab(&mut self, n: usize) -> Result<usize> {
+        let ids = frequent_tokens(&self.tokenizer, n);
+        self.model.restrict_head(&self.backend, &ids)?;
+        Ok(ids.len())
+    }
+}
+
 /// The argmax (lowest id among equals) and its softmax probability.
 pub(crate) fn top1(logits: &[f32]) -> (u32, f32) {
     let (mut best, mut max) = (0usize, f32::NEG_INFINITY);
@@ -467,7 +501,12 @@ impl<B: Backend> Drafter for DraftModel<B> {
         self.sync(p.history)?;
         let mut out = Vec::with_capacity(p.n_max);
         loop {
-            let (tok, prob) = top1(&self.logits);
+            let (at, prob) = top1(&self.logits);
+            let tok = self
+                .engine
+                .model
+                .head_ids()
+                .map_or(at, |ids| ids[at as usize]);
             if prob < p.p_min {
                 break;
             }

@@ -372,3 +372,50 @@ fn a_draft_model_of_another_vocabulary_is_refused_by_name() {
     let err = DraftModel::new(other, &e.tokenizer, 64, QType::F16, QType::F16).unwrap_err();
     assert!(err.to_string().contains("EOS"), "{err}");
 }
+
+/// `--spec-draft-vocab`: a draft model whose head is cut to the most frequent tokens keeps the
+/// full head's logit for every kept token (the rows are copied, not requantized), drafts only
+/// kept tokens, and the output stays the plain output.
+#[test]
+fn a_draft_head_cut_to_frequent_tokens_keeps_their_logits_and_the_output() {
+    let full = engine(tiny(11, 0, false));
+    let mut cut = engine(tiny(11, 0, false));
+    let kept = cut.restrict_draft_vocab(100).unwrap();
+    let ids = specula_engine::frequent_tokens(&cut.tokenizer, 100);
+    // The end-of-generation token 0, then the 100 lowest ordinary ids (merge ranks).
+    assert_eq!(kept, 101);
+    assert_eq!(ids, (0..=100).collect::<Vec<u32>>());
+    assert_eq!(cut.model.head_ids(), Some(ids.as_slice()));
+
+    let mut sf = full.session(64, QType::F16, QType::F16).unwrap();
+    let mut sc = cut.session(64, QType::F16, QType::F16).unwrap();
+    let (mut lf, mut lc) = (Vec::new(), Vec::new());
+    full.prefill_into(&mut sf, PROMPT, PROMPT.len() - 1, &mut lf)
+        .unwrap();
+    cut.prefill_into(&mut sc, PROMPT, PROMPT.len() - 1, &mut lc)
+        .unwrap();
+    assert_eq!((lf.len(), lc.len()), (N_VOCAB, ids.len()));
+    for (i, &t) in ids.iter().enumerate() {
+        assert_eq!(lc[i].to_bits(), lf[t as usize].to_bits(), "token {t}");
+    }
+
+    // The target as its own draft, cut: lossless, and it cannot propose the tokens it lost.
+    let opts = greedy(60, false);
+    let want = plain(&full, PROMPT, &opts, 256);
+    let outside = want.iter().filter(|&&t| t > 100).count();
+    assert!(
+        outside > 0,
+        "the output never leaves the kept tokens: {want:?}"
+    );
+    let spec = SpecOptions {
+        n_max: 8,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    let mut d = DraftModel::new(cut, &full.tokenizer, 256, QType::F16, QType::F16).unwrap();
+    let got = speculative(&full, PROMPT, &opts, 256, &mut d, &spec);
+    assert_eq!(got.generated_ids, want);
+    let st = got.spec.unwrap();
+    assert!(st.accepted < st.drafted, "{st:?}");
+}

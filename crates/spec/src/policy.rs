@@ -17,11 +17,22 @@ pub const PROBE_EVERY: usize = 16;
 /// Most doublings of the probe interval.
 pub const MAX_BACKOFF: u32 = 3;
 
+/// Every this many drafted rounds, one drafts as long as allowed (twice the most tokens any
+/// round kept, plus two) instead of the length that looks best: the estimates of positions
+/// past the usual length, and of the cost of longer verifies, come from few rounds, and one
+/// unlucky round would otherwise keep a longer draft from being tried again.
+pub const EXPLORE_EVERY: usize = 8;
+
 /// Length of a probe draft.
 pub const PROBE_LEN: usize = 1;
 
-/// Weight of a new measurement in the cost averages.
-const EMA: f64 = 0.2;
+/// Weight of a new measurement in the cost averages when it is cheaper than the average…
+const EMA_DOWN: f64 = 0.5;
+/// …and when it is dearer. A busy machine only ever adds time, and one slow round (the first
+/// batch of a size allocating its buffers, another process taking the core) must not price a
+/// draft length out for good: such a length is not tried again, so its price would never be
+/// corrected. A lasting slowdown still moves the average within a few rounds.
+const EMA_UP: f64 = 0.1;
 
 /// The adaptive draft-length policy.
 #[derive(Clone, Debug)]
@@ -29,8 +40,9 @@ pub struct Adaptive {
     n_max: usize,
     /// `v(k)` averages (seconds), `None` until measured.
     verify: Vec<Option<f64>>,
-    /// Seconds per drafted token.
-    draft: Option<f64>,
+    /// Seconds spent drafting in a round that drafted `k` tokens (the drafter catching up
+    /// with the committed tokens included), `None` until measured.
+    draft: Vec<Option<f64>>,
     /// Rounds that reached / accepted each draft position.
     reached: Vec<f64>,
     kept: Vec<f64>,
@@ -40,6 +52,8 @@ pub struct Adaptive {
     /// The most draft tokens any round has kept: drafts grow to at most twice this plus
     /// two, so that one lucky probe does not buy a full-length draft.
     best_kept: usize,
+    /// Drafted rounds so far.
+    drafted_rounds: usize,
 }
 
 impl Adaptive {
@@ -49,12 +63,13 @@ impl Adaptive {
         Self {
             n_max,
             verify: vec![None; n_max + 1],
-            draft: None,
+            draft: vec![None; n_max + 1],
             reached: vec![0.0; n_max],
             kept: vec![0.0; n_max],
             plain_streak: 0,
             misses: 0,
             best_kept: 0,
+            drafted_rounds: 0,
         }
     }
 
@@ -86,34 +101,59 @@ impl Adaptive {
         e
     }
 
-    /// `v(k)`: measured, else from the line through the measured sizes (least squares), else
+    /// `v(k)`: measured; between two measured sizes, on the line joining them; past the
+    /// largest measured size, that size's cost. The last is optimistic on purpose: a
+    /// batch's cost grows more slowly per row the larger it is (weights are streamed once
+    /// per batch; on a CPU the curve bends from about a third of a step per row to a fifth),
+    /// so a line through short drafts overprices long ones and a policy that trusts it
+    /// never tries them; trying one measures it, and the price is corrected from then on.
     /// `None` when nothing was measured yet.
     #[must_use]
     pub fn verify_cost(&self, k: usize) -> Option<f64> {
-        if let Some(v) = self.verify.get(k).copied().flatten() {
-            return Some(v);
+        let below = lookup(&self.verify, k, Side::Below);
+        let above = lookup(&self.verify, k, Side::Above);
+        match (below, above) {
+            (Some((a, va)), Some((b, vb))) if b > a => {
+                Some(va + (vb - va) * to_f64(k - a) / to_f64(b - a))
+            }
+            (Some((_, v)), _) | (None, Some((_, v))) => Some(v),
+            (None, None) => None,
         }
-        let pts = || {
-            self.verify
-                .iter()
-                .enumerate()
-                .filter_map(|(k, v)| v.map(|v| (to_f64(k), v)))
+    }
+
+    /// Seconds to draft `k` tokens: measured; else on the line through the nearest measured
+    /// sizes (drafting costs about the same per token), else proportional to the one measured
+    /// size; `None` before any drafted round.
+    #[must_use]
+    pub fn draft_cost(&self, k: usize) -> Option<f64> {
+        if k == 0 {
+            return Some(0.0);
+        }
+        if let Some(d) = self.draft.get(k).copied().flatten() {
+            return Some(d);
+        }
+        let measured: Vec<(usize, f64)> = self
+            .draft
+            .iter()
+            .enumerate()
+            .skip(1)
+            .filter_map(|(k, d)| d.map(|d| (k, d)))
+            .collect();
+        let below = measured.iter().rev().find(|p| p.0 < k).copied();
+        let above = measured.iter().find(|p| p.0 > k).copied();
+        let (a, b) = match (below, above) {
+            (Some(a), Some(b)) => (a, b),
+            // Past the largest: the slope of the two largest.
+            (Some(b), None) if measured.len() >= 2 => (measured[measured.len() - 2], b),
+            // Below the smallest: the slope of the two smallest.
+            (None, Some(a)) if measured.len() >= 2 => (a, measured[1]),
+            (Some((m, d)), None) | (None, Some((m, d))) => {
+                return Some(d * to_f64(k) / to_f64(m));
+            }
+            (None, None) => return None,
         };
-        let n = to_f64(pts().count());
-        if n == 0.0 {
-            return None;
-        }
-        let (sx, sy) = pts().fold((0.0, 0.0), |(a, b), p| (a + p.0, b + p.1));
-        let (mx, my) = (sx / n, sy / n);
-        if n == 1.0 {
-            // One size measured: assume a verify row costs a tenth of a decode step more
-            // (weights are streamed once per batch on a CPU).
-            return Some(my * (1.0 + 0.1 * (to_f64(k) - mx)).max(0.5));
-        }
-        let sxx: f64 = pts().map(|p| (p.0 - mx) * (p.0 - mx)).sum();
-        let sxy: f64 = pts().map(|p| (p.0 - mx) * (p.1 - my)).sum();
-        let slope = if sxx > 0.0 { (sxy / sxx).max(0.0) } else { 0.0 };
-        Some((my + slope * (to_f64(k) - mx)).max(1e-9))
+        let slope = ((b.1 - a.1) / to_f64(b.0 - a.0)).max(0.0);
+        Some((a.1 + slope * (to_f64(k) - to_f64(a.0))).max(0.0))
     }
 
     /// The draft length for the next round, at most `room` (what context and budget allow).
@@ -123,21 +163,21 @@ impl Adaptive {
         if cap == 0 {
             return 0;
         }
-        let Some(v0) = self.verify_cost(0) else {
-            // Nothing measured: a short draft, cheap to verify whatever the costs turn out
-            // to be, starts the measurements.
+        if self.verify.iter().all(Option::is_none) {
+            // Nothing measured: a short draft, cheap to verify whatever the costs turn out to
+            // be, starts the measurements.
             return cap.min(PROBE_LEN);
-        };
+        }
+        if self.verify[0].is_none() {
+            // What drafting is compared with: a plain step.
+            return 0;
+        }
         if self.verify.iter().skip(1).all(Option::is_none) {
             // Only plain steps measured: probe.
             return cap.min(PROBE_LEN);
         }
-        let d = self.draft.unwrap_or(0.0);
-        // A round that drafts `k` also brings the drafter up to date with the token the
-        // target added last round: `k + 1` draft steps.
         let rate = |k: usize| {
-            let steps = if k == 0 { 0.0 } else { to_f64(k + 1) };
-            let cost = self.verify_cost(k).unwrap_or(v0) + steps * d;
+            let cost = self.verify_cost(k).unwrap_or(0.0) + self.draft_cost(k).unwrap_or(0.0);
             self.expected_tokens(k) / cost.max(1e-12)
         };
         let best = (0..=cap)
@@ -146,13 +186,20 @@ impl Adaptive {
         if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
             return cap.min(PROBE_LEN);
         }
+        if best > 0 && self.drafted_rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
+            return cap;
+        }
         best
     }
 
     /// Records a round: a draft of `drafted` tokens (0 for a plain step), `accepted` of them
     /// kept, the target's forward took `verify_s` seconds and drafting `draft_s`, in which the
-    /// drafter also caught up with `caught_up` tokens committed since it last drafted (a draft
-    /// model runs them; an n-gram drafter does not care).
+    /// drafter also caught up with `caught_up` tokens committed since it last drafted (one in
+    /// a run of drafted rounds: the target's own token). A round that first catches up with
+    /// several plain steps' tokens pays that once, not in the next round of the same length:
+    /// its time counts as if each extra token had cost a whole draft step. That errs on the
+    /// cheap side on purpose: a price too low is corrected by the next drafted round, while a
+    /// price too high stops drafting and with it the measurements that would correct it.
     pub fn record(
         &mut self,
         drafted: usize,
@@ -162,12 +209,10 @@ impl Adaptive {
         caught_up: usize,
     ) {
         let k = drafted.min(self.n_max);
-        if let Some(slot) = self.verify.get_mut(k) {
-            *slot = Some(slot.map_or(verify_s, |v| v + EMA * (verify_s - v)));
-        }
+        ema(&mut self.verify[k], verify_s);
         if drafted > 0 {
-            let per = draft_s / to_f64(drafted + caught_up);
-            self.draft = Some(self.draft.map_or(per, |d| d + EMA * (per - d)));
+            let extra = caught_up.saturating_sub(1);
+            ema(&mut self.draft[k], draft_s * to_f64(k) / to_f64(k + extra));
             for j in 0..k {
                 self.reached[j] += 1.0;
                 if j < accepted {
@@ -175,6 +220,7 @@ impl Adaptive {
                 }
             }
             self.plain_streak = 0;
+            self.drafted_rounds += 1;
             self.best_kept = self.best_kept.max(accepted);
             self.misses = if accepted == 0 {
                 (self.misses + 1).min(MAX_BACKOFF)
@@ -184,6 +230,27 @@ impl Adaptive {
         } else {
             self.plain_streak += 1;
         }
+    }
+}
+
+fn ema(slot: &mut Option<f64>, x: f64) {
+    *slot = Some(slot.map_or(x, |v| v + if x < v { EMA_DOWN } else { EMA_UP } * (x - v)));
+}
+
+#[derive(Clone, Copy)]
+enum Side {
+    Below,
+    Above,
+}
+
+/// The measured size nearest to `k` on one side (`k` itself counts as both).
+fn lookup(table: &[Option<f64>], k: usize, side: Side) -> Option<(usize, f64)> {
+    let hit = |i: usize| table.get(i).copied().flatten().map(|v| (i, v));
+    match side {
+        Side::Below => (0..=k.min(table.len().saturating_sub(1)))
+            .rev()
+            .find_map(hit),
+        Side::Above => (k..table.len()).find_map(hit),
     }
 }
 
@@ -238,6 +305,47 @@ mod tests {
             p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(p.next(100), PROBE_LEN);
+    }
+
+    #[test]
+    fn longer_drafts_are_tried_when_short_ones_are_always_kept() {
+        // Verify rows as expensive as on a CPU with small batches (0.6 of a step each) and a
+        // drafter costing 0.3 of a step per token: a line through 1- and 2-token drafts says
+        // nothing longer pays, yet every draft so far was kept whole. The next round tries the
+        // longest draft allowed (twice the most kept plus two) and measures it.
+        let mut p = Adaptive::new(16);
+        for _ in 0..10 {
+            p.record(0, 0, 0.010, 0.0, 0);
+            p.record(1, 1, 0.016, 0.003, 1);
+            p.record(2, 2, 0.022, 0.006, 1);
+        }
+        assert_eq!(p.next(100), 6);
+        // Measured, it costs what the line said: the policy goes back to what pays.
+        for _ in 0..10 {
+            p.record(6, 6, 0.046, 0.018, 1);
+        }
+        let k = p.next(100);
+        let rate = |k: usize| {
+            p.expected_tokens(k) / (p.verify_cost(k).unwrap() + p.draft_cost(k).unwrap())
+        };
+        assert!((0..=14).all(|j| rate(j) <= rate(k)), "chose {k}");
+    }
+
+    #[test]
+    fn costs_between_measured_sizes_are_interpolated() {
+        let mut p = Adaptive::new(8);
+        p.record(0, 0, 0.010, 0.0, 0);
+        p.record(4, 4, 0.030, 0.008, 1);
+        p.record(8, 8, 0.040, 0.016, 1);
+        assert!((p.verify_cost(2).unwrap() - 0.020).abs() < 1e-12);
+        assert!((p.verify_cost(6).unwrap() - 0.035).abs() < 1e-12);
+        assert!((p.draft_cost(6).unwrap() - 0.012).abs() < 1e-12);
+        assert!((p.draft_cost(2).unwrap() - 0.004).abs() < 1e-12);
+        // A round that first caught up with five plain steps' tokens: its drafting time is
+        // counted as if each extra token were a draft step, on the cheap side.
+        // 24 ms for 4 drafts after 4 extra tokens counts as 12 ms.
+        p.record(4, 4, 0.030, 0.024, 5);
+        assert!((p.draft_cost(4).unwrap() - (0.008 + EMA_UP * 0.004)).abs() < 1e-12);
     }
 
     #[test]
