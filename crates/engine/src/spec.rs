@@ -3,10 +3,14 @@
 //! Each round drafts up to `k` tokens after the anchor (the last committed token, not yet in
 //! the target's cache), runs `[anchor, d1..dk]` through the target in one forward, keeps what
 //! [`specula_spec::verify::sample_and_match`] accepts plus one token of the target's own, and
-//! rolls the rejected rows back out of the cache. The target's kernels are batch-invariant, so
-//! every verify row has the bits of a one-token decode and greedy output is the plain greedy
-//! output token for token (`tests/spec.rs` checks it for random drafters on a tiny model and
-//! on a real pair). `k` comes from [`specula_spec::policy::Adaptive`] unless fixed.
+//! rolls the rejected rows back out of the cache. The first round opens as in llama.cpp's
+//! `llama-speculative-simple`: the prompt is prefilled but its last token, which anchors that
+//! round, so the first generated token is drafted and verified like every later one (the
+//! server's slots open the same way: their first decode step runs the anchor and a draft).
+//! The target's kernels are batch-invariant, so every verify row has the bits of a one-token
+//! decode and greedy output is the plain greedy output token for token (`tests/spec.rs`
+//! checks it for random drafters on a tiny model and on a real pair). `k` comes from
+//! [`specula_spec::policy::Adaptive`] unless fixed.
 
 use std::time::Instant;
 
@@ -77,11 +81,18 @@ impl<B: Backend> Engine<B> {
                 n_ctx: s.n_ctx,
             });
         }
+        if n_predict == 0 {
+            // Nothing to draft for: the prompt is evaluated as plain decoding does.
+            let mut out = self.generate(s, prompt, opts, on_token)?;
+            out.spec = Some(SpecStats::default());
+            return Ok(out);
+        }
         let n_vocab = self.model.hparams().n_vocab;
         let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
-        // The prompt is prefilled whole and the first token sampled from its last row, as
-        // plain decoding does; that token is the anchor of the first round.
+        // llama-speculative-simple's convention: the prompt is prefilled but its last token,
+        // which is the anchor of the first round, so the first generated token is drafted and
+        // verified like every other.
         let mut logits = Vec::new();
         // Feature drafters (DFlash, EAGLE3) see the target's hidden states of every batch.
         let mut taps = specula_models::Taps {
@@ -90,36 +101,28 @@ impl<B: Backend> Engine<B> {
         };
         let mut features = Vec::new();
         drafter.begin(prompt).map_err(EngineError::Spec)?;
-        self.run_for(
-            s,
-            prompt,
-            prompt.len() - 1,
-            &mut logits,
-            &mut taps,
-            &mut features,
-            drafter,
-        )?;
+        let head = &prompt[..prompt.len() - 1];
+        if !head.is_empty() {
+            // No logits: nothing is sampled from the head.
+            self.run_for(
+                s,
+                head,
+                head.len(),
+                &mut logits,
+                &mut taps,
+                &mut features,
+                drafter,
+            )?;
+        }
         out.timings.prompt_n = prompt.len();
         out.timings.prompt_ms = ms(t0);
         let mut history = prompt.to_vec();
-        if n_predict > 0 {
-            if opts.top_logits > 0 {
-                out.top_logits.push(top_k_logits(&logits, opts.top_logits));
-            }
-            let id = sampler.sample(&logits)?;
-            sampler.accept(id)?;
-            out.generated_ids.push(id);
-            history.push(id);
-            on_token(id);
-            if opts.stop_at_eog && self.tokenizer.is_eog(id) {
-                out.stopped_at_eog = true;
-            }
-        }
 
         let t1 = Instant::now();
         let mut stats = SpecStats::default();
         let mut policy = Adaptive::new(spec.n_max);
         let mut batch = Vec::with_capacity(spec.n_max + 1);
+        // The first anchor, the last prompt token, is new to the drafter.
         let mut since_draft = 1usize;
         'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();

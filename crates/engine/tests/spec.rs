@@ -231,13 +231,16 @@ proptest! {
         seed in any::<u64>(),
         adaptive in any::<bool>(),
         p_min in prop::sample::select(vec![0.0f32, 0.5, 0.9]),
+        short in any::<bool>(),
     ) {
         let e = engine(tiny(11, 0, false));
         let n = 40;
         let opts = greedy(n, false);
+        // A one-token prompt: nothing to prefill, the first round's anchor is the prompt.
+        let prompt = if short { &PROMPT[..1] } else { PROMPT };
         // A context exactly as large as prompt + budget: the draft length must shrink to 0.
-        let n_ctx = PROMPT.len() + n;
-        let want = plain(&e, PROMPT, &opts, n_ctx);
+        let n_ctx = prompt.len() + n;
+        let want = plain(&e, prompt, &opts, n_ctx);
         let spec = SpecOptions { n_max, n_min: 0, p_min, adaptive };
         let got = match kind {
             // Random tokens.
@@ -245,13 +248,13 @@ proptest! {
                 let mut d = Scripted { f: |_: &[u32], k: usize, r: usize| {
                     (0..k).map(|i| (splitmix64(seed ^ (r * 64 + i) as u64) % 256) as u32).collect()
                 }, round: 0 };
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
             // Adversarial: the true continuation, with one token changed at a random place.
             1 => {
                 let truth = want.clone();
                 let mut d = Scripted { f: move |h: &[u32], k: usize, r: usize| {
-                    let at = h.len() - PROMPT.len();
+                    let at = h.len() - prompt.len();
                     let mut v: Vec<u32> = truth.iter().skip(at).take(k).copied().collect();
                     if !v.is_empty() {
                         let i = pick(splitmix64(seed ^ r as u64), v.len());
@@ -259,12 +262,12 @@ proptest! {
                     }
                     v
                 }, round: 0 };
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
             // The target itself as the draft model (accepts everything it drafts).
             2 => {
                 let mut d = DraftModel::new(engine(tiny(11, 0, false)), &e.tokenizer, n_ctx, QType::F16, QType::F16).unwrap();
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
             // Another random model as draft, its drafts truncated at random.
             _ => {
@@ -274,13 +277,73 @@ proptest! {
                     v.truncate(pick(splitmix64(seed ^ r as u64), k + 1));
                     v
                 }, round: 0 };
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
         };
         prop_assert_eq!(&got.generated_ids, &want);
         let st = got.spec.unwrap();
         prop_assert!(st.accepted <= st.drafted);
         prop_assert_eq!(st.accepted_at.iter().sum::<usize>(), st.accepted);
+    }
+}
+
+/// The first round opens as llama-speculative-simple's: the prompt's last token is its anchor,
+/// so the first generated token is drafted and verified. A drafter that always proposes the
+/// true continuation, 4 tokens a round, over a budget of 10: round 1 drafts 4 (the budget
+/// leaves 9 after the target's own token) and commits 5, round 2 drafts 4 (10 − 5 − 1) and
+/// commits the last 5 — 2 rounds, 8 drafted, 8 accepted. (Sampling the first token from the
+/// prompt instead would draft 4 + 3 = 7.)
+#[test]
+fn the_first_generated_token_is_drafted_and_verified() {
+    let e = engine(tiny(11, 0, false));
+    let opts = greedy(10, false);
+    let spec = SpecOptions {
+        n_max: 4,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    for prompt in [PROMPT, &PROMPT[..1]] {
+        let truth = plain(&e, prompt, &opts, 64);
+        assert_eq!(truth.len(), 10);
+        let mut asked = Vec::new();
+        let mut d = Scripted {
+            f: |h: &[u32], k: usize, _| {
+                asked.push(h.to_vec());
+                let at = h.len() - prompt.len();
+                truth.iter().skip(at).take(k).copied().collect()
+            },
+            round: 0,
+        };
+        let got = speculative(&e, prompt, &opts, 64, &mut d, &spec);
+        assert_eq!(got.generated_ids, truth);
+        let st = got.spec.unwrap();
+        assert_eq!(
+            (st.rounds, st.drafted, st.accepted),
+            (2, 8, 8),
+            "prompt of {}",
+            prompt.len()
+        );
+        assert_eq!(st.accepted_at, vec![2; 4]);
+        drop(d);
+        let mut second = prompt.to_vec();
+        second.extend_from_slice(&truth[..5]);
+        assert_eq!(asked, vec![prompt.to_vec(), second]);
+
+        // The target drafting for itself does the same, from a draft cache that starts with
+        // the prompt but its last token.
+        let mut d = DraftModel::new(
+            engine(tiny(11, 0, false)),
+            &e.tokenizer,
+            64,
+            QType::F16,
+            QType::F16,
+        )
+        .unwrap();
+        let got = speculative(&e, prompt, &opts, 64, &mut d, &spec);
+        assert_eq!(got.generated_ids, truth);
+        let st = got.spec.unwrap();
+        assert_eq!((st.rounds, st.drafted, st.accepted), (2, 8, 8));
     }
 }
 

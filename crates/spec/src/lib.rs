@@ -81,7 +81,9 @@ pub trait Drafter {
     /// A short name (`ngram-simple`, `draft-simple`, …) for statistics and errors.
     fn name(&self) -> &'static str;
 
-    /// A new sequence: `prompt` is what the target is about to hold.
+    /// A new sequence: `prompt` is what the target is about to run. The loops prefill all of
+    /// it but its last token (reported through [`Drafter::process`] or
+    /// [`Drafter::process_features`]); that token is the anchor of the first draft.
     ///
     /// # Errors
     /// A drafter's own failure (e.g. a draft model's prefill).
