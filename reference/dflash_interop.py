@@ -30,7 +30,7 @@ Needs: numpy, gguf (reference/requirements.txt), torch + transformers for the ti
 (LLAMA_BIN, default /tmp/llama/build/bin) and a release specula (SPECULA, default
 target/release/specula). Without them the script says why and exits 0. /tmp/hfvenv has all of
 the Python side: `/tmp/hfvenv/bin/python reference/dflash_interop.py`. docs/interop-dflash.md is
-rewritten only when both pairs ran.
+rewritten only when both pairs ran and every check passed.
 """
 
 import os

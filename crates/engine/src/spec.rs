@@ -4,9 +4,12 @@
 //! the target's cache), runs `[anchor, d1..dk]` through the target in one forward, keeps what
 //! [`specula_spec::verify::sample_and_match`] accepts plus one token of the target's own, and
 //! rolls the rejected rows back out of the cache. The first round opens as in llama.cpp's
-//! `llama-speculative-simple`: the prompt is prefilled but its last token, which anchors that
-//! round, so the first generated token is drafted and verified like every later one (the
-//! server's slots open the same way: their first decode step runs the anchor and a draft).
+//! `llama-speculative-simple`: the prompt's last token anchors it, so the first generated
+//! token is drafted and verified like every later one, and drafts and acceptance come out the
+//! same as llama.cpp's. The rest of the prompt is prefilled before that round for a feature
+//! drafter (which needs its hidden states to draft), and otherwise runs in front of the
+//! round's verify rows, in the same forward (the server's slots also anchor their first step
+//! at the last prompt token).
 //! The target's kernels are batch-invariant, so every verify row has the bits of a one-token
 //! decode and greedy output is the plain greedy output token for token (`tests/spec.rs`
 //! checks it for random drafters on a tiny model and on a real pair). `k` comes from
@@ -90,9 +93,8 @@ impl<B: Backend> Engine<B> {
         let n_vocab = self.model.hparams().n_vocab;
         let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
-        // llama-speculative-simple's convention: the prompt is prefilled but its last token,
-        // which is the anchor of the first round, so the first generated token is drafted and
-        // verified like every other.
+        // llama-speculative-simple's convention: the prompt's last token is the anchor of the
+        // first round, so the first generated token is drafted and verified like every other.
         let mut logits = Vec::new();
         // Feature drafters (DFlash, EAGLE3) see the target's hidden states of every batch.
         let mut taps = specula_models::Taps {
@@ -102,7 +104,13 @@ impl<B: Backend> Engine<B> {
         let mut features = Vec::new();
         drafter.begin(prompt).map_err(EngineError::Spec)?;
         let head = &prompt[..prompt.len() - 1];
-        if !head.is_empty() {
+        // Prompt tokens before the anchor that the first verify batch carries. A feature
+        // drafter needs the target's hidden states of the prompt before it can draft, so the
+        // head is prefilled first (one forward more than plain decoding); any other drafter
+        // drafts round one from the prompt alone, and the head rides in front of that round's
+        // verify rows: one forward for prompt and round, as plain decoding's prefill.
+        let mut lead = 0;
+        if !taps.layers.is_empty() && !head.is_empty() {
             // No logits: nothing is sampled from the head.
             self.run_for(
                 s,
@@ -113,12 +121,14 @@ impl<B: Backend> Engine<B> {
                 &mut features,
                 drafter,
             )?;
+        } else {
+            lead = head.len();
         }
         out.timings.prompt_n = prompt.len();
         out.timings.prompt_ms = ms(t0);
         let mut history = prompt.to_vec();
 
-        let t1 = Instant::now();
+        let mut t1 = Instant::now();
         let mut stats = SpecStats::default();
         let mut policy = Adaptive::new(spec.n_max);
         let mut batch = Vec::with_capacity(spec.n_max + 1);
@@ -126,9 +136,12 @@ impl<B: Backend> Engine<B> {
         let mut since_draft = 1usize;
         'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();
+            let lead = std::mem::take(&mut lead);
+            // The anchor's position.
+            let base = s.n_past + lead;
             // Room for drafts: the context after the anchor, and the budget after the token
             // the target adds.
-            let room = (s.n_ctx - s.n_past - 1).min(left - 1);
+            let room = (s.n_ctx - base - 1).min(left - 1);
             let k = if spec.adaptive {
                 policy.next(room)
             } else {
@@ -158,17 +171,29 @@ impl<B: Backend> Engine<B> {
                 0
             };
 
-            let anchor = *history.last().unwrap_or(&0);
+            // `lead` prompt tokens, the anchor, the draft.
             batch.clear();
-            batch.push(anchor);
+            batch.extend_from_slice(&history[history.len() - 1 - lead..]);
             batch.extend_from_slice(&draft);
-            let base = s.n_past;
             let tv = Instant::now();
-            let in_drafter =
-                self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
+            let in_drafter = self.run_for(
+                s,
+                &batch,
+                lead,
+                &mut logits,
+                &mut taps,
+                &mut features,
+                drafter,
+            )?;
             // The drafter's share (feature injection) is drafting cost, not verification.
             let verify_s = tv.elapsed().as_secs_f64() - in_drafter;
             let draft_s = draft_s + in_drafter;
+            if lead > 0 {
+                // As in plain decoding, the prompt's time is that of the forward that gives
+                // the first token's logits.
+                out.timings.prompt_ms = ms(t0);
+                t1 = Instant::now();
+            }
 
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
@@ -180,7 +205,10 @@ impl<B: Backend> Engine<B> {
             }
             let draft_s = draft_s + ta.elapsed().as_secs_f64();
             stats.record(draft.len(), verdict.accepted);
-            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+            if lead == 0 {
+                // A verify that carried the prompt says nothing about a verify's cost.
+                policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+            }
             // The cache keeps the anchor and the accepted drafts.
             s.truncate(base + 1 + verdict.accepted);
             // The drafter has seen the accepted drafts (it made them); the target's own token

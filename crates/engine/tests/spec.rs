@@ -2,8 +2,10 @@
 //! Q4_0, so the packed micro-kernels and lane kernels run), greedy speculative output equals
 //! plain greedy output token for token for any drafter — random, adversarial, the target itself
 //! as a draft model, truncated — across draft lengths 1..16, `p_min`, a context that is exactly
-//! full, and an end-of-generation token inside an accepted block. Sampled runs repeat with the
-//! same seed. Also: the statistics add up, and mismatched vocabularies are refused by name.
+//! full, a one-token prompt, and an end-of-generation token inside an accepted block. Sampled
+//! runs repeat with the same seed. Also: the first round is anchored at the last prompt token
+//! (llama-speculative-simple's rounds, pinned by hand-computed counts), the statistics add up,
+//! and mismatched vocabularies are refused by name.
 
 use std::sync::Arc;
 
@@ -287,12 +289,47 @@ proptest! {
     }
 }
 
+/// Proposes the true continuation `truth` of `prompt`, and records what it is asked for and
+/// what the target ran.
+struct Oracle<'a> {
+    prompt: &'a [u32],
+    truth: &'a [u32],
+    asked: Vec<Vec<u32>>,
+    ran: Vec<(Vec<u32>, usize)>,
+}
+
+impl Drafter for Oracle<'_> {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+        Ok(())
+    }
+    fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        self.ran.push((tokens.to_vec(), pos0));
+        Ok(())
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.asked.push(p.history.to_vec());
+        let at = p.history.len() - self.prompt.len();
+        Ok(self.truth.iter().skip(at).take(p.n_max).copied().collect())
+    }
+    fn state(&self) -> DrafterState {
+        Box::new(())
+    }
+    fn restore(&mut self, _s: &DrafterState) -> Result<(), SpecError> {
+        Ok(())
+    }
+}
+
 /// The first round opens as llama-speculative-simple's: the prompt's last token is its anchor,
 /// so the first generated token is drafted and verified. A drafter that always proposes the
 /// true continuation, 4 tokens a round, over a budget of 10: round 1 drafts 4 (the budget
 /// leaves 9 after the target's own token) and commits 5, round 2 drafts 4 (10 − 5 − 1) and
 /// commits the last 5 — 2 rounds, 8 drafted, 8 accepted. (Sampling the first token from the
-/// prompt instead would draft 4 + 3 = 7.)
+/// prompt instead would draft 4 + 3 = 7.) A drafter without target taps drafts round 1 from
+/// the prompt alone, so the prompt runs in the same forward as that round's verify rows: two
+/// target forwards in all.
 #[test]
 fn the_first_generated_token_is_drafted_and_verified() {
     let e = engine(tiny(11, 0, false));
@@ -306,14 +343,11 @@ fn the_first_generated_token_is_drafted_and_verified() {
     for prompt in [PROMPT, &PROMPT[..1]] {
         let truth = plain(&e, prompt, &opts, 64);
         assert_eq!(truth.len(), 10);
-        let mut asked = Vec::new();
-        let mut d = Scripted {
-            f: |h: &[u32], k: usize, _| {
-                asked.push(h.to_vec());
-                let at = h.len() - prompt.len();
-                truth.iter().skip(at).take(k).copied().collect()
-            },
-            round: 0,
+        let mut d = Oracle {
+            prompt,
+            truth: &truth,
+            asked: Vec::new(),
+            ran: Vec::new(),
         };
         let got = speculative(&e, prompt, &opts, 64, &mut d, &spec);
         assert_eq!(got.generated_ids, truth);
@@ -325,10 +359,16 @@ fn the_first_generated_token_is_drafted_and_verified() {
             prompt.len()
         );
         assert_eq!(st.accepted_at, vec![2; 4]);
-        drop(d);
-        let mut second = prompt.to_vec();
-        second.extend_from_slice(&truth[..5]);
-        assert_eq!(asked, vec![prompt.to_vec(), second]);
+        let n = prompt.len();
+        let with = |a: &[u32], b: &[u32]| [a, b].concat();
+        assert_eq!(d.asked, vec![prompt.to_vec(), with(prompt, &truth[..5])]);
+        assert_eq!(
+            d.ran,
+            vec![
+                (with(prompt, &truth[..4]), 0),
+                (truth[4..9].to_vec(), n + 4)
+            ]
+        );
 
         // The target drafting for itself does the same, from a draft cache that starts with
         // the prompt but its last token.
