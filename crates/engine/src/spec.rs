@@ -3,10 +3,17 @@
 //! Each round drafts up to `k` tokens after the anchor (the last committed token, not yet in
 //! the target's cache), runs `[anchor, d1..dk]` through the target in one forward, keeps what
 //! [`specula_spec::verify::sample_and_match`] accepts plus one token of the target's own, and
-//! rolls the rejected rows back out of the cache. The target's kernels are batch-invariant, so
-//! every verify row has the bits of a one-token decode and greedy output is the plain greedy
-//! output token for token (`tests/spec.rs` checks it for random drafters on a tiny model and
-//! on a real pair). `k` comes from [`specula_spec::policy::Adaptive`] unless fixed.
+//! rolls the rejected rows back out of the cache. The first round opens as in llama.cpp's
+//! `llama-speculative-simple`: the prompt's last token anchors it, so the first generated
+//! token is drafted and verified like every later one, and drafts and acceptance come out the
+//! same as llama.cpp's. The rest of the prompt is prefilled before that round for a feature
+//! drafter (which needs its hidden states to draft), and otherwise runs in front of the
+//! round's verify rows, in the same forward (the server's slots also anchor their first step
+//! at the last prompt token).
+//! The target's kernels are batch-invariant, so every verify row has the bits of a one-token
+//! decode and greedy output is the plain greedy output token for token (`tests/spec.rs`
+//! checks it for random drafters on a tiny model and on a real pair). `k` comes from
+//! [`specula_spec::policy::Adaptive`] unless fixed.
 
 use std::time::Instant;
 
@@ -77,11 +84,17 @@ impl<B: Backend> Engine<B> {
                 n_ctx: s.n_ctx,
             });
         }
+        if n_predict == 0 {
+            // Nothing to draft for: the prompt is evaluated as plain decoding does.
+            let mut out = self.generate(s, prompt, opts, on_token)?;
+            out.spec = Some(SpecStats::default());
+            return Ok(out);
+        }
         let n_vocab = self.model.hparams().n_vocab;
         let (mut sampler, mut out) = self.start(prompt, opts)?;
         let t0 = Instant::now();
-        // The prompt is prefilled whole and the first token sampled from its last row, as
-        // plain decoding does; that token is the anchor of the first round.
+        // llama-speculative-simple's convention: the prompt's last token is the anchor of the
+        // first round, so the first generated token is drafted and verified like every other.
         let mut logits = Vec::new();
         // Feature drafters (DFlash, EAGLE3) see the target's hidden states of every batch.
         let mut taps = specula_models::Taps {
@@ -90,42 +103,45 @@ impl<B: Backend> Engine<B> {
         };
         let mut features = Vec::new();
         drafter.begin(prompt).map_err(EngineError::Spec)?;
-        self.run_for(
-            s,
-            prompt,
-            prompt.len() - 1,
-            &mut logits,
-            &mut taps,
-            &mut features,
-            drafter,
-        )?;
+        let head = &prompt[..prompt.len() - 1];
+        // Prompt tokens before the anchor that the first verify batch carries. A feature
+        // drafter needs the target's hidden states of the prompt before it can draft, so the
+        // head is prefilled first (one forward more than plain decoding); any other drafter
+        // drafts round one from the prompt alone, and the head rides in front of that round's
+        // verify rows: one forward for prompt and round, as plain decoding's prefill.
+        let mut lead = 0;
+        if !taps.layers.is_empty() && !head.is_empty() {
+            // No logits: nothing is sampled from the head.
+            self.run_for(
+                s,
+                head,
+                head.len(),
+                &mut logits,
+                &mut taps,
+                &mut features,
+                drafter,
+            )?;
+        } else {
+            lead = head.len();
+        }
         out.timings.prompt_n = prompt.len();
         out.timings.prompt_ms = ms(t0);
         let mut history = prompt.to_vec();
-        if n_predict > 0 {
-            if opts.top_logits > 0 {
-                out.top_logits.push(top_k_logits(&logits, opts.top_logits));
-            }
-            let id = sampler.sample(&logits)?;
-            sampler.accept(id)?;
-            out.generated_ids.push(id);
-            history.push(id);
-            on_token(id);
-            if opts.stop_at_eog && self.tokenizer.is_eog(id) {
-                out.stopped_at_eog = true;
-            }
-        }
 
-        let t1 = Instant::now();
+        let mut t1 = Instant::now();
         let mut stats = SpecStats::default();
         let mut policy = Adaptive::new(spec.n_max);
         let mut batch = Vec::with_capacity(spec.n_max + 1);
+        // The first anchor, the last prompt token, is new to the drafter.
         let mut since_draft = 1usize;
         'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let left = n_predict - out.generated_ids.len();
+            let lead = std::mem::take(&mut lead);
+            // The anchor's position.
+            let base = s.n_past + lead;
             // Room for drafts: the context after the anchor, and the budget after the token
             // the target adds.
-            let room = (s.n_ctx - s.n_past - 1).min(left - 1);
+            let room = (s.n_ctx - base - 1).min(left - 1);
             let k = if spec.adaptive {
                 policy.next(room)
             } else {
@@ -155,17 +171,29 @@ impl<B: Backend> Engine<B> {
                 0
             };
 
-            let anchor = *history.last().unwrap_or(&0);
+            // `lead` prompt tokens, the anchor, the draft.
             batch.clear();
-            batch.push(anchor);
+            batch.extend_from_slice(&history[history.len() - 1 - lead..]);
             batch.extend_from_slice(&draft);
-            let base = s.n_past;
             let tv = Instant::now();
-            let in_drafter =
-                self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
+            let in_drafter = self.run_for(
+                s,
+                &batch,
+                lead,
+                &mut logits,
+                &mut taps,
+                &mut features,
+                drafter,
+            )?;
             // The drafter's share (feature injection) is drafting cost, not verification.
             let verify_s = tv.elapsed().as_secs_f64() - in_drafter;
             let draft_s = draft_s + in_drafter;
+            if lead > 0 {
+                // As in plain decoding, the prompt's time is that of the forward that gives
+                // the first token's logits.
+                out.timings.prompt_ms = ms(t0);
+                t1 = Instant::now();
+            }
 
             let verdict = sample_and_match(&mut sampler, &logits, n_vocab, &draft)
                 .map_err(EngineError::Spec)?;
@@ -177,7 +205,10 @@ impl<B: Backend> Engine<B> {
             }
             let draft_s = draft_s + ta.elapsed().as_secs_f64();
             stats.record(draft.len(), verdict.accepted);
-            policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+            if lead == 0 {
+                // A verify that carried the prompt says nothing about a verify's cost.
+                policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+            }
             // The cache keeps the anchor and the accepted drafts.
             s.truncate(base + 1 + verdict.accepted);
             // The drafter has seen the accepted drafts (it made them); the target's own token

@@ -2,7 +2,7 @@
 //!
 //! - Lossless: greedy speculative output with a random DFlash or DFlash2 drafter equals plain
 //!   greedy output, for eager and deferred injection, any block size, draft length, `p_min`,
-//!   taps.
+//!   taps, and for a one-token prompt (nothing prefilled; EAGLE-3 too).
 //! - KV injection equivalence: every draft the drafter makes during a generation (its cache
 //!   grown round by round, rejected rows rolled back) is the draft a fresh drafter makes from
 //!   the committed history's features injected at once.
@@ -627,6 +627,57 @@ fn partial_acceptance_keeps_the_draft_context_on_the_committed_positions() {
         counts.push((st.drafted, st.accepted, st.rounds));
     }
     assert_eq!(counts[0], counts[1]);
+    // The prompt ends in 'd' (embedding v), the first round's anchor: its draft's first 5 is
+    // the target's next token and its second is not (6 follows 5), so every round commits
+    // 5, 6 and accepts one draft. Rounds start at 0, 2, …, 28 generated tokens and draft
+    // min(5, 30 − generated − 1): 13 × 5 + 3 + 1 = 69 tokens over 15 rounds.
+    assert_eq!(counts[0], (69, 15, 15));
+}
+
+/// A one-token prompt: nothing is prefilled, the prompt is the first round's anchor, and the
+/// feature drafters (no context yet: DFlash drafts from the block alone, EAGLE-3 waits for
+/// one feature row) stay lossless.
+#[test]
+fn a_one_token_prompt_is_lossless_for_feature_drafters() {
+    let e = engine(target(7));
+    let prompt = &PROMPT[..1];
+    let opts = greedy(16);
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let want = e
+        .generate(&mut s, prompt, &opts, |_| {})
+        .unwrap()
+        .generated_ids;
+    let so = SpecOptions {
+        n_max: 4,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    let spec = DraftSpec::new(5, &[2, 0], 8);
+    for policy in [Injection::Eager, Injection::Deferred] {
+        let mut d = Recording::new(drafter(&e, &spec, policy).unwrap());
+        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+        let got = e
+            .generate_speculative(&mut s, prompt, &opts, &mut d, &so, |_| {})
+            .unwrap();
+        assert_eq!(got.generated_ids, want, "{policy:?}");
+        // p_min 0: the first round drafts 4 from an empty context.
+        assert_eq!(d.log[0].0, prompt);
+        assert_eq!(d.log[0].2.len(), 4);
+        check_context(&d, policy == Injection::Deferred);
+    }
+    let mut d = RecordingE3 {
+        inner: eagle3_drafter(&e, eagle3(5, &[0, 1, 2], false, false)),
+        log: Vec::new(),
+    };
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let got = e
+        .generate_speculative(&mut s, prompt, &opts, &mut d, &so, |_| {})
+        .unwrap();
+    assert_eq!(got.generated_ids, want);
+    // No feature row before the anchor: the first round is a plain step, the next ones draft.
+    assert_eq!(d.log[0], (prompt.to_vec(), 4, Vec::new()));
+    assert!(got.spec.unwrap().drafted > 0);
 }
 
 #[test]
@@ -757,10 +808,15 @@ fn taps_are_layer_inputs_in_the_order_asked_for() {
     let mut s = e.session(64, QType::F32, QType::F32).unwrap();
     e.generate_speculative(&mut s, PROMPT, &greedy(3), &mut d, &so, |_| {})
         .unwrap();
-    // The whole prompt, then one-token verify batches from the first sampled token on.
-    assert_eq!(d.seen[0].0, PROMPT);
+    // The prompt but its last token, then one-token verify batches from that token (the
+    // first anchor) on.
+    let n = PROMPT.len();
+    assert_eq!(d.seen.len(), 4);
+    assert_eq!(d.seen[0].0, PROMPT[..n - 1]);
     assert_eq!(d.seen[0].1, 0);
-    assert_eq!(d.seen[1].1, PROMPT.len());
+    assert_eq!(d.seen[1], (vec![PROMPT[n - 1]], n - 1, d.seen[1].2.clone()));
+    assert_eq!(d.seen[2].1, n);
+    assert_eq!(d.seen[3].1, n + 1);
     for (tokens, _, f) in &d.seen {
         assert_eq!(f.len(), tokens.len() * 3 * E);
         for row in f.chunks_exact(3 * E) {

@@ -2,8 +2,10 @@
 //! Q4_0, so the packed micro-kernels and lane kernels run), greedy speculative output equals
 //! plain greedy output token for token for any drafter — random, adversarial, the target itself
 //! as a draft model, truncated — across draft lengths 1..16, `p_min`, a context that is exactly
-//! full, and an end-of-generation token inside an accepted block. Sampled runs repeat with the
-//! same seed. Also: the statistics add up, and mismatched vocabularies are refused by name.
+//! full, a one-token prompt, and an end-of-generation token inside an accepted block. Sampled
+//! runs repeat with the same seed. Also: the first round is anchored at the last prompt token
+//! (llama-speculative-simple's rounds, pinned by hand-computed counts), the statistics add up,
+//! and mismatched vocabularies are refused by name.
 
 use std::sync::Arc;
 
@@ -231,13 +233,16 @@ proptest! {
         seed in any::<u64>(),
         adaptive in any::<bool>(),
         p_min in prop::sample::select(vec![0.0f32, 0.5, 0.9]),
+        short in any::<bool>(),
     ) {
         let e = engine(tiny(11, 0, false));
         let n = 40;
         let opts = greedy(n, false);
+        // A one-token prompt: nothing to prefill, the first round's anchor is the prompt.
+        let prompt = if short { &PROMPT[..1] } else { PROMPT };
         // A context exactly as large as prompt + budget: the draft length must shrink to 0.
-        let n_ctx = PROMPT.len() + n;
-        let want = plain(&e, PROMPT, &opts, n_ctx);
+        let n_ctx = prompt.len() + n;
+        let want = plain(&e, prompt, &opts, n_ctx);
         let spec = SpecOptions { n_max, n_min: 0, p_min, adaptive };
         let got = match kind {
             // Random tokens.
@@ -245,13 +250,13 @@ proptest! {
                 let mut d = Scripted { f: |_: &[u32], k: usize, r: usize| {
                     (0..k).map(|i| (splitmix64(seed ^ (r * 64 + i) as u64) % 256) as u32).collect()
                 }, round: 0 };
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
             // Adversarial: the true continuation, with one token changed at a random place.
             1 => {
                 let truth = want.clone();
                 let mut d = Scripted { f: move |h: &[u32], k: usize, r: usize| {
-                    let at = h.len() - PROMPT.len();
+                    let at = h.len() - prompt.len();
                     let mut v: Vec<u32> = truth.iter().skip(at).take(k).copied().collect();
                     if !v.is_empty() {
                         let i = pick(splitmix64(seed ^ r as u64), v.len());
@@ -259,12 +264,12 @@ proptest! {
                     }
                     v
                 }, round: 0 };
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
             // The target itself as the draft model (accepts everything it drafts).
             2 => {
                 let mut d = DraftModel::new(engine(tiny(11, 0, false)), &e.tokenizer, n_ctx, QType::F16, QType::F16).unwrap();
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
             // Another random model as draft, its drafts truncated at random.
             _ => {
@@ -274,13 +279,111 @@ proptest! {
                     v.truncate(pick(splitmix64(seed ^ r as u64), k + 1));
                     v
                 }, round: 0 };
-                speculative(&e, PROMPT, &opts, n_ctx, &mut d, &spec)
+                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
             }
         };
         prop_assert_eq!(&got.generated_ids, &want);
         let st = got.spec.unwrap();
         prop_assert!(st.accepted <= st.drafted);
         prop_assert_eq!(st.accepted_at.iter().sum::<usize>(), st.accepted);
+    }
+}
+
+/// Proposes the true continuation `truth` of `prompt`, and records what it is asked for and
+/// what the target ran.
+struct Oracle<'a> {
+    prompt: &'a [u32],
+    truth: &'a [u32],
+    asked: Vec<Vec<u32>>,
+    ran: Vec<(Vec<u32>, usize)>,
+}
+
+impl Drafter for Oracle<'_> {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+        Ok(())
+    }
+    fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        self.ran.push((tokens.to_vec(), pos0));
+        Ok(())
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.asked.push(p.history.to_vec());
+        let at = p.history.len() - self.prompt.len();
+        Ok(self.truth.iter().skip(at).take(p.n_max).copied().collect())
+    }
+    fn state(&self) -> DrafterState {
+        Box::new(())
+    }
+    fn restore(&mut self, _s: &DrafterState) -> Result<(), SpecError> {
+        Ok(())
+    }
+}
+
+/// The first round opens as llama-speculative-simple's: the prompt's last token is its anchor,
+/// so the first generated token is drafted and verified. A drafter that always proposes the
+/// true continuation, 4 tokens a round, over a budget of 10: round 1 drafts 4 (the budget
+/// leaves 9 after the target's own token) and commits 5, round 2 drafts 4 (10 − 5 − 1) and
+/// commits the last 5 — 2 rounds, 8 drafted, 8 accepted. (Sampling the first token from the
+/// prompt instead would draft 4 + 3 = 7.) A drafter without target taps drafts round 1 from
+/// the prompt alone, so the prompt runs in the same forward as that round's verify rows: two
+/// target forwards in all.
+#[test]
+fn the_first_generated_token_is_drafted_and_verified() {
+    let e = engine(tiny(11, 0, false));
+    let opts = greedy(10, false);
+    let spec = SpecOptions {
+        n_max: 4,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    for prompt in [PROMPT, &PROMPT[..1]] {
+        let truth = plain(&e, prompt, &opts, 64);
+        assert_eq!(truth.len(), 10);
+        let mut d = Oracle {
+            prompt,
+            truth: &truth,
+            asked: Vec::new(),
+            ran: Vec::new(),
+        };
+        let got = speculative(&e, prompt, &opts, 64, &mut d, &spec);
+        assert_eq!(got.generated_ids, truth);
+        let st = got.spec.unwrap();
+        assert_eq!(
+            (st.rounds, st.drafted, st.accepted),
+            (2, 8, 8),
+            "prompt of {}",
+            prompt.len()
+        );
+        assert_eq!(st.accepted_at, vec![2; 4]);
+        let n = prompt.len();
+        let with = |a: &[u32], b: &[u32]| [a, b].concat();
+        assert_eq!(d.asked, vec![prompt.to_vec(), with(prompt, &truth[..5])]);
+        assert_eq!(
+            d.ran,
+            vec![
+                (with(prompt, &truth[..4]), 0),
+                (truth[4..9].to_vec(), n + 4)
+            ]
+        );
+
+        // The target drafting for itself does the same, from a draft cache that starts with
+        // the prompt but its last token.
+        let mut d = DraftModel::new(
+            engine(tiny(11, 0, false)),
+            &e.tokenizer,
+            64,
+            QType::F16,
+            QType::F16,
+        )
+        .unwrap();
+        let got = speculative(&e, prompt, &opts, 64, &mut d, &spec);
+        assert_eq!(got.generated_ids, truth);
+        let st = got.spec.unwrap();
+        assert_eq!((st.rounds, st.drafted, st.accepted), (2, 8, 8));
     }
 }
 

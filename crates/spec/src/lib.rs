@@ -81,13 +81,17 @@ pub trait Drafter {
     /// A short name (`ngram-simple`, `draft-simple`, …) for statistics and errors.
     fn name(&self) -> &'static str;
 
-    /// A new sequence: `prompt` is what the target is about to hold.
+    /// A new sequence: `prompt` is what the target is about to run. Its last token is the
+    /// anchor of the first draft; the rest reaches the target (and [`Drafter::process`] or
+    /// [`Drafter::process_features`]) before that draft when the drafter asks for target
+    /// taps, else possibly only in front of the first verify batch.
     ///
     /// # Errors
     /// A drafter's own failure (e.g. a draft model's prefill).
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError>;
 
-    /// The target ran `tokens` at positions `pos0..` (a prompt chunk or a verify batch, before
+    /// The target ran `tokens` at positions `pos0..` (a prompt chunk, or a verify batch — with
+    /// the prompt in front of the first one's anchor when the prompt was not run before — before
     /// its rejected rows are rolled back). Drafters that learn from the target's tokens hook in
     /// here (those that learn from its hidden states use [`Drafter::process_features`]); the
     /// default ignores it.
