@@ -8,10 +8,12 @@
 //! (measured sizes directly, the others from a line fitted through the measured ones),
 //! acceptance per position with a uniform prior, draft lengths that grow with what rounds
 //! have kept, and a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while
-//! probes keep nothing) so that a drafter that starts to fit again is noticed.
+//! probes keep nothing or drafting still does not pay after them) so that a drafter that
+//! starts to fit again is noticed.
 
 /// Plain steps between two probe drafts while drafting does not pay; the interval doubles
-/// with each drafted round in a row that kept nothing, up to `PROBE_EVERY << MAX_BACKOFF`.
+/// with each drafted round in a row that kept nothing or after which drafting still did not
+/// pay, up to `PROBE_EVERY << MAX_BACKOFF`.
 pub const PROBE_EVERY: usize = 16;
 
 /// Most doublings of the probe interval.
@@ -176,13 +178,7 @@ impl Adaptive {
             // Only plain steps measured: probe.
             return cap.min(PROBE_LEN);
         }
-        let rate = |k: usize| {
-            let cost = self.verify_cost(k).unwrap_or(0.0) + self.draft_cost(k).unwrap_or(0.0);
-            self.expected_tokens(k) / cost.max(1e-12)
-        };
-        let best = (0..=cap)
-            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
-            .unwrap_or(0);
+        let best = self.best(cap);
         if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
             return cap.min(PROBE_LEN);
         }
@@ -190,6 +186,18 @@ impl Adaptive {
             return cap;
         }
         best
+    }
+
+    /// The draft length up to `cap` with the most committed tokens per second by the
+    /// current estimates (the shorter among equals).
+    fn best(&self, cap: usize) -> usize {
+        let rate = |k: usize| {
+            let cost = self.verify_cost(k).unwrap_or(0.0) + self.draft_cost(k).unwrap_or(0.0);
+            self.expected_tokens(k) / cost.max(1e-12)
+        };
+        (0..=cap)
+            .max_by(|&a, &b| rate(a).total_cmp(&rate(b)).then(b.cmp(&a)))
+            .unwrap_or(0)
     }
 
     /// Records a round: a draft of `drafted` tokens (0 for a plain step), `accepted` of them
@@ -222,7 +230,12 @@ impl Adaptive {
             self.plain_streak = 0;
             self.drafted_rounds += 1;
             self.best_kept = self.best_kept.max(accepted);
-            self.misses = if accepted == 0 {
+            // A probe that kept nothing, or whose news still leaves drafting unprofitable
+            // (a drafter that is right but too slow for this target: every probe makes it
+            // catch up with the plain steps since the last, which costs), backs off.
+            let still_plain =
+                self.verify[0].is_some() && self.best(self.n_max.min(2 * self.best_kept + 2)) == 0;
+            self.misses = if accepted == 0 || still_plain {
                 (self.misses + 1).min(MAX_BACKOFF)
             } else {
                 0
@@ -299,12 +312,19 @@ mod tests {
             p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(p.next(100), PROBE_LEN);
-        // A probe that keeps its token shortens the interval again.
+        // A probe that keeps its token but leaves drafting unprofitable (one kept after
+        // thirty misses) does not shorten the interval: probing is not free either.
         p.record(1, 1, 0.011, 0.002, 1);
         for _ in 0..PROBE_EVERY {
             p.record(0, 0, 0.010, 0.0, 0);
         }
-        assert_eq!(p.next(100), PROBE_LEN);
+        assert_eq!(p.next(100), 0);
+        // Drafts kept again and again make drafting pay: the policy drafts.
+        for _ in 0..40 {
+            p.record(1, 1, 0.011, 0.0, 1);
+        }
+        assert!(p.next(100) >= 1);
+        assert_eq!(p.misses, 0);
     }
 
     #[test]
