@@ -2,14 +2,19 @@
 //!
 //! A round with a draft of `k` tokens commits `E(k) = 1 + Σ_{i<k} Π_{j≤i} a_j` tokens on
 //! average (`a_j`: the measured chance that draft position `j` is accepted when reached) and
-//! costs `v(k) + k·d` (`v(k)`: the target's forward over `k + 1` rows, `d`: drafting one
-//! token). [`Adaptive`] picks the `k ≤ n_max` with the most tokens per second — `0`, a plain
-//! decode step, when drafting does not pay — and keeps learning: `v(k)` from every round
-//! (measured sizes directly, the others from a line fitted through the measured ones),
-//! acceptance per position with a uniform prior, draft lengths that grow with what rounds
-//! have kept, and a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while
-//! probes keep nothing or drafting still does not pay after them) so that a drafter that
-//! starts to fit again is noticed.
+//! costs `v(k) + d(k)` (`v(k)`: the target's forward over `k + 1` rows, `d(k)`: drafting `k`
+//! tokens). [`Adaptive`] picks the `k ≤ n_max` with the most tokens per second — `0`, a plain
+//! decode step, when drafting does not pay — and keeps learning:
+//! - `v(k)` and `d(k)` from every round, averaged so that a slow round moves them less than a
+//!   fast one; between measured lengths on the line joining them, past the longest measured
+//!   `v` stays flat (optimistic: the batch cost curve bends, and trying a length corrects it)
+//!   while `d` keeps its slope;
+//! - acceptance per position with a uniform prior;
+//! - draft lengths that grow with what rounds have kept, with the longest allowed tried every
+//!   [`EXPLORE_EVERY`] drafted rounds;
+//! - a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while probes keep
+//!   nothing or drafting still does not pay after them), so that a drafter that starts to fit
+//!   again is noticed.
 
 /// Plain steps between two probe drafts while drafting does not pay; the interval doubles
 /// with each drafted round in a row that kept nothing or after which drafting still did not
