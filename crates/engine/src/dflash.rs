@@ -206,6 +206,10 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         "draft-dflash"
     }
 
+    fn stops_when_unsure(&self) -> bool {
+        true
+    }
+
     fn target_taps(&self) -> &[usize] {
         &self.taps
     }

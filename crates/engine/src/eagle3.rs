@@ -117,6 +117,10 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         "draft-eagle3"
     }
 
+    fn stops_when_unsure(&self) -> bool {
+        true
+    }
+
     fn target_taps(&self) -> &[usize] {
         &self.taps
     }

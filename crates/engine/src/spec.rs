@@ -130,7 +130,8 @@ impl<B: Backend> Engine<B> {
 
         let mut t1 = Instant::now();
         let mut stats = SpecStats::default();
-        let mut policy = Adaptive::new(spec.n_max);
+        let mut policy = Adaptive::new(spec.n_max)
+            .self_limiting(spec.p_min > 0.0 && drafter.stops_when_unsure());
         let mut batch = Vec::with_capacity(spec.n_max + 1);
         // The first anchor, the last prompt token, is new to the drafter.
         let mut since_draft = 1usize;
@@ -208,6 +209,15 @@ impl<B: Backend> Engine<B> {
             if lead == 0 {
                 // A verify that carried the prompt says nothing about a verify's cost.
                 policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
+                if std::env::var_os("SPECULA_TRACE").is_some() {
+                    eprintln!(
+                        "TRACE k={k} d={} a={} v={:.2}ms ds={:.2}ms cu={caught_up}",
+                        draft.len(),
+                        verdict.accepted,
+                        verify_s * 1e3,
+                        draft_s * 1e3
+                    );
+                }
             }
             // The cache keeps the anchor and the accepted drafts.
             s.truncate(base + 1 + verdict.accepted);
@@ -507,6 +517,10 @@ pub(crate) fn top1(logits: &[f32]) -> (u32, f32) {
 impl<B: Backend> Drafter for DraftModel<B> {
     fn name(&self) -> &'static str {
         "draft-simple"
+    }
+
+    fn stops_when_unsure(&self) -> bool {
+        true
     }
 
     fn begin(&mut self, prompt: &[u32]) -> std::result::Result<(), SpecError> {

@@ -139,6 +139,14 @@ pub trait Drafter {
         let _ = n;
     }
 
+    /// Whether this drafter ends a draft by itself where it becomes unsure (its top-1
+    /// probability below [`DraftParams::p_min`]), as a draft model does: an adaptive policy
+    /// then only decides whether to draft and how long a draft may grow, and leaves where a
+    /// draft ends to the drafter, which knows token by token.
+    fn stops_when_unsure(&self) -> bool {
+        false
+    }
+
     /// A snapshot of the drafter's per-sequence state (for checkpoints and prompt caches).
     fn state(&self) -> DrafterState;
 
@@ -238,6 +246,10 @@ impl Drafter for DrafterChain {
             }
         }
         Ok(Vec::new())
+    }
+
+    fn stops_when_unsure(&self) -> bool {
+        self.drafters.iter().all(|d| d.stops_when_unsure())
     }
 
     fn accept(&mut self, n: usize) {

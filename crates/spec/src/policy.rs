@@ -61,6 +61,8 @@ pub struct Adaptive {
     best_kept: usize,
     /// Drafted rounds so far.
     drafted_rounds: usize,
+    /// The drafter ends drafts where it is unsure ([`crate::Drafter::stops_when_unsure`]).
+    self_limiting: bool,
 }
 
 impl Adaptive {
@@ -77,7 +79,19 @@ impl Adaptive {
             misses: 0,
             best_kept: 0,
             drafted_rounds: 0,
+            self_limiting: false,
         }
+    }
+
+    /// For a drafter that ends each draft where it becomes unsure: when drafting pays, ask
+    /// for the longest draft allowed (twice the most tokens a round kept, plus two) and let
+    /// the drafter stop earlier, token by token. Its confidence says more about one draft than
+    /// the policy's averages: on code, a draft model is sure of long runs and unsure of single
+    /// tokens, and the averages would cut the long runs short.
+    #[must_use]
+    pub fn self_limiting(mut self, on: bool) -> Self {
+        self.self_limiting = on;
+        self
     }
 
     /// The upper bound.
@@ -187,7 +201,9 @@ impl Adaptive {
         if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
             return cap.min(PROBE_LEN);
         }
-        if best > 0 && self.drafted_rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1 {
+        if best > 0
+            && (self.self_limiting || self.drafted_rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1)
+        {
             return cap;
         }
         best
@@ -354,6 +370,33 @@ mod tests {
             p.expected_tokens(k) / (p.verify_cost(k).unwrap() + p.draft_cost(k).unwrap())
         };
         assert!((0..=14).all(|j| rate(j) <= rate(k)), "chose {k}");
+    }
+
+    #[test]
+    fn a_drafter_that_stops_itself_is_given_the_longest_draft_when_drafting_pays() {
+        let feed = |p: &mut Adaptive| {
+            for _ in 0..6 {
+                p.record(0, 0, 0.010, 0.0, 0);
+                p.record(3, 3, 0.016, 0.006, 1);
+                p.record(5, 5, 0.020, 0.010, 1);
+            }
+        };
+        let mut averages = Adaptive::new(16);
+        feed(&mut averages);
+        let mut stops = Adaptive::new(16).self_limiting(true);
+        feed(&mut stops);
+        // Both find that drafting pays; the second leaves the length to the drafter, up to
+        // twice the most kept plus two.
+        let k = averages.next(100);
+        assert!((1..12).contains(&k), "{k}");
+        assert_eq!(stops.next(100), 12);
+        // Where drafting does not pay, neither drafts.
+        let mut slow = Adaptive::new(16).self_limiting(true);
+        for _ in 0..6 {
+            slow.record(0, 0, 0.010, 0.0, 0);
+            slow.record(3, 0, 0.016, 0.030, 1);
+        }
+        assert_eq!(slow.next(100), 0);
     }
 
     #[test]
