@@ -87,6 +87,27 @@ pub trait Drafter {
     /// A drafter's own failure (e.g. a draft model's prefill).
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError>;
 
+    /// [`Drafter::begin`] for a target that already holds the first `reused` positions of
+    /// `prompt` (a prompt-cache hit; 0 for a fresh cache) and runs only the rest. A drafter
+    /// that keeps context of target positions (DFlash's injected KV, EAGLE-3's features)
+    /// keeps it for at most those positions and returns how many of them it holds: the
+    /// target must run the positions from there on, so that the drafter sees them. The
+    /// default, for drafters that follow the tokens alone, calls `begin` and returns
+    /// `reused`.
+    ///
+    /// # Errors
+    /// As [`Drafter::begin`].
+    fn begin_reusing(&mut self, prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+        self.begin(prompt)?;
+        Ok(reused)
+    }
+
+    /// The longest draft this drafter can make in a round (DFlash: its block size minus the
+    /// anchor), `None` when only the loop's `n_max` bounds it.
+    fn max_draft(&self) -> Option<usize> {
+        None
+    }
+
     /// The target ran `tokens` at positions `pos0..` (a prompt chunk or a verify batch, before
     /// its rejected rows are rolled back). Drafters that learn from the target's tokens hook in
     /// here (those that learn from its hidden states use [`Drafter::process_features`]); the
@@ -188,6 +209,24 @@ impl Drafter for DrafterChain {
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
         self.last = None;
         self.drafters.iter_mut().try_for_each(|d| d.begin(prompt))
+    }
+
+    /// The context every drafter of the chain holds.
+    fn begin_reusing(&mut self, prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+        self.last = None;
+        let mut held = reused;
+        for d in &mut self.drafters {
+            held = held.min(d.begin_reusing(prompt, reused)?);
+        }
+        Ok(held)
+    }
+
+    /// The longest draft of any drafter of the chain.
+    fn max_draft(&self) -> Option<usize> {
+        self.drafters
+            .iter()
+            .map(|d| d.max_draft())
+            .try_fold(0, |m, d| d.map(|d| m.max(d)))
     }
 
     fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
