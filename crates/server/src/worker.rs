@@ -589,8 +589,8 @@ impl<B: Backend> Worker<B> {
                 let Some(t) = task else { continue };
                 // Hidden states only for a slot whose drafter learns from them and drafts
                 // for this request.
-                let capture = (t.spec_on && !taps.layers.is_empty())
-                    .then_some(Capture { taps, features });
+                let capture =
+                    (t.spec_on && !taps.layers.is_empty()).then_some(Capture { taps, features });
                 match t.phase {
                     // Prompt rows: their KV only, no logits.
                     Phase::Prefill { next } if t.prefill_end > next => {

@@ -71,9 +71,7 @@ fn chat(messages: &[&str], max_tokens: u64) -> Value {
     let msgs: Vec<Value> = messages
         .iter()
         .enumerate()
-        .map(|(i, m)| {
-            json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": m})
-        })
+        .map(|(i, m)| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": m}))
         .collect();
     json!({"messages": msgs, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": true,
            "stream": true})
@@ -317,4 +315,3 @@ fn two_slots_drafting_side_by_side_give_the_answers_and_drafts_of_each_alone() {
         "the requests ran together:\n{m}"
     );
 }
-
