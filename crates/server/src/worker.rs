@@ -7,7 +7,10 @@
 //! requests whose client left or whose time ran out; then one batched forward over every busy
 //! slot — a slot reading its prompt contributes its next prompt chunk (all chunks together at
 //! most `n_batch` rows, no logits), a generating slot its anchor token and, when it
-//! speculates, its draft — and verify, commit and stream each generating slot's tokens.
+//! speculates, its draft — and verify, commit and stream each generating slot's tokens. A
+//! slot whose drafter learns from target hidden states captures them in that forward, and its
+//! drafter sees every prompt chunk and verify batch with them (as `generate_speculative`
+//! feeds it).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
