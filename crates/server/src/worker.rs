@@ -662,6 +662,9 @@ impl<B: Backend> Worker<B> {
                 }
             };
             if let Some(d) = slot.drafter.as_mut().filter(|_| t.spec_on) {
+                // The drafter's share of the round after the forward (feature injection, its
+                // deferred part on acceptance) is drafting cost, as in `generate_speculative`.
+                let td = Instant::now();
                 let fed = if slot.taps.layers.is_empty() {
                     d.process(&t.batch, base)
                 } else {
@@ -671,17 +674,18 @@ impl<B: Backend> Worker<B> {
                     fail(slot, 500, &format!("the drafter failed: {e}"));
                     continue;
                 }
+                if !draft.is_empty() {
+                    d.accept(verdict.accepted);
+                }
+                let draft_s = t.draft_s + td.elapsed().as_secs_f64();
                 t.stats.record(draft.len(), verdict.accepted);
                 t.policy.record(
                     draft.len(),
                     verdict.accepted,
                     verify_s,
-                    t.draft_s,
+                    draft_s,
                     t.caught_up,
                 );
-                if !draft.is_empty() {
-                    d.accept(verdict.accepted);
-                }
             }
             slot.session.truncate(base + 1 + verdict.accepted);
             t.since_draft += 1;

@@ -301,3 +301,72 @@ impl Drafter for DrafterChain {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drafter that holds context for its first `held` positions and drafts at most `max`.
+    struct Held {
+        held: usize,
+        max: Option<usize>,
+    }
+
+    impl Drafter for Held {
+        fn name(&self) -> &'static str {
+            "held"
+        }
+        fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+            Ok(())
+        }
+        fn begin_reusing(&mut self, _prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+            self.held = self.held.min(reused);
+            Ok(self.held)
+        }
+        fn max_draft(&self) -> Option<usize> {
+            self.max
+        }
+        fn draft(&mut self, _p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+            Ok(Vec::new())
+        }
+        fn state(&self) -> DrafterState {
+            Box::new(())
+        }
+        fn restore(&mut self, _s: &DrafterState) -> Result<(), SpecError> {
+            Ok(())
+        }
+    }
+
+    /// A chain reuses only what every member holds, and drafts at most its longest member's
+    /// draft (unbounded when one member is).
+    #[test]
+    fn a_chain_reuses_what_all_its_drafters_hold() {
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut c = DrafterChain::new(vec![
+            Box::new(ngram::NgramSimple::default()),
+            Box::new(Held {
+                held: 3,
+                max: Some(5),
+            }),
+        ]);
+        assert_eq!(c.begin_reusing(&prompt, 6).unwrap(), 3);
+        assert_eq!(c.begin_reusing(&prompt, 2).unwrap(), 2);
+        assert_eq!(c.max_draft(), None);
+        let mut c = DrafterChain::new(vec![
+            Box::new(Held {
+                held: 9,
+                max: Some(3),
+            }),
+            Box::new(Held {
+                held: 9,
+                max: Some(7),
+            }),
+        ]);
+        assert_eq!(c.begin_reusing(&prompt, 6).unwrap(), 6);
+        assert_eq!(c.max_draft(), Some(7));
+        // The default: a drafter that follows the tokens alone reuses everything.
+        let mut n = ngram::NgramSimple::default();
+        assert_eq!(n.begin_reusing(&prompt, 7).unwrap(), 7);
+        assert_eq!(n.max_draft(), None);
+    }
+}
