@@ -205,8 +205,17 @@ fn greedy_output_with_a_feature_drafter_equals_the_output_without_one() {
         .iter()
         .map(|p| send(plain.addr(), &chat(p, 40)).0.ids)
         .collect();
+    // A one-token prompt: the first draft has no target context at all.
+    let one = json!({"prompt": "x", "max_tokens": 12, "temperature": 0, "ignore_eos": true});
+    let want_one = post(plain.addr(), "/v1/completions", &one).json();
+    assert_eq!(want_one["usage"]["prompt_tokens"], 1);
     for (name, d) in drafters() {
         let s = server(cfg(1), d);
+        let got = post(s.addr(), "/v1/completions", &one).json();
+        assert_eq!(
+            got["choices"][0]["text"], want_one["choices"][0]["text"],
+            "{name}: {got}"
+        );
         for (p, w) in prompts.iter().zip(&want) {
             let (run, _) = send(s.addr(), &chat(p, 40));
             assert_eq!(&run.ids, w, "{name}, {p:?}");
