@@ -1,5 +1,6 @@
 //! The speculative-decoding flags `specula run` and `specula serve` share (llama.cpp's names):
-//! draft length per round and the draft model's own context, threads and cache types.
+//! draft length per round, the draft model's own context, threads and cache types, and DFlash's
+//! injection policy.
 
 use anyhow::{Result, bail};
 
@@ -57,6 +58,14 @@ pub struct DraftArgs {
         default_value = "f16"
     )]
     pub cache_type_v_draft: String,
+    /// DFlash: inject a verify batch's features into the draft cache only for its committed
+    /// rows, once acceptance is known (1), or every batch right after the target ran it (0).
+    #[arg(
+        long = "dflash-defer-injection",
+        default_value_t = 1,
+        value_parser = clap::value_parser!(u8).range(0..=1)
+    )]
+    pub dflash_defer_injection: u8,
 }
 
 impl DraftArgs {

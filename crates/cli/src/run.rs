@@ -95,14 +95,6 @@ pub struct Args {
     /// The `-md` file is an EAGLE-3 head (`--spec-type draft-eagle3`).
     #[arg(long = "eagle3")]
     pub eagle3: bool,
-    /// DFlash: inject a verify batch's features into the draft cache only for its committed
-    /// rows, once acceptance is known (1), or every batch right after the target ran it (0).
-    #[arg(
-        long = "dflash-defer-injection",
-        default_value_t = 1,
-        value_parser = clap::value_parser!(u8).range(0..=1)
-    )]
-    pub dflash_defer_injection: u8,
     /// The draft-model and draft-length flags shared with `specula serve`.
     #[command(flatten)]
     pub draft: crate::draft_args::DraftArgs,
@@ -433,7 +425,7 @@ fn drafter(
                 specula_gguf::Gguf::open(&path)
                     .with_context(|| format!("cannot load the draft {}", path.display()))?,
             );
-            let policy = if args.dflash_defer_injection == 1 {
+            let policy = if args.draft.dflash_defer_injection == 1 {
                 Injection::Deferred
             } else {
                 Injection::Eager

@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::ValueEnum as _;
-use specula_engine::{DraftModel, SpecOptions};
+use specula_cpu::CpuBackend;
+use specula_engine::{DflashDrafter, DraftModel, Eagle3Drafter, Engine, Injection, SpecOptions};
+use specula_models::dflash::Dflash;
+use specula_models::eagle3::Eagle3;
 use specula_server::{ServerConfig, Speculative};
 use specula_spec::ngram::{NgramCache, NgramSimple};
 use specula_tokenizer::Tokenizer;
@@ -65,11 +68,13 @@ pub struct Args {
     /// Draft model (GGUF file or manifest name) for speculative decoding.
     #[arg(long = "model-draft", visible_alias = "md")]
     pub model_draft: Option<String>,
-    /// Speculative method; default: `draft-simple` with `-md`, else none.
+    /// Speculative method; default with `-md`: from the draft GGUF's architecture (`dflash` →
+    /// `draft-dflash`, `eagle3` → `draft-eagle3`, else `draft-simple`); without: none.
     #[arg(long = "spec-type", value_enum)]
     pub spec_type: Option<SpecType>,
-    /// The draft-model and draft-length flags shared with `specula run` (a request may lower
-    /// `--spec-draft-n-max`: `speculative.n_max`; `-cd` 0 is a slot's context).
+    /// The draft-model and draft-length flags shared with `specula run` (a request may change
+    /// `--spec-draft-n-max`: `speculative.n_max`; `-cd` 0 is a slot's context; a DFlash or
+    /// EAGLE-3 drafter's cache holds at least a slot's context).
     #[command(flatten)]
     pub draft: crate::draft_args::DraftArgs,
 }
@@ -103,7 +108,7 @@ pub fn run(args: &Args) -> Result<String> {
         .with_context(|| format!("cannot load {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
-    let spec = speculative(args, &engine.tokenizer, n_ctx_slot)?;
+    let spec = speculative(args, &engine, n_ctx_slot)?;
     let name = args.alias.clone().unwrap_or_else(|| {
         path.file_name()
             .map_or_else(|| "specula".into(), |n| n.to_string_lossy().into_owned())
@@ -136,7 +141,13 @@ pub fn run(args: &Args) -> Result<String> {
 
 /// The drafters the flags ask for. Without `-md` or `--spec-type` there is none, and
 /// nothing speculative is set up or logged.
-fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Option<Speculative>> {
+/// Model drafters are loaded once and shared by the slots' drafters, each with its own cache
+/// and state.
+fn speculative(
+    args: &Args,
+    target: &Engine<CpuBackend>,
+    n_ctx_slot: usize,
+) -> Result<Option<Speculative>> {
     let kind = match (args.spec_type, &args.model_draft) {
         (Some(t), _) => t,
         (None, Some(md)) => crate::run::detect_spec_type(&load::model_path(Some(md))?)?,
@@ -166,7 +177,7 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
             }
         );
     }
-    let options = SpecOptions {
+    let mut options = SpecOptions {
         n_max: args.draft.spec_n_max,
         n_min: args.draft.spec_n_min,
         p_min: args.draft.spec_p_min,
@@ -176,11 +187,46 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
         SpecType::None => return Ok(None),
         SpecType::NgramSimple => Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
         SpecType::NgramCache => Box::new(|| Ok(Box::new(NgramCache::default()) as _)),
-        SpecType::DraftEagle3 | SpecType::DraftDflash => bail!(
-            "--spec-type {name}: specula serve does not run feature drafters (DFlash, EAGLE-3) yet, \
-             its batched forward does not tap hidden states; use them with `specula run`, or serve \
-             with a draft model (draft-simple) or an n-gram type"
-        ),
+        SpecType::DraftDflash => {
+            let (path, file) = draft_file(args)?;
+            let backend = CpuBackend::new(args.draft.threads(args.threads));
+            let net = Dflash::load(&backend, file, &target.model)
+                .with_context(|| format!("cannot use {} as a DFlash drafter", path.display()))?;
+            let block = net.hparams().block_size;
+            if options.n_max > block - 1 {
+                tracing::info!(
+                    "--spec-draft-n-max {} clamped to {} (the DFlash block size {block} minus the anchor)",
+                    options.n_max,
+                    block - 1
+                );
+                options.n_max = block - 1;
+            }
+            let policy = if args.draft.dflash_defer_injection == 1 {
+                Injection::Deferred
+            } else {
+                Injection::Eager
+            };
+            let (backend, net) = (Arc::new(backend), Arc::new(net));
+            let (n_ctx, k, v) = feature_cache(args, n_ctx_slot)?;
+            Box::new(move || {
+                DflashDrafter::shared(Arc::clone(&backend), Arc::clone(&net), n_ctx, k, v, policy)
+                    .map(|d| Box::new(d) as _)
+                    .map_err(|e| e.to_string())
+            })
+        }
+        SpecType::DraftEagle3 => {
+            let (path, file) = draft_file(args)?;
+            let backend = CpuBackend::new(args.draft.threads(args.threads));
+            let net = Eagle3::load(&backend, file, &target.model)
+                .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
+            let (backend, net) = (Arc::new(backend), Arc::new(net));
+            let (n_ctx, k, v) = feature_cache(args, n_ctx_slot)?;
+            Box::new(move || {
+                Eagle3Drafter::shared(Arc::clone(&backend), Arc::clone(&net), n_ctx, k, v)
+                    .map(|d| Box::new(d) as _)
+                    .map_err(|e| e.to_string())
+            })
+        }
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
             let threads = args.draft.threads(args.threads);
@@ -189,7 +235,7 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {
                 tracing::info!("{msg}");
             }
-            specula_engine::check_vocab(target, &draft.tokenizer)
+            specula_engine::check_vocab(&target.tokenizer, &draft.tokenizer)
                 .with_context(|| format!("cannot use {} as the draft model", path.display()))?;
             let draft = Arc::new(draft);
             let target_file = target_tokenizer_copy(args)?;
@@ -214,6 +260,27 @@ fn speculative(args: &Args, target: &Tokenizer, n_ctx_slot: usize) -> Result<Opt
         options,
         factory,
     }))
+}
+
+/// The feature drafter's file (`-md`), mapped.
+fn draft_file(args: &Args) -> Result<(std::path::PathBuf, Arc<specula_gguf::Gguf>)> {
+    let path = load::model_path(args.model_draft.as_deref())?;
+    let file = specula_gguf::Gguf::open(&path)
+        .with_context(|| format!("cannot load the draft {}", path.display()))?;
+    Ok((path, Arc::new(file)))
+}
+
+/// Cells and formats of a feature drafter's cache: it holds context for every position of
+/// its slot, so at least a slot's context (`-cd` may ask for more).
+fn feature_cache(
+    args: &Args,
+    n_ctx_slot: usize,
+) -> Result<(usize, specula_quant::QType, specula_quant::QType)> {
+    Ok((
+        n_ctx_slot.max(args.draft.ctx_size_draft),
+        load::cache_type(&args.draft.cache_type_k_draft)?,
+        load::cache_type(&args.draft.cache_type_v_draft)?,
+    ))
 }
 
 /// The target's tokenizer once more, owned by the draft factory (it checks each drafter's

@@ -2,7 +2,8 @@
 //! drafter is picked from the draft file's architecture (or `--dflash`), greedy output is the
 //! plain output under both injection policies, `--spec-draft-n-max` is clamped to the block
 //! size minus one, and contradictory or unsupported flags are one-line errors. The same for an
-//! EAGLE-3 head (auto-detected, or `--eagle3`), and `specula bench -md`.
+//! EAGLE-3 head (auto-detected, or `--eagle3`), and `specula bench -md`. `specula serve` runs
+//! both drafters, auto-detected, with the answers of `specula run`.
 
 use std::path::Path;
 use std::process::{Command, Output};
@@ -294,17 +295,98 @@ fn dflash_drafter_from_the_command_line() {
     bad(&["-md", &t, "--dflash"], "DFlash");
 }
 
+/// `specula serve` with a feature drafter from the command line (auto-detected from `-md`):
+/// the greedy answer of a completion is `specula run`'s, the slots report the drafter, and the
+/// DFlash default draft length is clamped to the block.
+#[cfg(unix)]
 #[test]
-fn serve_names_feature_drafters_it_cannot_run_yet() {
+fn serve_runs_feature_drafters_from_the_command_line() {
+    use std::io::{BufRead as _, BufReader, Read as _, Write as _};
     let dir = tempfile::tempdir().unwrap();
     let (t, d) = files(dir.path());
-    // Auto-detected from the draft's architecture, refused before the server listens.
-    let out = specula(&["serve", "-m", &t, "-md", &d, "--port", "0"]);
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("draft-dflash") && err.contains("feature drafters"),
-        "{err}"
-    );
-    assert!(!err.contains("panicked"), "{err}");
+    let head = dir.path().join("eagle3.gguf");
+    let (plain, _) = run_json(&[
+        "run",
+        "-m",
+        &t,
+        "-p",
+        "Hello, world",
+        "-n",
+        "24",
+        "--temp",
+        "0",
+        "--json",
+        "-t",
+        "1",
+    ]);
+    let want: Vec<u64> = plain["generated_ids"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    for (md, kind) in [
+        (d.as_str(), "draft-dflash"),
+        (head.to_str().unwrap(), "draft-eagle3"),
+    ] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_specula"))
+            .args(["serve", "-m", &t, "-md", md, "--port", "0", "-t", "1"])
+            .args(["-c", "256", "--spec-fixed", "--spec-draft-p-min", "0"])
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut err = BufReader::new(child.stderr.take().unwrap());
+        let mut log = String::new();
+        let addr = loop {
+            let mut line = String::new();
+            assert!(err.read_line(&mut line).unwrap() > 0, "exited: {log}");
+            log.push_str(&line);
+            if let Some(rest) = line.split("listening on http://").nth(1) {
+                break rest.trim().to_owned();
+            }
+        };
+        let ask = |method: &str, path: &str, body: &str| {
+            let mut s = std::net::TcpStream::connect(&addr).unwrap();
+            write!(
+                s,
+                "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            )
+            .unwrap();
+            let mut out = String::new();
+            s.read_to_string(&mut out).unwrap();
+            out
+        };
+        let r = ask(
+            "POST",
+            "/v1/completions",
+            r#"{"prompt":"Hello, world","max_tokens":24,"temperature":0,"ignore_eos":true,"stream":true}"#,
+        );
+        let mut ids = Vec::new();
+        let mut last = Json::Null;
+        for l in r.lines() {
+            if let Some(data) = l.strip_prefix("data: ")
+                && data != "[DONE]"
+            {
+                let v: Json = serde_json::from_str(data).unwrap();
+                if let Some(ts) = v["tokens"].as_array() {
+                    ids.extend(ts.iter().map(|t| t.as_u64().unwrap()));
+                }
+                last = v;
+            }
+        }
+        assert_eq!(ids, want, "{kind}: {r}");
+        let drafted = last["timings"]["draft_n"].as_u64().unwrap();
+        let rounds = last["timings"]["draft_rounds"].as_u64().unwrap();
+        assert!(drafted > 0, "{kind}: {last}");
+        let slots = ask("GET", "/slots", "");
+        assert!(slots.contains(&format!("\"type\":\"{kind}\"")), "{slots}");
+        if kind == "draft-dflash" {
+            // The default n_max 16 does not fit a block of 6.
+            assert!(log.contains("clamped to 5"), "{log}");
+            assert!(drafted <= 5 * rounds, "{last}");
+        }
+        child.kill().unwrap();
+        let _ = child.wait();
+    }
 }

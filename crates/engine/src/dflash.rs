@@ -61,8 +61,8 @@ const INJECT_CHUNK: usize = 512;
 
 /// A DFlash drafter for one target.
 pub struct DflashDrafter<B: Backend> {
-    backend: B,
-    net: Dflash<B>,
+    backend: Arc<B>,
+    net: Arc<Dflash<B>>,
     kv: B::Kv,
     n_ctx: usize,
     scratch: DflashScratch<B>,
@@ -111,6 +111,30 @@ impl<B: Backend> DflashDrafter<B> {
         policy: Injection,
     ) -> Result<Self> {
         let net = Dflash::load(&backend, file, &target.model)?;
+        Self::shared(
+            Arc::new(backend),
+            Arc::new(net),
+            n_ctx,
+            k_type,
+            v_type,
+            policy,
+        )
+    }
+
+    /// A drafter over a network (and the backend it runs on) shared with other drafters, one
+    /// per server slot: the weights are loaded once ([`Dflash::load`]), each drafter keeps its
+    /// own cache, context and scratch.
+    ///
+    /// # Errors
+    /// A MASK id outside the vocabulary and cache formats the backend refuses.
+    pub fn shared(
+        backend: Arc<B>,
+        net: Arc<Dflash<B>>,
+        n_ctx: usize,
+        k_type: QType,
+        v_type: QType,
+        policy: Injection,
+    ) -> Result<Self> {
         let mask = net.hparams().mask_token_id;
         if mask as usize >= net.n_vocab() {
             return Err(EngineError::BadToken {
@@ -217,7 +241,8 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
         // The cache may hold the context of an earlier request sharing this prompt's prefix
         // (a prompt-cache hit: the target will not run those positions again); the batches
-        // that follow overwrite the rest.
+        // that follow overwrite the rest. A cell's context depends only on the tokens up to
+        // its position, so a common prefix is valid context whatever ran since.
         self.stash = None;
         self.last_draft.clear();
         let common = self
@@ -228,6 +253,18 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             .count();
         self.ctx_tokens.truncate(common);
         Ok(())
+    }
+
+    fn begin_reusing(&mut self, prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+        // Context for exactly the positions the target reuses (or fewer, when this drafter
+        // sat out a request that wrote them: the target then runs them again).
+        self.begin(prompt)?;
+        self.ctx_tokens.truncate(reused);
+        Ok(self.ctx_tokens.len())
+    }
+
+    fn max_draft(&self) -> Option<usize> {
+        Some(self.net.hparams().block_size - 1)
     }
 
     fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {

@@ -30,8 +30,8 @@ struct State {
 
 /// An EAGLE-3 drafter for one target.
 pub struct Eagle3Drafter<B: Backend> {
-    backend: B,
-    net: Eagle3<B>,
+    backend: Arc<B>,
+    net: Arc<Eagle3<B>>,
     kv: B::Kv,
     n_ctx: usize,
     scratch: Eagle3Scratch<B>,
@@ -78,6 +78,22 @@ impl<B: Backend> Eagle3Drafter<B> {
         v_type: QType,
     ) -> Result<Self> {
         let net = Eagle3::load(&backend, file, &target.model)?;
+        Self::shared(Arc::new(backend), Arc::new(net), n_ctx, k_type, v_type)
+    }
+
+    /// A drafter over a head (and the backend it runs on) shared with other drafters, one per
+    /// server slot: the weights are loaded once ([`Eagle3::load`]), each drafter keeps its own
+    /// cache, features and scratch.
+    ///
+    /// # Errors
+    /// Cache formats the backend refuses.
+    pub fn shared(
+        backend: Arc<B>,
+        net: Arc<Eagle3<B>>,
+        n_ctx: usize,
+        k_type: QType,
+        v_type: QType,
+    ) -> Result<Self> {
         let kv = backend
             .kv_new(net.kv_shape(n_ctx, k_type, v_type))
             .map_err(specula_models::ModelError::from)?;
@@ -134,6 +150,14 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             .count();
         self.truncate(common);
         Ok(())
+    }
+
+    fn begin_reusing(&mut self, prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+        // Features of exactly the positions the target reuses (or fewer, when this drafter
+        // sat out a request that wrote them: the target then runs them again).
+        self.begin(prompt)?;
+        self.truncate(reused.min(self.seq.len()));
+        Ok(self.seq.len())
     }
 
     fn process(&mut self, _tokens: &[u32], pos0: usize) -> Result<(), SpecError> {

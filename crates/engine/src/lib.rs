@@ -165,6 +165,22 @@ pub struct BatchEntry<'a, B: Backend> {
     pub tokens: &'a [u32],
     /// Logits are returned for `tokens[logits_from..]`.
     pub logits_from: usize,
+    /// Target hidden states to capture for this entry's rows, for a feature drafter; `None`
+    /// (every entry of a plain batch) costs nothing.
+    pub capture: Option<Capture<'a>>,
+}
+
+/// The hidden states a [`BatchEntry`] captures: `taps.layers` are asked for (the layer-input
+/// convention of [`specula_models::Taps`]); `features` (cleared first) receives
+/// `[tokens.len(), taps · n_embd]` row-major, each row the taps side by side — what
+/// [`specula_spec::Drafter::process_features`] takes, as [`Engine::prefill_with_features`]
+/// gives it.
+#[derive(Debug)]
+pub struct Capture<'a> {
+    /// The taps (their `rows` are the engine's buffers).
+    pub taps: &'a mut specula_models::Taps,
+    /// The entry's features.
+    pub features: &'a mut Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for BatchEntry<'_, B> {
@@ -173,6 +189,7 @@ impl<B: Backend> std::fmt::Debug for BatchEntry<'_, B> {
             .field("session", &self.session)
             .field("tokens", &self.tokens)
             .field("logits_from", &self.logits_from)
+            .field("capture", &self.capture)
             .finish()
     }
 }
@@ -380,14 +397,30 @@ impl<B: Backend> Engine<B> {
         taps: &mut specula_models::Taps,
         features: &mut Vec<f32>,
     ) -> Result<()> {
+        self.check_taps(&taps.layers)?;
+        features.clear();
+        self.prefill_impl(s, ids, first, out, Some((taps, features)))
+    }
+
+    fn check_taps(&self, layers: &[usize]) -> Result<()> {
         let n_layer = self.model.hparams().n_layer;
-        if let Some(&t) = taps.layers.iter().find(|&&t| t > n_layer) {
+        if let Some(&t) = layers.iter().find(|&&t| t > n_layer) {
             return Err(EngineError::Model(ModelError::Batch(format!(
                 "tap {t} is past the target's {n_layer} layers"
             ))));
         }
-        features.clear();
-        self.prefill_impl(s, ids, first, out, Some((taps, features)))
+        Ok(())
+    }
+
+    /// Appends the `n` rows of `taps` to `features`, each row the taps side by side.
+    fn interleave(&self, taps: &specula_models::Taps, n: usize, features: &mut Vec<f32>) {
+        let n_embd = self.model.hparams().n_embd;
+        features.reserve(n * n_embd * taps.rows.len());
+        for r in 0..n {
+            for rows in &taps.rows {
+                features.extend_from_slice(&rows[r * n_embd..(r + 1) * n_embd]);
+            }
+        }
     }
 
     fn prefill_impl(
@@ -432,12 +465,7 @@ impl<B: Backend> Engine<B> {
             out.extend_from_slice(logits);
             s.n_past += chunk.len();
             if let Some((taps, features)) = capture.as_mut() {
-                let n_embd = self.model.hparams().n_embd;
-                for r in 0..chunk.len() {
-                    for rows in &taps.rows {
-                        features.extend_from_slice(&rows[r * n_embd..(r + 1) * n_embd]);
-                    }
-                }
+                self.interleave(taps, chunk.len(), features);
             }
         }
         Ok(())
@@ -453,11 +481,12 @@ impl<B: Backend> Engine<B> {
     /// over all rows, attention per session on its own cache) and writes the logits of each
     /// entry's rows `tokens[logits_from..]` into `out` (cleared first), entry after entry.
     /// With batch-invariant kernels every row has the bits it has when its session runs
-    /// alone. Each session's position advances by its tokens.
+    /// alone. Each session's position advances by its tokens. An entry with a
+    /// [`BatchEntry::capture`] also gets the hidden states of its own rows.
     ///
     /// # Errors
-    /// An entry with no tokens, ids outside the vocabulary, or not enough context left in a
-    /// session (checked for all entries before any work).
+    /// An entry with no tokens, ids outside the vocabulary, a tap past the model's layers, or
+    /// not enough context left in a session (checked for all entries before any work).
     pub fn decode_multi(
         &self,
         entries: &mut [BatchEntry<'_, B>],
@@ -469,6 +498,9 @@ impl<B: Backend> Engine<B> {
                 return Err(EngineError::EmptyPrompt);
             }
             self.check_ids(e.tokens)?;
+            if let Some(c) = &e.capture {
+                self.check_taps(&c.taps.layers)?;
+            }
             let s = &e.session;
             if s.n_past + e.tokens.len() > s.n_ctx {
                 return Err(EngineError::ContextFull {
@@ -501,6 +533,7 @@ impl<B: Backend> Engine<B> {
                     tokens: e.tokens,
                     pos: &s.pos,
                     logits_rows: &s.rows,
+                    taps: e.capture.as_mut().map(|c| &mut *c.taps),
                 }
             })
             .collect();
@@ -511,6 +544,10 @@ impl<B: Backend> Engine<B> {
         drop(seqs);
         for e in entries.iter_mut() {
             e.session.n_past += e.tokens.len();
+            if let Some(c) = &mut e.capture {
+                c.features.clear();
+                self.interleave(c.taps, e.tokens.len(), c.features);
+            }
         }
         Ok(())
     }

@@ -142,6 +142,10 @@ pub struct Taps {
     pub rows: Vec<Vec<f32>>,
 }
 
+/// What a forward calls at each tap point (a layer's input, then the pre-final-norm state)
+/// with the batch's hidden state in `Scratch::x`.
+type TapFn<'a, B> = dyn FnMut(&B, &mut Scratch<B>, usize) + 'a;
+
 /// Reusable activation buffers of one forward pass.
 #[derive(Debug)]
 pub struct Scratch<B: Backend> {
@@ -173,6 +177,8 @@ pub struct Scratch<B: Backend> {
     all_logits_rows: Vec<usize>,
     attn_host: Vec<f32>,
     seq_host: Vec<f32>,
+    /// One sequence's rows of a tapped hidden state ([`Model::forward_multi`]).
+    tap_rows: B::Tensor,
 }
 
 /// One sequence's rows in a [`Model::forward_multi`] batch: its own cache, its tokens at their
@@ -186,6 +192,9 @@ pub struct SeqRows<'a, B: Backend> {
     pub pos: &'a [u32],
     /// Rows (indices into `tokens`) whose logits are wanted.
     pub logits_rows: &'a [usize],
+    /// Hidden states to capture for this sequence's rows only (a feature drafter's taps);
+    /// `None` costs nothing.
+    pub taps: Option<&'a mut Taps>,
 }
 
 impl<B: Backend> std::fmt::Debug for SeqRows<'_, B> {
@@ -194,6 +203,7 @@ impl<B: Backend> std::fmt::Debug for SeqRows<'_, B> {
             .field("tokens", &self.tokens)
             .field("pos", &self.pos)
             .field("logits_rows", &self.logits_rows)
+            .field("taps", &self.taps.as_ref().map(|t| &t.layers))
             .finish_non_exhaustive()
     }
 }
@@ -499,6 +509,7 @@ impl<B: Backend> Model<B> {
             all_logits_rows: Vec::new(),
             attn_host: Vec::new(),
             seq_host: Vec::new(),
+            tap_rows: z(),
         }
     }
 
@@ -554,8 +565,19 @@ impl<B: Backend> Model<B> {
         if let Some(t) = taps.as_deref_mut() {
             t.rows.resize(t.layers.len(), Vec::new());
         }
+        let want = taps.is_some();
+        let mut capture = |be: &B, s: &mut Scratch<B>, layer: usize| {
+            if let Some(t) = taps.as_deref_mut() {
+                for (i, &l) in t.layers.iter().enumerate() {
+                    if l == layer {
+                        be.to_host(&s.x, &mut t.rows[i]);
+                    }
+                }
+            }
+        };
+        let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
 
-        self.layers_and_head(be, s, tokens, pos, logits_rows, taps, &mut |be, s, il| {
+        self.layers_and_head(be, s, tokens, pos, logits_rows, tap, &mut |be, s, il| {
             let scale = Self::attn_scale(&self.hp);
             be.kv_write(kv, il, &s.cells, &s.k, &s.v);
             be.attention(
@@ -587,7 +609,9 @@ impl<B: Backend> Model<B> {
     /// its own cache. Returns the logits of every sequence's `logits_rows`, sequence after
     /// sequence (row-major). With batch-invariant kernels each row has the bits it would have
     /// in [`Model::forward`] of its sequence alone, so a sequence's output does not depend on
-    /// what else runs with it (continuous batching in a server).
+    /// what else runs with it (continuous batching in a server). A sequence with
+    /// [`SeqRows::taps`] gets its own rows of the tapped hidden states (the bits
+    /// [`Model::forward`] would capture for it alone); sequences without pay nothing.
     ///
     /// # Errors
     /// An empty or inconsistent batch, or positions past a cache.
@@ -598,7 +622,15 @@ impl<B: Backend> Model<B> {
         s: &'s mut Scratch<B>,
     ) -> Result<&'s [f32]> {
         if let [one] = seqs {
-            return self.forward(be, one.kv, s, one.tokens, one.pos, one.logits_rows, None);
+            return self.forward(
+                be,
+                one.kv,
+                s,
+                one.tokens,
+                one.pos,
+                one.logits_rows,
+                one.taps.as_deref_mut(),
+            );
         }
         if seqs.is_empty() {
             return Err(ModelError::Batch(
@@ -629,6 +661,32 @@ impl<B: Backend> Model<B> {
             all_tokens.extend_from_slice(q.tokens);
             all_pos.extend_from_slice(q.pos);
         }
+        // The sequences that capture hidden states, with their rows in the batch: taken out of
+        // `seqs` for the forward (the attention borrows `seqs`), put back after it.
+        let mut tapped: Vec<(usize, std::ops::Range<usize>, &mut Taps)> = Vec::new();
+        let mut off = 0;
+        for (i, q) in seqs.iter_mut().enumerate() {
+            let n = q.tokens.len();
+            if let Some(t) = q.taps.take() {
+                t.rows.resize(t.layers.len(), Vec::new());
+                tapped.push((i, off..off + n, t));
+            }
+            off += n;
+        }
+        let want = !tapped.is_empty();
+        let mut capture = |be: &B, s: &mut Scratch<B>, layer: usize| {
+            for (_, range, t) in &mut tapped {
+                for (i, &l) in t.layers.iter().enumerate() {
+                    if l == layer {
+                        s.seq_rows.clear();
+                        s.seq_rows.extend(range.clone());
+                        be.copy_rows(&s.x, &s.seq_rows, &mut s.tap_rows);
+                        be.to_host(&s.tap_rows, &mut t.rows[i]);
+                    }
+                }
+            }
+        };
+        let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
         let hp = &self.hp;
         let result = self.layers_and_head(
             be,
@@ -636,7 +694,7 @@ impl<B: Backend> Model<B> {
             &all_tokens,
             &all_pos,
             &all_rows,
-            None,
+            tap,
             &mut |be, s, il| {
                 let scale = Self::attn_scale(hp);
                 s.attn_host.clear();
@@ -680,6 +738,9 @@ impl<B: Backend> Model<B> {
         s.all_tokens = all_tokens;
         s.all_pos = all_pos;
         s.all_logits_rows = all_rows;
+        for (i, _, t) in tapped {
+            seqs[i].taps = Some(t);
+        }
         result?;
         Ok(&s.host)
     }
@@ -697,14 +758,16 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         pos: &[u32],
         logits_rows: &[usize],
-        mut taps: Option<&mut Taps>,
+        mut tap: Option<&mut TapFn<'_, B>>,
         attend: &mut dyn FnMut(&B, &mut Scratch<B>, usize),
     ) -> Result<()> {
         let hp = &self.hp;
         let rope = self.rope();
         be.get_rows(&self.tok_embd, tokens, &mut s.x);
         for (il, layer) in self.layers.iter().enumerate() {
-            self.tap(be, il, &s.x, taps.as_deref_mut());
+            if let Some(f) = tap.as_deref_mut() {
+                f(be, s, il);
+            }
             be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
             be.matmul(&s.cur, &layer.wq, &mut s.q);
             be.matmul(&s.cur, &layer.wk, &mut s.k);
@@ -735,7 +798,9 @@ impl<B: Backend> Model<B> {
             be.matmul(&s.act, &layer.ffn_down, &mut s.proj);
             be.add(&mut s.x, &s.proj);
         }
-        self.tap(be, hp.n_layer, &s.x, taps);
+        if let Some(f) = tap {
+            f(be, s, hp.n_layer);
+        }
 
         if logits_rows.is_empty() {
             s.host.clear();
@@ -747,15 +812,5 @@ impl<B: Backend> Model<B> {
         be.matmul(&s.norm, head.as_ref(), &mut s.logits);
         be.to_host(&s.logits, &mut s.host);
         Ok(())
-    }
-
-    fn tap(&self, be: &B, layer: usize, x: &B::Tensor, taps: Option<&mut Taps>) {
-        if let Some(t) = taps {
-            for (i, &l) in t.layers.iter().enumerate() {
-                if l == layer {
-                    be.to_host(x, &mut t.rows[i]);
-                }
-            }
-        }
     }
 }

@@ -11,6 +11,11 @@
 //!   batching, with batch-invariant kernels so that a request's output does not depend on
 //!   what runs beside it. A new request's prompt is read in chunks that ride in the same
 //!   batched forward, reusing the longest prefix its slot already holds.
+//! - Any [`Drafter`] works per slot, feature drafters (DFlash, DFlash2, EAGLE-3) included: the
+//!   batched forward captures target hidden states for the slots whose drafter asks
+//!   ([`Drafter::target_taps`]) and hands each its own rows, prompt chunks and verify batches
+//!   alike; on a prompt-cache hit the drafter's context is cut to exactly the reused positions
+//!   ([`Drafter::begin_reusing`]), so a hit drafts as a cold request does.
 //! - Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (SSE streaming or not),
 //!   `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /slots`, `GET /props`,
 //!   `POST /tokenize`, `POST /detokenize`. Responses carry OpenAI `usage` and llama-server

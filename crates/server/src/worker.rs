@@ -7,7 +7,10 @@
 //! requests whose client left or whose time ran out; then one batched forward over every busy
 //! slot — a slot reading its prompt contributes its next prompt chunk (all chunks together at
 //! most `n_batch` rows, no logits), a generating slot its anchor token and, when it
-//! speculates, its draft — and verify, commit and stream each generating slot's tokens.
+//! speculates, its draft — and verify, commit and stream each generating slot's tokens. A
+//! slot whose drafter learns from target hidden states captures them in that forward, and its
+//! drafter sees every prompt chunk and verify batch with them (as `generate_speculative`
+//! feeds it).
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -15,8 +18,8 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
 use serde_json::json;
-use specula_engine::{BatchEntry, Engine, EngineError, SpecOptions};
-use specula_models::Scratch;
+use specula_engine::{BatchEntry, Capture, Engine, EngineError, SpecOptions};
+use specula_models::{Scratch, Taps};
 use specula_quant::QType;
 use specula_sampling::{Candidates, Sampler, SamplerParams, steps};
 use specula_spec::policy::Adaptive;
@@ -147,6 +150,11 @@ struct Slot<B: Backend> {
     /// The tokens the cache holds, for prefix reuse.
     cached: Vec<u32>,
     drafter: Option<Box<dyn Drafter>>,
+    /// The target hidden states the drafter learns from (none: a drafter that follows the
+    /// tokens alone, and no capture in the batched forward).
+    taps: Taps,
+    /// This step's captured rows of the slot, `[rows, taps · n_embd]`.
+    features: Vec<f32>,
     task: Option<Task>,
     last_used: u64,
 }
@@ -231,11 +239,19 @@ impl<B: Backend> Worker<B> {
                 ),
                 None => None,
             };
+            let taps = Taps {
+                layers: drafter
+                    .as_ref()
+                    .map_or_else(Vec::new, |d| d.target_taps().to_vec()),
+                rows: Vec::new(),
+            };
             slots.push(Slot {
                 id,
                 session,
                 cached: Vec::new(),
                 drafter,
+                taps,
+                features: Vec::new(),
                 task: None,
                 last_used: 0,
             });
@@ -244,6 +260,7 @@ impl<B: Backend> Worker<B> {
         if let Some(s) = &spec {
             tracing::info!(
                 kind = %s.kind,
+                taps = ?slots.first().map(|s| &s.taps.layers),
                 n_max = s.options.n_max,
                 n_min = s.options.n_min,
                 p_min = s.options.p_min,
@@ -565,8 +582,18 @@ impl<B: Backend> Worker<B> {
         let result = {
             let mut entries: Vec<BatchEntry<'_, B>> = Vec::with_capacity(self.slots.len());
             for slot in &mut self.slots {
-                let Slot { session, task, .. } = slot;
+                let Slot {
+                    session,
+                    task,
+                    taps,
+                    features,
+                    ..
+                } = slot;
                 let Some(t) = task else { continue };
+                // Hidden states only for a slot whose drafter learns from them and drafts
+                // for this request.
+                let capture =
+                    (t.spec_on && !taps.layers.is_empty()).then_some(Capture { taps, features });
                 match t.phase {
                     // Prompt rows: their KV only, no logits.
                     Phase::Prefill { next } if t.prefill_end > next => {
@@ -575,6 +602,7 @@ impl<B: Backend> Worker<B> {
                             session,
                             tokens: chunk,
                             logits_from: chunk.len(),
+                            capture,
                         });
                     }
                     Phase::Prefill { .. } => {}
@@ -584,6 +612,7 @@ impl<B: Backend> Worker<B> {
                             session,
                             tokens: &t.batch,
                             logits_from: 0,
+                            capture,
                         });
                     }
                 }
@@ -633,21 +662,30 @@ impl<B: Backend> Worker<B> {
                 }
             };
             if let Some(d) = slot.drafter.as_mut().filter(|_| t.spec_on) {
-                if let Err(e) = d.process(&t.batch, base) {
+                // The drafter's share of the round after the forward (feature injection, its
+                // deferred part on acceptance) is drafting cost, as in `generate_speculative`.
+                let td = Instant::now();
+                let fed = if slot.taps.layers.is_empty() {
+                    d.process(&t.batch, base)
+                } else {
+                    d.process_features(&t.batch, base, &slot.features)
+                };
+                if let Err(e) = fed {
                     fail(slot, 500, &format!("the drafter failed: {e}"));
                     continue;
                 }
+                if !draft.is_empty() {
+                    d.accept(verdict.accepted);
+                }
+                let draft_s = t.draft_s + td.elapsed().as_secs_f64();
                 t.stats.record(draft.len(), verdict.accepted);
                 t.policy.record(
                     draft.len(),
                     verdict.accepted,
                     verify_s,
-                    t.draft_s,
+                    draft_s,
                     t.caught_up,
                 );
-                if !draft.is_empty() {
-                    d.accept(verdict.accepted);
-                }
             }
             slot.session.truncate(base + 1 + verdict.accepted);
             t.since_draft += 1;
@@ -682,12 +720,25 @@ impl<B: Backend> Worker<B> {
                 finish_task(slot, t, reason, &self.metrics);
             }
         }
-        // Prompt rows: advance, and start generating after the last chunk.
+        // Prompt rows: the drafter sees them, the slot advances, and starts generating after
+        // the last chunk.
         for slot in &mut self.slots {
             let Some(t) = &mut slot.task else { continue };
             if let Phase::Prefill { next } = t.phase
                 && t.prefill_end > next
             {
+                if let Some(d) = slot.drafter.as_mut().filter(|_| t.spec_on) {
+                    let chunk = &t.job.prompt[next..t.prefill_end];
+                    let fed = if slot.taps.layers.is_empty() {
+                        d.process(chunk, next)
+                    } else {
+                        d.process_features(chunk, next, &slot.features)
+                    };
+                    if let Err(e) = fed {
+                        fail(slot, 500, &format!("the drafter failed: {e}"));
+                        continue;
+                    }
+                }
                 t.phase = Phase::Prefill {
                     next: t.prefill_end,
                 };
@@ -699,26 +750,12 @@ impl<B: Backend> Worker<B> {
     }
 }
 
-/// The prompt is in the cache (all but the anchor): the slot generates from the next step,
-/// and its drafter starts on the prompt.
+/// The prompt is in the cache (all but the anchor), and the drafter has seen it chunk by
+/// chunk: the slot generates from the next step.
 fn finish_prefill<B: Backend>(slot: &mut Slot<B>) {
     let Some(t) = &mut slot.task else { return };
     t.phase = Phase::Decode;
     t.prompt_s = t.assigned.elapsed().as_secs_f64();
-    let head_len = t.job.prompt.len() - 1;
-    if let (Some(d), true) = (slot.drafter.as_mut(), t.spec_on) {
-        let head = &t.job.prompt[..head_len];
-        let r = d.begin(&t.job.prompt).and_then(|()| {
-            if head_len > t.cached {
-                d.process(&head[t.cached..], t.cached)
-            } else {
-                Ok(())
-            }
-        });
-        if let Err(e) = r {
-            fail(slot, 500, &format!("the drafter failed: {e}"));
-        }
-    }
 }
 
 /// The log-probability of `id` under the raw logits `row` and the `n` most likely tokens.
@@ -791,15 +828,13 @@ fn start_task<B: Backend>(
         }
     }
     // Keep the cached prefix; the anchor (last prompt token) always runs in the first step.
-    let common = slot
+    let mut common = slot
         .cached
         .iter()
         .zip(&job.prompt)
         .take_while(|(a, b)| a == b)
         .count()
         .min(job.prompt.len() - 1);
-    slot.session.truncate(common);
-    slot.cached.truncate(common);
     let mut spec = spec_default.unwrap_or_default();
     if let Some(n) = job.spec.n_max {
         spec.n_max = n;
@@ -810,7 +845,24 @@ fn start_task<B: Backend>(
     if let Some(p) = job.spec.p_min {
         spec.p_min = p;
     }
+    if let Some(cap) = slot.drafter.as_ref().and_then(|d| d.max_draft()) {
+        spec.n_max = spec.n_max.min(cap);
+    }
     let spec_on = spec_default.is_some() && slot.drafter.is_some() && spec.n_max > 0;
+    // The drafter starts on the prompt with its context cut to exactly the reused positions
+    // (a feature drafter that sat out the request which wrote some of them holds fewer: the
+    // target runs those again, so that the drafter sees them); the prompt chunks that follow
+    // bring it the rest, as on a cold cache.
+    if let Some(d) = slot.drafter.as_mut().filter(|_| spec_on) {
+        match d.begin_reusing(&job.prompt, common) {
+            Ok(held) => common = common.min(held),
+            Err(e) => return refuse(job, 500, format!("the drafter failed: {e}")),
+        }
+    }
+    slot.session.truncate(common);
+    slot.cached.truncate(common);
+    let self_limiting =
+        spec.p_min > 0.0 && slot.drafter.as_ref().is_some_and(|d| d.stops_when_unsure());
     let stop = job.stop.clone();
     slot.task = Some(Task {
         phase: Phase::Prefill { next: common },
@@ -820,7 +872,7 @@ fn start_task<B: Backend>(
         cached: common,
         text: TextStream::new(stop),
         spec_on,
-        policy: Adaptive::new(spec.n_max),
+        policy: Adaptive::new(spec.n_max).self_limiting(self_limiting),
         spec,
         stats: SpecStats::default(),
         since_draft: 1,

@@ -541,6 +541,7 @@ fn a_batched_decode_gives_each_session_its_own_logits_bit_for_bit() {
             session: s,
             tokens: n,
             logits_from: 0,
+            capture: None,
         })
         .collect();
     let mut scratch = e.scratch();

@@ -90,6 +90,27 @@ pub trait Drafter {
     /// A drafter's own failure (e.g. a draft model's prefill).
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError>;
 
+    /// [`Drafter::begin`] for a target that already holds the first `reused` positions of
+    /// `prompt` (a prompt-cache hit; 0 for a fresh cache) and runs only the rest. A drafter
+    /// that keeps context of target positions (DFlash's injected KV, EAGLE-3's features)
+    /// keeps it for at most those positions and returns how many of them it holds: the
+    /// target must run the positions from there on, so that the drafter sees them. The
+    /// default, for drafters that follow the tokens alone, calls `begin` and returns
+    /// `reused`.
+    ///
+    /// # Errors
+    /// As [`Drafter::begin`].
+    fn begin_reusing(&mut self, prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+        self.begin(prompt)?;
+        Ok(reused)
+    }
+
+    /// The longest draft this drafter can make in a round (DFlash: its block size minus the
+    /// anchor), `None` when only the loop's `n_max` bounds it.
+    fn max_draft(&self) -> Option<usize> {
+        None
+    }
+
     /// The target ran `tokens` at positions `pos0..` (a prompt chunk, or a verify batch — with
     /// the prompt in front of the first one's anchor when the prompt was not run before — before
     /// its rejected rows are rolled back). Drafters that learn from the target's tokens hook in
@@ -202,6 +223,24 @@ impl Drafter for DrafterChain {
         self.drafters.iter_mut().try_for_each(|d| d.begin(prompt))
     }
 
+    /// The context every drafter of the chain holds.
+    fn begin_reusing(&mut self, prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+        self.last = None;
+        let mut held = reused;
+        for d in &mut self.drafters {
+            held = held.min(d.begin_reusing(prompt, reused)?);
+        }
+        Ok(held)
+    }
+
+    /// The longest draft of any drafter of the chain.
+    fn max_draft(&self) -> Option<usize> {
+        self.drafters
+            .iter()
+            .map(|d| d.max_draft())
+            .try_fold(0, |m, d| d.map(|d| m.max(d)))
+    }
+
     fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
         self.drafters
             .iter_mut()
@@ -276,5 +315,74 @@ impl Drafter for DrafterChain {
             d.restore(s)?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drafter that holds context for its first `held` positions and drafts at most `max`.
+    struct Held {
+        held: usize,
+        max: Option<usize>,
+    }
+
+    impl Drafter for Held {
+        fn name(&self) -> &'static str {
+            "held"
+        }
+        fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+            Ok(())
+        }
+        fn begin_reusing(&mut self, _prompt: &[u32], reused: usize) -> Result<usize, SpecError> {
+            self.held = self.held.min(reused);
+            Ok(self.held)
+        }
+        fn max_draft(&self) -> Option<usize> {
+            self.max
+        }
+        fn draft(&mut self, _p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+            Ok(Vec::new())
+        }
+        fn state(&self) -> DrafterState {
+            Box::new(())
+        }
+        fn restore(&mut self, _s: &DrafterState) -> Result<(), SpecError> {
+            Ok(())
+        }
+    }
+
+    /// A chain reuses only what every member holds, and drafts at most its longest member's
+    /// draft (unbounded when one member is).
+    #[test]
+    fn a_chain_reuses_what_all_its_drafters_hold() {
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8];
+        let mut c = DrafterChain::new(vec![
+            Box::new(ngram::NgramSimple::default()),
+            Box::new(Held {
+                held: 3,
+                max: Some(5),
+            }),
+        ]);
+        assert_eq!(c.begin_reusing(&prompt, 6).unwrap(), 3);
+        assert_eq!(c.begin_reusing(&prompt, 2).unwrap(), 2);
+        assert_eq!(c.max_draft(), None);
+        let mut c = DrafterChain::new(vec![
+            Box::new(Held {
+                held: 9,
+                max: Some(3),
+            }),
+            Box::new(Held {
+                held: 9,
+                max: Some(7),
+            }),
+        ]);
+        assert_eq!(c.begin_reusing(&prompt, 6).unwrap(), 6);
+        assert_eq!(c.max_draft(), Some(7));
+        // The default: a drafter that follows the tokens alone reuses everything.
+        let mut n = ngram::NgramSimple::default();
+        assert_eq!(n.begin_reusing(&prompt, 7).unwrap(), 7);
+        assert_eq!(n.max_draft(), None);
     }
 }

@@ -1,6 +1,7 @@
 //! Test support: a tiny random llama GGUF built in memory (as in `specula-engine`'s tests,
-//! plus a chat template), a server on loopback around it, and a minimal blocking HTTP/1.1
-//! client that reads JSON and SSE answers.
+//! plus a chat template), tiny random DFlash / DFlash2 drafters and an EAGLE-3 head for it
+//! (as in `specula-engine`'s `tests/dflash.rs`), a server on loopback around it, and a minimal
+//! blocking HTTP/1.1 client that reads JSON and SSE answers.
 
 #![allow(
     dead_code,
@@ -13,9 +14,11 @@ use std::sync::Arc;
 
 use serde_json::Value;
 use specula_cpu::CpuBackend;
-use specula_engine::{DraftModel, Engine, SpecOptions};
+use specula_engine::{DflashDrafter, DraftModel, Eagle3Drafter, Engine, Injection, SpecOptions};
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value as GValue};
 use specula_models::Model;
+use specula_models::dflash::Dflash;
+use specula_models::eagle3::Eagle3;
 use specula_quant::QType;
 use specula_server::{ServerConfig, ServerHandle, Speculative};
 use specula_spec::ngram::NgramSimple;
@@ -175,8 +178,198 @@ pub fn engine(bytes: Vec<u8>) -> Engine<CpuBackend> {
 /// The seed of the tiny target.
 pub const SEED: u64 = 11;
 
+/// A tensor of a drafter file: name, type, ggml dims, values.
+type T = (String, QType, Vec<usize>, Vec<f32>);
+
+fn write(md: Vec<(String, GValue)>, tensors: &[T]) -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    for (k, v) in md {
+        w.add(k, v).unwrap();
+    }
+    let mut data = Vec::new();
+    for (name, ty, dims, x) in tensors {
+        let d: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
+        w.add_tensor(
+            name.as_str(),
+            GgmlType::from_id(ty.ggml_id().unwrap()).unwrap(),
+            &d,
+        )
+        .unwrap();
+        let rb = ty.row_bytes(dims[0]).unwrap();
+        let mut bytes = vec![0u8; rb * (x.len() / dims[0])];
+        for (row, b) in x.chunks_exact(dims[0]).zip(bytes.chunks_exact_mut(rb)) {
+            specula_quant::quantize_row(*ty, row, b).unwrap();
+        }
+        data.push(bytes);
+    }
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    w.to_vec(&refs).unwrap()
+}
+
+/// The shape metadata of a drafter of the tiny target's width.
+fn drafter_md(arch: &str, n_layer: usize) -> Vec<(String, GValue)> {
+    let u = |v: usize| GValue::U32(u32::try_from(v).unwrap());
+    let k = |s: &str| format!("{arch}.{s}");
+    vec![
+        ("general.architecture".into(), GValue::String(arch.into())),
+        (k("block_count"), u(n_layer)),
+        (k("context_length"), u(512)),
+        (k("embedding_length"), u(N_EMBD)),
+        (k("feed_forward_length"), u(N_FF)),
+        (k("attention.head_count"), u(N_HEAD)),
+        (k("attention.head_count_kv"), u(N_HEAD_KV)),
+        (k("rope.freq_base"), GValue::F32(10_000.0)),
+        (k("attention.layer_norm_rms_epsilon"), GValue::F32(1e-5)),
+        (k("attention.key_length"), u(HEAD_DIM)),
+        (k("attention.value_length"), u(HEAD_DIM)),
+    ]
+}
+
+/// The block size of the test DFlash drafters (drafts of at most 5 tokens).
+pub const DFLASH_BLOCK: usize = 6;
+/// The MASK token of the test DFlash drafters.
+const MASK: u32 = 255;
+
+/// A random two-layer DFlash drafter (DFlash2 with `dflash2`: convolutions and the candidate
+/// selector) for the tiny target, tapping `taps`, block [`DFLASH_BLOCK`].
+pub fn dflash(seed: u64, taps: &[i32], dflash2: bool) -> Vec<u8> {
+    let u = |v: usize| GValue::U32(u32::try_from(v).unwrap());
+    let mut md = drafter_md("dflash", 2);
+    md.push(("dflash.block_size".into(), u(DFLASH_BLOCK)));
+    md.push((
+        "dflash.target_layers".into(),
+        GValue::Array(Array::I32(taps.to_vec())),
+    ));
+    md.push(("tokenizer.ggml.mask_token_id".into(), GValue::U32(MASK)));
+    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let mut i = seed * 100;
+    let mut r = |n: usize, s: f32| {
+        i += 1;
+        values(i, n, s)
+    };
+    let norm = |x: Vec<f32>| x.iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
+    let vt = |name: String, x: Vec<f32>| (name, QType::F32, vec![x.len()], x);
+    let mt = |name: String, n_in: usize, n_out: usize, x: Vec<f32>| {
+        (name, QType::F32, vec![n_in, n_out], x)
+    };
+    let nf = taps.len() * N_EMBD;
+    let mut t: Vec<T> = vec![
+        mt("fc.weight".into(), nf, N_EMBD, r(nf * N_EMBD, 0.3)),
+        vt("enc.output_norm.weight".into(), norm(r(N_EMBD, 0.2))),
+        vt("output_norm.weight".into(), norm(r(N_EMBD, 0.2))),
+    ];
+    for l in 0..2 {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        t.extend([
+            vt(n("attn_norm.weight"), norm(r(N_EMBD, 0.2))),
+            vt(n("ffn_norm.weight"), norm(r(N_EMBD, 0.2))),
+            vt(n("attn_q_norm.weight"), norm(r(HEAD_DIM, 0.2))),
+            vt(n("attn_k_norm.weight"), norm(r(HEAD_DIM, 0.2))),
+            mt(n("attn_q.weight"), N_EMBD, q, r(N_EMBD * q, 0.6)),
+            mt(n("attn_k.weight"), N_EMBD, kv, r(N_EMBD * kv, 0.6)),
+            mt(n("attn_v.weight"), N_EMBD, kv, r(N_EMBD * kv, 0.6)),
+            mt(n("attn_output.weight"), q, N_EMBD, r(q * N_EMBD, 0.6)),
+            mt(n("ffn_gate.weight"), N_EMBD, N_FF, r(N_EMBD * N_FF, 0.6)),
+            mt(n("ffn_up.weight"), N_EMBD, N_FF, r(N_EMBD * N_FF, 0.6)),
+            mt(n("ffn_down.weight"), N_FF, N_EMBD, r(N_FF * N_EMBD, 0.6)),
+        ]);
+    }
+    if dflash2 {
+        let (kernel, group, rank) = (2usize, 16usize, 8usize);
+        let proj = 2 * kernel * (N_EMBD / group);
+        for l in 0..2 {
+            for c in ["attn", "ffn"] {
+                t.push((
+                    format!("blk.{l}.{c}_conv_base"),
+                    QType::F32,
+                    vec![N_EMBD, kernel, 2],
+                    r(N_EMBD * kernel * 2, 0.5),
+                ));
+                t.push(mt(
+                    format!("blk.{l}.{c}_conv_proj.weight"),
+                    N_EMBD,
+                    proj,
+                    r(N_EMBD * proj, 0.3),
+                ));
+            }
+        }
+        t.push(mt(
+            "selector_hidden.weight".into(),
+            N_EMBD,
+            rank,
+            r(N_EMBD * rank, 0.5),
+        ));
+        for side in ["predecessor", "successor"] {
+            t.push(mt(
+                format!("selector_{side}.weight"),
+                rank,
+                N_VOCAB,
+                r(rank * N_VOCAB, 1.0),
+            ));
+        }
+        md.extend([
+            ("dflash.conv_kernel_size".into(), u(kernel)),
+            ("dflash.conv_group_size".into(), u(group)),
+            ("dflash.selector_rank".into(), u(rank)),
+            ("dflash.selector_top_k".into(), u(4)),
+        ]);
+    }
+    write(md, &t)
+}
+
+/// A random EAGLE-3 head for the tiny target (the target's own output head), tapping `taps`.
+pub fn eagle3(seed: u64, taps: &[i32]) -> Vec<u8> {
+    let mut md = drafter_md("eagle3", 1);
+    md.push((
+        "eagle3.target_layers".into(),
+        GValue::Array(Array::I32(taps.to_vec())),
+    ));
+    md.push((
+        "eagle3.target_hidden_size".into(),
+        GValue::U32(u32::try_from(N_EMBD).unwrap()),
+    ));
+    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let mut i = seed * 100;
+    let mut r = |n: usize, s: f32| {
+        i += 1;
+        values(i, n, s)
+    };
+    let norm = |x: Vec<f32>| x.iter().map(|v| 1.0 + v).collect::<Vec<f32>>();
+    let vt = |name: &str, x: Vec<f32>| (name.to_owned(), QType::F32, vec![x.len()], x);
+    let mt = |name: &str, n_in: usize, n_out: usize, x: Vec<f32>| {
+        (name.to_owned(), QType::F32, vec![n_in, n_out], x)
+    };
+    let (e, nf) = (N_EMBD, taps.len() * N_EMBD);
+    let t: Vec<T> = vec![
+        mt("fc.weight", nf, e, r(nf * e, 0.3)),
+        vt("output_norm.weight", norm(r(e, 0.2))),
+        vt("blk.0.attn_norm.weight", norm(r(e, 0.2))),
+        vt("blk.0.attn_norm_2.weight", norm(r(e, 0.2))),
+        vt("blk.0.ffn_norm.weight", norm(r(e, 0.2))),
+        mt("blk.0.attn_q.weight", 2 * e, q, r(2 * e * q, 0.5)),
+        mt("blk.0.attn_k.weight", 2 * e, kv, r(2 * e * kv, 0.5)),
+        mt("blk.0.attn_v.weight", 2 * e, kv, r(2 * e * kv, 0.5)),
+        mt("blk.0.attn_output.weight", q, e, r(q * e, 0.5)),
+        mt("blk.0.ffn_gate.weight", e, N_FF, r(e * N_FF, 0.5)),
+        mt("blk.0.ffn_up.weight", e, N_FF, r(e * N_FF, 0.5)),
+        mt("blk.0.ffn_down.weight", N_FF, e, r(N_FF * e, 0.5)),
+    ];
+    write(md, &t)
+}
+
+/// Fixed-length drafting (no timing-driven policy), so that two runs draft alike; `p_min`
+/// makes a model drafter's draft length follow its own confidence.
+pub fn fixed(n_max: usize, p_min: f32) -> SpecOptions {
+    SpecOptions {
+        n_max,
+        n_min: 0,
+        p_min,
+        adaptive: false,
+    }
+}
+
 /// Which drafter a test server gets.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Draft {
     /// No speculation.
     None,
@@ -184,6 +377,15 @@ pub enum Draft {
     Ngram,
     /// The target itself as draft model (accepts everything it drafts).
     SelfModel,
+    /// A random DFlash drafter ([`dflash`], seed 5, taps `[2, 0]`), deferred or eager
+    /// injection, DFlash2 or not, with [`fixed`] options.
+    Dflash {
+        deferred: bool,
+        dflash2: bool,
+        options: SpecOptions,
+    },
+    /// A random EAGLE-3 head ([`eagle3`], seed 9, taps `[0, 1, 2]`) with these options.
+    Eagle3 { options: SpecOptions },
 }
 
 /// A server on 127.0.0.1 (free port) around the tiny model.
@@ -220,6 +422,59 @@ pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHan
                     DraftModel::shared(Arc::clone(&d), &target, n_ctx_slot, QType::F16, QType::F16)
                         .map(|m| Box::new(m) as _)
                         .map_err(|e| e.to_string())
+                }),
+            })
+        }
+        Draft::Dflash {
+            deferred,
+            dflash2,
+            options,
+        } => {
+            // One network for every slot, as `specula serve` loads it.
+            let be = CpuBackend::new(1);
+            let file = Arc::new(Gguf::from_bytes(dflash(5, &[2, 0], dflash2)).unwrap());
+            let net = Arc::new(Dflash::load(&be, file, &e.model).unwrap());
+            let be = Arc::new(be);
+            let policy = if deferred {
+                Injection::Deferred
+            } else {
+                Injection::Eager
+            };
+            Some(Speculative {
+                kind: "draft-dflash".into(),
+                options,
+                factory: Box::new(move || {
+                    DflashDrafter::shared(
+                        Arc::clone(&be),
+                        Arc::clone(&net),
+                        n_ctx_slot,
+                        QType::F16,
+                        QType::F16,
+                        policy,
+                    )
+                    .map(|d| Box::new(d) as _)
+                    .map_err(|e| e.to_string())
+                }),
+            })
+        }
+        Draft::Eagle3 { options } => {
+            let be = CpuBackend::new(1);
+            let file = Arc::new(Gguf::from_bytes(eagle3(9, &[0, 1, 2])).unwrap());
+            let net = Arc::new(Eagle3::load(&be, file, &e.model).unwrap());
+            let be = Arc::new(be);
+            Some(Speculative {
+                kind: "draft-eagle3".into(),
+                options,
+                factory: Box::new(move || {
+                    Eagle3Drafter::shared(
+                        Arc::clone(&be),
+                        Arc::clone(&net),
+                        n_ctx_slot,
+                        QType::F16,
+                        QType::F16,
+                    )
+                    .map(|d| Box::new(d) as _)
+                    .map_err(|e| e.to_string())
                 }),
             })
         }
