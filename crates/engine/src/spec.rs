@@ -3,9 +3,11 @@
 //! Each round drafts up to `k` tokens after the anchor (the last committed token, not yet in
 //! the target's cache), runs `[anchor, d1..dk]` through the target in one forward, keeps what
 //! [`specula_spec::verify::sample_and_match`] accepts plus one token of the target's own, and
-//! rolls the rejected rows back out of the cache. The target's kernels are batch-invariant, so
-//! every verify row has the bits of a one-token decode and greedy output is the plain greedy
-//! output token for token (`tests/spec.rs` checks it for random drafters on a tiny model and
+//! rolls the rejected rows back out of the cache ([`Engine::rewind`]: a trim, or for a memory
+//! that cannot trim the checkpoint taken before the verify, restored, and the accepted rows run
+//! again). The target's kernels are batch-invariant, so every verify row (and every replayed
+//! row) has the bits of a one-token decode and greedy output is the plain greedy output token
+//! for token (`tests/spec.rs` checks it for random drafters on a tiny model and
 //! on a real pair). `k` comes from [`specula_spec::policy::Adaptive`] unless fixed.
 
 use std::time::Instant;
@@ -16,7 +18,10 @@ use specula_spec::{DraftParams, Drafter, DrafterState, SpecError, SpecStats};
 use specula_tensor::Backend;
 use specula_tokenizer::{DecodeOptions, Tokenizer};
 
-use crate::{Engine, EngineError, GenerateOptions, Generation, Result, Session, ms, top_k_logits};
+use crate::{
+    Checkpoint, Engine, EngineError, GenerateOptions, Generation, Result, Rewound, Rollback,
+    Session, ms, top_k_logits,
+};
 
 /// How a generation drafts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -160,6 +165,8 @@ impl<B: Backend> Engine<B> {
             batch.push(anchor);
             batch.extend_from_slice(&draft);
             let base = s.n_past;
+            // A memory that cannot trim comes back to this state on a partial rejection.
+            let ck = (s.rollback() == Rollback::Replay).then(|| s.checkpoint());
             let tv = Instant::now();
             let in_drafter =
                 self.run_for(s, &batch, 0, &mut logits, &mut taps, &mut features, drafter)?;
@@ -179,7 +186,12 @@ impl<B: Backend> Engine<B> {
             stats.record(draft.len(), verdict.accepted);
             policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
             // The cache keeps the anchor and the accepted drafts.
-            s.truncate(base + 1 + verdict.accepted);
+            let keep = 1 + verdict.accepted;
+            if let Rewound::Replayed(rows) =
+                self.rewind(s, base + keep, ck.as_ref(), &batch[..keep])?
+            {
+                stats.record_replay(rows);
+            }
             // The drafter has seen the accepted drafts (it made them); the target's own token
             // is new to it.
             since_draft += 1;
@@ -344,6 +356,11 @@ pub struct DraftModel<B: Backend> {
     /// The tokens in the draft cache, in order.
     cached: Vec<u32>,
     logits: Vec<f32>,
+    /// Rollbacks by replay and the rows they ran again.
+    replays: (usize, usize),
+    /// For a cache that rolls back by replay: its state when it held exactly the history of
+    /// the last draft, before the draft tokens were run.
+    checkpoint: Option<Checkpoint>,
 }
 
 impl<B: Backend> std::fmt::Debug for DraftModel<B> {
@@ -390,7 +407,43 @@ impl<B: Backend> DraftModel<B> {
             session,
             cached: Vec::new(),
             logits: Vec::new(),
+            replays: (0, 0),
+            checkpoint: None,
         })
+    }
+
+    /// Rolls the draft cache back by checkpoint and replay instead of trimming
+    /// ([`Session::force_replay`]).
+    pub fn force_replay(&mut self) {
+        self.session.force_replay();
+    }
+
+    /// Replays the draft cache has run instead of trimming, and the rows they ran again.
+    #[must_use]
+    pub fn replays(&self) -> (usize, usize) {
+        self.replays
+    }
+
+    /// Takes the cache back to its first `n` tokens.
+    fn rewind(&mut self, n: usize) -> std::result::Result<(), SpecError> {
+        let r = self
+            .engine
+            .rewind(
+                &mut self.session,
+                n,
+                self.checkpoint.as_ref(),
+                &self.cached[..n],
+            )
+            .map_err(|e| Self::err(&e))?;
+        if let Rewound::Replayed(rows) = r {
+            self.replays.0 += 1;
+            self.replays.1 += rows;
+        }
+        self.cached.truncate(n);
+        if self.checkpoint.is_some_and(|c| c.n_past() > n) {
+            self.checkpoint = None;
+        }
+        Ok(())
     }
 
     fn err(e: &EngineError) -> SpecError {
@@ -411,13 +464,15 @@ impl<B: Backend> DraftModel<B> {
             .count()
             // The last token is always run: its logits start the draft.
             .min(tokens.len().saturating_sub(1));
-        self.session.truncate(common);
-        self.cached.truncate(common);
+        self.rewind(common)?;
         let feed = &tokens[common..];
         self.engine
             .prefill_into(&mut self.session, feed, feed.len() - 1, &mut self.logits)
             .map_err(|e| Self::err(&e))?;
         self.cached.extend_from_slice(feed);
+        if self.session.rollback() == Rollback::Replay {
+            self.checkpoint = Some(self.session.checkpoint());
+        }
         Ok(())
     }
 }
@@ -445,8 +500,9 @@ impl<B: Backend> Drafter for DraftModel<B> {
     }
 
     fn begin(&mut self, prompt: &[u32]) -> std::result::Result<(), SpecError> {
-        self.session.truncate(0);
+        self.session.reset();
         self.cached.clear();
+        self.checkpoint = None;
         // Everything but the anchor, as the target holds it; too long a prompt for the draft
         // context leaves the cache empty and the drafter idle.
         let head = &prompt[..prompt.len().saturating_sub(1)];
@@ -499,8 +555,6 @@ impl<B: Backend> Drafter for DraftModel<B> {
             .zip(tokens)
             .take_while(|(a, b)| a == b)
             .count();
-        self.session.truncate(common);
-        self.cached.truncate(common);
-        Ok(())
+        self.rewind(common)
     }
 }
