@@ -51,6 +51,21 @@ pub struct DraftArgs {
         default_value = "f16"
     )]
     pub cache_type_v_draft: String,
+    /// How the target's and the draft model's caches take back rejected draft rows: `auto`
+    /// (what the cache supports: a trim for attention KV) or `replay` (a checkpoint before each
+    /// verify, restored on a rejection, the accepted rows run again — the path of memories that
+    /// cannot trim, slower; for checking that it gives the same output).
+    #[arg(long = "spec-rollback", value_enum, default_value_t = SpecRollback::Auto)]
+    pub spec_rollback: SpecRollback,
+}
+
+/// `--spec-rollback`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecRollback {
+    /// What the cache supports.
+    Auto,
+    /// Checkpoint and replay, even where the cache could trim.
+    Replay,
 }
 
 impl DraftArgs {
@@ -69,6 +84,12 @@ impl DraftArgs {
             );
         }
         Ok(())
+    }
+
+    /// Whether rollback by replay is forced.
+    #[must_use]
+    pub fn force_replay(&self) -> bool {
+        self.spec_rollback == SpecRollback::Replay
     }
 
     /// Threads of the draft model: `-td`, or the target's `threads` when 0.

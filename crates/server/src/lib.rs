@@ -118,6 +118,9 @@ pub struct ServerConfig {
     pub http_threads: usize,
     /// Stop on SIGTERM / Ctrl-C.
     pub handle_signals: bool,
+    /// Roll the slots' caches (and draft models' caches) back by checkpoint and replay even
+    /// where they could trim (`--spec-rollback replay`): slower, for testing that path.
+    pub force_replay: bool,
 }
 
 impl Default for ServerConfig {
@@ -135,6 +138,7 @@ impl Default for ServerConfig {
             model_name: "specula".into(),
             http_threads: 2,
             handle_signals: false,
+            force_replay: false,
         }
     }
 }
@@ -238,6 +242,7 @@ where
         n_ctx_slot,
         k_type: cfg.k_type,
         v_type: cfg.v_type,
+        force_replay: cfg.force_replay,
     };
     let spec_kind = spec.as_ref().map(|s| (s.kind.clone(), s.options));
     let wm = Arc::clone(&metrics);
@@ -255,7 +260,7 @@ where
             });
             match worker::Worker::new(engine, &slot_cfg, spec, rx, wm) {
                 Ok(w) => {
-                    let _ = ready_tx.send(Ok(()));
+                    let _ = ready_tx.send(Ok(w.rollback()));
                     w.run();
                 }
                 Err(e) => {
@@ -264,8 +269,8 @@ where
             }
         })
         .map_err(|e| ServerError::Runtime(e.to_string()))?;
-    match ready_rx.recv() {
-        Ok(Ok(())) => {}
+    let rollback = match ready_rx.recv() {
+        Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             let _ = engine_thread.join();
             return Err(ServerError::Engine(e));
@@ -276,7 +281,7 @@ where
                 "the engine thread stopped while starting".into(),
             ));
         }
-    }
+    };
 
     let template = match tokenizer.chat_template() {
         Ok(t) => Some(Arc::new(t)),
@@ -300,7 +305,7 @@ where
             n_vocab: hp.n_vocab,
             n_ctx_train: hp.n_ctx_train,
             spec: spec_kind,
-            rollback: worker::probe_rollback(hp.arch).name(),
+            rollback: rollback.name(),
         }),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
