@@ -15,7 +15,8 @@
 //!   `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /slots`, `GET /props`,
 //!   `POST /tokenize`, `POST /detokenize`. Responses carry OpenAI `usage` and llama-server
 //!   `timings` (`prompt_n`, `prompt_ms`, `predicted_n`, `predicted_ms`, `draft_n`,
-//!   `draft_n_accepted`).
+//!   `draft_n_accepted`; ours: `draft_replays`, the verify steps rolled back by checkpoint and
+//!   replay instead of a trim).
 //! - Hardening: `--api-key` (Bearer, constant-time compare), a body size limit, limits that
 //!   answer 400 with what to change, a per-request timeout, cancellation when the client goes
 //!   away, graceful shutdown on SIGTERM / Ctrl-C.
