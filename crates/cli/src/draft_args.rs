@@ -66,6 +66,21 @@ pub struct DraftArgs {
         value_parser = clap::value_parser!(u8).range(0..=1)
     )]
     pub dflash_defer_injection: u8,
+    /// How the target's and the draft model's caches take back rejected draft rows: `auto`
+    /// (what the cache supports: a trim for attention KV) or `replay` (a checkpoint before each
+    /// verify, restored on a rejection, the accepted rows run again — the path of memories that
+    /// cannot trim, slower; for checking that it gives the same output).
+    #[arg(long = "spec-rollback", value_enum, default_value_t = SpecRollback::Auto)]
+    pub spec_rollback: SpecRollback,
+}
+
+/// `--spec-rollback`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum SpecRollback {
+    /// What the cache supports.
+    Auto,
+    /// Checkpoint and replay, even where the cache could trim.
+    Replay,
 }
 
 impl DraftArgs {
@@ -84,6 +99,12 @@ impl DraftArgs {
             );
         }
         Ok(())
+    }
+
+    /// Whether rollback by replay is forced.
+    #[must_use]
+    pub fn force_replay(&self) -> bool {
+        self.spec_rollback == SpecRollback::Replay
     }
 
     /// Threads of the draft model: `-td`, or the target's `threads` when 0.

@@ -129,6 +129,8 @@ struct JsonTimings {
     draft_n_accepted: Option<usize>,
     #[serde(skip_serializing_if = "Option::is_none")]
     draft_rounds: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    draft_replays: Option<usize>,
 }
 
 impl JsonTimings {
@@ -141,6 +143,7 @@ impl JsonTimings {
             draft_n: spec.map(|s| s.drafted),
             draft_n_accepted: spec.map(|s| s.accepted),
             draft_rounds: spec.map(|s| s.rounds),
+            draft_replays: spec.map(|s| s.replays),
         }
     }
 }
@@ -153,6 +156,10 @@ struct JsonSpec {
     mean_accept_len: f64,
     acceptance: f64,
     accept_by_position: Vec<f64>,
+    /// How the target's cache took back rejected rows (`trim` / `replay`).
+    rollback: &'static str,
+    /// Rows the replays ran again.
+    replayed: usize,
 }
 
 #[derive(Serialize)]
@@ -244,6 +251,9 @@ pub fn run(args: &Args) -> Result<String> {
     engine.kv_overrides = overrides;
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
+    if args.draft.force_replay() {
+        session.force_replay();
+    }
     let (kind, mut drafter, n_max) = drafter(args, &engine)?;
     let spec = SpecOptions {
         n_max,
@@ -296,6 +306,12 @@ pub fn run(args: &Args) -> Result<String> {
                 st.rounds,
                 st.mean_accept_len()
             );
+            if st.replays > 0 {
+                eprintln!(
+                    "rollback by replay: {} rounds, {} rows run again",
+                    st.replays, st.replayed
+                );
+            }
         }
         return Ok(String::from("\n"));
     }
@@ -311,6 +327,8 @@ pub fn run(args: &Args) -> Result<String> {
             mean_accept_len: st.mean_accept_len(),
             acceptance: st.acceptance(),
             accept_by_position: st.acceptance_by_position(),
+            rollback: session.rollback().name(),
+            replayed: st.replayed,
         }),
     };
     let mut s = serde_json::to_string(&json)?;
@@ -458,7 +476,7 @@ fn drafter(
                 eprintln!("{msg}");
             }
             let arch = draft.model.hparams().arch;
-            let d = DraftModel::new(
+            let mut d = DraftModel::new(
                 draft,
                 &target.tokenizer,
                 draft_ctx,
@@ -471,6 +489,9 @@ fn drafter(
                     path.display()
                 )
             })?;
+            if args.draft.force_replay() {
+                d.force_replay();
+            }
             Some(Box::new(d))
         }
     };

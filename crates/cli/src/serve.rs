@@ -132,6 +132,7 @@ pub fn run(args: &Args) -> Result<String> {
         model_name: name,
         http_threads: args.threads_http,
         handle_signals: true,
+        force_replay: args.draft.force_replay(),
     };
     let server = specula_server::start(cfg, engine, tokenizer, spec)?;
     eprintln!("specula serve: listening on http://{}", server.addr());
@@ -248,10 +249,14 @@ fn speculative(
                 load::cache_type(&args.draft.cache_type_k_draft)?,
                 load::cache_type(&args.draft.cache_type_v_draft)?,
             );
+            let replay = args.draft.force_replay();
             Box::new(move || {
-                DraftModel::shared(Arc::clone(&draft), &target_file, n_ctx, k, v)
-                    .map(|d| Box::new(d) as _)
-                    .map_err(|e| e.to_string())
+                let mut d = DraftModel::shared(Arc::clone(&draft), &target_file, n_ctx, k, v)
+                    .map_err(|e| e.to_string())?;
+                if replay {
+                    d.force_replay();
+                }
+                Ok(Box::new(d) as _)
             })
         }
     };

@@ -6,6 +6,8 @@
 //!   draft model decodes one token at a time while the target verifies blocks, so a self-draft
 //!   is accepted whole only if a verify row has the bits of a single-token decode (batch
 //!   invariance on a real Q4_1 model).
+//! - Rollback by replay forced on the default model (`--spec-rollback replay`), and a
+//!   sliding-window model (Gemma-3) past its window, once specula runs it.
 //! - The pair of issue 6: Qwen2.5-Coder-1.5B target, 0.5B draft, the quicksort prompt in the
 //!   chat template, `--spec-draft-n-max 16`, 128 tokens.
 
@@ -102,6 +104,97 @@ fn default_model_speculative_output_is_the_plain_output() {
     let (d, a) = (count(&own, "draft_n"), count(&own, "draft_n_accepted"));
     assert!(d >= 8, "{own}");
     assert_eq!(a, d, "a self-draft must be accepted whole: {own}");
+}
+
+/// Rollback by checkpoint and replay (`--spec-rollback replay`, the path of memories that
+/// cannot trim) on a real model, 128 tokens past the end of the answer (`--ignore-eos`, so the
+/// drafts keep being rejected): every n-gram drafter gives the plain greedy ids, the JSON
+/// says the cache rolled back by replay and counts the rounds that did.
+#[test]
+fn forced_replay_speculative_output_is_the_plain_output() {
+    let Some(path) = specula_fetch::cached_model_path("smollm2-135m") else {
+        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+        return;
+    };
+    let m = path.to_str().unwrap();
+    let plain = run_json(m, EDIT, "128", &["--spec-type", "none", "--ignore-eos"]);
+    let want = ids(&plain);
+    assert_eq!(want.len(), 128, "{plain}");
+    let trim = run_json(m, EDIT, "128", &["--ignore-eos"]);
+    assert_eq!(trim["spec"]["rollback"], "trim", "{trim}");
+    assert_eq!(count(&trim, "draft_replays"), 0, "{trim}");
+    for extra in [
+        &["--spec-rollback", "replay"][..],
+        &["--spec-rollback", "replay", "--spec-type", "ngram-cache"],
+        &[
+            "--spec-rollback",
+            "replay",
+            "--spec-fixed",
+            "--spec-draft-n-max",
+            "7",
+        ],
+    ] {
+        let j = run_json(m, EDIT, "128", &[extra, &["--ignore-eos"]].concat());
+        assert_eq!(ids(&j), want, "{extra:?}");
+        assert_eq!(j["spec"]["rollback"], "replay", "{j}");
+        let (d, a) = (count(&j, "draft_n"), count(&j, "draft_n_accepted"));
+        let replays = count(&j, "draft_replays");
+        assert!(a < d, "some drafts must be rejected for replay to run: {j}");
+        assert!(replays > 0 && replays <= count(&j, "draft_rounds"), "{j}");
+    }
+}
+
+/// Gemma-3 (sliding window of 512 on 270m) past its window: a prompt of more than 512 tokens
+/// and 160 generated, greedy speculative ids (prompt lookup, the model drafting for itself,
+/// rollback by trim and by forced replay) equal the plain ids. This is the memory where a
+/// pruning sliding-window cache cannot trim; specula-models does not run `gemma3` yet, and the
+/// test says so and stops until it does.
+#[test]
+fn sliding_window_model_past_its_window_speculates_losslessly() {
+    let Some(path) = specula_fetch::cached_model_path("gemma3-270m") else {
+        eprintln!("skipped: gemma3-270m not fetched (cargo xtask fetch-models gemma3-270m)");
+        return;
+    };
+    let m = path.to_str().unwrap();
+    let probe = specula(&["run", "-m", m, "-p", "x", "-n", "1"]);
+    let err = String::from_utf8_lossy(&probe.stderr);
+    if !probe.status.success() && err.contains("unsupported architecture `gemma3`") {
+        eprintln!(
+            "skipped: specula-models does not run gemma3 yet ({})",
+            err.trim()
+        );
+        return;
+    }
+    // Numbered lines that repeat with small changes: long, and good for prompt lookup.
+    let prompt: String = (0..60)
+        .map(|i| format!("item {i}: total = total + values[{}]\n", i % 7))
+        .collect();
+    let base = ["-c", "2048", "--ignore-eos"];
+    let plain = run_json(
+        m,
+        &prompt,
+        "160",
+        &[&base[..], &["--spec-type", "none"]].concat(),
+    );
+    assert!(count(&plain, "prompt_n") > 512, "{plain}");
+    let want = ids(&plain);
+    assert_eq!(want.len(), 160, "{plain}");
+    for extra in [
+        &[][..],
+        &["--spec-rollback", "replay"],
+        &["-md", m, "--spec-fixed", "--spec-draft-n-max", "4"],
+        &[
+            "-md",
+            m,
+            "--spec-rollback",
+            "replay",
+            "--spec-draft-n-max",
+            "4",
+        ],
+    ] {
+        let j = run_json(m, &prompt, "160", &[&base[..], extra].concat());
+        assert_eq!(ids(&j), want, "{extra:?}");
+    }
 }
 
 #[test]

@@ -11,12 +11,15 @@
 //! - [`Engine::generate_speculative`] — the same with speculative rounds from any
 //!   [`specula_spec::Drafter`] (draft, one batched verify forward, rollback of the rejected
 //!   rows), and [`DraftModel`], a smaller model of the same vocabulary as a drafter.
+//! - [`Rollback`] — how a session takes rejected rows back: a trim, or [`Session::checkpoint`]
+//!   before the verify and [`Engine::rewind`] (restore, run the accepted rows again) after it.
 //! - [`DflashDrafter`] — a DFlash block drafter fed with the target's hidden states (KV
 //!   injection, eager or deferred: [`Injection`]), and [`Eagle3Drafter`], an EAGLE-3 head
 //!   drafting a chain in feature space.
 
 mod dflash;
 mod eagle3;
+mod rollback;
 mod spec;
 
 use std::time::Instant;
@@ -68,6 +71,28 @@ pub enum EngineError {
     /// A draft model's vocabulary is not the target's.
     #[error("the draft model cannot draft for this target: {0}")]
     Vocab(#[from] VocabMismatch),
+    /// A checkpoint of positions the session no longer holds.
+    #[error(
+        "cannot restore a checkpoint of {checkpoint} positions: the session holds only {n_past} now"
+    )]
+    StaleCheckpoint {
+        /// Positions of the checkpoint.
+        checkpoint: usize,
+        /// Positions the session holds.
+        n_past: usize,
+    },
+    /// A rollback by replay without the ids to replay.
+    #[error(
+        "cannot roll back to {to} positions by replay from position {from}: the ids are known only from position {known}"
+    )]
+    Rewind {
+        /// Positions to keep.
+        to: usize,
+        /// Where the replay would start.
+        from: usize,
+        /// First position whose id was given.
+        known: usize,
+    },
     /// KV cache formats the model's heads cannot be stored in.
     #[error(transparent)]
     Kv(#[from] specula_kv::KvError),
@@ -75,7 +100,9 @@ pub enum EngineError {
 
 pub use dflash::{DflashDrafter, Injection};
 pub use eagle3::Eagle3Drafter;
+pub use rollback::{Checkpoint, Rewound};
 pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab, frequent_tokens};
+pub use specula_kv::Rollback;
 
 /// Result alias.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
@@ -114,6 +141,7 @@ pub struct Session<B: Backend> {
     rows: Vec<usize>,
     n_past: usize,
     n_ctx: usize,
+    rollback: specula_kv::Rollback,
 }
 
 impl<B: Backend> std::fmt::Debug for Session<B> {
@@ -151,8 +179,14 @@ impl<B: Backend> Session<B> {
     }
 
     /// Forgets everything after the first `n` positions (their cells are overwritten by the
-    /// next tokens).
+    /// next tokens): a trim, for a memory that can ([`Session::can_trim_to`]); otherwise
+    /// [`Engine::rewind`] takes rows back.
     pub fn truncate(&mut self, n: usize) {
+        debug_assert!(
+            self.can_trim_to(n),
+            "a trim to {n} of {} positions on a memory that rolls back by replay",
+            self.n_past
+        );
         self.n_past = self.n_past.min(n);
     }
 }
@@ -304,6 +338,7 @@ impl<B: Backend> Engine<B> {
             rows: Vec::new(),
             n_past: 0,
             n_ctx,
+            rollback: specula_kv::Rollback::Trim,
         })
     }
 

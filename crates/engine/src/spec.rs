@@ -3,17 +3,19 @@
 //! Each round drafts up to `k` tokens after the anchor (the last committed token, not yet in
 //! the target's cache), runs `[anchor, d1..dk]` through the target in one forward, keeps what
 //! [`specula_spec::verify::sample_and_match`] accepts plus one token of the target's own, and
-//! rolls the rejected rows back out of the cache. The first round opens as in llama.cpp's
+//! rolls the rejected rows back out of the cache ([`Engine::rewind`]: a trim, or for a memory
+//! that cannot trim the checkpoint taken before the verify, restored, and the accepted rows run
+//! again). The first round opens as in llama.cpp's
 //! `llama-speculative-simple`: the prompt's last token anchors it, so the first generated
 //! token is drafted and verified like every later one, and drafts and acceptance come out the
 //! same as llama.cpp's. The rest of the prompt is prefilled before that round for a feature
 //! drafter (which needs its hidden states to draft), and otherwise runs in front of the
 //! round's verify rows, in the same forward (the server's slots also anchor their first step
 //! at the last prompt token).
-//! The target's kernels are batch-invariant, so every verify row has the bits of a one-token
-//! decode and greedy output is the plain greedy output token for token (`tests/spec.rs`
-//! checks it for random drafters on a tiny model and on a real pair). `k` comes from
-//! [`specula_spec::policy::Adaptive`] unless fixed.
+//! The target's kernels are batch-invariant, so every verify row (and every replayed row) has
+//! the bits of a one-token decode and greedy output is the plain greedy output token for token
+//! (`tests/spec.rs` checks it for random drafters on a tiny model and on a real pair). `k`
+//! comes from [`specula_spec::policy::Adaptive`] unless fixed.
 
 use std::time::Instant;
 
@@ -23,7 +25,10 @@ use specula_spec::{DraftParams, Drafter, DrafterState, SpecError, SpecStats};
 use specula_tensor::Backend;
 use specula_tokenizer::{DecodeOptions, TokenAttr, Tokenizer, VocabKind};
 
-use crate::{Engine, EngineError, GenerateOptions, Generation, Result, Session, ms, top_k_logits};
+use crate::{
+    Checkpoint, Engine, EngineError, GenerateOptions, Generation, Result, Rewound, Rollback,
+    Session, ms, top_k_logits,
+};
 
 /// How a generation drafts.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -176,6 +181,8 @@ impl<B: Backend> Engine<B> {
             batch.clear();
             batch.extend_from_slice(&history[history.len() - 1 - lead..]);
             batch.extend_from_slice(&draft);
+            // A memory that cannot trim comes back to this state on a partial rejection.
+            let ck = (s.rollback() == Rollback::Replay).then(|| s.checkpoint());
             let tv = Instant::now();
             let in_drafter = self.run_for(
                 s,
@@ -209,18 +216,15 @@ impl<B: Backend> Engine<B> {
             if lead == 0 {
                 // A verify that carried the prompt says nothing about a verify's cost.
                 policy.record(draft.len(), verdict.accepted, verify_s, draft_s, caught_up);
-                if std::env::var_os("SPECULA_TRACE").is_some() {
-                    eprintln!(
-                        "TRACE k={k} d={} a={} v={:.2}ms ds={:.2}ms cu={caught_up}",
-                        draft.len(),
-                        verdict.accepted,
-                        verify_s * 1e3,
-                        draft_s * 1e3
-                    );
-                }
             }
-            // The cache keeps the anchor and the accepted drafts.
-            s.truncate(base + 1 + verdict.accepted);
+            // The cache keeps the anchor and the accepted drafts (and the prompt rows in front
+            // of the first round's anchor, which a replay runs again too).
+            let keep = 1 + verdict.accepted;
+            if let Rewound::Replayed(rows) =
+                self.rewind(s, base + keep, ck.as_ref(), &batch[..lead + keep])?
+            {
+                stats.record_replay(rows);
+            }
             // The drafter has seen the accepted drafts (it made them); the target's own token
             // is new to it.
             since_draft += 1;
@@ -385,6 +389,11 @@ pub struct DraftModel<B: Backend> {
     /// The tokens in the draft cache, in order.
     cached: Vec<u32>,
     logits: Vec<f32>,
+    /// Rollbacks by replay and the rows they ran again.
+    replays: (usize, usize),
+    /// For a cache that rolls back by replay: its state when it held exactly the history of
+    /// the last draft, before the draft tokens were run.
+    checkpoint: Option<Checkpoint>,
 }
 
 impl<B: Backend> std::fmt::Debug for DraftModel<B> {
@@ -431,7 +440,43 @@ impl<B: Backend> DraftModel<B> {
             session,
             cached: Vec::new(),
             logits: Vec::new(),
+            replays: (0, 0),
+            checkpoint: None,
         })
+    }
+
+    /// Rolls the draft cache back by checkpoint and replay instead of trimming
+    /// ([`Session::force_replay`]).
+    pub fn force_replay(&mut self) {
+        self.session.force_replay();
+    }
+
+    /// Replays the draft cache has run instead of trimming, and the rows they ran again.
+    #[must_use]
+    pub fn replays(&self) -> (usize, usize) {
+        self.replays
+    }
+
+    /// Takes the cache back to its first `n` tokens.
+    fn rewind(&mut self, n: usize) -> std::result::Result<(), SpecError> {
+        let r = self
+            .engine
+            .rewind(
+                &mut self.session,
+                n,
+                self.checkpoint.as_ref(),
+                &self.cached[..n],
+            )
+            .map_err(|e| Self::err(&e))?;
+        if let Rewound::Replayed(rows) = r {
+            self.replays.0 += 1;
+            self.replays.1 += rows;
+        }
+        self.cached.truncate(n);
+        if self.checkpoint.is_some_and(|c| c.n_past() > n) {
+            self.checkpoint = None;
+        }
+        Ok(())
     }
 
     fn err(e: &EngineError) -> SpecError {
@@ -452,13 +497,15 @@ impl<B: Backend> DraftModel<B> {
             .count()
             // The last token is always run: its logits start the draft.
             .min(tokens.len().saturating_sub(1));
-        self.session.truncate(common);
-        self.cached.truncate(common);
+        self.rewind(common)?;
         let feed = &tokens[common..];
         self.engine
             .prefill_into(&mut self.session, feed, feed.len() - 1, &mut self.logits)
             .map_err(|e| Self::err(&e))?;
         self.cached.extend_from_slice(feed);
+        if self.session.rollback() == Rollback::Replay {
+            self.checkpoint = Some(self.session.checkpoint());
+        }
         Ok(())
     }
 }
@@ -524,8 +571,9 @@ impl<B: Backend> Drafter for DraftModel<B> {
     }
 
     fn begin(&mut self, prompt: &[u32]) -> std::result::Result<(), SpecError> {
-        self.session.truncate(0);
+        self.session.reset();
         self.cached.clear();
+        self.checkpoint = None;
         // Everything but the anchor, as the target holds it; too long a prompt for the draft
         // context leaves the cache empty and the drafter idle.
         let head = &prompt[..prompt.len().saturating_sub(1)];
@@ -583,8 +631,6 @@ impl<B: Backend> Drafter for DraftModel<B> {
             .zip(tokens)
             .take_while(|(a, b)| a == b)
             .count();
-        self.session.truncate(common);
-        self.cached.truncate(common);
-        Ok(())
+        self.rewind(common)
     }
 }

@@ -216,9 +216,46 @@ fn speculative(
     drafter: &mut dyn Drafter,
     spec: &SpecOptions,
 ) -> specula_engine::Generation {
+    speculative_with(e, prompt, opts, n_ctx, drafter, spec, false)
+}
+
+/// [`speculative`], the target rolling back by checkpoint and replay when `replay`.
+fn speculative_with(
+    e: &Engine<CpuBackend>,
+    prompt: &[u32],
+    opts: &GenerateOptions,
+    n_ctx: usize,
+    drafter: &mut dyn Drafter,
+    spec: &SpecOptions,
+    replay: bool,
+) -> specula_engine::Generation {
     let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    if replay {
+        s.force_replay();
+    }
     e.generate_speculative(&mut s, prompt, opts, drafter, spec, |_| {})
         .unwrap()
+}
+
+/// A draft model whose cache rolls back by replay when `replay`.
+fn draft_model(
+    seed: u64,
+    target: &Engine<CpuBackend>,
+    n_ctx: usize,
+    replay: bool,
+) -> DraftModel<CpuBackend> {
+    let mut d = DraftModel::new(
+        engine(tiny(seed, 0, false)),
+        &target.tokenizer,
+        n_ctx,
+        QType::F16,
+        QType::F16,
+    )
+    .unwrap();
+    if replay {
+        d.force_replay();
+    }
+    d
 }
 
 const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100];
@@ -234,6 +271,7 @@ proptest! {
         adaptive in any::<bool>(),
         p_min in prop::sample::select(vec![0.0f32, 0.5, 0.9]),
         short in any::<bool>(),
+        replay in any::<bool>(),
     ) {
         let e = engine(tiny(11, 0, false));
         let n = 40;
@@ -250,7 +288,7 @@ proptest! {
                 let mut d = Scripted { f: |_: &[u32], k: usize, r: usize| {
                     (0..k).map(|i| (splitmix64(seed ^ (r * 64 + i) as u64) % 256) as u32).collect()
                 }, round: 0 };
-                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
+                speculative_with(&e, prompt, &opts, n_ctx, &mut d, &spec, replay)
             }
             // Adversarial: the true continuation, with one token changed at a random place.
             1 => {
@@ -264,28 +302,36 @@ proptest! {
                     }
                     v
                 }, round: 0 };
-                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
+                speculative_with(&e, prompt, &opts, n_ctx, &mut d, &spec, replay)
             }
             // The target itself as the draft model (accepts everything it drafts).
             2 => {
-                let mut d = DraftModel::new(engine(tiny(11, 0, false)), &e.tokenizer, n_ctx, QType::F16, QType::F16).unwrap();
-                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
+                let mut d = draft_model(11, &e, n_ctx, replay);
+                speculative_with(&e, prompt, &opts, n_ctx, &mut d, &spec, replay)
             }
             // Another random model as draft, its drafts truncated at random.
             _ => {
-                let mut inner = DraftModel::new(engine(tiny(99, 0, false)), &e.tokenizer, n_ctx, QType::F16, QType::F16).unwrap();
+                let mut inner = draft_model(99, &e, n_ctx, replay);
                 let mut d = Scripted { f: move |h: &[u32], k: usize, r: usize| {
                     let mut v = inner.draft(&DraftParams { history: h, n_max: k, p_min: 0.0 }).unwrap();
                     v.truncate(pick(splitmix64(seed ^ r as u64), k + 1));
                     v
                 }, round: 0 };
-                speculative(&e, prompt, &opts, n_ctx, &mut d, &spec)
+                speculative_with(&e, prompt, &opts, n_ctx, &mut d, &spec, replay)
             }
         };
         prop_assert_eq!(&got.generated_ids, &want);
         let st = got.spec.unwrap();
         prop_assert!(st.accepted <= st.drafted);
         prop_assert_eq!(st.accepted_at.iter().sum::<usize>(), st.accepted);
+        // Every round that rejected part of its draft replayed, and only those.
+        if replay {
+            prop_assert!(st.replays <= st.rounds);
+            prop_assert_eq!(st.accepted < st.drafted, st.replays > 0);
+            prop_assert!(st.replayed >= st.replays);
+        } else {
+            prop_assert_eq!((st.replays, st.replayed), (0, 0));
+        }
     }
 }
 
@@ -385,6 +431,56 @@ fn the_first_generated_token_is_drafted_and_verified() {
         let st = got.spec.unwrap();
         assert_eq!((st.rounds, st.drafted, st.accepted), (2, 8, 8));
     }
+}
+
+/// Rollback by checkpoint and replay (the path of memories that cannot trim, forced here on a
+/// cache that could): an adversarial drafter that is wrong at a different place every round,
+/// on the target and on a draft model of another vocabulary's weights, gives the plain
+/// greedy output; every round that rejected something replayed the accepted rows.
+#[test]
+fn forced_replay_gives_the_plain_greedy_output() {
+    let e = engine(tiny(11, 0, false));
+    let n = 48;
+    let opts = greedy(n, false);
+    let n_ctx = PROMPT.len() + n;
+    let want = plain(&e, PROMPT, &opts, n_ctx);
+    let spec = SpecOptions {
+        n_max: 6,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    // Wrong at draft position `round % (k + 1)` (never wrong when that is k).
+    let truth = want.clone();
+    let mut d = Scripted {
+        f: move |h: &[u32], k: usize, r: usize| {
+            let at = h.len() - PROMPT.len();
+            let mut v: Vec<u32> = truth.iter().skip(at).take(k).copied().collect();
+            if let Some(x) = v.get_mut(r % (k + 1)) {
+                *x = (*x + 1) % 256;
+            }
+            v
+        },
+        round: 0,
+    };
+    let got = speculative_with(&e, PROMPT, &opts, n_ctx, &mut d, &spec, true);
+    assert_eq!(got.generated_ids, want);
+    let st = got.spec.unwrap();
+    assert!(st.replays >= 4 && st.replays < st.rounds, "{st:?}");
+    // A replay runs the anchor and the accepted drafts of its round again (the first round's
+    // also the prompt rows that rode in front of its anchor, in the same forward).
+    assert!(
+        st.replayed >= st.replays && st.replayed - st.replays <= st.accepted + PROMPT.len() - 1,
+        "{st:?}"
+    );
+
+    // The draft model rolls its own cache back by replay too.
+    let mut inner = draft_model(99, &e, n_ctx, true);
+    let got = speculative_with(&e, PROMPT, &opts, n_ctx, &mut inner, &spec, true);
+    assert_eq!(got.generated_ids, want);
+    // Its draft tokens after a rejected one are taken back out of its cache.
+    let (replays, _) = inner.replays();
+    assert!(replays > 0, "{replays}");
 }
 
 #[test]

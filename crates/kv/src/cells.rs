@@ -234,9 +234,34 @@ impl Cells {
         }
     }
 
+    /// Whether removing the positions `≥ p` of `seq` (`seq_rm(seq, p, -1)`) leaves everything
+    /// a query of `seq` at position `p` should see under `mask`: every position of
+    /// `[p − window + 1, p)` for a sliding window, of `[0, p)` otherwise. It does not when
+    /// [`Cells::prune_swa`] freed cells for positions past `p` that the rows being removed had
+    /// pushed out of the window: those cells are gone, and only a checkpoint taken before the
+    /// rows were appended brings them back. Positions are assumed unique within a sequence.
+    #[must_use]
+    pub fn can_trim_to(&self, seq: SeqId, p: i64, mask: Mask) -> bool {
+        let lo = match mask {
+            Mask::SlidingWindow(w) => (p + 1 - i64::try_from(w).unwrap_or(i64::MAX)).max(0),
+            Mask::Causal | Mask::None => 0,
+        };
+        let held = (0..self.len())
+            .filter(|&c| self.has_seq(c, seq) && (lo..p).contains(&self.pos[c]))
+            .count();
+        i64::try_from(held).is_ok_and(|h| h == (p - lo).max(0))
+    }
+
     /// Sliding-window sub-cache upkeep: frees the cells of `seq` that no query at a position
     /// `≥ pos_max` can see through a window of `window` positions (llama.cpp's SWA pruning).
     /// Returns how many cells were freed.
+    ///
+    /// Pruning keeps no margin: with `pos_max` the last position of a batch, the cells that
+    /// batch pushed out of the window are freed, so removing its rows again (a rejected draft)
+    /// loses cells the next query needs — [`Cells::can_trim_to`] tells, and the cache must be
+    /// restored from a checkpoint instead (`tests.rs`, `swa_prune_then_trim_loses_cells`).
+    /// Pruning against the *first* position of the batch keeps every cell a trim back into the
+    /// batch needs (llama.cpp's `n_swa + n_ubatch` cells).
     ///
     /// # Errors
     /// An out-of-range sequence id.

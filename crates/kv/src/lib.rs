@@ -8,7 +8,11 @@
 //!   never dequantized as a whole. The CPU backend keeps its cache in planes.
 //! - [`Cells`] — position and sequence set of every cell, with `seq_rm`, `seq_cp`, `seq_keep`,
 //!   `seq_add` (recording the RoPE shift K needs), visibility under a [`Mask`], and pruning of
-//!   sliding-window sub-caches.
+//!   sliding-window sub-caches; [`Cells::can_trim_to`] says whether removing a suffix leaves
+//!   what the next query needs.
+//! - [`Rollback`] — how a memory takes back rejected draft rows: a trim, or restoring a
+//!   checkpoint ([`Plane::save`] / [`Plane::restore`] of the cells a write overwrites, a copy of
+//!   the [`Cells`]) and running the accepted rows again.
 //!
 //! Quantized caches are stored in a rotated domain ([`Rotation`]): block formats (q8_0, q4_0,
 //! …) under upstream llama.cpp's Hadamard rotation, TurboQuant formats under the fork's
@@ -41,9 +45,33 @@ pub use layout::{
     parse_cache_type, parse_layer_types, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query,
     v_rotation,
 };
-pub use plane::{Plane, RowEncoder, quantize_head};
+pub use plane::{Plane, RowEncoder, SavedCells, quantize_head};
 use specula_quant::QType;
 pub use specula_tensor::{LayerOverride, Mask};
+
+/// How a memory takes back the rows of a rejected draft tail.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rollback {
+    /// The rows past a position are dropped and the rest is exactly what it was: attention KV
+    /// whose cells are positions (llama.cpp's partial `seq_rm`).
+    Trim,
+    /// Dropping rows cannot give back the earlier state (a sliding window that pruned cells, a
+    /// ring buffer that wrapped, a recurrent state folded over the rows): a checkpoint is taken
+    /// before the verify forward, restored on a partial rejection, and the accepted rows are
+    /// run again.
+    Replay,
+}
+
+impl Rollback {
+    /// `trim` or `replay`, as logs, `/slots` and `--spec-rollback` name it.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Trim => "trim",
+            Self::Replay => "replay",
+        }
+    }
+}
 
 /// Errors of the KV cache.
 #[derive(Debug, thiserror::Error)]

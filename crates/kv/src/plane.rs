@@ -263,6 +263,49 @@ impl Plane {
         ))
     }
 
+    /// Copies the bytes of `cells` (a checkpoint of the cells a write is about to overwrite,
+    /// for [`Plane::restore`]).
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when a cell is out of range.
+    pub fn save(&self, cells: &[usize]) -> Result<SavedCells> {
+        let rb = self.row_bytes();
+        let mut bytes = Vec::with_capacity(cells.len() * rb);
+        for &c in cells {
+            if c >= self.n_cells {
+                return Err(KvError::Shape(format!(
+                    "saving cell {c} of a {}-cell cache",
+                    self.n_cells
+                )));
+            }
+            bytes.extend_from_slice(self.cell(c));
+        }
+        Ok(SavedCells {
+            cells: cells.to_vec(),
+            row_bytes: rb,
+            bytes,
+        })
+    }
+
+    /// Writes back the bytes [`Plane::save`] copied.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `saved` comes from a plane with other rows or more cells.
+    pub fn restore(&mut self, saved: &SavedCells) -> Result<()> {
+        let rb = self.row_bytes();
+        if saved.row_bytes != rb || saved.cells.iter().any(|&c| c >= self.n_cells) {
+            return Err(KvError::Shape(format!(
+                "restoring cells of {}-byte rows into a {}-cell plane of {rb}-byte rows",
+                saved.row_bytes, self.n_cells
+            )));
+        }
+        let bytes = bytemuck::cast_slice_mut::<u64, u8>(&mut self.words);
+        for (&c, src) in saved.cells.iter().zip(saved.bytes.chunks_exact(rb.max(1))) {
+            bytes[c * rb..(c + 1) * rb].copy_from_slice(src);
+        }
+        Ok(())
+    }
+
     /// Dequantizes head `head` of `cell` into `out` (`dim` values, still in the rotated domain
     /// of [`Plane::rotation`]).
     ///
@@ -277,6 +320,22 @@ impl Plane {
             self.head(cell, head),
             out,
         )?)
+    }
+}
+
+/// The bytes of some cells of a [`Plane`], saved before a write that overwrites them.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SavedCells {
+    cells: Vec<usize>,
+    row_bytes: usize,
+    bytes: Vec<u8>,
+}
+
+impl SavedCells {
+    /// The cells saved.
+    #[must_use]
+    pub fn cells(&self) -> &[usize] {
+        &self.cells
     }
 }
 

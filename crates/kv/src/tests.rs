@@ -134,6 +134,132 @@ fn seq_rm_then_reappend_gives_the_same_bytes() {
     }
 }
 
+/// One sequence's sliding-window sub-cache run the way llama.cpp's first iSWA cache ran it:
+/// each batch goes into the first free cells, then the cells no query at or after a position
+/// can see are pruned ([`Cells::prune_swa`]). The row of position `p` is always `row(p + 1)`.
+#[derive(Clone)]
+struct Swa {
+    cells: Cells,
+    k: Plane,
+    window: usize,
+    pad: Vec<f32>,
+}
+
+impl Swa {
+    const HEADS: usize = 2;
+    const HD: usize = 64;
+
+    fn new(n_cells: usize, window: usize) -> Self {
+        let ty = QType::Q8_0;
+        Self {
+            cells: Cells::new(n_cells),
+            k: Plane::new(
+                ty,
+                n_cells,
+                Self::HEADS,
+                Self::HD,
+                Self::HD,
+                k_rotation(ty, Self::HD),
+            )
+            .unwrap(),
+            window,
+            pad: Vec::new(),
+        }
+    }
+
+    /// Appends positions `ps` as one batch, then prunes against the batch's last position
+    /// (`prune_from_first`: its first).
+    fn append(&mut self, ps: std::ops::Range<i64>, prune_from_first: bool) {
+        let n = usize::try_from(ps.end - ps.start).unwrap();
+        let slots = self.cells.find_slots(n).unwrap();
+        for (&c, p) in slots.iter().zip(ps.clone()) {
+            let seed = u32::try_from(p + 1).unwrap();
+            let r = row(seed, Self::HEADS * Self::HD);
+            self.k.write(c, &r, &mut self.pad).unwrap();
+            self.cells.assign(c, p, 0).unwrap();
+        }
+        let at = if prune_from_first {
+            ps.start
+        } else {
+            ps.end - 1
+        };
+        self.cells.prune_swa(0, at, self.window).unwrap();
+    }
+
+    /// What a query at position `q` reads: position and stored bytes of each visible cell.
+    fn seen(&self, q: i64) -> Vec<(i64, Vec<u8>)> {
+        let mut v: Vec<(i64, Vec<u8>)> = (0..self.cells.len())
+            .filter(|&c| {
+                self.cells
+                    .visible(c, 0, q, Mask::SlidingWindow(self.window))
+            })
+            .map(|c| (self.cells.pos(c).unwrap(), self.k.cell(c).to_vec()))
+            .collect();
+        v.sort_unstable_by_key(|e| e.0);
+        v
+    }
+}
+
+/// Regression guard for speculative rollback on sliding-window memories: our `prune_swa`
+/// keeps no margin, so a verify batch `[21..=24]` pruned against its last position frees
+/// position 16, and trimming the rejected rows 23, 24 leaves a query at 23 without it (it
+/// reads 6 cells where plain decoding reads 7). `can_trim_to` reports it; restoring the
+/// checkpoint (a copy of the cells plus the bytes of the cells the batch overwrote) gives the
+/// cache back byte for byte, and replaying the accepted rows 21, 22 gives what a query at 23
+/// reads after plain decoding. Pruning against the batch's first position (llama.cpp's
+/// `n_swa + n_ubatch` margin) keeps the trim exact.
+#[test]
+fn swa_prune_then_trim_loses_cells() {
+    let (w, n_cells) = (8, 12);
+    let mut c = Swa::new(n_cells, w);
+    for p in 0..21 {
+        c.append(p..p + 1, false);
+    }
+    // Plain decoding: 21 and 22 one at a time; a query at 23 sees 16..=22.
+    let mut plain = c.clone();
+    plain.append(21..22, false);
+    plain.append(22..23, false);
+    let want = plain.seen(23);
+    assert_eq!(
+        want.iter().map(|e| e.0).collect::<Vec<_>>(),
+        (16..23).collect::<Vec<_>>()
+    );
+
+    // Checkpoint: the cell metadata and the bytes of the cells the batch is about to take.
+    let before = c.clone();
+    let taken = c.cells.find_slots(4).unwrap();
+    let (ck_cells, ck_bytes) = (c.cells.clone(), c.k.save(&taken).unwrap());
+    c.append(21..25, false);
+    assert!(!c.cells.can_trim_to(0, 23, Mask::SlidingWindow(w)));
+    let mut trimmed = c.clone();
+    trimmed.cells.seq_rm(Some(0), 23, -1).unwrap();
+    let got = trimmed.seen(23);
+    assert_ne!(got, want, "the trim must have lost a cell");
+    assert_eq!(got.first().map(|e| e.0), Some(17), "position 16 was pruned");
+
+    // Fallback: restore, then replay the anchor and the accepted draft.
+    c.cells = ck_cells;
+    c.k.restore(&ck_bytes).unwrap();
+    assert_eq!(c.cells, before.cells);
+    assert_eq!(c.k.bytes(), before.k.bytes());
+    c.append(21..23, false);
+    assert_eq!(c.seen(23), want);
+
+    // With the margin the trim is exact.
+    let mut margin = before.clone();
+    margin.append(21..25, true);
+    assert!(margin.cells.can_trim_to(0, 23, Mask::SlidingWindow(w)));
+    margin.cells.seq_rm(Some(0), 23, -1).unwrap();
+    assert_eq!(margin.seen(23), want);
+    // A full causal cache can always trim; one that lost position 0 cannot.
+    assert!(before.cells.can_trim_to(0, 20, Mask::SlidingWindow(w)));
+    assert!(!before.cells.can_trim_to(0, 20, Mask::Causal));
+    // Saved bytes only go back into a plane of the same rows.
+    let other = Plane::new(QType::F16, n_cells, 1, 64, 64, Rotation::None).unwrap();
+    assert!(other.clone().restore(&ck_bytes).is_err());
+    assert!(other.save(&[n_cells]).is_err());
+}
+
 /// Each head round-trips within its format's error; the padding of a turbo head holds zeros
 /// in the original domain.
 #[test]

@@ -178,6 +178,7 @@ pub(crate) fn timings(s: &Summary) -> Value {
         t["draft_rounds"] = json!(spec.rounds);
         t["draft_mean_accept_len"] = json!(spec.mean_accept_len());
         t["draft_accept_by_position"] = json!(spec.acceptance_by_position());
+        t["draft_replays"] = json!(spec.replays);
     }
     t
 }

@@ -20,7 +20,8 @@
 //!   `GET /v1/models`, `GET /health`, `GET /metrics`, `GET /slots`, `GET /props`,
 //!   `POST /tokenize`, `POST /detokenize`. Responses carry OpenAI `usage` and llama-server
 //!   `timings` (`prompt_n`, `prompt_ms`, `predicted_n`, `predicted_ms`, `draft_n`,
-//!   `draft_n_accepted`).
+//!   `draft_n_accepted`; ours: `draft_replays`, the verify steps rolled back by checkpoint and
+//!   replay instead of a trim).
 //! - Hardening: `--api-key` (Bearer, constant-time compare), a body size limit, limits that
 //!   answer 400 with what to change, a per-request timeout, cancellation when the client goes
 //!   away, graceful shutdown on SIGTERM / Ctrl-C.
@@ -123,6 +124,9 @@ pub struct ServerConfig {
     pub http_threads: usize,
     /// Stop on SIGTERM / Ctrl-C.
     pub handle_signals: bool,
+    /// Roll the slots' caches (and draft models' caches) back by checkpoint and replay even
+    /// where they could trim (`--spec-rollback replay`): slower, for testing that path.
+    pub force_replay: bool,
 }
 
 impl Default for ServerConfig {
@@ -140,6 +144,7 @@ impl Default for ServerConfig {
             model_name: "specula".into(),
             http_threads: 2,
             handle_signals: false,
+            force_replay: false,
         }
     }
 }
@@ -243,6 +248,7 @@ where
         n_ctx_slot,
         k_type: cfg.k_type,
         v_type: cfg.v_type,
+        force_replay: cfg.force_replay,
     };
     let spec_kind = spec.as_ref().map(|s| (s.kind.clone(), s.options));
     let wm = Arc::clone(&metrics);
@@ -260,7 +266,7 @@ where
             });
             match worker::Worker::new(engine, &slot_cfg, spec, rx, wm) {
                 Ok(w) => {
-                    let _ = ready_tx.send(Ok(()));
+                    let _ = ready_tx.send(Ok(w.rollback()));
                     w.run();
                 }
                 Err(e) => {
@@ -269,8 +275,8 @@ where
             }
         })
         .map_err(|e| ServerError::Runtime(e.to_string()))?;
-    match ready_rx.recv() {
-        Ok(Ok(())) => {}
+    let rollback = match ready_rx.recv() {
+        Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             let _ = engine_thread.join();
             return Err(ServerError::Engine(e));
@@ -281,7 +287,7 @@ where
                 "the engine thread stopped while starting".into(),
             ));
         }
-    }
+    };
 
     let template = match tokenizer.chat_template() {
         Ok(t) => Some(Arc::new(t)),
@@ -305,7 +311,7 @@ where
             n_vocab: hp.n_vocab,
             n_ctx_train: hp.n_ctx_train,
             spec: spec_kind,
-            rollback: worker::probe_rollback(hp.arch).name(),
+            rollback: rollback.name(),
         }),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

@@ -96,7 +96,7 @@ fn metric(out: &mut String, kind: &str, name: &str, help: &str, value: f64) {
 
 fn render(c: &Counters) -> String {
     let mut o = String::new();
-    let counters: [(&str, &str, f64); 13] = [
+    let counters: [(&str, &str, f64); 14] = [
         (
             "prompt_tokens_total",
             "Number of prompt tokens processed",
@@ -141,6 +141,11 @@ fn render(c: &Counters) -> String {
             "spec_decode_num_drafts_total",
             "Speculative: Total speculative decoding verification steps",
             f(c.spec.rounds as u64),
+        ),
+        (
+            "spec_decode_num_replays_total",
+            "Speculative: Verify steps whose rejected rows were taken back by checkpoint and replay (the cache cannot trim)",
+            f(c.spec.replays as u64),
         ),
         (
             "requests_success_total",
@@ -259,6 +264,8 @@ pub(crate) fn add_spec(total: &mut SpecStats, s: &SpecStats) {
     total.drafted += s.drafted;
     total.accepted += s.accepted;
     total.rounds += s.rounds;
+    total.replays += s.replays;
+    total.replayed += s.replayed;
     if total.drafted_at.len() < s.drafted_at.len() {
         total.drafted_at.resize(s.drafted_at.len(), 0);
         total.accepted_at.resize(s.drafted_at.len(), 0);

@@ -18,7 +18,7 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
 use serde_json::json;
-use specula_engine::{BatchEntry, Capture, Engine, EngineError, SpecOptions};
+use specula_engine::{BatchEntry, Capture, Engine, EngineError, Rewound, Rollback, SpecOptions};
 use specula_models::{Scratch, Taps};
 use specula_quant::QType;
 use specula_sampling::{Candidates, Sampler, SamplerParams, steps};
@@ -159,32 +159,6 @@ struct Slot<B: Backend> {
     last_used: u64,
 }
 
-/// How a target's cache takes back rejected draft rows.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Rollback {
-    /// Attention KV: cells past a position are simply rewritten (partial suffix removal).
-    Trim,
-}
-
-impl Rollback {
-    pub(crate) fn name(self) -> &'static str {
-        match self {
-            Self::Trim => "trim",
-        }
-    }
-}
-
-/// The rollback capability of a model's memory. Every architecture specula runs today keeps
-/// only attention KV, whose rejected rows are dropped by truncation; recurrent layers will
-/// add snapshot planes here.
-pub(crate) fn probe_rollback(arch: specula_models::Arch) -> Rollback {
-    match arch {
-        specula_models::Arch::Llama | specula_models::Arch::Qwen2 | specula_models::Arch::Qwen3 => {
-            Rollback::Trim
-        }
-    }
-}
-
 /// The speculative setup of the server.
 pub(crate) struct SpecSetup {
     pub kind: String,
@@ -211,6 +185,7 @@ pub(crate) struct SlotConfig {
     pub n_ctx_slot: usize,
     pub k_type: QType,
     pub v_type: QType,
+    pub force_replay: bool,
 }
 
 impl<B: Backend> Worker<B> {
@@ -222,17 +197,14 @@ impl<B: Backend> Worker<B> {
         rx: Receiver<Command>,
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
-        let rollback = probe_rollback(engine.model.hparams().arch);
-        tracing::info!(
-            rollback = rollback.name(),
-            "target cache rollback capability: {} (partial suffix removal)",
-            rollback.name()
-        );
         let mut slots = Vec::with_capacity(cfg.n_parallel);
         for id in 0..cfg.n_parallel {
-            let session = engine
+            let mut session = engine
                 .session(cfg.n_ctx_slot, cfg.k_type, cfg.v_type)
                 .map_err(|e| format!("cannot allocate the cache of slot {id}: {e}"))?;
+            if cfg.force_replay {
+                session.force_replay();
+            }
             let drafter = match spec.as_mut() {
                 Some((_, factory)) => Some(
                     factory().map_err(|e| format!("cannot make the drafter of slot {id}: {e}"))?,
@@ -256,6 +228,19 @@ impl<B: Backend> Worker<B> {
                 last_used: 0,
             });
         }
+        // What the slots' memory does, as the engine reports it (every slot has the same).
+        let rollback = slots
+            .first()
+            .map_or(Rollback::Trim, |s| s.session.rollback());
+        tracing::info!(
+            rollback = rollback.name(),
+            "target cache rollback capability: {} ({})",
+            rollback.name(),
+            match rollback {
+                Rollback::Trim => "partial suffix removal",
+                Rollback::Replay => "checkpoint before each verify, accepted rows run again",
+            }
+        );
         let spec = spec.map(|(s, _)| s);
         if let Some(s) = &spec {
             tracing::info!(
@@ -296,6 +281,11 @@ impl<B: Backend> Worker<B> {
             logits: Vec::new(),
             clock: 0,
         })
+    }
+
+    /// How the slots' caches take back rejected draft rows.
+    pub(crate) fn rollback(&self) -> Rollback {
+        self.rollback
     }
 
     fn busy(&self) -> bool {
@@ -578,6 +568,8 @@ impl<B: Backend> Worker<B> {
         }
         // The batched forward.
         let mut bases = Vec::with_capacity(self.slots.len());
+        // A memory that cannot trim comes back to its state before the verify.
+        let mut checkpoints = Vec::with_capacity(self.slots.len());
         let tv = Instant::now();
         let result = {
             let mut entries: Vec<BatchEntry<'_, B>> = Vec::with_capacity(self.slots.len());
@@ -608,6 +600,9 @@ impl<B: Backend> Worker<B> {
                     Phase::Prefill { .. } => {}
                     Phase::Decode => {
                         bases.push(session.n_past());
+                        checkpoints.push(
+                            (session.rollback() == Rollback::Replay).then(|| session.checkpoint()),
+                        );
                         entries.push(BatchEntry {
                             session,
                             tokens: &t.batch,
@@ -634,7 +629,7 @@ impl<B: Backend> Worker<B> {
             for slot in &mut self.slots {
                 if slot.task.is_some() {
                     fail(slot, 500, &format!("decoding failed: {e}"));
-                    slot.session.truncate(0);
+                    slot.session.reset();
                     slot.cached.clear();
                 }
             }
@@ -643,13 +638,16 @@ impl<B: Backend> Worker<B> {
         // Verify, commit, stream.
         let mut off = 0;
         let mut bases = bases.into_iter();
-        let tokenizer = &self.engine.tokenizer;
+        let mut checkpoints = checkpoints.into_iter();
+        let engine = &self.engine;
+        let tokenizer = &engine.tokenizer;
         for slot in &mut self.slots {
             let Some(t) = &mut slot.task else { continue };
             if t.phase != Phase::Decode {
                 continue;
             }
             let base = bases.next().expect("one base per entry");
+            let ck = checkpoints.next().expect("one checkpoint per entry");
             let n_rows = t.batch.len();
             let rows = &self.logits[off * n_vocab..(off + n_rows) * n_vocab];
             off += n_rows;
@@ -687,7 +685,25 @@ impl<B: Backend> Worker<B> {
                     t.caught_up,
                 );
             }
-            slot.session.truncate(base + 1 + verdict.accepted);
+            // The cache keeps the anchor and the accepted drafts.
+            let keep = 1 + verdict.accepted;
+            match engine.rewind(
+                &mut slot.session,
+                base + keep,
+                ck.as_ref(),
+                &t.batch[..keep],
+            ) {
+                Ok(Rewound::Replayed(rows)) => t.stats.record_replay(rows),
+                Ok(Rewound::Nothing | Rewound::Trimmed) => {}
+                Err(e) => {
+                    fail(
+                        slot,
+                        500,
+                        &format!("rolling back the rejected draft failed: {e}"),
+                    );
+                    continue;
+                }
+            }
             t.since_draft += 1;
             let mut finish: Option<&'static str> = None;
             for (i, &id) in verdict.tokens.iter().enumerate() {
@@ -835,6 +851,11 @@ fn start_task<B: Backend>(
         .take_while(|(a, b)| a == b)
         .count()
         .min(job.prompt.len() - 1);
+    // A memory that cannot trim starts over: the whole prompt runs again (llama-server's
+    // full re-processing when the cache cannot take back a suffix).
+    if !slot.session.can_trim_to(common) {
+        common = 0;
+    }
     let mut spec = spec_default.unwrap_or_default();
     if let Some(n) = job.spec.n_max {
         spec.n_max = n;
@@ -859,7 +880,11 @@ fn start_task<B: Backend>(
             Err(e) => return refuse(job, 500, format!("the drafter failed: {e}")),
         }
     }
-    slot.session.truncate(common);
+    if common == 0 {
+        slot.session.reset();
+    } else {
+        slot.session.truncate(common);
+    }
     slot.cached.truncate(common);
     let self_limiting =
         spec.p_min > 0.0 && slot.drafter.as_ref().is_some_and(|d| d.stops_when_unsure());
@@ -891,8 +916,13 @@ fn start_task<B: Backend>(
 
 /// Forgets a finished task's rows past its history and records what the cache holds.
 fn release<B: Backend>(slot: &mut Slot<B>, t: &Task) {
-    let keep = slot.session.n_past().min(t.history.len());
-    slot.session.truncate(keep);
+    let mut keep = slot.session.n_past().min(t.history.len());
+    if slot.session.can_trim_to(keep) {
+        slot.session.truncate(keep);
+    } else {
+        slot.session.reset();
+        keep = 0;
+    }
     slot.cached.clear();
     slot.cached.extend_from_slice(&t.history[..keep]);
 }

@@ -357,6 +357,49 @@ fn greedy_output_with_a_drafter_equals_the_output_without_one() {
     assert_eq!(slots[0]["rollback"], "trim");
 }
 
+/// Slots whose caches roll back by checkpoint and replay (forced; the path of memories that
+/// cannot trim) answer what a server without speculation answers, report `replay` in
+/// `/slots`, count their replays, and reprocess a prompt instead of trimming to its cached
+/// prefix (the second round of requests shares prefixes with the first).
+#[test]
+fn forced_replay_slots_give_the_plain_output() {
+    let plain = server(cfg(2), Draft::None);
+    let replay = server(
+        ServerConfig {
+            force_replay: true,
+            ..cfg(2)
+        },
+        Draft::Ngram,
+    );
+    let prompts = [
+        "abcabcabcabcabcabc",
+        "1 2 3 1 2 3 1 2 3",
+        "abcabcabcabcabcabc and more",
+    ];
+    let (mut drafted, mut accepted, mut replays) = (0, 0, 0);
+    for p in prompts {
+        let want =
+            content(&post(plain.addr(), "/v1/completions", &greedy_completion(p, 48)).json());
+        let v = post(replay.addr(), "/v1/completions", &greedy_completion(p, 48)).json();
+        assert_eq!(content(&v), want, "prompt {p:?}");
+        drafted += v["timings"]["draft_n"].as_u64().unwrap();
+        accepted += v["timings"]["draft_n_accepted"].as_u64().unwrap();
+        replays += v["timings"]["draft_replays"].as_u64().unwrap();
+    }
+    assert!(
+        accepted < drafted,
+        "some drafts must be rejected: {drafted} {accepted}"
+    );
+    assert!(replays > 0, "{replays}");
+    let slots = get(replay.addr(), "/slots").json();
+    assert_eq!(slots[0]["rollback"], "replay");
+    let m = get(replay.addr(), "/metrics").text();
+    assert_eq!(
+        metric(&m, "specula:spec_decode_num_replays_total"),
+        replays as f64
+    );
+}
+
 #[test]
 fn concurrent_requests_get_the_answers_they_get_alone() {
     let prompts: Vec<(String, u64)> = (0..6)

@@ -13,6 +13,11 @@ pub struct SpecStats {
     pub accepted_at: Vec<usize>,
     /// `drafted_at[i]`: rounds whose draft reached position `i`.
     pub drafted_at: Vec<usize>,
+    /// Rounds whose rejected rows were taken back by checkpoint and replay instead of a trim
+    /// (the target's memory cannot trim, or replay was forced).
+    pub replays: usize,
+    /// Rows those replays ran again.
+    pub replayed: usize,
 }
 
 impl SpecStats {
@@ -36,6 +41,12 @@ impl SpecStats {
         for n in &mut self.accepted_at[..accepted] {
             *n += 1;
         }
+    }
+
+    /// Records a rollback by replay that ran `rows` rows again.
+    pub fn record_replay(&mut self, rows: usize) {
+        self.replays += 1;
+        self.replayed += rows;
     }
 
     /// Mean tokens per round: `1 + accepted / rounds` (llama.cpp's "mean acc len").

@@ -1,0 +1,139 @@
+//! Taking back the rows of a rejected draft tail: a trim where the memory can, else a
+//! checkpoint taken before the verify forward, restored, and the accepted rows run again.
+//!
+//! A [`Session`]'s cache keeps one cell per position for every layer (sliding-window layers
+//! included: the window is a mask, no cell is pruned, nothing wraps), so dropping the rows
+//! past a position leaves exactly the cache plain decoding would have, and [`Rollback::Trim`]
+//! is the rollback of every model specula runs. [`Rollback::Replay`] exists for memories that
+//! lose state when rows are appended — a sliding-window cache that prunes (see
+//! `specula_kv::Cells::can_trim_to`), a ring buffer that wraps, recurrent layers — and can be
+//! forced on any session ([`Session::force_replay`]) to test that path: the output must not
+//! change, the kernels being batch-invariant (a replayed row has the bits of the verify row).
+
+use specula_kv::Rollback;
+use specula_tensor::Backend;
+
+use crate::{Engine, EngineError, Result, Session};
+
+/// The state of a [`Session`] before a forward that may be partly taken back
+/// ([`Session::checkpoint`]). The cache writes only the cells past its positions, so for
+/// attention KV the checkpoint is the number of positions; a memory that overwrites cells
+/// (pruning, wrapping, recurrent state) would add the bytes the forward overwrites.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Checkpoint {
+    n_past: usize,
+}
+
+impl Checkpoint {
+    /// Positions the session held when the checkpoint was taken.
+    #[must_use]
+    pub fn n_past(&self) -> usize {
+        self.n_past
+    }
+}
+
+/// What [`Engine::rewind`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rewound {
+    /// Nothing to take back.
+    Nothing,
+    /// The rows past the position were dropped.
+    Trimmed,
+    /// A checkpoint (or the empty cache) was restored and this many rows were run again.
+    Replayed(usize),
+}
+
+impl<B: Backend> Session<B> {
+    /// How this session's memory takes back rows ([`Rollback::Trim`] unless forced).
+    #[must_use]
+    pub fn rollback(&self) -> Rollback {
+        self.rollback
+    }
+
+    /// Rolls back by checkpoint and replay from now on, although the cache could trim: the
+    /// slower path, for testing that it gives the output of plain decoding
+    /// (`--spec-rollback replay`).
+    pub fn force_replay(&mut self) {
+        self.rollback = Rollback::Replay;
+    }
+
+    /// Whether [`Session::truncate`] to `n` positions leaves exactly the cache plain decoding
+    /// of those `n` positions would have: always for a trimming memory, otherwise only when
+    /// nothing is taken back.
+    #[must_use]
+    pub fn can_trim_to(&self, n: usize) -> bool {
+        n >= self.n_past || self.rollback == Rollback::Trim
+    }
+
+    /// The state to come back to if the rows of the next forward are taken back.
+    #[must_use]
+    pub fn checkpoint(&self) -> Checkpoint {
+        Checkpoint {
+            n_past: self.n_past,
+        }
+    }
+
+    /// Returns to the state of `ck`, taken on this session with only appends since.
+    ///
+    /// # Errors
+    /// [`EngineError::StaleCheckpoint`] when the session no longer holds the positions the
+    /// checkpoint holds (it was trimmed or reset below them since).
+    pub fn restore(&mut self, ck: &Checkpoint) -> Result<()> {
+        if ck.n_past > self.n_past {
+            return Err(EngineError::StaleCheckpoint {
+                checkpoint: ck.n_past,
+                n_past: self.n_past,
+            });
+        }
+        self.n_past = ck.n_past;
+        Ok(())
+    }
+
+    /// Empties the cache (any memory can).
+    pub fn reset(&mut self) {
+        self.n_past = 0;
+    }
+}
+
+impl<B: Backend> Engine<B> {
+    /// Takes `s` back to its first `n` positions. A memory that can trim drops the rows past
+    /// `n`; one that cannot is restored to `ck` — or emptied when there is no checkpoint at or
+    /// before `n` — and the positions from there to `n` run again. `tail` holds the ids of
+    /// positions `n − tail.len() .. n`; it must reach back to where the replay starts.
+    ///
+    /// # Errors
+    /// [`EngineError::Rewind`] when a replay needs ids `tail` does not have; errors of the
+    /// replayed forward.
+    pub fn rewind(
+        &self,
+        s: &mut Session<B>,
+        n: usize,
+        ck: Option<&Checkpoint>,
+        tail: &[u32],
+    ) -> Result<Rewound> {
+        if n >= s.n_past {
+            return Ok(Rewound::Nothing);
+        }
+        if s.can_trim_to(n) {
+            s.truncate(n);
+            return Ok(Rewound::Trimmed);
+        }
+        let from = ck
+            .filter(|c| c.n_past <= n && c.n_past <= s.n_past)
+            .map_or(0, |c| c.n_past);
+        let known = n.saturating_sub(tail.len());
+        if from < known {
+            return Err(EngineError::Rewind { to: n, from, known });
+        }
+        match ck {
+            Some(c) if c.n_past == from => s.restore(c)?,
+            _ => s.reset(),
+        }
+        let ids = &tail[from - known..];
+        if !ids.is_empty() {
+            let mut none = Vec::new();
+            self.prefill_into(s, ids, ids.len(), &mut none)?;
+        }
+        Ok(Rewound::Replayed(ids.len()))
+    }
+}
