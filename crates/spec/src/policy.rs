@@ -251,11 +251,13 @@ impl Adaptive {
             self.plain_streak = 0;
             self.drafted_rounds += 1;
             self.best_kept = self.best_kept.max(accepted);
-            // A probe that kept nothing, or whose news still leaves drafting unprofitable
-            // (a drafter that is right but too slow for this target: every probe makes it
-            // catch up with the plain steps since the last, which costs), backs off.
-            let still_plain =
-                self.verify[0].is_some() && self.best(self.n_max.min(2 * self.best_kept + 2)) == 0;
+            // A probe that kept nothing backs off, and so does one whose news still leaves
+            // drafting unprofitable when the drafter costs time of its own (a draft model that
+            // is right but too slow for this target: every probe makes it catch up with the
+            // plain steps since the last one, which costs about as much per token as drafting
+            // all along). A free drafter (prompt lookup) keeps probing.
+            let costly = self.verify[0].is_some_and(|v0| draft_s > 0.1 * v0);
+            let still_plain = costly && self.best(self.n_max.min(2 * self.best_kept + 2)) == 0;
             self.misses = if accepted == 0 || still_plain {
                 (self.misses + 1).min(MAX_BACKOFF)
             } else {
