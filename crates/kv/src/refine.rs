@@ -267,3 +267,130 @@ pub(crate) fn refine_turbo(ty: QType, target: &[f32], dst: &mut [u8]) {
         set(ty, &mut dst[(i / wht::GROUP) * bs..], i % wht::GROUP, c);
     }
 }
+
+/// The values `c_i + β·c_j` of a two-stage turbo head ([`crate::turbo_two_stage`]), sorted,
+/// with their code pairs and the midpoints between neighbours.
+struct Levels {
+    value: Vec<f32>,
+    pair: Vec<(u8, u8)>,
+    mid: Vec<f32>,
+}
+
+impl Levels {
+    fn new(cent: &[f32], beta: f32) -> Self {
+        let mut all: Vec<(f32, (u8, u8))> = Vec::with_capacity(cent.len() * cent.len());
+        for (i, &a) in cent.iter().enumerate() {
+            for (j, &b) in cent.iter().enumerate() {
+                let code = |k: usize| u8::try_from(k).expect("at most 16 centroids");
+                all.push((a + beta * b, (code(i), code(j))));
+            }
+        }
+        all.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let value: Vec<f32> = all.iter().map(|x| x.0).collect();
+        let mid = value.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        Self {
+            value,
+            pair: all.iter().map(|x| x.1).collect(),
+            mid,
+        }
+    }
+
+    /// Index of the level nearest `t`.
+    #[inline]
+    fn nearest(&self, t: f32) -> usize {
+        self.mid.partition_point(|&m| m <= t)
+    }
+
+    /// The scale `s` (already rounded to the stored fp16) minimizing `Σ (z − s·level)²` with
+    /// each value at its nearest level, and that error.
+    fn fit(&self, z: &[f32], s0: f32) -> (f32, f32) {
+        let mut s = s0;
+        for _ in 0..SCALE_STEPS {
+            let (mut num, mut den) = (0.0f32, 0.0f32);
+            for &v in z {
+                let l = self.value[self.nearest(v / s)];
+                num += v * l;
+                den += l * l;
+            }
+            if den <= 0.0 {
+                break;
+            }
+            s = num / den;
+        }
+        let s = Half::from_f32(s).to_f32();
+        if !(s > 0.0 && s.is_finite()) {
+            return (s, f32::INFINITY);
+        }
+        let err = z
+            .iter()
+            .map(|&v| {
+                let d = v - s * self.value[self.nearest(v / s)];
+                d * d
+            })
+            .sum();
+        (s, err)
+    }
+}
+
+/// Lloyd steps (codes given the scale, scale given the codes) from each start.
+const SCALE_STEPS: usize = 3;
+
+/// Starting scales, as multiples of `‖z‖·√2` (the norm that puts a 64-value head's rotated
+/// values on the centroids' N(0, 1/128) scale): the error is not convex in the scale.
+const SCALE_STARTS: [f32; 9] = [0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5];
+
+/// The levels of a two-stage head of format `ty`.
+fn levels(ty: QType) -> Option<&'static Levels> {
+    static L2: OnceLock<Levels> = OnceLock::new();
+    static L3: OnceLock<Levels> = OnceLock::new();
+    static L4: OnceLock<Levels> = OnceLock::new();
+    let (cell, cent): (&OnceLock<Levels>, &[f32]) = match ty {
+        QType::Turbo2 => (&L2, &turbo::CENTROIDS_2),
+        QType::Turbo3 => (&L3, &turbo::CENTROIDS_3),
+        QType::Turbo4 => (&L4, &turbo::CENTROIDS_4),
+        _ => return None,
+    };
+    let beta = crate::layout::turbo_two_stage(ty, wht::HALF, wht::GROUP)?;
+    Some(cell.get_or_init(|| Levels::new(cent, beta)))
+}
+
+/// Encodes a 64-value head `x` into one turbo block `dst` in two stages
+/// ([`crate::turbo_two_stage`]): the head rotated by the fork's 64-value rotation, rotated
+/// value `j` at the nearest level `s·(c_a + β·c_b)` (code `a` at position `j`, code `b` at
+/// `64 + j`), the norm `s` fitted from several starts and stored as fp16, the levels picked
+/// for that stored norm. The block decodes with the reference decoder; a zero head gets norm
+/// 0. Does nothing for a head or format that is not stored in two stages.
+pub(crate) fn encode_two_stage(ty: QType, x: &[f32], dst: &mut [u8]) {
+    let (Some((_, _, bs)), Some(lv)) = (tables(ty), levels(ty)) else {
+        return;
+    };
+    let half = wht::HALF;
+    if x.len() != half || dst.len() != bs {
+        return;
+    }
+    let mut z = [0.0f32; wht::HALF];
+    z.copy_from_slice(x);
+    wht::forward64(&mut z);
+    let n2: f32 = z.iter().map(|v| v * v).sum();
+    let base = (2.0 * n2).sqrt();
+    let mut best = (0.0f32, f32::INFINITY);
+    if base > 0.0 && base.is_finite() {
+        for f in SCALE_STARTS {
+            let (s, err) = lv.fit(&z, f * base);
+            if err < best.1 {
+                best = (s, err);
+            }
+        }
+    }
+    let s = if best.1.is_finite() { best.0 } else { 0.0 };
+    dst[..2].copy_from_slice(&Half::from_f32(s).0);
+    for (j, &v) in z.iter().enumerate() {
+        let (a, b) = if s > 0.0 {
+            lv.pair[lv.nearest(v / s)]
+        } else {
+            (0, 0)
+        };
+        set(ty, dst, j, a);
+        set(ty, dst, half + j, b);
+    }
+}

@@ -36,10 +36,10 @@
 
 use std::cell::RefCell;
 
-use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_fold, turbo_pad_query};
+use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_query, turbo_read};
 use specula_quant::blocks::{BlockTurbo2, BlockTurbo3, BlockTurbo4, QK_TURBO};
 use specula_quant::dot::Kernels;
-use specula_quant::{QType, turbo, wht};
+use specula_quant::{QType, turbo};
 use specula_tensor::{AttentionParams, KvShape, Mask, Result};
 
 use crate::CpuBackend;
@@ -151,10 +151,7 @@ fn row_of(p: &Plane, cell: usize) -> Vec<f32> {
     for h in 0..n_head {
         decode_head(p.ty(), p.head(cell, h), &mut buf);
         match p.rotation() {
-            Rotation::Turbo => {
-                wht::inverse_row(&mut buf);
-                turbo_fold(&mut buf, hd);
-            }
+            Rotation::Turbo => turbo_read(p.ty(), &mut buf, hd),
             Rotation::Hadamard(n) => hadamard(&mut buf, n),
             Rotation::None => {}
         }
@@ -518,10 +515,7 @@ impl Ctx<'_> {
                         dst[..hd_k].copy_from_slice(src);
                         dst[hd_k..].fill(0.0);
                         match self.k.rotation() {
-                            Rotation::Turbo => {
-                                turbo_pad_query(dst, hd_k);
-                                wht::forward_row(dst);
-                            }
+                            Rotation::Turbo => turbo_query(self.k.ty(), dst, hd_k),
                             Rotation::Hadamard(n) => hadamard(&mut dst[..hd_k], n),
                             Rotation::None => {}
                         }
@@ -697,10 +691,7 @@ impl Ctx<'_> {
                 *a *= inv;
             }
             match v_rot {
-                Rotation::Turbo => {
-                    wht::inverse_row(acc);
-                    turbo_fold(acc, hd_v);
-                }
+                Rotation::Turbo => turbo_read(self.v.ty(), acc, hd_v),
                 Rotation::Hadamard(n) => hadamard(&mut acc[..hd_v], n),
                 Rotation::None => {}
             }
