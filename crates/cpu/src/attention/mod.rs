@@ -12,9 +12,10 @@
 //! - q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl keys: the query head is quantized once to the format's
 //!   dot-product type (Q8_0 or Q8_1, as ggml-cpu does) and `q·k` is the block dot product of
 //!   `specula-quant` (SIMD);
-//! - turbo keys: the query head is zero-padded to the stored width and rotated forward by the
-//!   cache's Walsh–Hadamard transform once per call, then dotted with `centroid · norm` values
-//!   decoded one tile at a time (the rotation is orthogonal, so `⟨Wq, Wk⟩ = ⟨q, k⟩`).
+//! - turbo keys: the query head is taken to the stored domain once per call (padded and
+//!   rotated forward by the cache's Walsh–Hadamard transform; a 64-value head stored in two
+//!   stages as `(R₆₄q, β·R₆₄q)`, [`specula_kv::turbo_query`]), then dotted with
+//!   `centroid · norm` values decoded one tile at a time (`⟨q', k'⟩ = q · k̂`).
 //!
 //! Block-format caches are stored under llama.cpp's Hadamard rotation
 //! ([`specula_kv::Rotation::Hadamard`]): the query head is rotated the same way before it is
@@ -277,8 +278,9 @@ pub(crate) fn kv_write(
     if let Err(e) = calibrated {
         panic!("kv_write: {e}");
     }
-    // Padded turbo heads are refined on write (`specula_kv` `refine.rs`), which costs far more
-    // than the other encoders: spread rows over threads when there is enough of it.
+    // Padded turbo heads are refined or encoded in two stages on write (`specula_kv`
+    // `refine.rs`), which costs more than the other encoders: spread rows over threads when
+    // there is enough of it.
     let padded = |p: &Plane| p.rotation() == Rotation::Turbo && p.dim() > p.head_dim();
     let heavy = padded(&l.k) || padded(&l.v);
     let (ek, ck) = match l.k.encoder_and_cells(cells) {
