@@ -269,12 +269,21 @@ pub(crate) fn refine_turbo(ty: QType, target: &[f32], dst: &mut [u8]) {
 }
 
 /// The values `c_i + β·c_j` of a two-stage turbo head ([`crate::turbo_two_stage`]), sorted,
-/// with their code pairs and the midpoints between neighbours.
+/// with their code pairs, the midpoints between neighbours, and a table over uniform bins of
+/// the levels' range giving the number of midpoints below each bin (the nearest level is then
+/// found by a short scan from there, exactly).
 struct Levels {
     value: Vec<f32>,
     pair: Vec<(u8, u8)>,
     mid: Vec<f32>,
+    lo: f32,
+    inv_width: f32,
+    last_bin: f32,
+    below: Vec<u16>,
 }
+
+/// Bins of the nearest-level table per level.
+const BINS_PER_LEVEL: usize = 8;
 
 impl Levels {
     fn new(cent: &[f32], beta: f32) -> Self {
@@ -287,28 +296,67 @@ impl Levels {
         }
         all.sort_by(|x, y| x.0.total_cmp(&y.0));
         let value: Vec<f32> = all.iter().map(|x| x.0).collect();
-        let mid = value.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        let mid: Vec<f32> = value.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        let bins = BINS_PER_LEVEL * value.len();
+        let (lo, hi) = (value[0], value[value.len() - 1]);
+        #[allow(clippy::cast_precision_loss, reason = "at most 2048 bins")]
+        let width = (hi - lo) / bins as f32;
+        let below = (0..bins)
+            .map(|b| {
+                #[allow(clippy::cast_precision_loss, reason = "at most 2048 bins")]
+                let start = lo + b as f32 * width;
+                u16::try_from(mid.partition_point(|&m| m < start)).expect("at most 255 midpoints")
+            })
+            .collect();
+        #[allow(clippy::cast_precision_loss, reason = "at most 2048 bins")]
+        let last_bin = (bins - 1) as f32;
         Self {
             value,
             pair: all.iter().map(|x| x.1).collect(),
             mid,
+            lo,
+            inv_width: 1.0 / width,
+            last_bin,
+            below,
         }
     }
 
-    /// Index of the level nearest `t`.
+    /// Index of the level nearest `t` (the number of midpoints `≤ t`).
     #[inline]
     fn nearest(&self, t: f32) -> usize {
-        self.mid.partition_point(|&m| m <= t)
+        let b = ((t - self.lo) * self.inv_width).clamp(0.0, self.last_bin);
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "clamped to the bins (NaN becomes bin 0)"
+        )]
+        let mut i = usize::from(self.below[b as usize]);
+        // Every midpoint below the bin's start is ≤ t (for t below the range, none is).
+        while i < self.mid.len() && self.mid[i] <= t {
+            i += 1;
+        }
+        i
     }
 
-    /// The scale `s` (already rounded to the stored fp16) minimizing `Σ (z − s·level)²` with
-    /// each value at its nearest level, and that error.
-    fn fit(&self, z: &[f32], s0: f32) -> (f32, f32) {
-        let mut s = s0;
+    /// `Σ (z − s·level)²` with each value at its nearest level for the scale `s`.
+    fn error(&self, z: &[f32], s: f32) -> f32 {
+        let inv = 1.0 / s;
+        z.iter()
+            .map(|&v| {
+                let d = v - s * self.value[self.nearest(v * inv)];
+                d * d
+            })
+            .sum()
+    }
+
+    /// Lloyd steps from the scale `s` (codes given the scale, the least-squares scale given
+    /// the codes), rounded to the fp16 it is stored as.
+    fn refit(&self, z: &[f32], mut s: f32) -> f32 {
         for _ in 0..SCALE_STEPS {
+            let inv = 1.0 / s;
             let (mut num, mut den) = (0.0f32, 0.0f32);
             for &v in z {
-                let l = self.value[self.nearest(v / s)];
+                let l = self.value[self.nearest(v * inv)];
                 num += v * l;
                 den += l * l;
             }
@@ -317,27 +365,20 @@ impl Levels {
             }
             s = num / den;
         }
-        let s = Half::from_f32(s).to_f32();
-        if !(s > 0.0 && s.is_finite()) {
-            return (s, f32::INFINITY);
-        }
-        let err = z
-            .iter()
-            .map(|&v| {
-                let d = v - s * self.value[self.nearest(v / s)];
-                d * d
-            })
-            .sum();
-        (s, err)
+        Half::from_f32(s).to_f32()
     }
 }
 
-/// Lloyd steps (codes given the scale, scale given the codes) from each start.
-const SCALE_STEPS: usize = 3;
+/// Lloyd steps from the best starting scale.
+const SCALE_STEPS: usize = 2;
 
 /// Starting scales, as multiples of `‖z‖·√2` (the norm that puts a 64-value head's rotated
-/// values on the centroids' N(0, 1/128) scale): the error is not convex in the scale.
-const SCALE_STARTS: [f32; 9] = [0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2, 1.35, 1.5];
+/// values on the centroids' N(0, 1/128) scale): the error is not convex in the scale, so it is
+/// evaluated on this grid first and refitted from the best point (relative error of Gaussian
+/// heads as with Lloyd steps from every start, at half the cost).
+const SCALE_STARTS: [f32; 12] = [
+    0.6, 0.68, 0.76, 0.84, 0.92, 1.0, 1.08, 1.16, 1.24, 1.32, 1.41, 1.5,
+];
 
 /// The levels of a two-stage head of format `ty`.
 fn levels(ty: QType) -> Option<&'static Levels> {
@@ -373,20 +414,30 @@ pub(crate) fn encode_two_stage(ty: QType, x: &[f32], dst: &mut [u8]) {
     wht::forward64(&mut z);
     let n2: f32 = z.iter().map(|v| v * v).sum();
     let base = (2.0 * n2).sqrt();
-    let mut best = (0.0f32, f32::INFINITY);
+    let mut s = 0.0f32;
     if base > 0.0 && base.is_finite() {
+        let mut best = (f32::INFINITY, 0.0f32);
         for f in SCALE_STARTS {
-            let (s, err) = lv.fit(&z, f * base);
-            if err < best.1 {
-                best = (s, err);
+            let e = lv.error(&z, f * base);
+            if e < best.0 {
+                best = (e, f * base);
             }
         }
+        // The refitted scale, unless rounding or a bad step made it worse than the grid's.
+        let start = Half::from_f32(best.1).to_f32();
+        let fitted = lv.refit(&z, best.1);
+        s = if fitted > 0.0 && fitted.is_finite() && lv.error(&z, fitted) <= lv.error(&z, start)
+        {
+            fitted
+        } else {
+            start
+        };
     }
-    let s = if best.1.is_finite() { best.0 } else { 0.0 };
     dst[..2].copy_from_slice(&Half::from_f32(s).0);
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
     for (j, &v) in z.iter().enumerate() {
         let (a, b) = if s > 0.0 {
-            lv.pair[lv.nearest(v / s)]
+            lv.pair[lv.nearest(v * inv)]
         } else {
             (0, 0)
         };
