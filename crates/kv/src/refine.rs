@@ -426,8 +426,7 @@ pub(crate) fn encode_two_stage(ty: QType, x: &[f32], dst: &mut [u8]) {
         // The refitted scale, unless rounding or a bad step made it worse than the grid's.
         let start = Half::from_f32(best.1).to_f32();
         let fitted = lv.refit(&z, best.1);
-        s = if fitted > 0.0 && fitted.is_finite() && lv.error(&z, fitted) <= lv.error(&z, start)
-        {
+        s = if fitted > 0.0 && fitted.is_finite() && lv.error(&z, fitted) <= lv.error(&z, start) {
             fitted
         } else {
             start

@@ -396,10 +396,7 @@ fn two_stage_and_refined_errors(ty: QType) -> (f64, f64) {
     let mut plane = Plane::new(ty, n, 1, hd, dim, Rotation::Turbo).unwrap();
     let (mut two, mut refined, mut den) = (0.0f64, 0.0f64, 0.0f64);
     let err = |x: &[f32], y: &[f32]| -> f64 {
-        x.iter()
-            .zip(y)
-            .map(|(a, b)| f64::from(a - b).powi(2))
-            .sum()
+        x.iter().zip(y).map(|(a, b)| f64::from(a - b).powi(2)).sum()
     };
     let mut scratch = Vec::new();
     for cell in 0..n {
@@ -472,7 +469,10 @@ fn two_stage_codes_are_the_nearest_levels_and_queries_match() {
                     .iter()
                     .flat_map(|a| cent.iter().map(move |b| (z[j] - s * (a + beta * b)).abs()))
                     .fold(f32::INFINITY, f32::min);
-                assert!(got <= best + 1e-6, "{ty} value {j}: {got} vs nearest {best}");
+                assert!(
+                    got <= best + 1e-6,
+                    "{ty} value {j}: {got} vs nearest {best}"
+                );
             }
             // ⟨query in the stored domain, decoded key⟩ = q · the key read back.
             let q = row(seed + 100, 64);
