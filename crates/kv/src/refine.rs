@@ -1,4 +1,10 @@
-//! Refinement of the turbo codes of a padded head (head dim not a multiple of 128).
+//! Encoders of padded turbo heads (head dim not a multiple of 128): the two-stage encoder of
+//! 64-value heads ([`encode_two_stage`], [`crate::turbo_two_stage`]) and the refinement of the
+//! codes of heads padded with signed copies (every other width).
+//!
+//! A two-stage head's rotated values each pick the nearest of the `levels²` values
+//! `c_a + β·c_b` for the block's norm, which is fitted on a grid of scales and refined by two
+//! Lloyd steps; that choice is exact for the stored norm, so no descent is needed.
 //!
 //! A padded head of `hd` values is stored as `dim` rotated codes (the head and its signed
 //! copies, [`crate::turbo_pad`]); attention reads it back as `A·y`, where `y` is the decoded
@@ -18,8 +24,9 @@
 //! are a fast inverse rotation + fold and a query padding + fast forward rotation. The norms
 //! are refitted after every pass.
 //!
-//! Measured on 64-value heads padded to 128 (relative MSE): turbo4 0.0047 → 0.0011, turbo3
-//! 0.0176 → 0.0045, turbo2 0.061 → 0.019 (`tests.rs` gates the order of these). Starting also
+//! Measured on 64-value heads padded to 128 with signed copies (relative MSE): turbo4 0.0047
+//! → 0.0011, turbo3 0.0176 → 0.0045, turbo2 0.061 → 0.019 (`tests.rs` gates the order of
+//! these; the plane stores such heads in two stages now, at 0.00004 / 0.0006 / 0.0089). Starting also
 //! from codes of the head scaled by 0.8 and 1.25 and keeping the best gives another 10–30 %
 //! (turbo4 0.0008) at three times the cost; not done, the writes must stay cheap.
 
