@@ -61,10 +61,12 @@ pub fn cache_type(s: &str) -> Result<QType> {
 /// GQA ratio (query heads per K/V head) from which a turbo K is known to hurt a model: the
 /// TurboQuant fork switches K to q8_0 there (`TURBO_AUTO_ASYMMETRIC`, ratio ≥ 6, after Qwen2.5
 /// at 7:1 went from PPL 7.4 to 2887 with turbo3 K). Measured here on Qwen2.5-Coder-0.5B (7:1,
-/// textwrap.py, 2 × 512, KLD vs the f16 cache): before padded heads were refined on write,
-/// turbo3 K + q8_0 V collapsed (3.37, PPL 151); with the refinement turbo3/turbo3 is 0.093 and
-/// turbo4/turbo4 0.020, still 24 × and 8 × the 0.0039 / 0.0025 of q8_0 K with the same V
-/// (`docs/perf.md`). SmolLM2-135M (3:1) takes turbo K well.
+/// textwrap.py, 2 × 512, KLD vs the f16 cache): with the fork's zero padding turbo3 K + q8_0 V
+/// collapsed (3.37, PPL 151); with 64-value heads stored in two stages turbo2/turbo2 is 0.110,
+/// 17 × the 0.0065 of q8_0 K / turbo2 V, turbo3/turbo3 0.0066 (3.3 × q8_0 K's 0.0020) and
+/// turbo4/turbo4 0.0016, as good as q8_0 K (`docs/perf.md`). The limit stays for heads of 128
+/// (Qwen2.5-1.5B is 6:1), which keep the fork's encoding. SmolLM2-135M (3:1) takes turbo K
+/// well.
 pub const TURBO_K_GQA_LIMIT: usize = 6;
 
 /// The start-up warning for a turbo K on a model whose GQA ratio makes it harmful, naming the
@@ -75,7 +77,7 @@ pub fn turbo_k_warning(n_head: usize, n_head_kv: usize, k: QType, v: QType) -> O
     (specula_kv::is_turbo(k) && ratio >= TURBO_K_GQA_LIMIT).then(|| {
         let fix_v = if specula_kv::is_turbo(v) { v } else { k };
         format!(
-            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads, so its error reaches {ratio} heads; on Qwen2.5 turbo3 K has 24 × the KL divergence of q8_0 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
+            "-ctk {k} is known to degrade models with {n_head}:{n_head_kv} grouped-query attention (each K head serves {ratio} query heads, so its error reaches {ratio} heads; on Qwen2.5-0.5B turbo2 K has 17 × the KL divergence of q8_0 K); use -ctk q8_0 -ctv {fix_v} to keep a compact V with an accurate K"
         )
     })
 }

@@ -7,8 +7,8 @@
 //! Gates (issue 5): q8_0 and q4_0 no worse than 1.1 × llama.cpp's KLD for the same cache type,
 //! measured side by side on the same windows; on Qwen2.5 (whose K has outlier channels that
 //! plain 4-bit K cannot hold) turbo4 at least 10 × lower than llama.cpp's q4_0, and the
-//! asymmetric q8_0-K / turbo4-V ≤ 0.01; on SmolLM2 turbo4 ≤ 0.02, turbo3 ≤ 0.045 and q8_0-K /
-//! turbo4-V ≤ 0.01 (turbo2 ≤ 0.09 is not met: see the test).
+//! asymmetric q8_0-K / turbo4-V ≤ 0.01; on SmolLM2 turbo4 ≤ 0.02, turbo3 ≤ 0.045, turbo2 ≤
+//! 0.09 and q8_0-K / turbo4-V ≤ 0.01.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -135,29 +135,20 @@ fn smollm2_cache_types_meet_their_kld_gates() {
         // Issue 5's absolute turbo gates on SmolLM2.
         s(Turbo4, Turbo4, Some(0.02)),
         s(Turbo3, Turbo3, Some(0.045)),
-        s(Turbo2, Turbo2, None),
+        s(Turbo2, Turbo2, Some(0.09)),
         s(Q8_0, Turbo4, Some(0.01)),
     ];
     let Some(m) = measure("smollm2-135m", 2, &settings) else {
         return;
     };
-    // turbo2 ≤ 0.09 is not met (0.13–0.15 measured, docs/perf.md says why); what is gated is
-    // the order the formats' bits promise — each turbo type better than the next smaller one,
-    // turbo4 (4.125 bits) better than q4_0 (4.5 bits), a q8_0 K better than a turbo4 K — and a
-    // bound that catches a regression of the padded-head refinement (0.43 without it).
-    let (q4, t4, t3, t2, q8t4) = (m[1], m[2], m[3], m[4], m[5]);
+    // The order the formats' bits promise: each turbo type better than the next smaller one,
+    // turbo4 (4.125 bits) better than q4_0 (4.5 bits). (q8_0-K / turbo4-V and turbo4 both sit
+    // on the f32 floor of ≈ 0.0045 since 64-value heads are stored in two stages.)
+    let (q4, t4, t3, t2) = (m[1], m[2], m[3], m[4]);
     assert!(t4 <= q4, "turbo4 {t4:.5} is worse than q4_0 {q4:.5}");
     assert!(
         t4 < t3 && t3 < t2,
         "turbo4 {t4:.5} < turbo3 {t3:.5} < turbo2 {t2:.5} fails"
-    );
-    assert!(
-        q8t4 < t4,
-        "q8_0/turbo4 {q8t4:.5} is not better than turbo4 {t4:.5}"
-    );
-    assert!(
-        t2 <= 0.2,
-        "turbo2 {t2:.5}: the padded-head refinement regressed"
     );
 }
 

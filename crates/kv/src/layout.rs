@@ -343,6 +343,73 @@ impl KvLayout {
     }
 }
 
+/// Weight of the fine stage of a turbo head stored in two stages, per format (chosen by the
+/// relative error of Gaussian 64-value heads over a grid of weights: turbo2 0.0089 at 0.25,
+/// turbo3 0.0006 at 0.15, turbo4 0.00004 at 0.075).
+fn fine_weight(ty: QType) -> Option<f32> {
+    match ty {
+        QType::Turbo2 => Some(0.25),
+        QType::Turbo3 => Some(0.15),
+        QType::Turbo4 => Some(0.075),
+        _ => None,
+    }
+}
+
+/// The fine stage's weight `β` when a turbo head of `hd` values stored in `dim` is kept in
+/// two stages (`None`: padded with signed copies, [`turbo_pad`]).
+///
+/// A 64-value head has 128 codes, twice what it needs. It is rotated with the fork's
+/// 64-value variant of the rotation (`wht::forward64`, the rotation `GGML_OP_TURBO_WHT` uses
+/// for 64-wide groups) to `z`, and stored as two 64-code halves `y = s·(c_a, c_b)` (the
+/// block's one norm `s` and its centroid codes, decoded as the reference decodes them) that
+/// attention reads back as `z ≈ y_a + β·y_b`: every rotated value has `levels²` values
+/// `c_i + β·c_j` to pick from — a 16-level scalar quantizer out of two 4-level turbo2 halves.
+/// The encoder picks each value's pair and the norm exactly (`refine.rs`). Relative error of
+/// a 64-value head against the signed copies with refined codes: turbo2 0.0089 vs 0.019,
+/// turbo3 0.0006 vs 0.0045, turbo4 0.00004 vs 0.0011.
+#[must_use]
+pub fn turbo_two_stage(ty: QType, hd: usize, dim: usize) -> Option<f32> {
+    if hd == specula_quant::wht::HALF && dim == specula_quant::wht::GROUP {
+        fine_weight(ty)
+    } else {
+        None
+    }
+}
+
+/// Turns a query head for a turbo K (`x[..hd]`, `x.len()` the stored width) into the domain
+/// its codes are stored in, so that `⟨x', decoded k⟩` is `q ·` the key attention reads back:
+/// two stages ([`turbo_two_stage`]) `(R₆₄q, β·R₆₄q)`, else the padded query rotated forward.
+pub fn turbo_query(ty: QType, x: &mut [f32], hd: usize) {
+    use specula_quant::wht;
+    if let Some(beta) = turbo_two_stage(ty, hd, x.len()) {
+        let (coarse, fine) = x.split_at_mut(wht::HALF);
+        wht::forward64(coarse.try_into().expect("64 values"));
+        for (f, &c) in fine.iter_mut().zip(coarse.iter()) {
+            *f = beta * c;
+        }
+    } else {
+        turbo_pad_query(x, hd);
+        wht::forward_row(x);
+    }
+}
+
+/// Reads a decoded turbo V head (or an attention output in its domain, `x.len()` the stored
+/// width) back into the model's domain, in `x[..hd]`: two stages `R₆₄ᵀ(y_a + β·y_b)`, else
+/// the rotation back and the mean of the copies ([`turbo_fold`]).
+pub fn turbo_read(ty: QType, x: &mut [f32], hd: usize) {
+    use specula_quant::wht;
+    if let Some(beta) = turbo_two_stage(ty, hd, x.len()) {
+        let (coarse, fine) = x.split_at_mut(wht::HALF);
+        for (c, &f) in coarse.iter_mut().zip(fine.iter()) {
+            *c += beta * f;
+        }
+        wht::inverse64(coarse.try_into().expect("64 values"));
+    } else {
+        wht::inverse_row(x);
+        turbo_fold(x, hd);
+    }
+}
+
 /// `1 / copies` of head value `i` in a head of `hd` values padded to `dim` (the value and its
 /// signed copies): every value has `pad / hd + 1` of them, the first `pad % hd` one more.
 #[inline]

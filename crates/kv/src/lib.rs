@@ -43,7 +43,7 @@ pub use cells::{Cells, MAX_SEQ, SeqId};
 pub use layout::{
     CACHE_TYPES, KvLayout, LayerLayout, LayerTypes, Rotation, hadamard, is_turbo, k_rotation,
     parse_cache_type, parse_layer_types, stored_head_dim, turbo_fold, turbo_pad, turbo_pad_query,
-    v_rotation,
+    turbo_query, turbo_read, turbo_two_stage, v_rotation,
 };
 pub use plane::{Plane, RowEncoder, SavedCells, quantize_head};
 use specula_quant::QType;

@@ -4,7 +4,7 @@
 use specula_quant::blocks::BlockIq4Nl;
 use specula_quant::{QType, iq4};
 
-use crate::layout::{Rotation, hadamard, turbo_pad};
+use crate::layout::{Rotation, hadamard, turbo_pad, turbo_two_stage};
 use crate::{KvError, Result};
 
 /// The K or V rows of one layer: `n_cells` cells × `n_head` heads, each head `dim` stored values
@@ -376,7 +376,8 @@ impl RowEncoder<'_> {
     /// so `row` is in the model's domain), padded to the stored width (turbo:
     /// [`crate::turbo_pad`]) and encoded with the cache quantizer of the format (for IQ4_NL the
     /// `ntry = −1` reference ggml-cpu uses for caches); the codes of a padded turbo head are
-    /// then refined against the head attention reads back (`refine.rs`). `pad` is scratch.
+    /// then refined against the head attention reads back (`refine.rs`), and a 64-value turbo
+    /// head is encoded in two stages instead ([`crate::turbo_two_stage`]). `pad` is scratch.
     ///
     /// # Errors
     /// [`KvError::Shape`] when the row or the cell has the wrong length.
@@ -412,6 +413,10 @@ impl RowEncoder<'_> {
             }
             match rot {
                 Rotation::Hadamard(n) => hadamard(&mut pad[..hd], n),
+                Rotation::Turbo if turbo_two_stage(ty, hd, dim).is_some() => {
+                    crate::refine::encode_two_stage(ty, &pad[..hd], dst);
+                    continue;
+                }
                 Rotation::Turbo => turbo_pad(pad, hd),
                 Rotation::None => {}
             }

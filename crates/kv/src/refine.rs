@@ -1,4 +1,10 @@
-//! Refinement of the turbo codes of a padded head (head dim not a multiple of 128).
+//! Encoders of padded turbo heads (head dim not a multiple of 128): the two-stage encoder of
+//! 64-value heads ([`encode_two_stage`], [`crate::turbo_two_stage`]) and the refinement of the
+//! codes of heads padded with signed copies (every other width).
+//!
+//! A two-stage head's rotated values each pick the nearest of the `levels²` values
+//! `c_a + β·c_b` for the block's norm, which is fitted on a grid of scales and refined by two
+//! Lloyd steps; that choice is exact for the stored norm, so no descent is needed.
 //!
 //! A padded head of `hd` values is stored as `dim` rotated codes (the head and its signed
 //! copies, [`crate::turbo_pad`]); attention reads it back as `A·y`, where `y` is the decoded
@@ -18,8 +24,9 @@
 //! are a fast inverse rotation + fold and a query padding + fast forward rotation. The norms
 //! are refitted after every pass.
 //!
-//! Measured on 64-value heads padded to 128 (relative MSE): turbo4 0.0047 → 0.0011, turbo3
-//! 0.0176 → 0.0045, turbo2 0.061 → 0.019 (`tests.rs` gates the order of these). Starting also
+//! Measured on 64-value heads padded to 128 with signed copies (relative MSE): turbo4 0.0047
+//! → 0.0011, turbo3 0.0176 → 0.0045, turbo2 0.061 → 0.019 (`tests.rs` gates the order of
+//! these; the plane stores such heads in two stages now, at 0.00004 / 0.0006 / 0.0089). Starting also
 //! from codes of the head scaled by 0.8 and 1.25 and keeping the best gives another 10–30 %
 //! (turbo4 0.0008) at three times the cost; not done, the writes must stay cheap.
 
@@ -265,5 +272,182 @@ pub(crate) fn refine_turbo(ty: QType, target: &[f32], dst: &mut [u8]) {
     }
     for (i, &c) in codes.iter().enumerate() {
         set(ty, &mut dst[(i / wht::GROUP) * bs..], i % wht::GROUP, c);
+    }
+}
+
+/// The values `c_i + β·c_j` of a two-stage turbo head ([`crate::turbo_two_stage`]), sorted,
+/// with their code pairs, the midpoints between neighbours, and a table over uniform bins of
+/// the levels' range giving the number of midpoints below each bin (the nearest level is then
+/// found by a short scan from there, exactly).
+struct Levels {
+    value: Vec<f32>,
+    pair: Vec<(u8, u8)>,
+    mid: Vec<f32>,
+    lo: f32,
+    inv_width: f32,
+    last_bin: f32,
+    below: Vec<u16>,
+}
+
+/// Bins of the nearest-level table per level.
+const BINS_PER_LEVEL: usize = 8;
+
+impl Levels {
+    fn new(cent: &[f32], beta: f32) -> Self {
+        let mut all: Vec<(f32, (u8, u8))> = Vec::with_capacity(cent.len() * cent.len());
+        for (i, &a) in cent.iter().enumerate() {
+            for (j, &b) in cent.iter().enumerate() {
+                let code = |k: usize| u8::try_from(k).expect("at most 16 centroids");
+                all.push((a + beta * b, (code(i), code(j))));
+            }
+        }
+        all.sort_by(|x, y| x.0.total_cmp(&y.0));
+        let value: Vec<f32> = all.iter().map(|x| x.0).collect();
+        let mid: Vec<f32> = value.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect();
+        let bins = BINS_PER_LEVEL * value.len();
+        let (lo, hi) = (value[0], value[value.len() - 1]);
+        #[allow(clippy::cast_precision_loss, reason = "at most 2048 bins")]
+        let width = (hi - lo) / bins as f32;
+        let below = (0..bins)
+            .map(|b| {
+                #[allow(clippy::cast_precision_loss, reason = "at most 2048 bins")]
+                let start = lo + b as f32 * width;
+                u16::try_from(mid.partition_point(|&m| m < start)).expect("at most 255 midpoints")
+            })
+            .collect();
+        #[allow(clippy::cast_precision_loss, reason = "at most 2048 bins")]
+        let last_bin = (bins - 1) as f32;
+        Self {
+            value,
+            pair: all.iter().map(|x| x.1).collect(),
+            mid,
+            lo,
+            inv_width: 1.0 / width,
+            last_bin,
+            below,
+        }
+    }
+
+    /// Index of the level nearest `t` (the number of midpoints `≤ t`).
+    #[inline]
+    fn nearest(&self, t: f32) -> usize {
+        let b = ((t - self.lo) * self.inv_width).clamp(0.0, self.last_bin);
+        #[allow(
+            clippy::cast_possible_truncation,
+            clippy::cast_sign_loss,
+            reason = "clamped to the bins (NaN becomes bin 0)"
+        )]
+        let mut i = usize::from(self.below[b as usize]);
+        // Every midpoint below the bin's start is ≤ t (for t below the range, none is).
+        while i < self.mid.len() && self.mid[i] <= t {
+            i += 1;
+        }
+        i
+    }
+
+    /// `Σ (z − s·level)²` with each value at its nearest level for the scale `s`.
+    fn error(&self, z: &[f32], s: f32) -> f32 {
+        let inv = 1.0 / s;
+        z.iter()
+            .map(|&v| {
+                let d = v - s * self.value[self.nearest(v * inv)];
+                d * d
+            })
+            .sum()
+    }
+
+    /// Lloyd steps from the scale `s` (codes given the scale, the least-squares scale given
+    /// the codes), rounded to the fp16 it is stored as.
+    fn refit(&self, z: &[f32], mut s: f32) -> f32 {
+        for _ in 0..SCALE_STEPS {
+            let inv = 1.0 / s;
+            let (mut num, mut den) = (0.0f32, 0.0f32);
+            for &v in z {
+                let l = self.value[self.nearest(v * inv)];
+                num += v * l;
+                den += l * l;
+            }
+            if den <= 0.0 {
+                break;
+            }
+            s = num / den;
+        }
+        Half::from_f32(s).to_f32()
+    }
+}
+
+/// Lloyd steps from the best starting scale.
+const SCALE_STEPS: usize = 2;
+
+/// Starting scales, as multiples of `‖z‖·√2` (the norm that puts a 64-value head's rotated
+/// values on the centroids' N(0, 1/128) scale): the error is not convex in the scale, so it is
+/// evaluated on this grid first and refitted from the best point (relative error of Gaussian
+/// heads as with Lloyd steps from every start, at half the cost).
+const SCALE_STARTS: [f32; 12] = [
+    0.6, 0.68, 0.76, 0.84, 0.92, 1.0, 1.08, 1.16, 1.24, 1.32, 1.41, 1.5,
+];
+
+/// The levels of a two-stage head of format `ty`.
+fn levels(ty: QType) -> Option<&'static Levels> {
+    static L2: OnceLock<Levels> = OnceLock::new();
+    static L3: OnceLock<Levels> = OnceLock::new();
+    static L4: OnceLock<Levels> = OnceLock::new();
+    let (cell, cent): (&OnceLock<Levels>, &[f32]) = match ty {
+        QType::Turbo2 => (&L2, &turbo::CENTROIDS_2),
+        QType::Turbo3 => (&L3, &turbo::CENTROIDS_3),
+        QType::Turbo4 => (&L4, &turbo::CENTROIDS_4),
+        _ => return None,
+    };
+    let beta = crate::layout::turbo_two_stage(ty, wht::HALF, wht::GROUP)?;
+    Some(cell.get_or_init(|| Levels::new(cent, beta)))
+}
+
+/// Encodes a 64-value head `x` into one turbo block `dst` in two stages
+/// ([`crate::turbo_two_stage`]): the head rotated by the fork's 64-value rotation, rotated
+/// value `j` at the nearest level `s·(c_a + β·c_b)` (code `a` at position `j`, code `b` at
+/// `64 + j`), the norm `s` fitted from several starts and stored as fp16, the levels picked
+/// for that stored norm. The block decodes with the reference decoder; a zero head gets norm
+/// 0. Does nothing for a head or format that is not stored in two stages.
+pub(crate) fn encode_two_stage(ty: QType, x: &[f32], dst: &mut [u8]) {
+    let (Some((_, _, bs)), Some(lv)) = (tables(ty), levels(ty)) else {
+        return;
+    };
+    let half = wht::HALF;
+    if x.len() != half || dst.len() != bs {
+        return;
+    }
+    let mut z = [0.0f32; wht::HALF];
+    z.copy_from_slice(x);
+    wht::forward64(&mut z);
+    let n2: f32 = z.iter().map(|v| v * v).sum();
+    let base = (2.0 * n2).sqrt();
+    let mut s = 0.0f32;
+    if base > 0.0 && base.is_finite() {
+        let mut best = (f32::INFINITY, 0.0f32);
+        for f in SCALE_STARTS {
+            let e = lv.error(&z, f * base);
+            if e < best.0 {
+                best = (e, f * base);
+            }
+        }
+        // The refitted scale, unless rounding or a bad step made it worse than the grid's.
+        let start = Half::from_f32(best.1).to_f32();
+        let fitted = lv.refit(&z, best.1);
+        s = if fitted > 0.0 && fitted.is_finite() && lv.error(&z, fitted) <= lv.error(&z, start) {
+            fitted
+        } else {
+            start
+        };
+    }
+    dst[..2].copy_from_slice(&Half::from_f32(s).0);
+    let inv = if s > 0.0 { 1.0 / s } else { 0.0 };
+    for (j, &v) in z.iter().enumerate() {
+        let (a, b) = if s > 0.0 {
+            lv.pair[lv.nearest(v * inv)]
+        } else {
+            (0, 0)
+        };
+        set(ty, dst, j, a);
+        set(ty, dst, half + j, b);
     }
 }

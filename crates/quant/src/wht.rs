@@ -38,12 +38,16 @@ pub const S2: [f32; GROUP] = [
     1., -1.,
 ];
 
+/// Values of the fork's 64-value variant of the rotation.
+pub const HALF: usize = 64;
+
 /// The unnormalised Hadamard transform by in-place butterflies `(a, b) → (a + b, a − b)`.
 #[inline]
-fn butterflies(x: &mut [f32; GROUP]) {
+fn butterflies(x: &mut [f32]) {
+    let n = x.len();
     let mut h = 1;
-    while h < GROUP {
-        for i in (0..GROUP).step_by(2 * h) {
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
             for j in i..i + h {
                 let (a, b) = (x[j], x[j + h]);
                 x[j] = a + b;
@@ -73,6 +77,29 @@ pub fn inverse(x: &mut [f32; GROUP]) {
     butterflies(x);
     for (v, s) in x.iter_mut().zip(&S1) {
         *v *= INV_SQRT_128 * s;
+    }
+}
+
+/// Rotates 64 values forward with the fork's 64-group variant of the rotation
+/// (`GGML_OP_TURBO_WHT` with group 64): the first 64 entries of each sign table and `1/√64`.
+pub fn forward64(x: &mut [f32; HALF]) {
+    for (v, s) in x.iter_mut().zip(&S1) {
+        *v *= s;
+    }
+    butterflies(x);
+    for (v, s) in x.iter_mut().zip(&S2) {
+        *v *= 0.125 * s;
+    }
+}
+
+/// Rotates 64 values back (the inverse of [`forward64`]).
+pub fn inverse64(x: &mut [f32; HALF]) {
+    for (v, s) in x.iter_mut().zip(&S2) {
+        *v *= s;
+    }
+    butterflies(x);
+    for (v, s) in x.iter_mut().zip(&S1) {
+        *v *= 0.125 * s;
     }
 }
 
@@ -160,6 +187,25 @@ mod tests {
         let mut zero = [0.0; GROUP];
         forward(&mut zero);
         assert!(zero.iter().all(|&v| v == 0.0));
+    }
+
+    #[test]
+    fn the_64_variant_is_orthogonal() {
+        let mut seed = 7;
+        for _ in 0..50 {
+            let x: [f32; HALF] = std::array::from_fn(|_| lcg(&mut seed));
+            let mut y = x;
+            forward64(&mut y);
+            let n2 = |v: &[f32]| v.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>();
+            assert!((n2(&x) - n2(&y)).abs() <= 1e-5 * n2(&x));
+            inverse64(&mut y);
+            assert!(x.iter().zip(&y).all(|(a, b)| (a - b).abs() < 1e-6));
+        }
+        // e_0 goes to s1[0] · s2[j] / 8 in every coordinate j.
+        let mut e = [0.0f32; HALF];
+        e[0] = 1.0;
+        forward64(&mut e);
+        assert!(e.iter().zip(&S2).all(|(v, s)| *v == S1[0] * s * 0.125));
     }
 
     #[test]

@@ -12,9 +12,10 @@
 //! - q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl keys: the query head is quantized once to the format's
 //!   dot-product type (Q8_0 or Q8_1, as ggml-cpu does) and `q·k` is the block dot product of
 //!   `specula-quant` (SIMD);
-//! - turbo keys: the query head is zero-padded to the stored width and rotated forward by the
-//!   cache's Walsh–Hadamard transform once per call, then dotted with `centroid · norm` values
-//!   decoded one tile at a time (the rotation is orthogonal, so `⟨Wq, Wk⟩ = ⟨q, k⟩`).
+//! - turbo keys: the query head is taken to the stored domain once per call (padded and
+//!   rotated forward by the cache's Walsh–Hadamard transform; a 64-value head stored in two
+//!   stages as `(R₆₄q, β·R₆₄q)`, [`specula_kv::turbo_query`]), then dotted with
+//!   `centroid · norm` values decoded one tile at a time (`⟨q', k'⟩ = q · k̂`).
 //!
 //! Block-format caches are stored under llama.cpp's Hadamard rotation
 //! ([`specula_kv::Rotation::Hadamard`]): the query head is rotated the same way before it is
@@ -36,10 +37,10 @@
 
 use std::cell::RefCell;
 
-use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_fold, turbo_pad_query};
+use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_query, turbo_read};
 use specula_quant::blocks::{BlockTurbo2, BlockTurbo3, BlockTurbo4, QK_TURBO};
 use specula_quant::dot::Kernels;
-use specula_quant::{QType, turbo, wht};
+use specula_quant::{QType, turbo};
 use specula_tensor::{AttentionParams, KvShape, Mask, Result};
 
 use crate::CpuBackend;
@@ -151,10 +152,7 @@ fn row_of(p: &Plane, cell: usize) -> Vec<f32> {
     for h in 0..n_head {
         decode_head(p.ty(), p.head(cell, h), &mut buf);
         match p.rotation() {
-            Rotation::Turbo => {
-                wht::inverse_row(&mut buf);
-                turbo_fold(&mut buf, hd);
-            }
+            Rotation::Turbo => turbo_read(p.ty(), &mut buf, hd),
             Rotation::Hadamard(n) => hadamard(&mut buf, n),
             Rotation::None => {}
         }
@@ -280,8 +278,9 @@ pub(crate) fn kv_write(
     if let Err(e) = calibrated {
         panic!("kv_write: {e}");
     }
-    // Padded turbo heads are refined on write (`specula_kv` `refine.rs`), which costs far more
-    // than the other encoders: spread rows over threads when there is enough of it.
+    // Padded turbo heads are refined or encoded in two stages on write (`specula_kv`
+    // `refine.rs`), which costs more than the other encoders: spread rows over threads when
+    // there is enough of it.
     let padded = |p: &Plane| p.rotation() == Rotation::Turbo && p.dim() > p.head_dim();
     let heavy = padded(&l.k) || padded(&l.v);
     let (ek, ck) = match l.k.encoder_and_cells(cells) {
@@ -518,10 +517,7 @@ impl Ctx<'_> {
                         dst[..hd_k].copy_from_slice(src);
                         dst[hd_k..].fill(0.0);
                         match self.k.rotation() {
-                            Rotation::Turbo => {
-                                turbo_pad_query(dst, hd_k);
-                                wht::forward_row(dst);
-                            }
+                            Rotation::Turbo => turbo_query(self.k.ty(), dst, hd_k),
                             Rotation::Hadamard(n) => hadamard(&mut dst[..hd_k], n),
                             Rotation::None => {}
                         }
@@ -697,10 +693,7 @@ impl Ctx<'_> {
                 *a *= inv;
             }
             match v_rot {
-                Rotation::Turbo => {
-                    wht::inverse_row(acc);
-                    turbo_fold(acc, hd_v);
-                }
+                Rotation::Turbo => turbo_read(self.v.ty(), acc, hd_v),
                 Rotation::Hadamard(n) => hadamard(&mut acc[..hd_v], n),
                 Rotation::None => {}
             }
