@@ -7,11 +7,12 @@
 //! decode step, when drafting does not pay — and keeps learning:
 //! - `v(k)` and `d(k)` from every round, averaged so that a slow round moves them less than a
 //!   fast one; between measured lengths on the line joining them, past the longest measured
-//!   `v` stays flat (optimistic: the batch cost curve bends, and trying a length corrects it)
-//!   while `d` keeps its slope;
+//!   on the line through the two longest — or, for a drafter that ends its drafts where it is
+//!   unsure (a draft model), `v` stays flat (optimistic: the batch cost curve bends, and trying
+//!   a length corrects it) and the drafter gets the longest draft allowed whenever drafting
+//!   pays;
 //! - acceptance per position with a uniform prior;
-//! - draft lengths that grow with what rounds have kept, with the longest allowed tried every
-//!   [`EXPLORE_EVERY`] drafted rounds;
+//! - draft lengths that grow with what rounds have kept;
 //! - a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while probes keep
 //!   nothing or drafting still does not pay after them), so that a drafter that starts to fit
 //!   again is noticed.
@@ -23,12 +24,6 @@ pub const PROBE_EVERY: usize = 16;
 
 /// Most doublings of the probe interval.
 pub const MAX_BACKOFF: u32 = 3;
-
-/// Every this many drafted rounds, one drafts as long as allowed (twice the most tokens any
-/// round kept, plus two) instead of the length that looks best: the estimates of positions
-/// past the usual length, and of the cost of longer verifies, come from few rounds, and one
-/// unlucky round would otherwise keep a longer draft from being tried again.
-pub const EXPLORE_EVERY: usize = 8;
 
 /// Length of a probe draft.
 pub const PROBE_LEN: usize = 1;
@@ -59,8 +54,6 @@ pub struct Adaptive {
     /// The most draft tokens any round has kept: drafts grow to at most twice this plus
     /// two, so that one lucky probe does not buy a full-length draft.
     best_kept: usize,
-    /// Drafted rounds so far.
-    drafted_rounds: usize,
     /// The drafter ends drafts where it is unsure ([`crate::Drafter::stops_when_unsure`]).
     self_limiting: bool,
 }
@@ -78,7 +71,6 @@ impl Adaptive {
             plain_streak: 0,
             misses: 0,
             best_kept: 0,
-            drafted_rounds: 0,
             self_limiting: false,
         }
     }
@@ -123,12 +115,14 @@ impl Adaptive {
     }
 
     /// `v(k)`: measured; between two measured sizes, on the line joining them; past the
-    /// largest measured size, that size's cost. The last is optimistic on purpose: a
-    /// batch's cost grows more slowly per row the larger it is (weights are streamed once
-    /// per batch; on a CPU the curve bends from about a third of a step per row to a fifth),
-    /// so a line through short drafts overprices long ones and a policy that trusts it
-    /// never tries them; trying one measures it, and the price is corrected from then on.
-    /// `None` when nothing was measured yet.
+    /// largest measured size, for a drafter that stops by itself ([`Adaptive::self_limiting`])
+    /// that size's cost, else the line through the two largest (one measured size: a tenth of
+    /// it more per row). The first is optimistic on purpose: a batch's cost grows more slowly
+    /// per row the larger it is (weights are streamed once per batch; on a CPU the curve bends
+    /// from about a third of a step per row to a fifth), so a line through short drafts
+    /// overprices long ones, and a draft model sure of a long run would never be given the
+    /// room; trying it measures it. A drafter that does not stop by itself fills whatever
+    /// length it is given, so for it the cautious line. `None` when nothing was measured yet.
     #[must_use]
     pub fn verify_cost(&self, k: usize) -> Option<f64> {
         let below = lookup(&self.verify, k, Side::Below);
@@ -136,6 +130,16 @@ impl Adaptive {
         match (below, above) {
             (Some((a, va)), Some((b, vb))) if b > a => {
                 Some(va + (vb - va) * to_f64(k - a) / to_f64(b - a))
+            }
+            (Some((a, va)), None) if a < k && !self.self_limiting => {
+                let slope = match a
+                    .checked_sub(1)
+                    .and_then(|j| lookup(&self.verify, j, Side::Below))
+                {
+                    Some((b, vb)) => ((va - vb) / to_f64(a - b)).max(0.0),
+                    None => 0.1 * va,
+                };
+                Some(va + slope * to_f64(k - a))
             }
             (Some((_, v)), _) | (None, Some((_, v))) => Some(v),
             (None, None) => None,
@@ -201,9 +205,7 @@ impl Adaptive {
         if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
             return cap.min(PROBE_LEN);
         }
-        if best > 0
-            && (self.self_limiting || self.drafted_rounds % EXPLORE_EVERY == EXPLORE_EVERY - 1)
-        {
+        if best > 0 && self.self_limiting {
             return cap;
         }
         best
@@ -249,7 +251,6 @@ impl Adaptive {
                 }
             }
             self.plain_streak = 0;
-            self.drafted_rounds += 1;
             self.best_kept = self.best_kept.max(accepted);
             // A probe that kept nothing backs off, and so does one whose news still leaves
             // drafting unprofitable when the drafter costs time of its own (a draft model that
@@ -356,12 +357,19 @@ mod tests {
         // drafter costing 0.3 of a step per token: a line through 1- and 2-token drafts says
         // nothing longer pays, yet every draft so far was kept whole. The next round tries the
         // longest draft allowed (twice the most kept plus two) and measures it.
-        let mut p = Adaptive::new(16);
-        for _ in 0..10 {
-            p.record(0, 0, 0.010, 0.0, 0);
-            p.record(1, 1, 0.016, 0.003, 1);
-            p.record(2, 2, 0.022, 0.006, 1);
-        }
+        let feed = |p: &mut Adaptive| {
+            for _ in 0..10 {
+                p.record(0, 0, 0.010, 0.0, 0);
+                p.record(1, 1, 0.016, 0.003, 1);
+                p.record(2, 2, 0.022, 0.006, 1);
+            }
+        };
+        // A drafter that fills whatever length it gets is priced on the cautious line.
+        let mut cautious = Adaptive::new(16);
+        feed(&mut cautious);
+        assert!(cautious.next(100) < 6);
+        let mut p = Adaptive::new(16).self_limiting(true);
+        feed(&mut p);
         assert_eq!(p.next(100), 6);
         // Measured, it costs what the line said: the policy goes back to what pays.
         for _ in 0..10 {
