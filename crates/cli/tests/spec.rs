@@ -69,20 +69,30 @@ fn default_model_speculative_output_is_the_plain_output() {
     let want = ids(&plain);
     assert!(want.len() > 16, "{plain}");
 
-    // The default of `specula run` is prompt lookup; the code edit repeats the prompt.
+    // The default of `specula run` is prompt lookup. How much the adaptive policy drafts
+    // depends on the costs it measures on this machine, so only its ids are checked.
     let default = run_json(m, EDIT, "64", &[]);
     assert_eq!(ids(&default), want, "default (ngram-simple)");
     assert_eq!(default["spec"]["type"], "ngram-simple");
-    assert!(count(&default, "draft_n_accepted") > 0, "{default}");
     for extra in [
         &["--spec-type", "ngram-cache"][..],
-        &["--spec-fixed", "--spec-draft-n-max", "7"],
         &["--spec-draft-n-max", "1"],
     ] {
         let j = run_json(m, EDIT, "64", extra);
         assert_eq!(ids(&j), want, "{extra:?}");
         let (d, a) = (count(&j, "draft_n"), count(&j, "draft_n_accepted"));
         assert!(a <= d, "{j}");
+    }
+    // Fixed-length drafts do not depend on timing: the answer repeats the prompt's
+    // `def total(values):` line, which prompt lookup drafts and the target keeps.
+    for extra in [
+        &["--spec-fixed", "--spec-draft-n-max", "7"][..],
+        &["--spec-fixed", "--spec-draft-n-max", "1"],
+    ] {
+        let j = run_json(m, EDIT, "64", extra);
+        assert_eq!(ids(&j), want, "{extra:?}");
+        let (d, a) = (count(&j, "draft_n"), count(&j, "draft_n_accepted"));
+        assert!(a > 0 && a < d, "{extra:?}: {j}");
     }
 
     // The model drafting for itself: every draft token is the target's own greedy choice.
@@ -133,14 +143,25 @@ fn forced_replay_speculative_output_is_the_plain_output() {
             "--spec-draft-n-max",
             "7",
         ],
+        &[
+            "--spec-rollback",
+            "replay",
+            "--spec-fixed",
+            "--spec-type",
+            "ngram-cache",
+        ],
     ] {
         let j = run_json(m, EDIT, "128", &[extra, &["--ignore-eos"]].concat());
         assert_eq!(ids(&j), want, "{extra:?}");
         assert_eq!(j["spec"]["rollback"], "replay", "{j}");
         let (d, a) = (count(&j, "draft_n"), count(&j, "draft_n_accepted"));
         let replays = count(&j, "draft_replays");
-        assert!(a < d, "some drafts must be rejected for replay to run: {j}");
-        assert!(replays > 0 && replays <= count(&j, "draft_rounds"), "{j}");
+        assert!(replays <= count(&j, "draft_rounds"), "{j}");
+        if extra.contains(&"--spec-fixed") {
+            // Fixed drafts do not depend on timing; the adaptive runs may draft little.
+            assert!(a < d, "some drafts must be rejected for replay to run: {j}");
+            assert!(replays > 0, "{j}");
+        }
     }
 }
 
