@@ -394,6 +394,8 @@ pub struct DraftModel<B: Backend> {
     /// For a cache that rolls back by replay: its state when it held exactly the history of
     /// the last draft, before the draft tokens were run.
     checkpoint: Option<Checkpoint>,
+    /// Prompt positions the last [`Drafter::begin`] kept from the cache.
+    reused: usize,
 }
 
 impl<B: Backend> std::fmt::Debug for DraftModel<B> {
@@ -442,6 +444,7 @@ impl<B: Backend> DraftModel<B> {
             logits: Vec::new(),
             replays: (0, 0),
             checkpoint: None,
+            reused: 0,
         })
     }
 
@@ -455,6 +458,13 @@ impl<B: Backend> DraftModel<B> {
     #[must_use]
     pub fn replays(&self) -> (usize, usize) {
         self.replays
+    }
+
+    /// Positions of the prompt that the last [`Drafter::begin`] found in the draft cache and
+    /// did not run again.
+    #[must_use]
+    pub fn reused(&self) -> usize {
+        self.reused
     }
 
     /// Takes the cache back to its first `n` tokens.
@@ -571,17 +581,34 @@ impl<B: Backend> Drafter for DraftModel<B> {
     }
 
     fn begin(&mut self, prompt: &[u32]) -> std::result::Result<(), SpecError> {
-        self.session.reset();
-        self.cached.clear();
-        self.checkpoint = None;
         // Everything but the anchor, as the target holds it; too long a prompt for the draft
         // context leaves the cache empty and the drafter idle.
         let head = &prompt[..prompt.len().saturating_sub(1)];
-        if !head.is_empty() && head.len() < self.session.n_ctx() {
+        if head.is_empty() || head.len() >= self.session.n_ctx() {
+            self.session.reset();
+            self.cached.clear();
+            self.checkpoint = None;
+            self.reused = 0;
+            return Ok(());
+        }
+        // What the cache holds of this prompt from the last request (a conversation's earlier
+        // turns, a shared system prompt) stays: the rows of a position do not depend on the
+        // batch that ran them, so kept rows are the rows a fresh prefill would write.
+        let common = self
+            .cached
+            .iter()
+            .zip(head)
+            .take_while(|(a, b)| a == b)
+            .count();
+        self.rewind(common)?;
+        self.checkpoint = None;
+        self.reused = common;
+        let feed = &head[common..];
+        if !feed.is_empty() {
             self.engine
-                .prefill_into(&mut self.session, head, head.len(), &mut self.logits)
+                .prefill_into(&mut self.session, feed, feed.len(), &mut self.logits)
                 .map_err(|e| Self::err(&e))?;
-            self.cached.extend_from_slice(head);
+            self.cached.extend_from_slice(feed);
         }
         Ok(())
     }

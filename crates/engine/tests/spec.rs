@@ -618,3 +618,48 @@ fn a_draft_head_cut_to_frequent_tokens_keeps_their_logits_and_the_output() {
     let st = got.spec.unwrap();
     assert!(st.accepted < st.drafted, "{st:?}");
 }
+
+/// A draft model that serves one request after another (a server slot's) keeps the part of its
+/// cache the new prompt shares with what it holds and runs only the rest; it then drafts
+/// exactly what a fresh draft model drafts: same ids, rounds, drafts and acceptances — with a
+/// cache that trims and with one that rolls back by replay.
+#[test]
+fn a_draft_model_reuses_the_shared_prompt_prefix() {
+    let e = engine(tiny(11, 0, false));
+    let n = 24;
+    let opts = greedy(n, false);
+    let n_ctx = 96;
+    let spec = SpecOptions {
+        n_max: 5,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    // The second request shares its first 8 tokens with the first.
+    let second: Vec<u32> = [&PROMPT[..8], &[33, 63, 10, 72, 105][..]].concat();
+    for replay in [false, true] {
+        let mut reused = draft_model(99, &e, n_ctx, replay);
+        let first = speculative(&e, PROMPT, &opts, n_ctx, &mut reused, &spec);
+        assert_eq!(first.generated_ids, plain(&e, PROMPT, &opts, n_ctx));
+        assert_eq!(reused.reused(), 0, "a fresh cache has nothing to keep");
+        let got = speculative(&e, &second, &opts, n_ctx, &mut reused, &spec);
+        assert_eq!(reused.reused(), 8, "replay {replay}");
+
+        let mut fresh = draft_model(99, &e, n_ctx, replay);
+        let want = speculative(&e, &second, &opts, n_ctx, &mut fresh, &spec);
+        assert_eq!(got.generated_ids, want.generated_ids, "replay {replay}");
+        assert_eq!(got.generated_ids, plain(&e, &second, &opts, n_ctx));
+        let (g, w) = (got.spec.unwrap(), want.spec.unwrap());
+        assert_eq!(
+            (g.rounds, g.drafted, &g.accepted_at),
+            (w.rounds, w.drafted, &w.accepted_at),
+            "replay {replay}"
+        );
+        assert!(w.drafted > w.accepted, "the drafts are not all kept: {w:?}");
+
+        // The same prompt again: everything but the anchor is kept.
+        let again = speculative(&e, &second, &opts, n_ctx, &mut reused, &spec);
+        assert_eq!(reused.reused(), second.len() - 1);
+        assert_eq!(again.generated_ids, want.generated_ids);
+    }
+}
