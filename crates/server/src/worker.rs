@@ -874,6 +874,8 @@ fn start_task<B: Backend>(
     // (a feature drafter that sat out the request which wrote some of them holds fewer: the
     // target runs those again, so that the drafter sees them); the prompt chunks that follow
     // bring it the rest, as on a cold cache.
+    // The prompt's time starts here: a draft model's prefill of the prompt is part of it.
+    let assigned = Instant::now();
     if let Some(d) = slot.drafter.as_mut().filter(|_| spec_on) {
         match d.begin_reusing(&job.prompt, common) {
             Ok(held) => common = common.min(held),
@@ -905,7 +907,7 @@ fn start_task<B: Backend>(
         draft_s: 0.0,
         caught_up: 0,
         prompt_s: 0.0,
-        assigned: Instant::now(),
+        assigned,
         prefill_end: common,
         decode_start: None,
         candidates: Candidates::new(),
