@@ -245,12 +245,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         // its position, so a common prefix is valid context whatever ran since.
         self.stash = None;
         self.last_draft.clear();
-        let common = self
-            .ctx_tokens
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.ctx_tokens, prompt);
         self.ctx_tokens.truncate(common);
         Ok(())
     }
@@ -322,12 +317,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             self.flush(keep)?;
         }
         // Rows past the committed ones were rejected (eager injection writes them).
-        let common = self
-            .ctx_tokens
-            .iter()
-            .zip(p.history)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.ctx_tokens, p.history);
         self.ctx_tokens.truncate(common.min(committed));
         let block_size = self.net.hparams().block_size;
         let k = p
@@ -391,12 +381,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             .ok_or(SpecError::ForeignState("draft-dflash"))?;
         // Cells are positions: what the cache still holds of the snapshot is the common prefix
         // of both token lists; the rest comes back with the next target batches.
-        let common = self
-            .ctx_tokens
-            .iter()
-            .zip(&st.ctx_tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.ctx_tokens, &st.ctx_tokens);
         self.ctx_tokens.truncate(common);
         self.stash.clone_from(&st.stash);
         self.last_draft.clear();

@@ -142,12 +142,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
-        let common = self
-            .seq
-            .iter()
-            .zip(prompt)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.seq, prompt);
         self.truncate(common);
         Ok(())
     }
@@ -198,12 +193,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             return Ok(Vec::new());
         };
         let n = p.history.len() - 1;
-        let common = self
-            .seq
-            .iter()
-            .zip(p.history)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.seq, p.history);
         self.truncate(common);
         let k = p.n_max.min(self.n_ctx.saturating_sub(n + 1));
         if n == 0 || self.seq.len() < n || k == 0 {
@@ -274,12 +264,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             .downcast_ref::<State>()
             .ok_or(SpecError::ForeignState("draft-eagle3"))?;
         // Cells are positions: the cache still holds the pairs of the common prefix.
-        let common = self
-            .seq
-            .iter()
-            .zip(&st.seq)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.seq, &st.seq);
         let pairs = self.pairs.min(st.pairs).min(common.saturating_sub(1));
         self.seq.clone_from(&st.seq);
         self.g.clone_from(&st.g);

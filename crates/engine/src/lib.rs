@@ -680,6 +680,11 @@ impl<B: Backend> Engine<B> {
     }
 }
 
+/// How many tokens `a` and `b` share from the start.
+pub(crate) fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

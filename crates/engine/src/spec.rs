@@ -499,12 +499,7 @@ impl<B: Backend> DraftModel<B> {
     /// Brings the cache to `tokens` (rerunning only what differs) and returns the logits of
     /// the last one.
     fn sync(&mut self, tokens: &[u32]) -> std::result::Result<(), SpecError> {
-        let common = self
-            .cached
-            .iter()
-            .zip(tokens)
-            .take_while(|(a, b)| a == b)
-            .count()
+        let common = crate::common_prefix(&self.cached, tokens)
             // The last token is always run: its logits start the draft.
             .min(tokens.len().saturating_sub(1));
         self.rewind(common)?;
@@ -594,12 +589,7 @@ impl<B: Backend> Drafter for DraftModel<B> {
         // What the cache holds of this prompt from the last request (a conversation's earlier
         // turns, a shared system prompt) stays: the rows of a position do not depend on the
         // batch that ran them, so kept rows are the rows a fresh prefill would write.
-        let common = self
-            .cached
-            .iter()
-            .zip(head)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.cached, head);
         self.rewind(common)?;
         self.checkpoint = None;
         self.reused = common;
@@ -652,12 +642,7 @@ impl<B: Backend> Drafter for DraftModel<B> {
             .downcast_ref::<Vec<u32>>()
             .ok_or(SpecError::ForeignState("draft-simple"))?;
         // Keep the cache's common prefix; the next draft runs the rest.
-        let common = self
-            .cached
-            .iter()
-            .zip(tokens)
-            .take_while(|(a, b)| a == b)
-            .count();
+        let common = crate::common_prefix(&self.cached, tokens);
         self.rewind(common)
     }
 }
