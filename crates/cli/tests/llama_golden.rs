@@ -7,6 +7,12 @@
 //! wherever its top-1/top-2 gap is ≥ 0.5; its top-5 logits agree with ours within 1.5 (its own
 //! spread between attention variants is up to ~1.2); greedy output identical up to the first
 //! position where its gap < 0.5; perplexity within 0.5 %.
+//!
+//! Sliding-window models (Gemma-3: a window of 512 in five of every six layers) are checked
+//! past their window: the golden's context and perplexity windows are 1024 and it has a prompt
+//! longer than the window (`long_code`), whose prompt positions past the window are compared
+//! with llama.cpp's top-5 as well (the generated steps of that prompt and the scored half of
+//! each perplexity window all lie past it too).
 
 use std::path::Path;
 use std::sync::Arc;
@@ -73,6 +79,29 @@ fn check_model(name: &str) {
             },
         );
         assert_eq!(ours, prompt, "{name}/{pname}: prompt ids");
+
+        // Prompt positions the sliding window limits: llama.cpp's top-5 from its prefill.
+        if let Some(w) = e.model.hparams().swa.as_ref().map(|w| w.window)
+            && prompt.len() > w
+        {
+            let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+            let logits = e.prefill_from(&mut s, &prompt, w).unwrap();
+            let n_vocab = e.model.hparams().n_vocab;
+            let theirs = p["prompt_top5"].as_array().unwrap();
+            let mut worst = 0.0f64;
+            for (j, row) in logits.chunks_exact(n_vocab).enumerate() {
+                let top5 = theirs[w + j].as_array().unwrap();
+                worst = worst.max(check_row(
+                    &format!("{name}/{pname} prompt position {}", w + j),
+                    row,
+                    top5,
+                ));
+            }
+            eprintln!(
+                "{name}/{pname}: prompt positions {w}..{} (past the sliding window) agree with llama.cpp, max top-5 |Δlogit| relative to top-1 {worst:.3}",
+                prompt.len()
+            );
+        }
 
         // Teacher forcing along llama.cpp's greedy ids.
         let forced = ids(&p["generated_ids"]);
@@ -205,6 +234,43 @@ fn check_model(name: &str) {
     assert!(closest <= PPL_TOL, "{name}: perplexity {ppl} vs {theirs:?}");
 }
 
+/// Compares one row of our logits with llama.cpp's top-5 (`[[id, logit]; 5]`, logits rounded
+/// to 4 decimals): the argmax where llama.cpp's top-1/top-2 gap is at least `GAP`, each top-5
+/// logit relative to the row's top-1 within `LOGIT_TOL`, raw within `RAW_LOGIT_TOL`. Returns
+/// the largest relative difference.
+fn check_row(what: &str, row: &[f32], top5: &[Json]) -> f64 {
+    let pair = |t: &Json| {
+        (
+            usize::try_from(t[0].as_u64().unwrap()).unwrap(),
+            t[1].as_f64().unwrap(),
+        )
+    };
+    let (top_id, top_logit) = pair(&top5[0]);
+    let gap = top_logit - pair(&top5[1]).1;
+    let (mut arg, mut max) = (0, f32::NEG_INFINITY);
+    for (i, &l) in row.iter().enumerate() {
+        if l > max {
+            (arg, max) = (i, l);
+        }
+    }
+    if gap >= GAP {
+        assert_eq!(arg, top_id, "{what}: argmax (gap {gap})");
+    }
+    let mut worst = 0.0f64;
+    for t in top5 {
+        let (id, logit) = pair(t);
+        let ours = f64::from(row[id]);
+        let rel = ((ours - f64::from(max)) - (logit - top_logit)).abs();
+        worst = worst.max(rel);
+        assert!(rel <= LOGIT_TOL, "{what}: id {id} relative {rel}");
+        assert!(
+            (ours - logit).abs() <= RAW_LOGIT_TOL,
+            "{what}: id {id} {ours} vs {logit}"
+        );
+    }
+    worst
+}
+
 #[test]
 fn smollm2_matches_llama_cpp() {
     check_model("smollm2-135m");
@@ -213,4 +279,9 @@ fn smollm2_matches_llama_cpp() {
 #[test]
 fn qwen2_5_coder_0_5b_matches_llama_cpp() {
     check_model("qwen2.5-coder-0.5b");
+}
+
+#[test]
+fn gemma3_270m_matches_llama_cpp() {
+    check_model("gemma3-270m");
 }
