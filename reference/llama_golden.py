@@ -28,6 +28,7 @@ Per model file (JSON; logits rounded to 4 decimals, gaps to 5; all ids are llama
   oracle, settings    llama.cpp version, context / model parameters as actually passed;
   vocab               n_vocab, add_bos, add_eos, bos, eos;
   prompts[]           name, kind, text, (chat: messages, renderer, the legacy rendering),
+                      (chat: only for models with a tokenizer.chat_template; Gemma-3 270m has none)
                       prompt_ids (tokenized with add_special = true, parse_special = true, as
                       llama-cli does: BOS only where the GGUF's add_bos asks), prompt_top5 (top-5
                       [id, logit] at every prompt position, from the one prefill batch),
@@ -302,6 +303,9 @@ def prompt_cases(oracle, variants, prompts):
     out = []
     for name, kind, text in prompts:
         case = {"name": name, "kind": kind}
+        if kind == "chat" and "tokenizer.chat_template" not in md:
+            print(f"  {name}: skipped, the model has no tokenizer.chat_template (a base model)")
+            continue
         if kind == "chat":
             messages = [{"role": "user", "content": text}]
             rendered = render_chat(md["tokenizer.chat_template"], messages, bos_text, eos_text)

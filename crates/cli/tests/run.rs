@@ -108,7 +108,9 @@ fn unsupported_architecture_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("gemma4.gguf");
     let mut w = GgufWriter::new();
-    let tokens = ["<unk>", "<s>", "</s>", "\u{2581}a"].map(String::from).to_vec();
+    let tokens = ["<unk>", "<s>", "</s>", "\u{2581}a"]
+        .map(String::from)
+        .to_vec();
     for (k, v) in [
         ("general.architecture", Value::String("gemma4".into())),
         ("gemma4.block_count", Value::U32(1)),

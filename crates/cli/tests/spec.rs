@@ -22,12 +22,19 @@ fn specula(args: &[&str]) -> Output {
         .expect("the specula binary runs")
 }
 
-/// `specula run … --json` with greedy sampling; the parsed JSON.
+/// `specula run … --chat --json` with greedy sampling; the parsed JSON.
 fn run_json(model: &str, prompt: &str, n: &str, extra: &[&str]) -> Json {
-    let mut args = vec![
-        "run", "-m", model, "--chat", "-p", prompt, "-n", n, "--temp", "0", "--top-k", "1",
-        "--seed", "42", "-t", "2", "--json",
-    ];
+    run_json_with(&["--chat"], model, prompt, n, extra)
+}
+
+/// `specula run … --json` with greedy sampling, `how` the prompt flags (`--chat`, or none for a
+/// base model without a chat template); the parsed JSON.
+fn run_json_with(how: &[&str], model: &str, prompt: &str, n: &str, extra: &[&str]) -> Json {
+    let mut args = vec!["run", "-m", model];
+    args.extend_from_slice(how);
+    args.extend_from_slice(&[
+        "-p", prompt, "-n", n, "--temp", "0", "--top-k", "1", "--seed", "42", "-t", "2", "--json",
+    ]);
     args.extend_from_slice(extra);
     let out = specula(&args);
     assert!(
@@ -165,7 +172,8 @@ fn forced_replay_speculative_output_is_the_plain_output() {
     }
 }
 
-/// Gemma-3 (sliding window of 512 on 270m) past its window: a prompt of more than 512 tokens
+/// Gemma-3 (sliding window of 512 on 270m; a base model, no chat template, so the prompt is
+/// raw text) past its window: a prompt of more than 512 tokens
 /// and 160 generated, greedy speculative ids (prompt lookup, the model drafting for itself,
 /// rollback by trim and by forced replay) equal the plain ids. This is the memory where a
 /// pruning sliding-window cache cannot trim; specula's keeps every position and masks, so
@@ -183,7 +191,8 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
         .map(|i| format!("item {i}: total = total + values[{}]\n", i % 7))
         .collect();
     let base = ["-c", "2048", "--ignore-eos"];
-    let plain = run_json(
+    let plain = run_json_with(
+        &[],
         m,
         &prompt,
         "160",
@@ -205,7 +214,7 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
             "4",
         ],
     ] {
-        let j = run_json(m, &prompt, "160", &[&base[..], extra].concat());
+        let j = run_json_with(&[], m, &prompt, "160", &[&base[..], extra].concat());
         assert_eq!(ids(&j), want, "{extra:?}");
     }
 }

@@ -189,7 +189,10 @@ impl Hparams {
             _ => 1.0,
         };
         let n_layer = get_usize(md, &k("block_count"))?;
-        #[allow(clippy::cast_precision_loss, reason = "head and embedding sizes are small")]
+        #[allow(
+            clippy::cast_precision_loss,
+            reason = "head and embedding sizes are small"
+        )]
         let (attn_scale, embd_scale) = match arch {
             // llama.cpp `llama_model_gemma3::load_arch_hparams`: 27B (62 layers) scales by
             // the embedding per head, the others by the head size.
