@@ -292,3 +292,24 @@ fn sliding_window(
 fn swa_pattern(n: usize, n_layer: usize) -> Vec<bool> {
     (0..n_layer).map(|il| n == 0 || il % n < n - 1).collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::swa_pattern;
+
+    /// llama.cpp `set_swa_pattern(6, dense_first = false)` on Gemma-3 270m (18 layers): layers
+    /// 5, 11 and 17 attend globally, the others through the window; pattern 0 slides
+    /// everywhere, pattern 1 nowhere.
+    #[test]
+    fn pattern_n_makes_the_last_layer_of_each_group_global() {
+        let global: Vec<usize> = swa_pattern(6, 18)
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !**s)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert!(swa_pattern(0, 4).iter().all(|&s| s));
+        assert!(swa_pattern(1, 4).iter().all(|&s| !s));
+    }
+}
