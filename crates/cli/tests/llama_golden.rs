@@ -5,14 +5,17 @@
 //!
 //! Gates (from the CPU-inference issue): prompt ids identical; our argmax equals llama.cpp's
 //! wherever its top-1/top-2 gap is ≥ 0.5; its top-5 logits agree with ours within 1.5 (its own
-//! spread between attention variants is up to ~1.2); greedy output identical up to the first
-//! position where its gap < 0.5; perplexity within 0.5 %.
+//! spread between attention variants is up to ~1.2), or 1.25 × its own spread where that is
+//! wider (Gemma-3 270m: 1.49, so 1.86); greedy output identical up to the first position where
+//! its gap < 0.5; perplexity within 0.5 %.
 //!
 //! Sliding-window models (Gemma-3: a window of 512 in five of every six layers) are checked
 //! past their window: the golden's context and perplexity windows are 1024 and it has a prompt
 //! longer than the window (`long_code`), whose prompt positions past the window are compared
 //! with llama.cpp's top-5 as well (the generated steps of that prompt and the scored half of
-//! each perplexity window all lie past it too).
+//! each perplexity window all lie past it too). Without the window (every layer causal over the
+//! whole context) the argmax at `long_code` position 587 differs (gap 2.2) and the perplexity
+//! is 273 instead of llama.cpp's 11.7.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -28,6 +31,11 @@ use specula_tokenizer::{EncodeOptions, Tokenizer};
 
 const GAP: f64 = 0.5;
 const LOGIT_TOL: f64 = 1.5;
+/// A model whose llama.cpp runs spread wider among themselves (the golden's `checks`: flash
+/// attention on, the prompt one token per decode, teacher forcing) gets `SPREAD_MARGIN` times
+/// that spread instead: Gemma-3 270m's logits are large and llama.cpp's own variants differ by
+/// up to 1.49 on its top-5 (SmolLM2 0.97, Qwen2.5 ≤ 0.58).
+const SPREAD_MARGIN: f64 = 1.25;
 /// Raw (uncentred) logits may also move as a whole row: llama.cpp's non-flash attention path
 /// rounds Q and the softmax to f16 for its f16-cache products, which shifts every logit of a
 /// row by about the same amount without changing the distribution (one SmolLM2 step moves
@@ -67,6 +75,14 @@ fn check_model(name: &str) {
     let g: Json = serde_json::from_str(&text).unwrap();
     let e = engine(&path);
     let n_ctx = usize::try_from(g["settings"]["n_ctx"].as_u64().unwrap()).unwrap();
+    let spread = g["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|p| p["checks"].as_object().unwrap().values())
+        .map(|c| c["max_abs_logit_diff_top5"].as_f64().unwrap())
+        .fold(0.0f64, f64::max);
+    let tol = LOGIT_TOL.max(SPREAD_MARGIN * spread);
 
     for p in g["prompts"].as_array().unwrap() {
         let pname = p["name"].as_str().unwrap();
@@ -95,6 +111,7 @@ fn check_model(name: &str) {
                     &format!("{name}/{pname} prompt position {}", w + j),
                     row,
                     top5,
+                    tol,
                 ));
             }
             eprintln!(
@@ -156,7 +173,7 @@ fn check_model(name: &str) {
                 worst = worst.max(raw);
                 worst_rel = worst_rel.max(rel);
                 assert!(
-                    rel <= LOGIT_TOL,
+                    rel <= tol,
                     "{name}/{pname} step {i}: id {id} relative {rel}"
                 );
                 assert!(
@@ -202,11 +219,20 @@ fn check_model(name: &str) {
     let first = ctx / 2;
     let n_vocab = e.model.hparams().n_vocab;
     let (mut nll, mut count) = (0.0f64, 0usize);
+    // llama-perplexity puts BOS in place of each window's first token when the vocabulary adds
+    // one (Gemma-3); the golden says whether it did.
+    let bos = pp["bos_replaces_first_token_of_each_chunk"]
+        .as_bool()
+        .unwrap()
+        .then(|| u32::try_from(g["vocab"]["bos"].as_u64().unwrap()).unwrap());
     let mut s = e.session(ctx, QType::F16, QType::F16).unwrap();
     for c in 0..chunks {
-        let window = &tokens[c * ctx..(c + 1) * ctx];
+        let mut window = tokens[c * ctx..(c + 1) * ctx].to_vec();
+        if let Some(b) = bos {
+            window[0] = b;
+        }
         s.truncate(0);
-        let logits = e.prefill_from(&mut s, window, first).unwrap();
+        let logits = e.prefill_from(&mut s, &window, first).unwrap();
         for j in first..ctx - 1 {
             let row = &logits[(j - first) * n_vocab..(j - first + 1) * n_vocab];
             let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -236,9 +262,9 @@ fn check_model(name: &str) {
 
 /// Compares one row of our logits with llama.cpp's top-5 (`[[id, logit]; 5]`, logits rounded
 /// to 4 decimals): the argmax where llama.cpp's top-1/top-2 gap is at least `GAP`, each top-5
-/// logit relative to the row's top-1 within `LOGIT_TOL`, raw within `RAW_LOGIT_TOL`. Returns
+/// logit relative to the row's top-1 within `tol`, raw within `RAW_LOGIT_TOL`. Returns
 /// the largest relative difference.
-fn check_row(what: &str, row: &[f32], top5: &[Json]) -> f64 {
+fn check_row(what: &str, row: &[f32], top5: &[Json], tol: f64) -> f64 {
     let pair = |t: &Json| {
         (
             usize::try_from(t[0].as_u64().unwrap()).unwrap(),
@@ -262,7 +288,7 @@ fn check_row(what: &str, row: &[f32], top5: &[Json]) -> f64 {
         let ours = f64::from(row[id]);
         let rel = ((ours - f64::from(max)) - (logit - top_logit)).abs();
         worst = worst.max(rel);
-        assert!(rel <= LOGIT_TOL, "{what}: id {id} relative {rel}");
+        assert!(rel <= tol, "{what}: id {id} relative {rel}");
         assert!(
             (ours - logit).abs() <= RAW_LOGIT_TOL,
             "{what}: id {id} {ours} vs {logit}"
