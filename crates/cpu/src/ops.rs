@@ -257,16 +257,22 @@ pub(crate) fn geglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut
 /// GELU as ggml-cpu computes it for f32 rows (`ggml_vec_geglu_f32` under `GGML_GELU_FP16`):
 /// 0 at or below −10, the identity at or above 10, else the input rounded to f16 and looked
 /// up in a table of f16 values (`ggml_table_gelu_f16[i] = fp16(ggml_gelu_f32(fp16_to_f32(i)))`).
+/// The table also makes it cheap: one conversion and one load instead of a `tanh`.
 #[inline]
 #[must_use]
 pub fn gelu_tanh_f16(x: f32) -> f32 {
     use specula_quant::blocks::Half;
+    static TABLE: std::sync::LazyLock<Box<[f32]>> = std::sync::LazyLock::new(|| {
+        (0..=u16::MAX)
+            .map(|bits| Half::from_f32(gelu_tanh(Half(bits.to_le_bytes()).to_f32())).to_f32())
+            .collect()
+    });
     if x <= -10.0 {
         0.0
     } else if x >= 10.0 {
         x
     } else {
-        Half::from_f32(gelu_tanh(Half::from_f32(x).to_f32())).to_f32()
+        TABLE[usize::from(Half::from_f32(x).to_bits())]
     }
 }
 
