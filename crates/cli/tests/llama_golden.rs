@@ -15,7 +15,7 @@
 //! with llama.cpp's top-5 as well (the generated steps of that prompt and the scored half of
 //! each perplexity window all lie past it too). Without the window (every layer causal over the
 //! whole context) the argmax at `long_code` position 587 differs (gap 2.2) and the perplexity
-//! is 273 instead of llama.cpp's 11.7.
+//! of the 1024-token window is 430 instead of llama.cpp's 18.9.
 
 use std::path::Path;
 use std::sync::Arc;
