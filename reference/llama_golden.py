@@ -55,7 +55,7 @@ batch for every prompt but Gemma-3's long_code), then feed back one argmax token
 MODEL_SETTINGS lists the models whose n_ctx / perplexity chunks / prompts differ (Gemma-3: its
 sliding window only matters past position 512). Perplexity is tools/perplexity/perplexity.cpp
 `perplexity()`: tokens split into consecutive windows of n_ctx, the first token of each window
-replaced by BOS when add_bos (no model here has add_bos), KV cache cleared per window, and only
+replaced by BOS when add_bos (Gemma-3 only), KV cache cleared per window, and only
 the second half scored: logits at positions n_ctx/2 .. n_ctx-2 against the next token, i.e.
 n_ctx/2 - 1 = 255 tokens per chunk; PPL = exp(mean nll), +/- = ppl * sqrt(var(nll)/(count-1)).
 """
