@@ -28,6 +28,7 @@ Per model file (JSON; logits rounded to 4 decimals, gaps to 5; all ids are llama
   oracle, settings    llama.cpp version, context / model parameters as actually passed;
   vocab               n_vocab, add_bos, add_eos, bos, eos;
   prompts[]           name, kind, text, (chat: messages, renderer, the legacy rendering),
+                      (chat: only for models with a tokenizer.chat_template; Gemma-3 270m has none)
                       prompt_ids (tokenized with add_special = true, parse_special = true, as
                       llama-cli does: BOS only where the GGUF's add_bos asks), prompt_top5 (top-5
                       [id, logit] at every prompt position, from the one prefill batch),
@@ -49,10 +50,12 @@ Per model file (JSON; logits rounded to 4 decimals, gaps to 5; all ids are llama
                       the same method re-computed here through the bindings (per-chunk values,
                       not cumulative; flash attention off).
 
-Greedy decoding is llama.cpp's: evaluate the prompt in one batch (n_batch = n_ubatch = 512), then
-feed back one argmax token per decode. Perplexity is tools/perplexity/perplexity.cpp
+Greedy decoding is llama.cpp's: evaluate the prompt in batches of n_batch = n_ubatch = 512 (one
+batch for every prompt but Gemma-3's long_code), then feed back one argmax token per decode.
+MODEL_SETTINGS lists the models whose n_ctx / perplexity chunks / prompts differ (Gemma-3: its
+sliding window only matters past position 512). Perplexity is tools/perplexity/perplexity.cpp
 `perplexity()`: tokens split into consecutive windows of n_ctx, the first token of each window
-replaced by BOS when add_bos (no model here has add_bos), KV cache cleared per window, and only
+replaced by BOS when add_bos (Gemma-3 only), KV cache cleared per window, and only
 the second half scored: logits at positions n_ctx/2 .. n_ctx-2 against the next token, i.e.
 n_ctx/2 - 1 = 255 tokens per chunk; PPL = exp(mean nll), +/- = ppl * sqrt(var(nll)/(count-1)).
 """
@@ -76,6 +79,17 @@ MODELS = {
     "smollm2-135m": "SmolLM2-135M-Instruct.Q4_1.gguf",
     "qwen2.5-coder-0.5b": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
     "qwen2.5-coder-1.5b": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    "gemma3-270m": "gemma-3-270m-q4_k_m.gguf",
+}
+
+# Models whose settings differ from the defaults below. Gemma-3 attends through a sliding window
+# (512 positions on 270m) in five of every six layers, which only changes anything past position
+# 512: its context and perplexity window are 1024 (one chunk, to keep the Rust test short: its
+# scored positions 512..1022 all lie past the window), and it gets one more prompt, `long_code`,
+# longer than the window (LONG_PROMPT_LINES of the perplexity text), whose greedy steps run past
+# it.
+MODEL_SETTINGS = {
+    "gemma3-270m": {"n_ctx": 1024, "ppl_chunks": 1, "long_prompt": True},
 }
 
 PROMPTS = [
@@ -91,7 +105,7 @@ PROMPTS = [
     ("chat", "chat", "Write a Python function that returns the n-th prime number."),
 ]
 
-N_CTX = 512
+N_CTX = 512  # default; MODEL_SETTINGS may raise it
 N_BATCH = 512
 N_UBATCH = 512
 N_THREADS = 2
@@ -100,7 +114,11 @@ TOPK = 5
 
 PPL_FILE = Path(sys.base_prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "textwrap.py"
 PPL_SHA256 = "62867e40cdea6669b361f72af4d7daf0359f207c92cbeddfc7c7506397c1f31c"  # CPython 3.11.7
-PPL_CHUNKS = 4
+PPL_CHUNKS = 4  # default; MODEL_SETTINGS may change it
+# Lines (1-based, inclusive) of the perplexity text that make the `long_code` prompt: the end of
+# TextWrapper's docstring, __init__, and two private methods up to `def _split(self, text):`
+# (805 Gemma-3 tokens).
+LONG_PROMPT_LINES = (80, 157)
 
 
 def r4(x):
@@ -134,11 +152,11 @@ def import_llama(dest):
 
 
 class Oracle:
-    def __init__(self, llama_cpp, path, flash_attn=False, n_ubatch=N_UBATCH):
+    def __init__(self, llama_cpp, path, flash_attn=False, n_ubatch=N_UBATCH, n_ctx=N_CTX):
         from llama_cpp import Llama
         self.lc = llama_cpp
         self.llm = Llama(
-            model_path=str(path), n_ctx=N_CTX, n_batch=N_BATCH, n_ubatch=n_ubatch,
+            model_path=str(path), n_ctx=n_ctx, n_batch=N_BATCH, n_ubatch=n_ubatch,
             n_threads=N_THREADS, n_threads_batch=N_THREADS, logits_all=True, seed=0,
             flash_attn=flash_attn, verbose=False,
         )
@@ -270,15 +288,25 @@ def compare(gen, steps, gen_v, steps_v, teacher_forced=False):
     }
 
 
-def prompt_cases(oracle, variants):
+def long_prompt(text_file):
+    """The `long_code` prompt: LONG_PROMPT_LINES of the perplexity text."""
+    first, last = LONG_PROMPT_LINES
+    lines = text_file.read_text(encoding="utf-8").splitlines(keepends=True)
+    return ("long_code", "code", "".join(lines[first - 1:last]))
+
+
+def prompt_cases(oracle, variants, prompts):
     import numpy as np
     llm = oracle.llm
     md = llm.metadata
     bos_text = llm.detokenize([oracle.vocab_info()["bos"]], special=True).decode("utf-8", "replace")
     eos_text = llm.detokenize([oracle.vocab_info()["eos"]], special=True).decode("utf-8", "replace")
     out = []
-    for name, kind, text in PROMPTS:
+    for name, kind, text in prompts:
         case = {"name": name, "kind": kind}
+        if kind == "chat" and "tokenizer.chat_template" not in md:
+            print(f"  {name}: skipped, the model has no tokenizer.chat_template (a base model)")
+            continue
         if kind == "chat":
             messages = [{"role": "user", "content": text}]
             rendered = render_chat(md["tokenizer.chat_template"], messages, bos_text, eos_text)
@@ -324,19 +352,19 @@ def prompt_cases(oracle, variants):
     return out
 
 
-def python_perplexity(oracle, tokens):
+def python_perplexity(oracle, tokens, n_ctx, n_chunks):
     """perplexity.cpp perplexity() re-done through the bindings (flash attention as the oracle has it)."""
     import numpy as np
     vi = oracle.vocab_info()
-    first = N_CTX // 2
+    first = n_ctx // 2
     chunks, nll, nll2, count = [], 0.0, 0.0, 0
-    for c in range(PPL_CHUNKS):
-        win = list(tokens[c * N_CTX:(c + 1) * N_CTX])
+    for c in range(n_chunks):
+        win = list(tokens[c * n_ctx:(c + 1) * n_ctx])
         if vi["add_bos"]:
             win[0] = vi["bos"]
         logits = oracle.batch_logits(win).astype(np.float64)
-        rows = logits[first:N_CTX - 1]
-        tgt = np.array(tokens[c * N_CTX + first + 1:(c + 1) * N_CTX])
+        rows = logits[first:n_ctx - 1]
+        tgt = np.array(tokens[c * n_ctx + first + 1:(c + 1) * n_ctx])
         m = rows.max(1)
         lse = m + np.log(np.exp(rows - m[:, None]).sum(1))
         v = lse - rows[np.arange(len(tgt)), tgt]
@@ -351,9 +379,9 @@ def python_perplexity(oracle, tokens):
             "mean_nll": round(mean, 6), "count": count}
 
 
-def run_llama_perplexity(exe, model, text_file, fa):
-    cmd = [str(exe), "-m", str(model), "-f", str(text_file), "-c", str(N_CTX), "-b", str(N_BATCH),
-           "--chunks", str(PPL_CHUNKS), "-t", str(N_THREADS), "-fa", fa, "--ppl-output-type", "1", "-lv", "4"]
+def run_llama_perplexity(exe, model, text_file, fa, n_ctx, n_chunks):
+    cmd = [str(exe), "-m", str(model), "-f", str(text_file), "-c", str(n_ctx), "-b", str(N_BATCH),
+           "--chunks", str(n_chunks), "-t", str(N_THREADS), "-fa", fa, "--ppl-output-type", "1", "-lv", "4"]
     env = dict(os.environ)
     env["LD_LIBRARY_PATH"] = str(Path(exe).resolve().parent) + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -369,7 +397,7 @@ def run_llama_perplexity(exe, model, text_file, fa):
                or re.search(r"llama_context: flash_attn\s*=\s*(\w+)", log))
     ctx = dict(re.findall(r"llama_context: (n_ctx|n_batch|n_ubatch|n_seq_max)\s*=\s*(\d+)", log))
     kv = re.search(r"K \((\w+)\):.*V \((\w+)\):", log)
-    if not fin or len(chunks) != PPL_CHUNKS:
+    if not fin or len(chunks) != n_chunks:
         sys.exit(f"cannot parse llama-perplexity output:\n{log[-3000:]}")
     cmdline = ["llama-perplexity"] + cmd[1:]
     cmdline[cmdline.index("-m") + 1] = Path(model).name
@@ -385,17 +413,17 @@ def run_llama_perplexity(exe, model, text_file, fa):
     }
 
 
-def perplexity(oracle, model_path, exe, text_file):
+def perplexity(oracle, model_path, exe, text_file, n_ctx, n_chunks):
     text = text_file.read_text(encoding="utf-8")
     tokens = oracle.tokenize(text, parse_special=False)
-    n_eval = PPL_CHUNKS * N_CTX
+    n_eval = n_chunks * n_ctx
     assert len(tokens) >= n_eval
     res = {
         "file": f"CPython {platform.python_version()} Lib/{text_file.name}",
         "sha256": sha256_file(text_file),
         "bytes": text_file.stat().st_size,
-        "n_ctx": N_CTX, "n_batch": N_BATCH, "chunks": PPL_CHUNKS,
-        "scored_per_chunk": N_CTX - 1 - N_CTX // 2,
+        "n_ctx": n_ctx, "n_batch": N_BATCH, "chunks": n_chunks,
+        "scored_per_chunk": n_ctx - 1 - n_ctx // 2,
         "n_tokens_file": len(tokens),
         "tokenize": "add_special = true, parse_special = false (common_tokenize(ctx, text, true))",
         "bos_replaces_first_token_of_each_chunk": oracle.vocab_info()["add_bos"],
@@ -404,11 +432,11 @@ def perplexity(oracle, model_path, exe, text_file):
     runs = []
     if exe is not None:
         for fa in ("auto", "off"):
-            runs.append(run_llama_perplexity(exe, model_path, text_file, fa))
+            runs.append(run_llama_perplexity(exe, model_path, text_file, fa, n_ctx, n_chunks))
             print(f"  llama-perplexity -fa {fa}: {runs[-1]['ppl']} +/- {runs[-1]['ppl_stderr']} "
                   f"(flash attention {runs[-1]['flash_attn_resolved']})")
     res["llama_perplexity"] = runs
-    py = python_perplexity(oracle, tokens)
+    py = python_perplexity(oracle, tokens, n_ctx, n_chunks)
     py["flash_attn"] = "disabled"
     py["how"] = "bindings, logits_all at every position of each window, float64 log-softmax"
     res["python_recomputation"] = py
@@ -457,10 +485,13 @@ def main():
             continue
         print(f"{name}: {path.name}")
         t0 = time.time()
-        oracle = Oracle(llama_cpp, path)
+        ms = MODEL_SETTINGS.get(name, {})
+        n_ctx = ms.get("n_ctx", N_CTX)
+        prompts = PROMPTS + ([long_prompt(args.ppl_file)] if ms.get("long_prompt") else [])
+        oracle = Oracle(llama_cpp, path, n_ctx=n_ctx)
         variants = {
-            "rerun_flash_attn_on": Oracle(llama_cpp, path, flash_attn=True),
-            "rerun_prompt_one_token_per_decode (n_ubatch 1)": Oracle(llama_cpp, path, n_ubatch=1),
+            "rerun_flash_attn_on": Oracle(llama_cpp, path, flash_attn=True, n_ctx=n_ctx),
+            "rerun_prompt_one_token_per_decode (n_ubatch 1)": Oracle(llama_cpp, path, n_ubatch=1, n_ctx=n_ctx),
         }
         doc = {
             "model": path.name,
@@ -472,13 +503,14 @@ def main():
             "settings": oracle.settings(),
             "greedy": {"max_new_tokens": N_GEN, "argmax": "first maximum (lowest id) of the f32 logits",
                        "stop": "after an end-of-generation token (llama_vocab_is_eog)",
-                       "prompt": "one batch (n_batch = n_ubatch = 512), then one token per llama_decode"},
+                       "prompt": "batches of n_batch = n_ubatch = 512 (one batch for a prompt up to 512 tokens), then one token per llama_decode"},
             "vocab": oracle.vocab_info(),
-            "prompts": prompt_cases(oracle, variants),
+            "prompts": prompt_cases(oracle, variants, prompts),
         }
         for v in variants.values():
             v.close()
-        doc["perplexity"] = perplexity(oracle, path, exe, args.ppl_file)
+        doc["perplexity"] = perplexity(oracle, path, exe, args.ppl_file, n_ctx,
+                                       ms.get("ppl_chunks", PPL_CHUNKS))
         oracle.close()
         out_dir.mkdir(parents=True, exist_ok=True)
         dst = out_dir / f"{name}.json"

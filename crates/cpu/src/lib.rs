@@ -70,7 +70,7 @@ use specula_quant::dot::{Kernels, SimdLevel};
 use specula_tensor::{AttentionParams, Backend, KvShape, Result, RopeConfig, WeightDesc};
 
 pub use attention::CpuKv;
-pub use ops::{gelu_tanh, silu};
+pub use ops::{gelu_tanh, gelu_tanh_f16, silu};
 pub use tensor::{CpuTensor, CpuWeight};
 
 /// Values per thread below which a row-wise op runs on the calling thread alone.

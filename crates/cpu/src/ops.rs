@@ -133,7 +133,9 @@ pub fn silu(x: f32) -> f32 {
 }
 
 /// The tanh approximation of GELU, `0.5·x·(1 + tanh(√(2/π)·x·(1 + 0.044715·x²)))`
-/// (ggml's `ggml_gelu_f32`; ggml-cpu rounds the input through an f16 table, this does not).
+/// (ggml's `ggml_gelu_f32`). The backend's `geglu` uses [`gelu_tanh_f16`], ggml-cpu's f16
+/// table: on Gemma-3 270m the exact formula moves perplexity 0.7 % from llama.cpp's, the table
+/// 0.18 %.
 #[inline]
 #[must_use]
 pub fn gelu_tanh(x: f32) -> f32 {
@@ -248,8 +250,30 @@ pub(crate) fn swiglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mu
 /// `out = gelu_tanh(gate) ⊙ up`.
 pub(crate) fn geglu(be: &CpuBackend, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
     gated(be, gate, up, out, "geglu", |o, g, u| {
-        gated_row(gelu_tanh, o, g, u)
+        gated_row(gelu_tanh_f16, o, g, u)
     });
+}
+
+/// GELU as ggml-cpu computes it for f32 rows (`ggml_vec_geglu_f32` under `GGML_GELU_FP16`):
+/// 0 at or below −10, the identity at or above 10, else the input rounded to f16 and looked
+/// up in a table of f16 values (`ggml_table_gelu_f16[i] = fp16(ggml_gelu_f32(fp16_to_f32(i)))`).
+/// The table also makes it cheap: one conversion and one load instead of a `tanh`.
+#[inline]
+#[must_use]
+pub fn gelu_tanh_f16(x: f32) -> f32 {
+    use specula_quant::blocks::Half;
+    static TABLE: std::sync::LazyLock<Box<[f32]>> = std::sync::LazyLock::new(|| {
+        (0..=u16::MAX)
+            .map(|bits| Half::from_f32(gelu_tanh(Half(bits.to_le_bytes()).to_f32())).to_f32())
+            .collect()
+    });
+    if x <= -10.0 {
+        0.0
+    } else if x >= 10.0 {
+        x
+    } else {
+        TABLE[usize::from(Half::from_f32(x).to_bits())]
+    }
 }
 
 /// `a += b`.

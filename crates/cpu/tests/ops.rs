@@ -137,17 +137,42 @@ fn swiglu_and_geglu_match_their_formulas() {
         })
         .collect();
     assert!(nmse(out.as_slice(), &want) <= 1e-10);
+    // GELU as ggml-cpu's f32 rows get it (`ggml_vec_geglu_f32`, `GGML_GELU_FP16`): the input
+    // rounded to f16, the f16 value of GELU there, 0 at or below −10, the identity at or above 10.
     be.geglu(&gt, &ut, &mut out);
+    let f16 = |x: f64| {
+        #[allow(
+            clippy::cast_possible_truncation,
+            reason = "rounding to f16 on purpose"
+        )]
+        let h = specula_quant::blocks::Half::from_f32(x as f32);
+        f64::from(h.to_f32())
+    };
     let want: Vec<f64> = g
         .iter()
         .zip(&u)
         .map(|(&g, &u)| {
             let x = f64::from(g);
-            let c = (2.0 / std::f64::consts::PI).sqrt();
-            0.5 * x * (1.0 + (c * x * (1.0 + 0.044_715 * x * x)).tanh()) * f64::from(u)
+            let act = if x <= -10.0 {
+                0.0
+            } else if x >= 10.0 {
+                x
+            } else {
+                let x = f16(x);
+                let c = (2.0 / std::f64::consts::PI).sqrt();
+                f16(0.5 * x * (1.0 + (c * x * (1.0 + 0.044_715 * x * x)).tanh()))
+            };
+            act * f64::from(u)
         })
         .collect();
-    assert!(nmse(out.as_slice(), &want) <= 1e-10);
+    assert!(nmse(out.as_slice(), &want) <= 1e-12);
+    // Not the exact formula: the rounding is what llama.cpp computes.
+    let exact: Vec<f64> = g
+        .iter()
+        .zip(&u)
+        .map(|(&g, &u)| f64::from(specula_cpu::gelu_tanh(g)) * f64::from(u))
+        .collect();
+    assert!(nmse(out.as_slice(), &exact) > 1e-9);
 }
 
 /// The angles llama.cpp uses: `θ_0 = pos`, `θ_{i+1} = θ_i · θ_scale`, in f32.

@@ -14,6 +14,10 @@ pub enum Arch {
     Qwen2,
     /// qwen3: NeoX RoPE, RMS QK-norm per head, no biases.
     Qwen3,
+    /// gemma3 (Gemma 3 text): embeddings scaled by `√n_embd`, RMS QK-norm per head,
+    /// post-attention and post-FFN norms, GELU-gated FFN, sliding-window layers with their own
+    /// RoPE base (llama.cpp `src/models/gemma3.cpp`).
+    Gemma3,
 }
 
 impl Arch {
@@ -24,6 +28,7 @@ impl Arch {
             Self::Llama => "llama",
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
+            Self::Gemma3 => "gemma3",
         }
     }
 
@@ -32,6 +37,7 @@ impl Arch {
             "llama" => Some(Self::Llama),
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
+            "gemma3" => Some(Self::Gemma3),
             _ => None,
         }
     }
@@ -41,7 +47,7 @@ impl Arch {
     pub fn rope_kind(self) -> RopeKind {
         match self {
             Self::Llama => RopeKind::Normal,
-            Self::Qwen2 | Self::Qwen3 => RopeKind::Neox,
+            Self::Qwen2 | Self::Qwen3 | Self::Gemma3 => RopeKind::Neox,
         }
     }
 }
@@ -77,6 +83,36 @@ pub struct Hparams {
     pub n_ctx_train: usize,
     /// Vocabulary size (rows of the output matrix).
     pub n_vocab: usize,
+    /// Scale of the queries' scores (`1/√head_dim` for every architecture but Gemma-3 27B,
+    /// llama.cpp's `f_attention_scale`: `1/√(n_embd/n_head)` there).
+    pub attn_scale: f32,
+    /// Factor applied to the token embeddings before the first layer (Gemma: `√n_embd`).
+    pub embd_scale: Option<f32>,
+    /// Sliding-window attention: the window and which layers use it.
+    pub swa: Option<SlidingWindow>,
+}
+
+/// The sliding-window layers of a model and their attention window (llama.cpp
+/// `LLAMA_SWA_TYPE_STANDARD`: a query at position `p` sees keys at `p − window + 1 ..= p`,
+/// `llama_hparams::is_masked_swa`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SlidingWindow {
+    /// Positions a query sees, its own included.
+    pub window: usize,
+    /// Per layer: does it use the window (else it attends to the whole causal context).
+    pub layers: Vec<bool>,
+    /// RoPE θ of the sliding-window layers (`<arch>.rope.freq_base_swa`, default 10 000).
+    pub rope_freq_base: f32,
+}
+
+impl Hparams {
+    /// Whether layer `il` attends through the sliding window.
+    #[must_use]
+    pub fn is_swa(&self, il: usize) -> bool {
+        self.swa
+            .as_ref()
+            .is_some_and(|s| s.layers.get(il).copied().unwrap_or(false))
+    }
 }
 
 pub(crate) fn get_usize(md: &Metadata, key: &str) -> Result<usize, ModelError> {
@@ -152,9 +188,31 @@ impl Hparams {
             Some(f) if f > 0.0 => 1.0 / f,
             _ => 1.0,
         };
+        let n_layer = get_usize(md, &k("block_count"))?;
+        #[allow(
+            clippy::cast_precision_loss,
+            reason = "head and embedding sizes are small"
+        )]
+        let (attn_scale, embd_scale) = match arch {
+            // llama.cpp `llama_model_gemma3::load_arch_hparams`: 27B (62 layers) scales by
+            // the embedding per head, the others by the head size.
+            Arch::Gemma3 if n_layer == 62 => (
+                1.0 / ((n_embd / n_head) as f32).sqrt(),
+                Some((n_embd as f32).sqrt()),
+            ),
+            Arch::Gemma3 => (
+                1.0 / (head_dim_k as f32).sqrt(),
+                Some((n_embd as f32).sqrt()),
+            ),
+            _ => (1.0 / (head_dim_k as f32).sqrt(), None),
+        };
+        let swa = match arch {
+            Arch::Gemma3 => sliding_window(md, a, n_layer, 6)?,
+            _ => None,
+        };
         Ok(Self {
             arch,
-            n_layer: get_usize(md, &k("block_count"))?,
+            n_layer,
             n_embd,
             n_ff: get_usize(md, &k("feed_forward_length"))?,
             n_head,
@@ -167,6 +225,91 @@ impl Hparams {
             rms_eps: get_f32(md, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
             n_ctx_train: get_usize(md, &k("context_length"))?,
             n_vocab,
+            attn_scale,
+            embd_scale,
+            swa,
         })
+    }
+}
+
+/// The sliding window of `arch` as llama.cpp reads it: `attention.sliding_window` (absent or
+/// 0: none), then `attention.sliding_window_pattern` — a bool per layer, or `n` meaning every
+/// `n`-th layer attends globally (`n − 1` sliding layers, then one global; `default_pattern`
+/// when the key is absent; 0: every layer slides) — and `rope.freq_base_swa`
+/// (`llama_model_base::load_swa_pattern`, `llama_hparams::set_swa_pattern`).
+fn sliding_window(
+    md: &Metadata,
+    arch: &str,
+    n_layer: usize,
+    default_pattern: usize,
+) -> Result<Option<SlidingWindow>, ModelError> {
+    let key = format!("{arch}.attention.sliding_window");
+    let window = match md.get_u64(&key) {
+        None | Some(0) => return Ok(None),
+        Some(w) => usize::try_from(w).map_err(|_| ModelError::BadValue {
+            key,
+            detail: format!("{w} does not fit in usize"),
+        })?,
+    };
+    let pkey = format!("{arch}.attention.sliding_window_pattern");
+    let layers = match md.get(&pkey) {
+        Some(specula_gguf::Value::Array(specula_gguf::Array::Bool(per_layer))) => {
+            if per_layer.len() != n_layer {
+                return Err(ModelError::BadValue {
+                    key: pkey,
+                    detail: format!(
+                        "{} entries for a model of {n_layer} layers",
+                        per_layer.len()
+                    ),
+                });
+            }
+            per_layer.clone()
+        }
+        Some(v) => {
+            let n = v
+                .as_u64()
+                .and_then(|n| usize::try_from(n).ok())
+                .ok_or_else(|| ModelError::BadValue {
+                    key: pkey.clone(),
+                    detail: format!(
+                        "expected an unsigned integer or an array of bools, found {:?}",
+                        v.value_type()
+                    ),
+                })?;
+            swa_pattern(n, n_layer)
+        }
+        None => swa_pattern(default_pattern, n_layer),
+    };
+    Ok(Some(SlidingWindow {
+        window,
+        layers,
+        rope_freq_base: get_f32(md, &format!("{arch}.rope.freq_base_swa")).unwrap_or(10_000.0),
+    }))
+}
+
+/// `llama_hparams::set_swa_pattern(n, dense_first = false)`: layer `il` slides unless it is
+/// the last of each group of `n`.
+fn swa_pattern(n: usize, n_layer: usize) -> Vec<bool> {
+    (0..n_layer).map(|il| n == 0 || il % n < n - 1).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::swa_pattern;
+
+    /// llama.cpp `set_swa_pattern(6, dense_first = false)` on Gemma-3 270m (18 layers): layers
+    /// 5, 11 and 17 attend globally, the others through the window; pattern 0 slides
+    /// everywhere, pattern 1 nowhere.
+    #[test]
+    fn pattern_n_makes_the_last_layer_of_each_group_global() {
+        let global: Vec<usize> = swa_pattern(6, 18)
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !**s)
+            .map(|(i, _)| i)
+            .collect();
+        assert_eq!(global, [5, 11, 17]);
+        assert!(swa_pattern(0, 4).iter().all(|&s| s));
+        assert!(swa_pattern(1, 4).iter().all(|&s| !s));
     }
 }

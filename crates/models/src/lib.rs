@@ -12,7 +12,9 @@
 //!   head they borrow ([`Model::token_embedding`], [`Model::output_head`]).
 //!
 //! Architectures: `llama` (SmolLM2), `qwen2` (Qwen2.5: Q/K/V biases, NeoX RoPE), `qwen3`
-//! (per-head RMS QK-norm). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
+//! (per-head RMS QK-norm), `gemma3` (Gemma 3 text: scaled embeddings, QK-norm, sandwich norms,
+//! GELU-gated FFN, sliding-window layers — a mask over a cache that keeps every position — with
+//! their own RoPE base). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -51,7 +53,7 @@ impl ByteSource for FileBytes {
     }
 }
 
-pub use hparams::{Arch, Hparams};
+pub use hparams::{Arch, Hparams, SlidingWindow};
 pub(crate) use hparams::{get_f32, get_usize};
 
 /// Errors while loading or running a model.
@@ -59,7 +61,7 @@ pub(crate) use hparams::{get_f32, get_usize};
 #[non_exhaustive]
 pub enum ModelError {
     /// `general.architecture` names an architecture this crate does not run.
-    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3)")]
+    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3)")]
     UnsupportedArch {
         /// The name found.
         arch: String,
@@ -126,10 +128,14 @@ struct Layer<W> {
     bv: Option<W>,
     q_norm: Option<W>,
     k_norm: Option<W>,
+    /// Gemma's sandwich norms: on the attention output before the residual add, and on the
+    /// FFN output before its residual add.
+    post_attn_norm: Option<W>,
     ffn_norm: W,
     ffn_gate: W,
     ffn_up: W,
     ffn_down: W,
+    post_ffw_norm: Option<W>,
 }
 
 /// Hidden-state capture: which layer inputs to keep, and what was kept by the last forward
@@ -322,7 +328,15 @@ impl<B: Backend> Model<B> {
         let mut layers = Vec::with_capacity(hp.n_layer);
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
-            let qk_norm = hp.arch == Arch::Qwen3;
+            let qk_norm = matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3);
+            let post_norms = hp.arch == Arch::Gemma3;
+            let opt = |name: &str, want: bool| -> Result<Option<B::Weight>> {
+                if want {
+                    l.req(&n(name), &[e]).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
             layers.push(Layer {
                 attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
                 wq: l.mat(&n("attn_q.weight"), &[e, qd])?,
@@ -342,10 +356,12 @@ impl<B: Backend> Model<B> {
                 } else {
                     None
                 },
+                post_attn_norm: opt("post_attention_norm.weight", post_norms)?,
                 ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
                 ffn_gate: l.mat(&n("ffn_gate.weight"), &[e, f])?,
                 ffn_up: l.mat(&n("ffn_up.weight"), &[e, f])?,
                 ffn_down: l.mat(&n("ffn_down.weight"), &[f, e])?,
+                post_ffw_norm: opt("post_ffw_norm.weight", post_norms)?,
             });
         }
         Ok(Self {
@@ -513,14 +529,31 @@ impl<B: Backend> Model<B> {
         }
     }
 
-    fn rope(&self) -> RopeConfig {
-        let mut r = RopeConfig::new(
-            self.hp.arch.rope_kind(),
-            self.hp.n_rot,
-            self.hp.rope_freq_base,
-        );
-        r.freq_scale = self.hp.rope_freq_scale;
-        r
+    /// RoPE of layer `il`: sliding-window layers have their own base and no frequency
+    /// scaling (llama.cpp `get_rope_freq_base` / `get_rope_freq_scale`:
+    /// `rope_freq_scale_train_swa` is 1).
+    fn rope(&self, il: usize) -> RopeConfig {
+        let hp = &self.hp;
+        match &hp.swa {
+            Some(w) if hp.is_swa(il) => {
+                RopeConfig::new(hp.arch.rope_kind(), hp.n_rot, w.rope_freq_base)
+            }
+            _ => {
+                let mut r = RopeConfig::new(hp.arch.rope_kind(), hp.n_rot, hp.rope_freq_base);
+                r.freq_scale = hp.rope_freq_scale;
+                r
+            }
+        }
+    }
+
+    /// The attention mask of layer `il`: causal, limited to the sliding window on the layers
+    /// that have one. Every forward (prefill chunks, decode, verify rows of several positions,
+    /// several sequences) masks through this, per query position, so they agree.
+    fn mask(hp: &Hparams, il: usize) -> Mask {
+        match &hp.swa {
+            Some(w) if hp.is_swa(il) => Mask::SlidingWindow(w.window),
+            _ => Mask::Causal,
+        }
     }
 
     /// Runs `tokens` at positions `pos` (one sequence; cache cell = position) through the
@@ -578,7 +611,6 @@ impl<B: Backend> Model<B> {
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
 
         self.layers_and_head(be, s, tokens, pos, logits_rows, tap, &mut |be, s, il| {
-            let scale = Self::attn_scale(&self.hp);
             be.kv_write(kv, il, &s.cells, &s.k, &s.v);
             be.attention(
                 &s.q,
@@ -588,20 +620,14 @@ impl<B: Backend> Model<B> {
                     n_head: self.hp.n_head,
                     q_pos: pos,
                     kv_pos: &s.kv_pos,
-                    scale,
-                    mask: Mask::Causal,
+                    scale: self.hp.attn_scale,
+                    mask: Self::mask(&self.hp, il),
                     softcap: None,
                 },
                 &mut s.attn,
             );
         })?;
         Ok(&s.host)
-    }
-
-    fn attn_scale(hp: &Hparams) -> f32 {
-        #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
-        let scale = 1.0 / (hp.head_dim_k as f32).sqrt();
-        scale
     }
 
     /// Runs the rows of several sequences, each on its own cache, as one batch: the matmuls
@@ -696,7 +722,6 @@ impl<B: Backend> Model<B> {
             &all_rows,
             tap,
             &mut |be, s, il| {
-                let scale = Self::attn_scale(hp);
                 s.attn_host.clear();
                 let mut off = 0;
                 for q in seqs.iter_mut() {
@@ -722,8 +747,8 @@ impl<B: Backend> Model<B> {
                             n_head: hp.n_head,
                             q_pos: q.pos,
                             kv_pos: &s.kv_pos,
-                            scale,
-                            mask: Mask::Causal,
+                            scale: hp.attn_scale,
+                            mask: Self::mask(hp, il),
                             softcap: None,
                         },
                         &mut s.seq_attn,
@@ -762,9 +787,12 @@ impl<B: Backend> Model<B> {
         attend: &mut dyn FnMut(&B, &mut Scratch<B>, usize),
     ) -> Result<()> {
         let hp = &self.hp;
-        let rope = self.rope();
         be.get_rows(&self.tok_embd, tokens, &mut s.x);
+        if let Some(f) = hp.embd_scale {
+            be.scale(&mut s.x, f);
+        }
         for (il, layer) in self.layers.iter().enumerate() {
+            let rope = self.rope(il);
             if let Some(f) = tap.as_deref_mut() {
                 f(be, s, il);
             }
@@ -789,14 +817,28 @@ impl<B: Backend> Model<B> {
             be.rope(&mut s.k, hp.head_dim_k, pos, &rope);
             attend(be, s, il);
             be.matmul(&s.attn, &layer.wo, &mut s.proj);
-            be.add(&mut s.x, &s.proj);
+            if let Some(w) = &layer.post_attn_norm {
+                be.rms_norm(&s.proj, Some(w), hp.rms_eps, &mut s.cur);
+                be.add(&mut s.x, &s.cur);
+            } else {
+                be.add(&mut s.x, &s.proj);
+            }
 
             be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
             be.matmul(&s.cur, &layer.ffn_gate, &mut s.gate);
             be.matmul(&s.cur, &layer.ffn_up, &mut s.up);
-            be.swiglu(&s.gate, &s.up, &mut s.act);
+            if hp.arch == Arch::Gemma3 {
+                be.geglu(&s.gate, &s.up, &mut s.act);
+            } else {
+                be.swiglu(&s.gate, &s.up, &mut s.act);
+            }
             be.matmul(&s.act, &layer.ffn_down, &mut s.proj);
-            be.add(&mut s.x, &s.proj);
+            if let Some(w) = &layer.post_ffw_norm {
+                be.rms_norm(&s.proj, Some(w), hp.rms_eps, &mut s.cur);
+                be.add(&mut s.x, &s.cur);
+            } else {
+                be.add(&mut s.x, &s.proj);
+            }
         }
         if let Some(f) = tap {
             f(be, s, hp.n_layer);

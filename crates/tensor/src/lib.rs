@@ -349,7 +349,7 @@ pub trait Backend: Send + Sync {
     fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig);
     /// `out = silu(gate) ⊙ up`.
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
-    /// `out = gelu_tanh(gate) ⊙ up`.
+    /// `out = gelu_tanh(gate) ⊙ up` (GELU as ggml-cpu computes it: through an f16 table).
     fn geglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
     /// `a += b`.
     fn add(&self, a: &mut Self::Tensor, b: &Self::Tensor);

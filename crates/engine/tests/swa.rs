@@ -1,0 +1,396 @@
+//! Sliding-window attention (Gemma-3's `gemma3` architecture) on a tiny random model with a
+//! window of 8 in two of every three layers: every way the engine runs rows — one prefill, a
+//! prefill in chunks, one-token decodes, the several-position verify batches of speculative
+//! decoding with rollback by trim or by replay, several sessions in one batch — masks each query at position `p` to the keys
+//! `p − 7 ..= p` (llama.cpp `is_masked_swa`: masked when `p − p_k ≥ n_swa`), so their logits
+//! have the same bits and greedy speculative output is the plain output, logits and all, far
+//! past the window.
+
+use std::sync::Arc;
+
+use specula_cpu::CpuBackend;
+use specula_engine::{DraftModel, Engine, GenerateOptions, SpecOptions};
+use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
+use specula_models::Model;
+use specula_quant::QType;
+use specula_sampling::SamplerParams;
+use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_tokenizer::Tokenizer;
+
+const N_VOCAB: usize = 256;
+const N_EMBD: usize = 64;
+const N_FF: usize = 128;
+const N_HEAD: usize = 4;
+const N_HEAD_KV: usize = 2;
+const HEAD_DIM: usize = 32;
+const N_LAYER: usize = 3;
+const WINDOW: usize = 8;
+
+fn splitmix64(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    (0..n as u64)
+        .map(|i| {
+            let z = splitmix64(seed.wrapping_mul(1_000_003) ^ i);
+            let u = f32::from(u16::try_from(z >> 48).unwrap()) / 65_536.0;
+            (u - 0.5) * 2.0 * scale
+        })
+        .collect()
+}
+
+/// GPT-2's byte alphabet as the 256 token texts.
+fn byte_symbols() -> Vec<String> {
+    let mut n = 0u32;
+    (0u8..=255)
+        .map(|b| {
+            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
+                char::from(b).to_string()
+            } else {
+                n += 1;
+                char::from_u32(255 + n).unwrap().to_string()
+            }
+        })
+        .collect()
+}
+
+/// A tiny gemma3 GGUF with random weights (`seed`): layers 0 and 1 slide over `window`
+/// positions (0: no sliding window), layer 2 is global (pattern 3). Both RoPE bases are
+/// 10 000, so a model with the window and one without differ by the mask alone.
+fn tiny_gemma(seed: u64, window: usize) -> Vec<u8> {
+    let u = |v: usize| Value::U32(u32::try_from(v).unwrap());
+    let mut w = GgufWriter::new();
+    let md: Vec<(&str, Value)> = vec![
+        ("general.architecture", Value::String("gemma3".into())),
+        ("gemma3.block_count", u(N_LAYER)),
+        ("gemma3.context_length", u(512)),
+        ("gemma3.embedding_length", u(N_EMBD)),
+        ("gemma3.feed_forward_length", u(N_FF)),
+        ("gemma3.attention.head_count", u(N_HEAD)),
+        ("gemma3.attention.head_count_kv", u(N_HEAD_KV)),
+        ("gemma3.attention.key_length", u(HEAD_DIM)),
+        ("gemma3.attention.value_length", u(HEAD_DIM)),
+        ("gemma3.rope.freq_base", Value::F32(10_000.0)),
+        ("gemma3.attention.layer_norm_rms_epsilon", Value::F32(1e-6)),
+        ("gemma3.attention.sliding_window", u(window)),
+        ("gemma3.attention.sliding_window_pattern", u(3)),
+        ("tokenizer.ggml.model", Value::String("gpt2".into())),
+        ("tokenizer.ggml.pre", Value::String("default".into())),
+        (
+            "tokenizer.ggml.tokens",
+            Value::Array(Array::String(byte_symbols())),
+        ),
+        (
+            "tokenizer.ggml.token_type",
+            Value::Array(Array::I32(vec![1; N_VOCAB])),
+        ),
+        (
+            "tokenizer.ggml.merges",
+            Value::Array(Array::String(vec!["a b".into()])),
+        ),
+        ("tokenizer.ggml.bos_token_id", Value::U32(1)),
+        ("tokenizer.ggml.eos_token_id", Value::U32(0)),
+        ("tokenizer.ggml.add_bos_token", Value::Bool(false)),
+    ];
+    for (k, v) in md {
+        w.add(k, v).unwrap();
+    }
+    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    // The output head is tied to the Q8_0 embedding, as in Gemma-3's GGUFs.
+    let mut t: Vec<(String, QType, usize, usize)> = vec![
+        ("token_embd.weight".into(), QType::Q8_0, N_EMBD, N_VOCAB),
+        ("output_norm.weight".into(), QType::F32, N_EMBD, 1),
+    ];
+    for l in 0..N_LAYER {
+        let n = |s: &str| format!("blk.{l}.{s}");
+        t.extend([
+            (n("attn_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("attn_q.weight"), QType::Q8_0, N_EMBD, q),
+            (n("attn_k.weight"), QType::Q4_0, N_EMBD, kv),
+            (n("attn_v.weight"), QType::Q8_0, N_EMBD, kv),
+            (n("attn_q_norm.weight"), QType::F32, HEAD_DIM, 1),
+            (n("attn_k_norm.weight"), QType::F32, HEAD_DIM, 1),
+            (n("attn_output.weight"), QType::Q4_0, q, N_EMBD),
+            (n("post_attention_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("ffn_norm.weight"), QType::F32, N_EMBD, 1),
+            (n("ffn_gate.weight"), QType::Q4_0, N_EMBD, N_FF),
+            (n("ffn_up.weight"), QType::Q8_0, N_EMBD, N_FF),
+            (n("ffn_down.weight"), QType::Q4_0, N_FF, N_EMBD),
+            (n("post_ffw_norm.weight"), QType::F32, N_EMBD, 1),
+        ]);
+    }
+    let mut data = Vec::new();
+    for (i, (name, ty, n_in, n_out)) in t.iter().enumerate() {
+        let vector = *n_out == 1;
+        let dims: Vec<u64> = if vector {
+            vec![*n_in as u64]
+        } else {
+            vec![*n_in as u64, *n_out as u64]
+        };
+        let ggml = GgmlType::from_id(ty.ggml_id().unwrap()).unwrap();
+        w.add_tensor(name.as_str(), ggml, &dims).unwrap();
+        let x: Vec<f32> = if vector {
+            values(seed + i as u64, *n_in, 0.2)
+                .iter()
+                .map(|v| 1.0 + v)
+                .collect()
+        } else {
+            values(seed + i as u64, n_in * n_out, 0.6)
+        };
+        let rb = ty.row_bytes(*n_in).unwrap();
+        let mut bytes = vec![0u8; rb * n_out];
+        for (row, b) in x.chunks_exact(*n_in).zip(bytes.chunks_exact_mut(rb)) {
+            specula_quant::quantize_row(*ty, row, b).unwrap();
+        }
+        data.push(bytes);
+    }
+    let refs: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    w.to_vec(&refs).unwrap()
+}
+
+fn engine(bytes: Vec<u8>) -> Engine<CpuBackend> {
+    let file = Arc::new(Gguf::from_bytes(bytes).unwrap());
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let be = CpuBackend::new(2);
+    let model = Model::load(&be, file).unwrap();
+    Engine::new(be, model, tokenizer)
+}
+
+/// A prompt of `n` token ids.
+fn prompt(n: usize) -> Vec<u32> {
+    (0..n as u64)
+        .map(|i| u32::try_from(splitmix64(i ^ 0x5eed) % N_VOCAB as u64).unwrap())
+        .collect()
+}
+
+/// The logits of every position of `ids`, one prefill in chunks of `n_batch`.
+fn prefill_all(e: &mut Engine<CpuBackend>, ids: &[u32], n_batch: usize) -> Vec<f32> {
+    e.n_batch = n_batch;
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut s, ids, true).unwrap()
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+#[test]
+fn the_hyperparameters_follow_llama_cpp() {
+    let e = engine(tiny_gemma(3, WINDOW));
+    let hp = e.model.hparams();
+    let swa = hp.swa.as_ref().expect("a sliding window");
+    assert_eq!(swa.window, WINDOW);
+    assert_eq!(swa.layers, [true, true, false]);
+    assert_eq!(swa.rope_freq_base, 10_000.0);
+    // 1/√head_dim (not 1/√(n_embd/n_head) = 1/4: that is 27B's rule), embeddings × √n_embd.
+    assert!((hp.attn_scale - 1.0 / 32f32.sqrt()).abs() < 1e-7);
+    assert_eq!(hp.embd_scale, Some(8.0));
+    assert!(engine(tiny_gemma(3, 0)).model.hparams().swa.is_none());
+}
+
+#[test]
+fn prefill_chunks_and_decodes_mask_the_window_alike() {
+    let mut e = engine(tiny_gemma(3, WINDOW));
+    let ids = prompt(40);
+    let one = prefill_all(&mut e, &ids, 512);
+    let n_vocab = e.model.hparams().n_vocab;
+    assert_eq!(one.len(), ids.len() * n_vocab);
+    for n_batch in [1, 3, 7, 8, 9, 16] {
+        assert_eq!(
+            bits(&prefill_all(&mut e, &ids, n_batch)),
+            bits(&one),
+            "prefill in chunks of {n_batch}"
+        );
+    }
+    // One-token decodes after a prefill of 11.
+    e.n_batch = 512;
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let mut got = e.prefill(&mut s, &ids[..11], true).unwrap();
+    for &t in &ids[11..] {
+        got.extend(e.decode(&mut s, t).unwrap());
+    }
+    assert_eq!(bits(&got), bits(&one), "decode");
+}
+
+/// Several sessions in one batch (`decode_multi`, the server's continuous batching): a
+/// session 30 positions in running a 3-token verify-like block next to one 14 positions in
+/// running one token, each row with the bits it has alone.
+#[test]
+fn batched_sessions_each_mask_their_own_window() {
+    let mut e = engine(tiny_gemma(3, WINDOW));
+    let (a, b) = (prompt(33), prompt(15));
+    let one_a = prefill_all(&mut e, &a, 512);
+    let one_b = prefill_all(&mut e, &b, 512);
+    let mut sa = e.session(64, QType::F16, QType::F16).unwrap();
+    let mut sb = e.session(64, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut sa, &a[..30], false).unwrap();
+    e.prefill(&mut sb, &b[..14], false).unwrap();
+    let mut scratch = e.scratch();
+    let mut out = Vec::new();
+    e.decode_multi(
+        &mut [
+            specula_engine::BatchEntry {
+                session: &mut sa,
+                tokens: &a[30..],
+                logits_from: 0,
+                capture: None,
+            },
+            specula_engine::BatchEntry {
+                session: &mut sb,
+                tokens: &b[14..],
+                logits_from: 0,
+                capture: None,
+            },
+        ],
+        &mut scratch,
+        &mut out,
+    )
+    .unwrap();
+    let want: Vec<f32> = one_a[30 * N_VOCAB..]
+        .iter()
+        .chain(&one_b[14 * N_VOCAB..])
+        .copied()
+        .collect();
+    assert_eq!(bits(&out), bits(&want));
+}
+
+/// The window is exactly `WINDOW` positions, the query's own included: against the same
+/// weights without a window, positions `0..WINDOW` (which see every earlier key either way)
+/// have the same bits, and every position from `WINDOW` on differs.
+#[test]
+fn the_window_hides_exactly_the_keys_window_or_more_positions_back() {
+    let ids = prompt(24);
+    let with = prefill_all(&mut engine(tiny_gemma(3, WINDOW)), &ids, 512);
+    let without = prefill_all(&mut engine(tiny_gemma(3, 0)), &ids, 512);
+    let rows = |v: &[f32]| -> Vec<Vec<u32>> { v.chunks_exact(N_VOCAB).map(bits).collect() };
+    let (a, b) = (rows(&with), rows(&without));
+    for p in 0..ids.len() {
+        if p < WINDOW {
+            assert_eq!(a[p], b[p], "position {p} sees every key either way");
+        } else {
+            assert_ne!(
+                a[p],
+                b[p],
+                "position {p} must not see position {}",
+                p - WINDOW
+            );
+        }
+    }
+}
+
+/// Drafts `truth` (the plain output) with the token at draft position `round % (k + 1)`
+/// changed, so most rounds are rejected part-way.
+struct Wrong {
+    truth: Vec<u32>,
+    n_prompt: usize,
+    round: usize,
+}
+
+impl Drafter for Wrong {
+    fn name(&self) -> &'static str {
+        "wrong"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+        self.round = 0;
+        Ok(())
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.round += 1;
+        let at = p.history.len() - self.n_prompt;
+        let mut v: Vec<u32> = self.truth.iter().skip(at).take(p.n_max).copied().collect();
+        let k = p.n_max;
+        if let Some(x) = v.get_mut(self.round % (k + 1)) {
+            *x = (*x + 1) % 256;
+        }
+        Ok(v)
+    }
+    fn state(&self) -> DrafterState {
+        Box::new(self.round)
+    }
+    fn restore(&mut self, s: &DrafterState) -> Result<(), SpecError> {
+        self.round = *s
+            .downcast_ref::<usize>()
+            .ok_or(SpecError::ForeignState("wrong"))?;
+        Ok(())
+    }
+}
+
+#[test]
+fn speculative_verify_batches_past_the_window_are_lossless() {
+    let e = engine(tiny_gemma(3, WINDOW));
+    let ids = prompt(12);
+    let n = 40;
+    let opts = GenerateOptions {
+        n_predict: n,
+        sampler: SamplerParams::greedy(),
+        force_ids: None,
+        top_logits: 8,
+        stop_at_eog: false,
+    };
+    let n_ctx = ids.len() + n;
+    let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    let plain = e.generate(&mut s, &ids, &opts, |_| {}).unwrap();
+    let want = plain.generated_ids.clone();
+    // The top-8 logits of every step, bits and all: a verify row must be the decode row.
+    let top = |g: &specula_engine::Generation| -> Vec<Vec<(u32, u32)>> {
+        g.top_logits
+            .iter()
+            .map(|r| r.iter().map(|&(t, l)| (t, l.to_bits())).collect())
+            .collect()
+    };
+    let want_top = top(&plain);
+    assert_eq!(want_top.len(), n);
+    let spec = SpecOptions {
+        n_max: 5,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    for replay in [false, true] {
+        let mut d = Wrong {
+            truth: want.clone(),
+            n_prompt: ids.len(),
+            round: 0,
+        };
+        let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+        if replay {
+            s.force_replay();
+        }
+        let got = e
+            .generate_speculative(&mut s, &ids, &opts, &mut d, &spec, |_| {})
+            .unwrap();
+        assert_eq!(got.generated_ids, want, "replay {replay}");
+        assert_eq!(top(&got), want_top, "replay {replay}");
+        let st = got.spec.unwrap();
+        assert!(st.accepted > 0 && st.accepted < st.drafted, "{st:?}");
+        if replay {
+            assert!(st.replays > 0, "{st:?}");
+        }
+
+        // Another tiny gemma3 as the draft model, its own cache past the window too.
+        let mut dm = DraftModel::new(
+            engine(tiny_gemma(77, WINDOW)),
+            &e.tokenizer,
+            n_ctx,
+            QType::F16,
+            QType::F16,
+        )
+        .unwrap();
+        if replay {
+            dm.force_replay();
+        }
+        let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+        if replay {
+            s.force_replay();
+        }
+        let got = e
+            .generate_speculative(&mut s, &ids, &opts, &mut dm, &spec, |_| {})
+            .unwrap();
+        assert_eq!(got.generated_ids, want, "draft model, replay {replay}");
+        assert_eq!(top(&got), want_top, "draft model, replay {replay}");
+    }
+}
