@@ -77,6 +77,10 @@ pub struct Args {
     /// Batch size of prompt processing.
     #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
     pub batch_size: usize,
+    /// Full-size cache for sliding-window layers (a cell per position, as the other layers),
+    /// instead of a ring of window + batch-size cells (llama.cpp's `--swa-full`).
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
     /// K cache type.
     #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
     pub cache_type_k: String,
@@ -127,9 +131,10 @@ struct Record {
     n_prompt: usize,
     n_gen: usize,
     n_depth: usize,
-    /// Bytes of KV cache per token (all layers, K and V).
+    /// Bytes of KV cache per token (one cell of every layer, K and V).
     kv_bytes_per_token: usize,
-    /// Bytes of KV cache holding depth + test tokens.
+    /// Bytes of KV cache holding depth + test tokens (a sliding-window ring at most its
+    /// size).
     kv_bytes_used: usize,
     test_time: String,
     avg_ns: u64,
@@ -379,6 +384,7 @@ pub fn run(args: &Args) -> Result<String> {
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
+    engine.swa_full = args.swa_full;
     let hp = engine.model.hparams().clone();
     let file = engine.model.file().clone();
     let size: u64 = file
@@ -477,7 +483,7 @@ pub fn run(args: &Args) -> Result<String> {
                 n_gen: tg,
                 n_depth: depth,
                 kv_bytes_per_token: layout.bytes_per_token(),
-                kv_bytes_used: layout.bytes_per_token() * (depth + pp + tg),
+                kv_bytes_used: layout.bytes_for(depth + pp + tg),
                 test_time: format!("{:?}", std::time::SystemTime::now()),
                 avg_ns,
                 stddev_ns,

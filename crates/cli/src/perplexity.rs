@@ -43,6 +43,10 @@ pub struct Args {
     /// Tokens per forward batch.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
+    /// Full-size cache for sliding-window layers (a cell per position, as the other layers),
+    /// instead of a ring of window + batch-size cells (llama.cpp's `--swa-full`).
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
     /// K cache type.
     #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
     pub cache_type_k: String,
@@ -105,8 +109,9 @@ pub fn run(args: &Args) -> Result<String> {
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.kv_overrides = overrides;
-    load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
+    engine.swa_full = args.swa_full;
     engine.n_batch = args.batch_size.max(1);
+    load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let n_ctx = args.ctx_size;
     let tokens = engine
         .tokenizer

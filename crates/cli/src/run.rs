@@ -58,6 +58,10 @@ pub struct Args {
     /// Tokens per prefill batch.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
+    /// Full-size cache for sliding-window layers (a cell per position, as the other layers),
+    /// instead of a ring of window + batch-size cells (llama.cpp's `--swa-full`).
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
     /// K cache type.
     #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
     pub cache_type_k: String,
@@ -173,6 +177,19 @@ struct JsonOut {
     top_logits: Option<Vec<Vec<(u32, f32)>>>,
     #[serde(skip_serializing_if = "Option::is_none")]
     spec: Option<JsonSpec>,
+    kv: JsonKv,
+}
+
+/// The KV cache the run allocated.
+#[derive(Serialize)]
+struct JsonKv {
+    /// Bytes of the whole cache (every layer's cells, K and V).
+    bytes: usize,
+    /// Cells of the global layers (the context size).
+    n_ctx: usize,
+    /// Cells of the sliding-window layers' ring, when they keep one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    swa_ring: Option<usize>,
 }
 
 /// Runs `specula run`; streams text to stdout (or returns the JSON).
@@ -198,6 +215,7 @@ pub fn run(args: &Args) -> Result<String> {
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
+    engine.swa_full = args.swa_full;
 
     let text = if args.chat {
         let template = engine
@@ -313,6 +331,15 @@ pub fn run(args: &Args) -> Result<String> {
                 );
             }
         }
+        #[allow(clippy::cast_precision_loss, reason = "display")]
+        let mib = session.kv_layout().total_bytes() as f64 / f64::from(1u32 << 20);
+        match session.swa_ring() {
+            Some(r) => eprintln!(
+                "kv cache: {mib:.1} MiB ({} cells; sliding-window layers: a ring of {r} cells)",
+                session.n_ctx()
+            ),
+            None => eprintln!("kv cache: {mib:.1} MiB ({} cells)", session.n_ctx()),
+        }
         return Ok(String::from("\n"));
     }
     let json = JsonOut {
@@ -330,6 +357,11 @@ pub fn run(args: &Args) -> Result<String> {
             rollback: session.rollback().name(),
             replayed: st.replayed,
         }),
+        kv: JsonKv {
+            bytes: session.kv_layout().total_bytes(),
+            n_ctx: session.n_ctx(),
+            swa_ring: session.swa_ring(),
+        },
     };
     let mut s = serde_json::to_string(&json)?;
     s.push('\n');
@@ -472,6 +504,7 @@ fn drafter(
             let path = load::model_path(args.model_draft.as_deref())?;
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
+            draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {
                 eprintln!("{msg}");
             }

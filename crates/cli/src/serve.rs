@@ -43,6 +43,10 @@ pub struct Args {
     /// Tokens per prompt chunk.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
+    /// Full-size cache for sliding-window layers (a cell per position, as the other layers),
+    /// instead of a ring of window + batch-size cells (llama.cpp's `--swa-full`).
+    #[arg(long = "swa-full")]
+    pub swa_full: bool,
     /// K cache type.
     #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
     pub cache_type_k: String,
@@ -102,6 +106,7 @@ pub fn run(args: &Args) -> Result<String> {
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
+    engine.swa_full = args.swa_full;
     let n_ctx_slot = args.ctx_size / args.parallel;
     load::check_cache(&engine, n_ctx_slot, k_type, v_type)?;
     let file = specula_gguf::Gguf::open(&path)
@@ -233,6 +238,7 @@ fn speculative(
             let threads = args.draft.threads(args.threads);
             let mut draft = load::cpu_engine(&path, threads)?;
             draft.n_batch = args.batch_size;
+            draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {
                 tracing::info!("{msg}");
             }

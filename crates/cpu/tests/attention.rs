@@ -27,6 +27,7 @@ fn shape(c: &Case, n_ctx: usize) -> KvShape {
         k_type: c.kv_type,
         v_type: c.kv_type,
         overrides: Vec::new(),
+        swa: None,
     }
 }
 

@@ -25,6 +25,7 @@ fn shape(k: QType, v: QType, n_ctx: usize) -> KvShape {
         k_type: k,
         v_type: v,
         overrides: Vec::new(),
+        swa: None,
     }
 }
 

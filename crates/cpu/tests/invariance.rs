@@ -155,6 +155,7 @@ fn attention_is_batch_invariant() {
                 k_type: kv_type,
                 v_type: kv_type,
                 overrides: Vec::new(),
+                swa: None,
             };
             let mut kv = one.kv_new(shape).unwrap();
             let kw = n_kv_head * hd;

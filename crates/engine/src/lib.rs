@@ -120,6 +120,9 @@ pub struct Engine<B: Backend> {
     /// Per-layer cache formats that differ from a session's `-ctk` / `-ctv`
     /// (`--cache-type-k-layers`), applied to every session of this engine.
     pub kv_overrides: Vec<specula_tensor::LayerOverride>,
+    /// Sliding-window layers keep a cell per position of the context (`--swa-full`), instead
+    /// of a ring of `window + n_batch` cells (llama.cpp's SWA cache; the default).
+    pub swa_full: bool,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -128,6 +131,7 @@ impl<B: Backend> std::fmt::Debug for Engine<B> {
             .field("backend", &self.backend.name())
             .field("model", &self.model)
             .field("n_batch", &self.n_batch)
+            .field("swa_full", &self.swa_full)
             .finish_non_exhaustive()
     }
 }
@@ -142,6 +146,54 @@ pub struct Session<B: Backend> {
     n_past: usize,
     n_ctx: usize,
     rollback: specula_kv::Rollback,
+    ring: Option<SwaRing>,
+}
+
+/// The bookkeeping of a session's sliding-window ring: the position each ring cell holds
+/// (`EMPTY` for a cell never written). Position `p` goes to cell `p % ring`; the sliding-window
+/// layers attend over the ring's cells at these positions, so a cell left by rows that were
+/// taken back (a position past the session's) is masked as a future key until rewritten.
+#[derive(Clone, Debug)]
+pub(crate) struct SwaRing {
+    window: usize,
+    pos: Vec<u32>,
+    cells: Vec<usize>,
+}
+
+impl SwaRing {
+    const EMPTY: u32 = u32::MAX;
+
+    /// Places rows at `pos` (the cell of each into `cells`) and records their positions.
+    fn place(&mut self, pos: &[u32]) {
+        let n = self.pos.len();
+        self.cells.clear();
+        for &p in pos {
+            let c = p as usize % n;
+            self.cells.push(c);
+            self.pos[c] = p;
+        }
+    }
+
+    fn holds(&self, p: usize) -> bool {
+        self.pos[p % self.pos.len()] as usize == p
+    }
+
+    /// Whether the ring holds every earlier position a query at `n` sees (`n − window + 1 ..
+    /// n`): then the cache continues from `n` exactly as if nothing past `n` had been written.
+    fn window_intact(&self, n: usize) -> bool {
+        (n.saturating_sub(self.window.saturating_sub(1))..n).all(|p| self.holds(p))
+    }
+}
+
+/// Rows at `pos` (a session's next rows) as its sliding-window ring places them.
+fn place<'a>(ring: &'a mut Option<SwaRing>, pos: &[u32]) -> Option<specula_models::Ring<'a>> {
+    ring.as_mut().map(|r| {
+        r.place(pos);
+        specula_models::Ring {
+            cells: &r.cells,
+            kv_pos: &r.pos,
+        }
+    })
 }
 
 impl<B: Backend> std::fmt::Debug for Session<B> {
@@ -149,6 +201,7 @@ impl<B: Backend> std::fmt::Debug for Session<B> {
         f.debug_struct("Session")
             .field("n_past", &self.n_past)
             .field("n_ctx", &self.n_ctx)
+            .field("swa_ring", &self.ring.as_ref().map(|r| r.pos.len()))
             .finish_non_exhaustive()
     }
 }
@@ -172,10 +225,27 @@ impl<B: Backend> Session<B> {
         &self.layout
     }
 
-    /// Bytes of KV cache the filled positions occupy.
+    /// Bytes of KV cache the filled positions occupy (a sliding-window ring at most its size).
     #[must_use]
     pub fn kv_bytes_used(&self) -> usize {
-        self.layout.bytes_per_token() * self.n_past
+        self.layout.bytes_for(self.n_past)
+    }
+
+    /// Cells of the sliding-window layers' ring, when they keep one (else they have a cell per
+    /// position, as the other layers).
+    #[must_use]
+    pub fn swa_ring(&self) -> Option<usize> {
+        self.ring.as_ref().map(|r| r.pos.len())
+    }
+
+    /// The most rows one forward may write for this session: `ring − window` with a
+    /// sliding-window ring (more would overwrite positions the batch's first query still
+    /// sees), else unbounded. The engine splits larger batches.
+    #[must_use]
+    pub fn max_rows(&self) -> usize {
+        self.ring
+            .as_ref()
+            .map_or(usize::MAX, |r| (r.pos.len() - r.window).max(1))
     }
 
     /// Forgets everything after the first `n` positions (their cells are overwritten by the
@@ -319,6 +389,7 @@ impl<B: Backend> Engine<B> {
             tokenizer,
             n_batch: 512,
             kv_overrides: Vec::new(),
+            swa_full: false,
         }
     }
 
@@ -327,11 +398,12 @@ impl<B: Backend> Engine<B> {
     /// # Errors
     /// If the backend cannot allocate the cache.
     pub fn session(&self, n_ctx: usize, k_type: QType, v_type: QType) -> Result<Session<B>> {
+        let shape = self.kv_shape(n_ctx, k_type, v_type);
         Ok(Session {
             layout: self.kv_layout(n_ctx, k_type, v_type)?,
             kv: self
                 .backend
-                .kv_new(self.kv_shape(n_ctx, k_type, v_type))
+                .kv_new(shape.clone())
                 .map_err(specula_models::ModelError::from)?,
             scratch: self.model.scratch(&self.backend),
             pos: Vec::new(),
@@ -339,7 +411,21 @@ impl<B: Backend> Engine<B> {
             n_past: 0,
             n_ctx,
             rollback: specula_kv::Rollback::Trim,
+            ring: shape.swa.as_ref().map(|w| SwaRing {
+                window: self.model.hparams().swa.as_ref().map_or(1, |s| s.window),
+                pos: vec![SwaRing::EMPTY; w.n_cells],
+                cells: Vec::new(),
+            }),
         })
+    }
+
+    /// Cells of the sliding-window ring of this engine's sessions: `window + n_batch`
+    /// (llama.cpp's `n_swa + n_ubatch`) unless `--swa-full`, `None` for a model without
+    /// sliding-window layers. A context at most this large keeps a cell per position.
+    #[must_use]
+    pub fn swa_ring(&self) -> Option<usize> {
+        let w = self.model.hparams().swa.as_ref()?;
+        (!self.swa_full).then(|| w.window + self.n_batch.max(1))
     }
 
     /// The layout (formats, stored head widths, bytes per token) a session of `n_ctx` cells
@@ -359,9 +445,12 @@ impl<B: Backend> Engine<B> {
         )?)
     }
 
-    /// The shape of a session's cache: the model's, with this engine's per-layer overrides.
+    /// The shape of a session's cache: the model's, with this engine's sliding-window ring
+    /// and per-layer overrides.
     fn kv_shape(&self, n_ctx: usize, k_type: QType, v_type: QType) -> specula_tensor::KvShape {
-        let mut shape = self.model.kv_shape(n_ctx, k_type, v_type);
+        let mut shape = self
+            .model
+            .kv_shape_ring(n_ctx, self.swa_ring(), k_type, v_type);
         shape.overrides.clone_from(&self.kv_overrides);
         shape
     }
@@ -479,16 +568,27 @@ impl<B: Backend> Engine<B> {
             });
         }
         out.clear();
-        let n_batch = self.n_batch.max(1);
-        for (ci, chunk) in ids.chunks(n_batch).enumerate() {
-            let base = ci * n_batch;
+        let m = self.n_batch.max(1).min(s.max_rows());
+        // With a sliding-window ring, the chunks are aligned to the end: the last forward
+        // writes the last `m` rows, so taking back any of them (a rejected draft tail) is a
+        // trim that leaves the window the next query needs.
+        let lead = if s.ring.is_some() { ids.len() % m } else { 0 };
+        let mut base = 0;
+        while base < ids.len() {
+            let end = if base == 0 && lead > 0 {
+                lead
+            } else {
+                (base + m).min(ids.len())
+            };
+            let chunk = &ids[base..end];
             let start = u32::try_from(s.n_past).unwrap_or(u32::MAX);
             s.pos.clear();
             s.pos.extend((start..).take(chunk.len()));
             s.rows.clear();
             s.rows
                 .extend((0..chunk.len()).filter(|&r| base + r >= first));
-            let logits = self.model.forward(
+            let ring = place(&mut s.ring, &s.pos);
+            let logits = self.model.forward_ring(
                 &self.backend,
                 &mut s.kv,
                 &mut s.scratch,
@@ -496,12 +596,14 @@ impl<B: Backend> Engine<B> {
                 &s.pos,
                 &s.rows,
                 capture.as_mut().map(|(t, _)| &mut **t),
+                ring,
             )?;
             out.extend_from_slice(logits);
             s.n_past += chunk.len();
             if let Some((taps, features)) = capture.as_mut() {
                 self.interleave(taps, chunk.len(), features);
             }
+            base = end;
         }
         Ok(())
     }
@@ -550,6 +652,12 @@ impl<B: Backend> Engine<B> {
         if entries.is_empty() {
             return Ok(());
         }
+        if entries
+            .iter()
+            .any(|e| e.tokens.len() > e.session.max_rows())
+        {
+            return self.decode_multi_split(entries, scratch, out);
+        }
         for e in entries.iter_mut() {
             let start = u32::try_from(e.session.n_past).unwrap_or(u32::MAX);
             e.session.pos.clear();
@@ -569,6 +677,7 @@ impl<B: Backend> Engine<B> {
                     pos: &s.pos,
                     logits_rows: &s.rows,
                     taps: e.capture.as_mut().map(|c| &mut *c.taps),
+                    ring: place(&mut s.ring, &s.pos),
                 }
             })
             .collect();
@@ -582,6 +691,78 @@ impl<B: Backend> Engine<B> {
             if let Some(c) = &mut e.capture {
                 c.features.clear();
                 self.interleave(c.taps, e.tokens.len(), c.features);
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Engine::decode_multi`] of entries with more rows than their session's sliding-window
+    /// ring takes in one forward ([`Session::max_rows`]): forwards of at most that many rows
+    /// per session, aligned to the end of each entry (as [`Engine::prefill`]), the logits and
+    /// features gathered entry after entry as one forward gives them. Batch-invariant kernels
+    /// give every row the bits of the unsplit batch.
+    fn decode_multi_split(
+        &self,
+        entries: &mut [BatchEntry<'_, B>],
+        scratch: &mut Scratch<B>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        let n = entries.len();
+        let mut done = vec![0usize; n];
+        let mut logits: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut feats: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut part_feats: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut part = Vec::new();
+        loop {
+            let mut idx = Vec::with_capacity(n);
+            let mut rows = Vec::with_capacity(n);
+            let mut sub: Vec<BatchEntry<'_, B>> = Vec::with_capacity(n);
+            for (i, (e, pf)) in entries.iter_mut().zip(part_feats.iter_mut()).enumerate() {
+                let len = e.tokens.len();
+                if done[i] == len {
+                    continue;
+                }
+                let m = e.session.max_rows().min(len);
+                // The first piece takes the remainder, so the last forward has `m` rows.
+                let take = if done[i] == 0 && len % m != 0 {
+                    len % m
+                } else {
+                    m
+                };
+                let tokens: &[u32] = e.tokens;
+                let piece = &tokens[done[i]..done[i] + take];
+                let logits_from = e.logits_from.saturating_sub(done[i]).min(take);
+                idx.push(i);
+                rows.push(take - logits_from);
+                sub.push(BatchEntry {
+                    session: &mut *e.session,
+                    tokens: piece,
+                    logits_from,
+                    capture: e.capture.as_mut().map(|c| Capture {
+                        taps: &mut *c.taps,
+                        features: pf,
+                    }),
+                });
+                done[i] += take;
+            }
+            if sub.is_empty() {
+                break;
+            }
+            self.decode_multi(&mut sub, scratch, &mut part)?;
+            drop(sub);
+            let total: usize = rows.iter().sum();
+            let width = if total == 0 { 0 } else { part.len() / total };
+            let mut off = 0;
+            for (&i, &r) in idx.iter().zip(&rows) {
+                logits[i].extend_from_slice(&part[off..off + r * width]);
+                off += r * width;
+                feats[i].append(&mut part_feats[i]);
+            }
+        }
+        for (i, e) in entries.iter_mut().enumerate() {
+            out.extend_from_slice(&logits[i]);
+            if let Some(c) = &mut e.capture {
+                *c.features = std::mem::take(&mut feats[i]);
             }
         }
         Ok(())

@@ -1,14 +1,23 @@
 //! Taking back the rows of a rejected draft tail: a trim where the memory can, else a
 //! checkpoint taken before the verify forward, restored, and the accepted rows run again.
 //!
-//! A [`Session`]'s cache keeps one cell per position for every layer (sliding-window layers
-//! included: the window is a mask, no cell is pruned, nothing wraps), so dropping the rows
-//! past a position leaves exactly the cache plain decoding would have, and [`Rollback::Trim`]
-//! is the rollback of every model specula runs. [`Rollback::Replay`] exists for memories that
-//! lose state when rows are appended — a sliding-window cache that prunes (see
-//! `specula_kv::Cells::can_trim_to`), a ring buffer that wraps, recurrent layers — and can be
-//! forced on any session ([`Session::force_replay`]) to test that path: the output must not
-//! change, the kernels being batch-invariant (a replayed row has the bits of the verify row).
+//! A [`Session`]'s cache keeps one cell per position in its global layers, so dropping the rows
+//! past a position leaves exactly the cache plain decoding would have. Sliding-window layers
+//! keep one too with `--swa-full`; by default they keep a ring of `window + n_batch` cells
+//! where position `p` overwrites `p − ring`. A trim to `n` is then exact only while the ring
+//! still holds the positions `n − window + 1 .. n` a query at `n` sees: with `m` the highest
+//! position written, exactly when `m − n ≤ ring − window` (each of `n + 1 ..= m` overwrote
+//! `ring` positions back, and the oldest of them the window needs is `n − window + 1`).
+//! [`Session::can_trim_to`] checks the ring cell by cell. Every forward writes at most
+//! `ring − window` rows, aligned to the end of a batch, so taking back rows of the last forward
+//! (a rejected draft tail) is always a trim; going further back, [`Engine::rewind`] runs again
+//! from the latest position whose window the ring still holds, or from the start.
+//!
+//! [`Rollback::Replay`] exists for memories that lose state when rows are appended — a
+//! sliding-window cache that prunes (see `specula_kv::Cells::can_trim_to`), recurrent layers —
+//! and can be forced on any session ([`Session::force_replay`]) to test that path: the output
+//! must not change, the kernels being batch-invariant (a replayed row has the bits of the
+//! verify row).
 
 use specula_kv::Rollback;
 use specula_tensor::Backend;
@@ -58,11 +67,17 @@ impl<B: Backend> Session<B> {
     }
 
     /// Whether [`Session::truncate`] to `n` positions leaves exactly the cache plain decoding
-    /// of those `n` positions would have: always for a trimming memory, otherwise only when
-    /// nothing is taken back.
+    /// of those `n` positions would have: when nothing is taken back; otherwise for a trimming
+    /// memory whose sliding-window ring (if any) still holds the positions `n − window + 1 ..
+    /// n` — not when later rows overwrote them (see the module's notes).
     #[must_use]
     pub fn can_trim_to(&self, n: usize) -> bool {
-        n >= self.n_past || self.rollback == Rollback::Trim
+        n >= self.n_past || (self.rollback == Rollback::Trim && self.window_intact(n))
+    }
+
+    /// Whether the sliding-window ring (if any) holds every position a query at `n` sees.
+    fn window_intact(&self, n: usize) -> bool {
+        self.ring.as_ref().is_none_or(|r| r.window_intact(n))
     }
 
     /// The state to come back to if the rows of the next forward are taken back.
@@ -77,9 +92,10 @@ impl<B: Backend> Session<B> {
     ///
     /// # Errors
     /// [`EngineError::StaleCheckpoint`] when the session no longer holds the positions the
-    /// checkpoint holds (it was trimmed or reset below them since).
+    /// checkpoint holds (it was trimmed or reset below them since, or its sliding-window ring
+    /// has overwritten them).
     pub fn restore(&mut self, ck: &Checkpoint) -> Result<()> {
-        if ck.n_past > self.n_past {
+        if ck.n_past > self.n_past || !self.window_intact(ck.n_past) {
             return Err(EngineError::StaleCheckpoint {
                 checkpoint: ck.n_past,
                 n_past: self.n_past,
@@ -92,14 +108,18 @@ impl<B: Backend> Session<B> {
     /// Empties the cache (any memory can).
     pub fn reset(&mut self) {
         self.n_past = 0;
+        if let Some(r) = &mut self.ring {
+            r.pos.fill(crate::SwaRing::EMPTY);
+        }
     }
 }
 
 impl<B: Backend> Engine<B> {
     /// Takes `s` back to its first `n` positions. A memory that can trim drops the rows past
-    /// `n`; one that cannot is restored to `ck` — or emptied when there is no checkpoint at or
-    /// before `n` — and the positions from there to `n` run again. `tail` holds the ids of
-    /// positions `n − tail.len() .. n`; it must reach back to where the replay starts.
+    /// `n`; one that cannot is restored to `ck` — or, for a sliding-window ring that overwrote
+    /// what a trim to `n` needs, trimmed to the latest position of `tail` whose window it still
+    /// holds; else emptied — and the positions from there to `n` run again. `tail` holds the
+    /// ids of positions `n − tail.len() .. n`; it must reach back to where the replay starts.
     ///
     /// # Errors
     /// [`EngineError::Rewind`] when a replay needs ids `tail` does not have; errors of the
@@ -118,14 +138,21 @@ impl<B: Backend> Engine<B> {
             s.truncate(n);
             return Ok(Rewound::Trimmed);
         }
-        let from = ck
-            .filter(|c| c.n_past <= n && c.n_past <= s.n_past)
-            .map_or(0, |c| c.n_past);
         let known = n.saturating_sub(tail.len());
+        let ck_from = ck
+            .filter(|c| c.n_past <= n && c.n_past <= s.n_past && s.window_intact(c.n_past))
+            .map(|c| c.n_past);
+        let ring_from = if s.rollback == Rollback::Trim && s.ring.is_some() {
+            (known..n).rev().find(|&f| s.window_intact(f))
+        } else {
+            None
+        };
+        let from = ck_from.max(ring_from).unwrap_or(0);
         if from < known {
             return Err(EngineError::Rewind { to: n, from, known });
         }
         match ck {
+            _ if ring_from == Some(from) => s.n_past = from,
             Some(c) if c.n_past == from => s.restore(c)?,
             _ => s.reset(),
         }

@@ -220,9 +220,17 @@ impl<B: Backend> Engine<B> {
             // The cache keeps the anchor and the accepted drafts (and the prompt rows in front
             // of the first round's anchor, which a replay runs again too).
             let keep = 1 + verdict.accepted;
-            if let Rewound::Replayed(rows) =
-                self.rewind(s, base + keep, ck.as_ref(), &batch[..lead + keep])?
-            {
+            let rewound = match self.rewind(s, base + keep, ck.as_ref(), &batch[..lead + keep]) {
+                // A sliding-window ring that a verify of more rows than one forward writes has
+                // overwritten: the replay starts before this round, from the history.
+                Err(EngineError::Rewind { .. }) => {
+                    let mut tail = history.clone();
+                    tail.extend_from_slice(&draft[..verdict.accepted]);
+                    self.rewind(s, base + keep, ck.as_ref(), &tail)?
+                }
+                r => r?,
+            };
+            if let Rewound::Replayed(rows) = rewound {
                 stats.record_replay(rows);
             }
             // The drafter has seen the accepted drafts (it made them); the target's own token

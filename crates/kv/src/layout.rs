@@ -277,6 +277,17 @@ impl KvLayout {
                 shape.n_kv_head, shape.n_ctx
             )));
         }
+        if let Some(w) = &shape.swa
+            && (w.layers.len() != shape.n_layer || w.n_cells == 0 || w.n_cells > shape.n_ctx)
+        {
+            return Err(KvError::Shape(format!(
+                "a sliding-window ring of {} cells over {} layers, for a {}-layer cache of {} cells (needs one flag per layer and 1..=n_ctx cells)",
+                w.n_cells,
+                w.layers.len(),
+                shape.n_layer,
+                shape.n_ctx
+            )));
+        }
         let layers = types
             .iter()
             .map(|&t| {
@@ -306,7 +317,8 @@ impl KvLayout {
         self.shape.n_kv_head * (ly.k_head_bytes + ly.v_head_bytes)
     }
 
-    /// Bytes one token takes over all layers.
+    /// Bytes one token takes over all layers (one cell of every layer; a sliding-window ring
+    /// stops growing at its size: [`KvLayout::bytes_for`]).
     #[must_use]
     pub fn bytes_per_token(&self) -> usize {
         (0..self.layers.len())
@@ -314,10 +326,19 @@ impl KvLayout {
             .sum()
     }
 
-    /// Bytes of the whole cache (`n_ctx` cells).
+    /// Bytes the first `n_tokens` positions occupy: every layer's cells up to its own cell count
+    /// ([`KvShape::layer_cells`]: `n_ctx`, or the ring of a sliding-window layer).
+    #[must_use]
+    pub fn bytes_for(&self, n_tokens: usize) -> usize {
+        (0..self.layers.len())
+            .map(|l| self.bytes_per_token_layer(l) * n_tokens.min(self.shape.layer_cells(l)))
+            .sum()
+    }
+
+    /// Bytes of the whole cache (every layer's cells).
     #[must_use]
     pub fn total_bytes(&self) -> usize {
-        self.bytes_per_token() * self.shape.n_ctx
+        self.bytes_for(self.shape.n_ctx)
     }
 
     /// Stored bits per model value (K and V of every layer, padding included): 16 for f16,

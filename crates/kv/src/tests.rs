@@ -13,6 +13,7 @@ fn shape(hd: usize, k: QType, v: QType) -> KvShape {
         k_type: k,
         v_type: v,
         overrides: Vec::new(),
+        swa: None,
     }
 }
 

@@ -811,6 +811,7 @@ impl<B: Backend> Dflash<B> {
             k_type,
             v_type,
             overrides: Vec::new(),
+            swa: None,
         }
     }
 

@@ -336,6 +336,7 @@ impl<B: Backend> Eagle3<B> {
             k_type,
             v_type,
             overrides: Vec::new(),
+            swa: None,
         }
     }
 

@@ -13,8 +13,8 @@
 //!
 //! Architectures: `llama` (SmolLM2), `qwen2` (Qwen2.5: Q/K/V biases, NeoX RoPE), `qwen3`
 //! (per-head RMS QK-norm), `gemma3` (Gemma 3 text: scaled embeddings, QK-norm, sandwich norms,
-//! GELU-gated FFN, sliding-window layers — a mask over a cache that keeps every position — with
-//! their own RoPE base). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
+//! GELU-gated FFN, sliding-window layers — a mask, over a cache that keeps every position or over
+//! a ring of the last positions ([`Ring`], [`Model::forward_ring`]) — with their own RoPE base). Tensor names are llama.cpp's (`blk.N.attn_q.weight`, …).
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -201,6 +201,23 @@ pub struct SeqRows<'a, B: Backend> {
     /// Hidden states to capture for this sequence's rows only (a feature drafter's taps);
     /// `None` costs nothing.
     pub taps: Option<&'a mut Taps>,
+    /// Where the rows go in the sliding-window layers when their cache keeps a ring; `None`:
+    /// cell = position in every layer.
+    pub ring: Option<Ring<'a>>,
+}
+
+/// One sequence's rows in the ring of its sliding-window layers (a cache made with
+/// [`Model::kv_shape_ring`]): the cell each row is written to (`pos % ring`) and the position
+/// every ring cell holds once they are written — `u32::MAX` for a cell never written, which no
+/// query sees. The caller keeps the ring's positions across forwards, and must never write
+/// rows over positions a query of the batch still needs: with a window `w` and a ring of `r`
+/// cells, a forward writes at most `r − w + 1` rows per sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct Ring<'a> {
+    /// The ring cell of each row.
+    pub cells: &'a [usize],
+    /// The position held by each cell of the ring after the write.
+    pub kv_pos: &'a [u32],
 }
 
 impl<B: Backend> std::fmt::Debug for SeqRows<'_, B> {
@@ -482,6 +499,27 @@ impl<B: Backend> Model<B> {
     /// before allocating).
     #[must_use]
     pub fn kv_shape(&self, n_ctx: usize, k_type: QType, v_type: QType) -> KvShape {
+        self.kv_shape_ring(n_ctx, None, k_type, v_type)
+    }
+
+    /// [`Model::kv_shape`] whose sliding-window layers keep a ring of `ring` cells (llama.cpp's
+    /// SWA cache) when the model has such layers and `ring` is below `n_ctx`; their rows are
+    /// then placed by [`Model::forward_ring`]. `None`: `n_ctx` cells in every layer.
+    #[must_use]
+    pub fn kv_shape_ring(
+        &self,
+        n_ctx: usize,
+        ring: Option<usize>,
+        k_type: QType,
+        v_type: QType,
+    ) -> KvShape {
+        let swa = match (&self.hp.swa, ring) {
+            (Some(w), Some(r)) if r < n_ctx => Some(specula_tensor::SwaCells {
+                n_cells: r,
+                layers: w.layers.clone(),
+            }),
+            _ => None,
+        };
         KvShape {
             n_layer: self.hp.n_layer,
             n_ctx,
@@ -491,6 +529,7 @@ impl<B: Backend> Model<B> {
             k_type,
             v_type,
             overrides: Vec::new(),
+            swa,
         }
     }
 
@@ -575,9 +614,34 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         pos: &[u32],
         logits_rows: &[usize],
+        taps: Option<&mut Taps>,
+    ) -> Result<&'s [f32]> {
+        self.forward_ring(be, kv, s, tokens, pos, logits_rows, taps, None)
+    }
+
+    /// [`Model::forward`] on a cache whose sliding-window layers keep a ring
+    /// ([`Model::kv_shape_ring`]): those layers write the rows into `ring.cells` and attend over
+    /// the ring's cells at `ring.kv_pos`; the other layers as [`Model::forward`].
+    ///
+    /// # Errors
+    /// As [`Model::forward`], and a ring whose cells are not one per row.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the forward pass's inputs are all needed"
+    )]
+    pub fn forward_ring<'s>(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        s: &'s mut Scratch<B>,
+        tokens: &[u32],
+        pos: &[u32],
+        logits_rows: &[usize],
         mut taps: Option<&mut Taps>,
+        ring: Option<Ring<'_>>,
     ) -> Result<&'s [f32]> {
         let n = tokens.len();
+        Self::check_ring(ring.as_ref(), n)?;
         if n == 0 || pos.len() != n {
             return Err(ModelError::Batch(format!(
                 "a batch needs one position per token ({n} tokens, {} positions)",
@@ -611,7 +675,11 @@ impl<B: Backend> Model<B> {
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
 
         self.layers_and_head(be, s, tokens, pos, logits_rows, tap, &mut |be, s, il| {
-            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
+            let (cells, kv_pos) = match &ring {
+                Some(r) if self.hp.is_swa(il) => (r.cells, r.kv_pos),
+                _ => (&s.cells[..], &s.kv_pos[..]),
+            };
+            be.kv_write(kv, il, cells, &s.k, &s.v);
             be.attention(
                 &s.q,
                 kv,
@@ -619,7 +687,7 @@ impl<B: Backend> Model<B> {
                     layer: il,
                     n_head: self.hp.n_head,
                     q_pos: pos,
-                    kv_pos: &s.kv_pos,
+                    kv_pos,
                     scale: self.hp.attn_scale,
                     mask: Self::mask(&self.hp, il),
                     softcap: None,
@@ -648,7 +716,7 @@ impl<B: Backend> Model<B> {
         s: &'s mut Scratch<B>,
     ) -> Result<&'s [f32]> {
         if let [one] = seqs {
-            return self.forward(
+            return self.forward_ring(
                 be,
                 one.kv,
                 s,
@@ -656,6 +724,7 @@ impl<B: Backend> Model<B> {
                 one.pos,
                 one.logits_rows,
                 one.taps.as_deref_mut(),
+                one.ring,
             );
         }
         if seqs.is_empty() {
@@ -682,6 +751,7 @@ impl<B: Backend> Model<B> {
                     "logits asked for row {bad} of sequence {i}, which has {n} tokens"
                 )));
             }
+            Self::check_ring(q.ring.as_ref(), n)?;
             let off = all_tokens.len();
             all_rows.extend(q.logits_rows.iter().map(|&r| off + r));
             all_tokens.extend_from_slice(q.tokens);
@@ -738,7 +808,11 @@ impl<B: Backend> Model<B> {
                     s.kv_pos.clear();
                     s.kv_pos
                         .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
-                    be.kv_write(q.kv, il, &s.cells, &s.seq_k, &s.seq_v);
+                    let (cells, kv_pos) = match &q.ring {
+                        Some(r) if hp.is_swa(il) => (r.cells, r.kv_pos),
+                        _ => (&s.cells[..], &s.kv_pos[..]),
+                    };
+                    be.kv_write(q.kv, il, cells, &s.seq_k, &s.seq_v);
                     be.attention(
                         &s.seq_q,
                         q.kv,
@@ -746,7 +820,7 @@ impl<B: Backend> Model<B> {
                             layer: il,
                             n_head: hp.n_head,
                             q_pos: q.pos,
-                            kv_pos: &s.kv_pos,
+                            kv_pos,
                             scale: hp.attn_scale,
                             mask: Self::mask(hp, il),
                             softcap: None,
@@ -768,6 +842,19 @@ impl<B: Backend> Model<B> {
         }
         result?;
         Ok(&s.host)
+    }
+
+    fn check_ring(ring: Option<&Ring<'_>>, n: usize) -> Result<()> {
+        match ring {
+            Some(r) if r.cells.len() != n || r.cells.iter().any(|&c| c >= r.kv_pos.len()) => {
+                Err(ModelError::Batch(format!(
+                    "a ring placement of {} rows into {} cells for a {n}-token batch",
+                    r.cells.len(),
+                    r.kv_pos.len()
+                )))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Every layer around the attention `attend` computes (from `s.q/k/v` into `s.attn`,

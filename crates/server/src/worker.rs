@@ -687,12 +687,20 @@ impl<B: Backend> Worker<B> {
             }
             // The cache keeps the anchor and the accepted drafts.
             let keep = 1 + verdict.accepted;
-            match engine.rewind(
+            let mut rewound = engine.rewind(
                 &mut slot.session,
                 base + keep,
                 ck.as_ref(),
                 &t.batch[..keep],
-            ) {
+            );
+            if let Err(EngineError::Rewind { .. }) = rewound {
+                // A sliding-window ring that a verify of more rows than one forward writes has
+                // overwritten: the replay starts before this round, from the history.
+                let mut tail = t.history.clone();
+                tail.extend_from_slice(&t.batch[1..keep]);
+                rewound = engine.rewind(&mut slot.session, base + keep, ck.as_ref(), &tail);
+            }
+            match rewound {
                 Ok(Rewound::Replayed(rows)) => t.stats.record_replay(rows),
                 Ok(Rewound::Nothing | Rewound::Trimmed) => {}
                 Err(e) => {
@@ -881,6 +889,11 @@ fn start_task<B: Backend>(
             Ok(held) => common = common.min(held),
             Err(e) => return refuse(job, 500, format!("the drafter failed: {e}")),
         }
+    }
+    // The drafter may hold fewer positions than the target could keep; a sliding-window ring
+    // may not trim that far back exactly.
+    if !slot.session.can_trim_to(common) {
+        common = 0;
     }
     if common == 0 {
         slot.session.reset();

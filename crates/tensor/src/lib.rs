@@ -245,6 +245,20 @@ pub struct KvShape {
     /// Per-layer formats that differ from `k_type` / `v_type`; a later entry wins where
     /// ranges overlap. Empty: every layer uses `k_type` / `v_type`.
     pub overrides: Vec<LayerOverride>,
+    /// Layers that keep fewer cells than `n_ctx` (sliding-window layers holding a ring of the
+    /// last positions, llama.cpp's SWA cache); `None`: every layer has `n_ctx` cells.
+    pub swa: Option<SwaCells>,
+}
+
+/// The sliding-window layers of a cache that keep a ring of `n_cells` cells instead of
+/// `n_ctx`: position `p` lives in cell `p % n_cells`, and the caller passes each cell's
+/// position as `kv_pos` to [`Backend::attention`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SwaCells {
+    /// Cells of each ring.
+    pub n_cells: usize,
+    /// Per layer: whether it keeps the ring (else `n_ctx` cells).
+    pub layers: Vec<bool>,
 }
 
 impl KvShape {
@@ -259,6 +273,16 @@ impl KvShape {
             }
         }
         (k, v)
+    }
+
+    /// Cells of layer `l`: the ring's for a sliding-window layer of [`KvShape::swa`], else
+    /// `n_ctx`.
+    #[must_use]
+    pub fn layer_cells(&self, l: usize) -> usize {
+        match &self.swa {
+            Some(w) if w.layers.get(l).copied().unwrap_or(false) => w.n_cells,
+            _ => self.n_ctx,
+        }
     }
 }
 
@@ -361,7 +385,8 @@ pub trait Backend: Send + Sync {
     /// # Errors
     /// If a format cannot be used for the cache on this backend.
     fn kv_new(&self, shape: KvShape) -> Result<Self::Kv>;
-    /// Writes K and V rows (`[n_tokens, n_kv_head · head_dim]`) of `layer` into `cells`.
+    /// Writes K and V rows (`[n_tokens, n_kv_head · head_dim]`) of `layer` into `cells`
+    /// (each below the layer's cell count, [`KvShape::layer_cells`]).
     fn kv_write(
         &self,
         kv: &mut Self::Kv,
@@ -371,7 +396,7 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
     );
     /// Attention of `q` (`[n_q, n_head · head_dim_k]`) over cells `0..kv_pos.len()` of the
-    /// layer; writes `[n_q, n_head · head_dim_v]`.
+    /// layer (at most its cell count); writes `[n_q, n_head · head_dim_v]`.
     fn attention(
         &self,
         q: &Self::Tensor,

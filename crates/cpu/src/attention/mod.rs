@@ -66,7 +66,8 @@ struct Layer {
     v: Plane,
 }
 
-/// The key/value cache of all layers, `n_ctx` cells each.
+/// The key/value cache of all layers, `n_ctx` cells each — fewer in the sliding-window layers
+/// of a shape with a ring ([`KvShape::layer_cells`]).
 #[derive(Clone, Debug)]
 pub struct CpuKv {
     layout: KvLayout,
@@ -79,11 +80,13 @@ impl CpuKv {
         let layers = layout
             .layers
             .iter()
-            .map(|l| {
+            .enumerate()
+            .map(|(il, l)| {
+                let n_cells = shape.layer_cells(il);
                 Ok(Layer {
                     k: Plane::new(
                         l.types.k,
-                        shape.n_ctx,
+                        n_cells,
                         shape.n_kv_head,
                         shape.head_dim_k,
                         l.k_dim,
@@ -91,7 +94,7 @@ impl CpuKv {
                     )?,
                     v: Plane::new(
                         l.types.v,
-                        shape.n_ctx,
+                        n_cells,
                         shape.n_kv_head,
                         shape.head_dim_v,
                         l.v_dim,
@@ -737,9 +740,9 @@ pub(crate) fn attention(
     );
     assert_eq!(p.q_pos.len(), n_q, "attention: one position per query row");
     assert!(
-        kv_len <= s.n_ctx,
-        "attention: {kv_len} cells in a {}-cell cache",
-        s.n_ctx
+        kv_len <= s.layer_cells(p.layer),
+        "attention: {kv_len} cells in a {}-cell layer",
+        s.layer_cells(p.layer)
     );
     out.resize(n_q, n_head * hd_v);
     let group = n_head / n_kv_head;
