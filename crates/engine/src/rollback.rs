@@ -6,8 +6,9 @@
 //! keep one too with `--swa-full`; by default they keep a ring of `window + n_batch` cells
 //! where position `p` overwrites `p − ring`. A trim to `n` is then exact only while the ring
 //! still holds the positions `n − window + 1 .. n` a query at `n` sees: with `m` the highest
-//! position written, exactly when `m − n ≤ ring − window` (each of `n + 1 ..= m` overwrote
-//! `ring` positions back, and the oldest of them the window needs is `n − window + 1`).
+//! position written, exactly when `n` is 0 or `max(0, n − window + 1) + ring > m` — for
+//! `n ≥ window − 1`, when `m − n ≤ ring − window` (writing position `p` overwrote `p − ring`,
+//! and the oldest position the window needs is `n − window + 1`).
 //! [`Session::can_trim_to`] checks the ring cell by cell. Every forward writes at most
 //! `ring − window` rows, aligned to the end of a batch, so taking back rows of the last forward
 //! (a rejected draft tail) is always a trim; going further back, [`Engine::rewind`] runs again

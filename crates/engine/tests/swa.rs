@@ -394,3 +394,300 @@ fn speculative_verify_batches_past_the_window_are_lossless() {
         assert_eq!(top(&got), want_top, "draft model, replay {replay}");
     }
 }
+
+// The sliding-window ring: with `n_batch` 4 the sliding layers of a 64-cell session keep a
+// ring of `WINDOW + 4` = 12 cells (llama.cpp's SWA cache), the global layer 64.
+
+const RING_BATCH: usize = 4;
+const RING: usize = WINDOW + RING_BATCH;
+const CTX: usize = 64;
+
+/// An engine whose sessions keep a ring of `RING` cells (or full-size sliding layers).
+fn ring_engine(seed: u64, swa_full: bool) -> Engine<CpuBackend> {
+    let mut e = engine(tiny_gemma(seed, WINDOW));
+    e.n_batch = RING_BATCH;
+    e.swa_full = swa_full;
+    e
+}
+
+/// The logits of every position of `ids` from one prefill into a fresh session of `e`, run in
+/// forwards of at most `n_batch` rows (the session's ring is sized by `e.n_batch` when made).
+fn ring_prefill(e: &mut Engine<CpuBackend>, ids: &[u32], n_batch: usize) -> Vec<f32> {
+    let mut s = e.session(CTX, QType::F16, QType::F16).unwrap();
+    let made = e.n_batch;
+    e.n_batch = n_batch;
+    let out = e.prefill(&mut s, ids, true).unwrap();
+    e.n_batch = made;
+    out
+}
+
+#[test]
+fn sessions_keep_a_ring_of_window_plus_batch_cells_unless_swa_full() {
+    let e = ring_engine(3, false);
+    let s = e.session(CTX, QType::F16, QType::F16).unwrap();
+    assert_eq!(s.swa_ring(), Some(RING));
+    assert_eq!(s.max_rows(), RING_BATCH);
+    // f16 heads of 32 values: 64 bytes; 2 K/V heads, K and V: 256 bytes a cell and layer.
+    let cell = 2 * 2 * 64;
+    assert_eq!(s.kv_layout().total_bytes(), cell * (RING + RING + CTX));
+    assert_eq!(s.kv_bytes_used(), 0);
+    let full = ring_engine(3, true);
+    let f = full.session(CTX, QType::F16, QType::F16).unwrap();
+    assert_eq!(f.swa_ring(), None);
+    assert_eq!(f.kv_layout().total_bytes(), cell * 3 * CTX);
+    // A ring at least the context is no ring.
+    assert_eq!(
+        e.session(RING, QType::F16, QType::F16).unwrap().swa_ring(),
+        None
+    );
+    // Positions held: every layer up to its cells.
+    let mut s = s;
+    let mut e = e;
+    e.prefill(&mut s, &prompt(30), false).unwrap();
+    assert_eq!(s.kv_bytes_used(), cell * (RING + RING + 30));
+    e.n_batch = 512;
+    assert_eq!(e.swa_ring(), Some(WINDOW + 512));
+}
+
+/// Within one ring, every way of running rows gives the same bits: a query sees the same
+/// positions in the same ring cells whatever forward wrote them.
+#[test]
+fn ring_prefill_chunks_decodes_and_batches_have_the_same_bits() {
+    let mut e = ring_engine(3, false);
+    let ids = prompt(40);
+    let one = ring_prefill(&mut e, &ids, RING_BATCH);
+    for n_batch in [1, 2, 3] {
+        assert_eq!(
+            bits(&ring_prefill(&mut e, &ids, n_batch)),
+            bits(&one),
+            "forwards of {n_batch} rows"
+        );
+    }
+    let mut s = e.session(CTX, QType::F16, QType::F16).unwrap();
+    let mut got = e.prefill(&mut s, &ids[..11], true).unwrap();
+    for &t in &ids[11..] {
+        got.extend(e.decode(&mut s, t).unwrap());
+    }
+    assert_eq!(bits(&got), bits(&one), "decode");
+
+    // Two sessions in one batch, one with 9 rows: more than a forward may write into its
+    // ring, so the batch is split (1 + 4 + 4 rows, aligned to the end); each row keeps its bits.
+    let (a, b) = (prompt(33), &ids[..15]);
+    let one_a = ring_prefill(&mut e, &a, RING_BATCH);
+    let mut sa = e.session(CTX, QType::F16, QType::F16).unwrap();
+    let mut sb = e.session(CTX, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut sa, &a[..24], false).unwrap();
+    e.prefill(&mut sb, &b[..14], false).unwrap();
+    let mut scratch = e.scratch();
+    let mut out = Vec::new();
+    e.decode_multi(
+        &mut [
+            specula_engine::BatchEntry {
+                session: &mut sa,
+                tokens: &a[24..],
+                logits_from: 2,
+                capture: None,
+            },
+            specula_engine::BatchEntry {
+                session: &mut sb,
+                tokens: &b[14..],
+                logits_from: 0,
+                capture: None,
+            },
+        ],
+        &mut scratch,
+        &mut out,
+    )
+    .unwrap();
+    let want: Vec<f32> = one_a[26 * N_VOCAB..]
+        .iter()
+        .chain(&one[14 * N_VOCAB..15 * N_VOCAB])
+        .copied()
+        .collect();
+    assert_eq!(bits(&out), bits(&want));
+    assert_eq!((sa.n_past(), sb.n_past()), (33, 15));
+}
+
+/// The ring and a full-size cache hold the same keys; only the order the attention sums the
+/// window in differs (ring cells are positions modulo 12), so the logits agree to f32
+/// rounding, not bit for bit.
+#[test]
+fn ring_and_full_cache_logits_agree_to_rounding() {
+    let ids = prompt(40);
+    let ring = ring_prefill(&mut ring_engine(3, false), &ids, RING_BATCH);
+    let full = ring_prefill(&mut ring_engine(3, true), &ids, RING_BATCH);
+    let scale = full.iter().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = ring
+        .iter()
+        .zip(&full)
+        .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(
+        worst <= 1e-4 * scale,
+        "ring vs full: max |Δ| {worst} over logits up to {scale}"
+    );
+    // Before the ring wraps, cells are positions, as in the full cache.
+    assert_eq!(bits(&ring[..RING * N_VOCAB]), bits(&full[..RING * N_VOCAB]));
+}
+
+/// A trim to `n` is exact while the ring still holds `n − WINDOW + 1 .. n`: with `m` the
+/// highest position written, when `m − n ≤ RING − WINDOW` (or `n` is 0). At the last exact point the trim
+/// continues as a fresh prefill would; one past it `can_trim_to` says no, and a rewind runs
+/// the positions again from where the ring still holds a window (here: the start).
+#[test]
+fn trims_are_exact_exactly_while_the_ring_holds_the_window() {
+    let mut e = ring_engine(3, false);
+    let ids = prompt(40);
+    let fresh = ring_prefill(&mut e, &ids, RING_BATCH);
+    let m = 29;
+    let mut s = e.session(CTX, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut s, &ids[..=m], false).unwrap();
+    for n in 0..=m + 1 {
+        assert_eq!(
+            s.can_trim_to(n),
+            // Position 0 sees nothing before it: emptying the cache is always exact.
+            n > m || n == 0 || m - n <= RING - WINDOW,
+            "trim of {} positions to {n}",
+            m + 1
+        );
+    }
+    let edge = m - (RING - WINDOW);
+    assert!(s.can_trim_to(edge) && !s.can_trim_to(edge - 1));
+
+    // At the edge: trim, then decode — the bits of the fresh prefill.
+    let mut t = e.session(CTX, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut t, &ids[..=m], false).unwrap();
+    assert_eq!(
+        e.rewind(&mut t, edge, None, &[]).unwrap(),
+        specula_engine::Rewound::Trimmed
+    );
+    let mut got = Vec::new();
+    for &id in &ids[edge..] {
+        got.extend(e.decode(&mut t, id).unwrap());
+    }
+    assert_eq!(bits(&got), bits(&fresh[edge * N_VOCAB..]), "trim to {edge}");
+
+    // One past the edge: a tail that does not reach a held window is refused with a typed
+    // error (nothing changed), the whole history replays from the start.
+    let n = edge - 1;
+    let err = e.rewind(&mut s, n, None, &ids[n - 4..n]).unwrap_err();
+    assert!(
+        matches!(err, specula_engine::EngineError::Rewind { from: 0, .. }),
+        "{err}"
+    );
+    assert_eq!(s.n_past(), m + 1);
+    assert_eq!(
+        e.rewind(&mut s, n, None, &ids[..n]).unwrap(),
+        specula_engine::Rewound::Replayed(n)
+    );
+    let mut got = Vec::new();
+    for &id in &ids[n..] {
+        got.extend(e.decode(&mut s, id).unwrap());
+    }
+    assert_eq!(bits(&got), bits(&fresh[n * N_VOCAB..]), "rewind to {n}");
+
+    // A checkpoint whose window the ring has since overwritten cannot be restored.
+    let mut c = e.session(CTX, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut c, &ids[..20], false).unwrap();
+    let ck = c.checkpoint();
+    e.prefill(&mut c, &ids[20..30], false).unwrap();
+    assert!(matches!(
+        c.restore(&ck),
+        Err(specula_engine::EngineError::StaleCheckpoint { .. })
+    ));
+}
+
+/// Speculative decoding on the ring: greedy output, and the top-8 logits by bits, are plain
+/// decoding's on the same ring, for drafts that fit one forward (every rejected tail is a
+/// trim) and drafts longer than a forward may write (verify batches split; a rejection past
+/// the last forward runs positions again), with a scripted drafter and a draft model (its
+/// own ring), rolling back by trim or forced replay.
+#[test]
+fn speculative_decoding_on_the_ring_is_lossless() {
+    let e = ring_engine(3, false);
+    let ids = prompt(12);
+    let n = 40;
+    let opts = GenerateOptions {
+        n_predict: n,
+        sampler: SamplerParams::greedy(),
+        force_ids: None,
+        top_logits: 8,
+        stop_at_eog: false,
+    };
+    let n_ctx = ids.len() + n;
+    let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    assert_eq!(s.swa_ring(), Some(RING));
+    let plain = e.generate(&mut s, &ids, &opts, |_| {}).unwrap();
+    let want = plain.generated_ids.clone();
+    let top = |g: &specula_engine::Generation| -> Vec<Vec<(u32, u32)>> {
+        g.top_logits
+            .iter()
+            .map(|r| r.iter().map(|&(t, l)| (t, l.to_bits())).collect())
+            .collect()
+    };
+    let want_top = top(&plain);
+    for n_max in [3, 9] {
+        let spec = SpecOptions {
+            n_max,
+            n_min: 0,
+            p_min: 0.0,
+            adaptive: false,
+        };
+        for replay in [false, true] {
+            let mut d = Wrong {
+                truth: want.clone(),
+                n_prompt: ids.len(),
+                round: 0,
+            };
+            let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+            if replay {
+                s.force_replay();
+            }
+            let got = e
+                .generate_speculative(&mut s, &ids, &opts, &mut d, &spec, |_| {})
+                .unwrap();
+            let what = format!("n_max {n_max}, replay {replay}");
+            assert_eq!(got.generated_ids, want, "{what}");
+            assert_eq!(top(&got), want_top, "{what}");
+            let st = got.spec.unwrap();
+            assert!(
+                st.accepted > 0 && st.accepted < st.drafted,
+                "{what}: {st:?}"
+            );
+            if !replay {
+                // Anchor + 3 drafts fit one forward: every rejected tail is a trim. Anchor + 9
+                // drafts do not: rejections early in the draft run positions again.
+                assert_eq!(st.replays > 0, n_max > RING_BATCH, "{what}: {st:?}");
+            }
+
+            let mut dm = DraftModel::new(
+                ring_engine(77, false),
+                &e.tokenizer,
+                n_ctx,
+                QType::F16,
+                QType::F16,
+            )
+            .unwrap();
+            if replay {
+                dm.force_replay();
+            }
+            let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+            if replay {
+                s.force_replay();
+            }
+            let got = e
+                .generate_speculative(&mut s, &ids, &opts, &mut dm, &spec, |_| {})
+                .unwrap();
+            assert_eq!(got.generated_ids, want, "draft model, {what}");
+            assert_eq!(top(&got), want_top, "draft model, {what}");
+        }
+    }
+    // The ring's output is the full cache's, here token for token.
+    let full = ring_engine(3, true);
+    let mut f = full.session(n_ctx, QType::F16, QType::F16).unwrap();
+    assert_eq!(
+        full.generate(&mut f, &ids, &opts, |_| {})
+            .unwrap()
+            .generated_ids,
+        want
+    );
+}
