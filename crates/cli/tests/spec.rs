@@ -190,7 +190,9 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
     let prompt: String = (0..60)
         .map(|i| format!("item {i}: total = total + values[{}]\n", i % 7))
         .collect();
-    let base = ["-c", "2048", "--ignore-eos"];
+    // Batches of 64 rows: the 15 sliding-window layers keep a ring of 512 + 64 cells, which
+    // the prompt and the generation (over 800 positions) wrap.
+    let base = ["-c", "2048", "-b", "64", "--ignore-eos"];
     let plain = run_json_with(
         &[],
         m,
@@ -199,6 +201,8 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
         &[&base[..], &["--spec-type", "none"]].concat(),
     );
     assert!(count(&plain, "prompt_n") > 512, "{plain}");
+    assert_eq!(plain["kv"]["swa_ring"], 576, "{plain}");
+    assert!(count(&plain, "prompt_n") + 160 > 576, "{plain}");
     let want = ids(&plain);
     assert_eq!(want.len(), 160, "{plain}");
     for extra in [
@@ -217,6 +221,33 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
         let j = run_json_with(&[], m, &prompt, "160", &[&base[..], extra].concat());
         assert_eq!(ids(&j), want, "{extra:?}");
     }
+    // Drafts longer than a forward may write into the ring (8 rows): verify batches are split
+    // and rejections early in a draft run positions again; still the plain output.
+    let small = ["-c", "2048", "-b", "8", "--ignore-eos", "--spec-fixed"];
+    let j = run_json_with(&[], m, &prompt, "160", &small);
+    assert_eq!(j["kv"]["swa_ring"], 520, "{j}");
+    assert_eq!(ids(&j), want, "-b 8, prompt lookup of 16");
+    assert!(j["spec"]["replayed"].as_u64().unwrap() > 0, "{j}");
+    let j = run_json_with(
+        &[],
+        m,
+        &prompt,
+        "160",
+        &[&small[..], &["-md", m, "--spec-draft-n-max", "12"]].concat(),
+    );
+    assert_eq!(ids(&j), want, "-b 8, draft model, 12 drafts");
+    // Full-size sliding-window layers (`--swa-full`): the same tokens, a larger cache.
+    let full = run_json_with(
+        &[],
+        m,
+        &prompt,
+        "160",
+        &[&base[..], &["--spec-type", "none", "--swa-full"]].concat(),
+    );
+    assert!(full["kv"].get("swa_ring").is_none(), "{full}");
+    let bytes = |j: &Json| j["kv"]["bytes"].as_u64().expect("kv.bytes");
+    assert!(bytes(&full) > bytes(&plain), "{full}\n{plain}");
+    assert_eq!(ids(&full), want, "--swa-full");
 }
 
 #[test]
