@@ -751,7 +751,7 @@ impl<B: Backend> Engine<B> {
             self.decode_multi(&mut sub, scratch, &mut part)?;
             drop(sub);
             let total: usize = rows.iter().sum();
-            let width = if total == 0 { 0 } else { part.len() / total };
+            let width = part.len().checked_div(total).unwrap_or(0);
             let mut off = 0;
             for (&i, &r) in idx.iter().zip(&rows) {
                 logits[i].extend_from_slice(&part[off..off + r * width]);

@@ -263,8 +263,8 @@ impl<B: Backend> Worker<B> {
             tracing::info!(
                 slots = cfg.n_parallel,
                 n_ctx_slot = cfg.n_ctx_slot,
-                kv_mib = l.bytes_per_token() as f64 * (cfg.n_parallel * cfg.n_ctx_slot) as f64
-                    / (1024.0 * 1024.0),
+                kv_mib = l.total_bytes() as f64 * cfg.n_parallel as f64 / (1024.0 * 1024.0),
+                swa_ring = engine.swa_ring().filter(|&r| r < cfg.n_ctx_slot),
                 "slots ready"
             );
         }
