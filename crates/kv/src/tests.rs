@@ -618,3 +618,41 @@ fn two_stage_codes_are_the_nearest_levels_and_queries_match() {
         assert!(y.iter().all(|&v| v == 0.0), "{ty}: zero head");
     }
 }
+
+/// A sliding-window ring: its layers hold `n_cells` cells, the others `n_ctx`; the bytes of
+/// `n` positions count each layer up to its own cells; a ring that does not fit the shape is a
+/// typed error.
+#[test]
+fn ring_layers_are_accounted_with_their_own_cells() {
+    let mut s = shape(64, QType::F16, QType::F16);
+    s.n_ctx = 100;
+    s.swa = Some(specula_tensor::SwaCells {
+        n_cells: 10,
+        layers: vec![true, false],
+    });
+    assert_eq!((s.layer_cells(0), s.layer_cells(1)), (10, 100));
+    let l = KvLayout::new(&s).unwrap();
+    // f16: 128 bytes a head, 3 heads, K and V: 768 bytes a cell and layer.
+    assert_eq!(l.bytes_per_token_layer(0), 768);
+    assert_eq!(l.bytes_for(4), 2 * 4 * 768);
+    assert_eq!(l.bytes_for(30), (10 + 30) * 768);
+    assert_eq!(l.total_bytes(), (10 + 100) * 768);
+    for bad in [
+        specula_tensor::SwaCells {
+            n_cells: 0,
+            layers: vec![true, false],
+        },
+        specula_tensor::SwaCells {
+            n_cells: 101,
+            layers: vec![true, false],
+        },
+        specula_tensor::SwaCells {
+            n_cells: 10,
+            layers: vec![true],
+        },
+    ] {
+        s.swa = Some(bad);
+        let err = KvLayout::new(&s).unwrap_err();
+        assert!(err.to_string().contains("sliding-window ring"), "{err}");
+    }
+}
