@@ -1,7 +1,8 @@
 //! The server on SmolLM2-135M (Q4_1, the packed quantized kernels), when it has been fetched:
 //! four chat requests decoded together in one batched forward per step give each the text it
 //! gets alone, and an n-gram drafter does not change greedy output. Skips with a note when the
-//! model is not in the cache (`cargo xtask fetch-models smollm2-135m`).
+//! model is not in the cache (`cargo xtask fetch-models smollm2-135m`). Gemma-3 270m with a
+//! sliding-window ring smaller than a slot: the same, past the ring.
 
 mod common;
 
@@ -84,4 +85,81 @@ fn smollm2_batched_slots_and_ngram_drafts_keep_greedy_answers() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(got, want);
+}
+
+/// Gemma-3 270m with forwards of 16 rows, so its sliding-window layers keep a ring of
+/// 512 + 16 cells of a 1024-cell slot.
+fn gemma(n_parallel: usize, ngram: bool) -> Option<ServerHandle> {
+    let Some(path) = specula_fetch::cached_model_path("gemma3-270m") else {
+        eprintln!("skipped: gemma3-270m not fetched (cargo xtask fetch-models gemma3-270m)");
+        return None;
+    };
+    let file = Arc::new(Gguf::open(&path).unwrap());
+    let be = CpuBackend::new(2);
+    let model = Model::load(&be, Arc::clone(&file)).unwrap();
+    let mut engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
+    engine.n_batch = 16;
+    assert_eq!(engine.swa_ring(), Some(528));
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let spec = ngram.then(|| Speculative {
+        kind: "ngram-simple".into(),
+        options: SpecOptions::default(),
+        factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
+    });
+    let cfg = ServerConfig {
+        port: 0,
+        n_parallel,
+        n_ctx: 1024 * n_parallel,
+        ..ServerConfig::default()
+    };
+    Some(specula_server::start(cfg, engine, tok, spec).unwrap())
+}
+
+/// Slots whose sliding-window layers wrap their ring: prompts of over 600 tokens decoded
+/// together, with n-gram drafts (verify batches over 16 rows are split), give each the text it
+/// gets alone on one slot without drafts; a second request sharing most of a cached prompt
+/// reuses only a prefix the ring can trim to exactly, else reprocesses the prompt.
+#[test]
+fn gemma3_ring_slots_and_ngram_drafts_keep_greedy_answers() {
+    let prompts: Vec<String> = (0..3)
+        .map(|k| {
+            (0..45)
+                .map(|i| format!("row {i}: acc = acc * {} + data[{}]\n", k + 2, i % 5))
+                .collect()
+        })
+        .collect();
+    let body = |p: &str| json!({"prompt": p, "max_tokens": 40, "temperature": 0});
+    let text = |v: &Value| {
+        v["choices"][0]["text"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{v}"))
+            .to_owned()
+    };
+    let Some(alone) = gemma(1, false) else {
+        return;
+    };
+    let want: Vec<String> = prompts
+        .iter()
+        .map(|p| text(&post(alone.addr(), "/v1/completions", &body(p)).json()))
+        .collect();
+    let first = post(alone.addr(), "/v1/completions", &body(&prompts[0])).json();
+    assert!(
+        first["usage"]["prompt_tokens"].as_u64().unwrap() > 600,
+        "{first}"
+    );
+    drop(alone);
+    let Some(s) = gemma(2, true) else { return };
+    let addr = s.addr();
+    let got: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| sc.spawn(move || text(&post(addr, "/v1/completions", &body(p)).json())))
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, want);
+    // The same prompts again, one by one: cached prefixes are reused where exact.
+    for (p, w) in prompts.iter().zip(&want) {
+        assert_eq!(&text(&post(addr, "/v1/completions", &body(p)).json()), w);
+    }
 }
