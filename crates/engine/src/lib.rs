@@ -150,13 +150,17 @@ pub struct Session<B: Backend> {
 }
 
 /// The bookkeeping of a session's sliding-window ring: the position each ring cell holds
-/// (`EMPTY` for a cell never written). Position `p` goes to cell `p % ring`; the sliding-window
-/// layers attend over the ring's cells at these positions, so a cell left by rows that were
-/// taken back (a position past the session's) is masked as a future key until rewritten.
+/// (`EMPTY` for a cell never written), and the same laid out in position order — `held[p]` is
+/// `p` while cell `p % ring` holds position `p`, else `EMPTY` — which the sliding-window layers
+/// attend over (entry `j` is cell `j % ring`, [`specula_tensor::Backend::attention`]): the keys
+/// are visited in position order, as in a full-size cache, with the same bits. A cell left by
+/// rows that were taken back holds a position past every query until rewritten, so the mask
+/// hides it.
 #[derive(Clone, Debug)]
 pub(crate) struct SwaRing {
     window: usize,
     pos: Vec<u32>,
+    held: Vec<u32>,
     cells: Vec<usize>,
 }
 
@@ -170,8 +174,18 @@ impl SwaRing {
         for &p in pos {
             let c = p as usize % n;
             self.cells.push(c);
-            self.pos[c] = p;
+            let old = std::mem::replace(&mut self.pos[c], p);
+            if let Some(h) = self.held.get_mut(old as usize) {
+                *h = Self::EMPTY;
+            }
+            self.held[p as usize] = p;
         }
+    }
+
+    /// Forgets every position.
+    fn clear(&mut self) {
+        self.pos.fill(Self::EMPTY);
+        self.held.fill(Self::EMPTY);
     }
 
     fn holds(&self, p: usize) -> bool {
@@ -185,13 +199,14 @@ impl SwaRing {
     }
 }
 
-/// Rows at `pos` (a session's next rows) as its sliding-window ring places them.
+/// Rows at `pos` (a session's next rows, contiguous) as its sliding-window ring places them.
 fn place<'a>(ring: &'a mut Option<SwaRing>, pos: &[u32]) -> Option<specula_models::Ring<'a>> {
     ring.as_mut().map(|r| {
         r.place(pos);
+        let end = pos.iter().max().map_or(0, |&m| m as usize + 1);
         specula_models::Ring {
             cells: &r.cells,
-            kv_pos: &r.pos,
+            kv_pos: &r.held[..end],
         }
     })
 }
@@ -414,6 +429,7 @@ impl<B: Backend> Engine<B> {
             ring: shape.swa.as_ref().map(|w| SwaRing {
                 window: self.model.hparams().swa.as_ref().map_or(1, |s| s.window),
                 pos: vec![SwaRing::EMPTY; w.n_cells],
+                held: vec![SwaRing::EMPTY; n_ctx],
                 cells: Vec::new(),
             }),
         })

@@ -110,7 +110,7 @@ impl<B: Backend> Session<B> {
     pub fn reset(&mut self) {
         self.n_past = 0;
         if let Some(r) = &mut self.ring {
-            r.pos.fill(crate::SwaRing::EMPTY);
+            r.clear();
         }
     }
 }

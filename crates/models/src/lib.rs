@@ -207,16 +207,17 @@ pub struct SeqRows<'a, B: Backend> {
 }
 
 /// One sequence's rows in the ring of its sliding-window layers (a cache made with
-/// [`Model::kv_shape_ring`]): the cell each row is written to (`pos % ring`) and the position
-/// every ring cell holds once they are written — `u32::MAX` for a cell never written, which no
-/// query sees. The caller keeps the ring's positions across forwards, and must never write
-/// rows over positions a query of the batch still needs: with a window `w` and a ring of `r`
-/// cells, a forward writes at most `r − w + 1` rows per sequence.
+/// [`Model::kv_shape_ring`]): the cell each row is written to (`pos % ring`) and, once they are
+/// written, the ring in position order — entry `p` is `p` where cell `p % ring` holds position
+/// `p`, `u32::MAX` (seen by no query) elsewhere ([`specula_tensor::Backend::attention`]). The
+/// caller keeps the ring's positions across forwards, and must never write rows over positions
+/// a query of the batch still needs: with a window `w` and a ring of `r` cells, a forward
+/// writes at most `r − w + 1` rows per sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct Ring<'a> {
     /// The ring cell of each row.
     pub cells: &'a [usize],
-    /// The position held by each cell of the ring after the write.
+    /// The ring in position order after the write (the attention's `kv_pos`).
     pub kv_pos: &'a [u32],
 }
 

@@ -251,8 +251,8 @@ pub struct KvShape {
 }
 
 /// The sliding-window layers of a cache that keep a ring of `n_cells` cells instead of
-/// `n_ctx`: position `p` lives in cell `p % n_cells`, and the caller passes each cell's
-/// position as `kv_pos` to [`Backend::attention`].
+/// `n_ctx`: position `p` lives in cell `p % n_cells`, and the caller passes the ring laid out
+/// in position order as `kv_pos` to [`Backend::attention`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SwaCells {
     /// Cells of each ring.
@@ -295,7 +295,8 @@ pub struct AttentionParams<'a> {
     pub n_head: usize,
     /// Position of each query row.
     pub q_pos: &'a [u32],
-    /// Position of each cache cell `0..kv_len` (cells past `kv_len` are not read).
+    /// Position of each cache cell `0..kv_len` (cells past `kv_len` are not read; in a ring,
+    /// entry `j` is cell `j % cells`, see [`Backend::attention`]).
     pub kv_pos: &'a [u32],
     /// Score scale, usually `1/√head_dim`.
     pub scale: f32,
@@ -396,7 +397,11 @@ pub trait Backend: Send + Sync {
         v: &Self::Tensor,
     );
     /// Attention of `q` (`[n_q, n_head · head_dim_k]`) over cells `0..kv_pos.len()` of the
-    /// layer (at most its cell count); writes `[n_q, n_head · head_dim_v]`.
+    /// layer; writes `[n_q, n_head · head_dim_v]`. In a layer of fewer cells than `kv_pos`
+    /// (a sliding-window ring, [`KvShape::layer_cells`]) entry `j` is cell `j % cells`: the
+    /// caller lays the ring out in position order (entry `j` is position `j` where the ring
+    /// holds it, an unseen position elsewhere), so the keys are visited in the order, and
+    /// summed with the bits, of a full-size cache.
     fn attention(
         &self,
         q: &Self::Tensor,

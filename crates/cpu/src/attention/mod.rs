@@ -455,6 +455,8 @@ struct Ctx<'a> {
     hd_v: usize,
     k_dim: usize,
     v_dim: usize,
+    /// Cells of the layer: `kv_pos` index `j` is cell `j % n_cells` (a ring).
+    n_cells: usize,
 }
 
 impl Ctx<'_> {
@@ -573,7 +575,7 @@ impl Ctx<'_> {
                         if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
                             self.decode(
                                 self.k.ty(),
-                                self.k.head(j0 + jj, kvh),
+                                self.k.head((j0 + jj) % self.n_cells, kvh),
                                 &mut b.kt[jj * k_dim..(jj + 1) * k_dim],
                             );
                         }
@@ -581,7 +583,7 @@ impl Ctx<'_> {
                 }
                 // Scores.
                 for jj in 0..n {
-                    let kb = self.k.head(j0 + jj, kvh);
+                    let kb = self.k.head((j0 + jj) % self.n_cells, kvh);
                     let kf: &[f32] = match self.key {
                         KeyDot::F32 => bytemuck::cast_slice(kb),
                         KeyDot::Decoded => &b.kt[jj * k_dim..(jj + 1) * k_dim],
@@ -647,7 +649,7 @@ impl Ctx<'_> {
                     if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
                         continue;
                     }
-                    let vb = self.v.head(j0 + jj, kvh);
+                    let vb = self.v.head((j0 + jj) % self.n_cells, kvh);
                     let vf: &[f32] = if self.v.ty() == QType::F32 {
                         bytemuck::cast_slice(vb)
                     } else {
@@ -740,9 +742,9 @@ pub(crate) fn attention(
     );
     assert_eq!(p.q_pos.len(), n_q, "attention: one position per query row");
     assert!(
-        kv_len <= s.layer_cells(p.layer),
-        "attention: {kv_len} cells in a {}-cell layer",
-        s.layer_cells(p.layer)
+        kv_len <= s.n_ctx,
+        "attention: {kv_len} positions in a {}-position cache",
+        s.n_ctx
     );
     out.resize(n_q, n_head * hd_v);
     let group = n_head / n_kv_head;
@@ -760,6 +762,7 @@ pub(crate) fn attention(
         hd_v,
         k_dim: ly.k_dim,
         v_dim: ly.v_dim,
+        n_cells: s.layer_cells(p.layer),
     };
     let nth = be.n_threads();
     let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
