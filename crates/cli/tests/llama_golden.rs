@@ -73,8 +73,20 @@ fn check_model(name: &str) {
         return;
     };
     let g: Json = serde_json::from_str(&text).unwrap();
-    let e = engine(&path);
+    let mut e = engine(&path);
     let n_ctx = usize::try_from(g["settings"]["n_ctx"].as_u64().unwrap()).unwrap();
+    // Sliding-window layers keep a ring of window + n_batch cells: with forwards of 64 rows it
+    // is smaller than the context and the long prompt wraps it. llama.cpp ran with
+    // `swa_full`; the ring is visited in position order, so it has the full cache's bits.
+    if e.model.hparams().swa.is_some() {
+        e.n_batch = 64;
+        let ring = e
+            .session(n_ctx, QType::F16, QType::F16)
+            .unwrap()
+            .swa_ring()
+            .expect("a ring smaller than the context");
+        eprintln!("{name}: sliding-window layers in a ring of {ring} cells of {n_ctx}");
+    }
     let spread = g["prompts"]
         .as_array()
         .unwrap()

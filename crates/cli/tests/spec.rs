@@ -236,7 +236,8 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
         &[&small[..], &["-md", m, "--spec-draft-n-max", "12"]].concat(),
     );
     assert_eq!(ids(&j), want, "-b 8, draft model, 12 drafts");
-    // Full-size sliding-window layers (`--swa-full`): the same tokens, a larger cache.
+    // Full-size sliding-window layers (`--swa-full`): the same tokens (the ring is attended in
+    // position order: the same bits), a larger cache.
     let full = run_json_with(
         &[],
         m,
