@@ -10,6 +10,7 @@ use std::process::{Command, Output};
 
 use serde_json::Value as Json;
 use specula_gguf::{Array, GgmlType, GgufWriter, Value};
+use specula_testkit::{byte_symbols, values};
 
 const N_VOCAB: usize = 256;
 const E: usize = 64;
@@ -23,37 +24,6 @@ fn specula(args: &[&str]) -> Output {
         .args(args)
         .output()
         .expect("the specula binary runs")
-}
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let z = splitmix64(seed.wrapping_mul(1_000_003) ^ i);
-            let u = f32::from(u16::try_from(z >> 48).unwrap()) / 65_536.0;
-            (u - 0.5) * 2.0 * scale
-        })
-        .collect()
-}
-
-fn byte_symbols() -> Vec<String> {
-    let mut n = 0u32;
-    (0u8..=255)
-        .map(|b| {
-            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
-                char::from(b).to_string()
-            } else {
-                n += 1;
-                char::from_u32(255 + n).unwrap().to_string()
-            }
-        })
-        .collect()
 }
 
 fn u(v: usize) -> Value {

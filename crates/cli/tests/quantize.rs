@@ -15,6 +15,7 @@ use std::sync::OnceLock;
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
+use specula_testkit::splitmix64;
 
 fn golden(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -55,13 +56,6 @@ const N_HEAD_KV: u32 = 2;
 const N_LAYER: u32 = 2;
 const N_VOCAB: u64 = 512;
 const HEAD_DIM: u64 = N_EMBD / N_HEAD as u64;
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// Value `i` (ggml order) of tensor number `t` with dims `dims` (ggml order). Every integer is
 /// below 2^31 and every division is by a power of two, so the f64 is exact and rounds once to

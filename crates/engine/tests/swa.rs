@@ -15,6 +15,7 @@ use specula_models::Model;
 use specula_quant::QType;
 use specula_sampling::SamplerParams;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_testkit::{byte_symbols, splitmix64, values};
 use specula_tokenizer::Tokenizer;
 
 const N_VOCAB: usize = 256;
@@ -25,38 +26,6 @@ const N_HEAD_KV: usize = 2;
 const HEAD_DIM: usize = 32;
 const N_LAYER: usize = 3;
 const WINDOW: usize = 8;
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    (0..n as u64)
-        .map(|i| {
-            let z = splitmix64(seed.wrapping_mul(1_000_003) ^ i);
-            let u = f32::from(u16::try_from(z >> 48).unwrap()) / 65_536.0;
-            (u - 0.5) * 2.0 * scale
-        })
-        .collect()
-}
-
-/// GPT-2's byte alphabet as the 256 token texts.
-fn byte_symbols() -> Vec<String> {
-    let mut n = 0u32;
-    (0u8..=255)
-        .map(|b| {
-            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
-                char::from(b).to_string()
-            } else {
-                n += 1;
-                char::from_u32(255 + n).unwrap().to_string()
-            }
-        })
-        .collect()
-}
 
 /// A tiny gemma3 GGUF with random weights (`seed`): layers 0 and 1 slide over `window`
 /// positions (0: no sliding window), layer 2 is global (pattern 3). Both RoPE bases are

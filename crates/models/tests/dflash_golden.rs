@@ -35,6 +35,7 @@ use specula_models::dflash::Dflash;
 use specula_models::{Model, Taps};
 use specula_quant::QType;
 use specula_tensor::Backend;
+use specula_testkit::{byte_symbols, splitmix64};
 
 const N_VOCAB: usize = 256;
 const N_EMBD: usize = 64;
@@ -47,13 +48,6 @@ const RMS_EPS: f32 = 1e-6;
 const N_LAYER_TARGET: usize = 4;
 const D_LAYERS: usize = 2;
 const NMSE_MAX: f64 = 1e-6;
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// `hf_tiny_golden.tensor_values`.
 fn tensor_values(t: usize, n: usize, scale: Option<i32>) -> Vec<f32> {
@@ -72,20 +66,6 @@ fn tensor_values(t: usize, n: usize, scale: Option<i32>) -> Vec<f32> {
             )]
             let y = x as f32;
             y
-        })
-        .collect()
-}
-
-fn byte_symbols() -> Vec<String> {
-    let mut n = 0u32;
-    (0u8..=255)
-        .map(|b| {
-            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
-                char::from(b).to_string()
-            } else {
-                n += 1;
-                char::from_u32(255 + n).expect("a valid char").to_string()
-            }
         })
         .collect()
 }

@@ -19,6 +19,7 @@ use specula_cpu::CpuBackend;
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_models::{Arch, Model};
 use specula_quant::QType;
+use specula_testkit::{byte_symbols, splitmix64};
 
 const N_VOCAB: usize = 256;
 const N_EMBD: usize = 64;
@@ -70,13 +71,6 @@ const QWEN3: Spec = Spec {
 
 // ---------------------------------------------------------------------------------------------
 // The weights: the formula of reference/hf_tiny_golden.py.
-
-fn splitmix64(x: u64) -> u64 {
-    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// The tensors `save_pretrained` stores, with their shapes (PyTorch order), sorted by name as
 /// the safetensors file and hence `convert_hf_to_gguf.py` order them.
@@ -206,21 +200,6 @@ fn permute(w: &[f32], rows: usize, cols: usize, n_head: usize) -> Vec<f32> {
         }
     }
     out
-}
-
-/// GPT-2's `bytes_to_unicode`: the symbol of each byte, in byte order.
-fn byte_symbols() -> Vec<String> {
-    let mut n = 0u32;
-    (0u8..=255)
-        .map(|b| {
-            if matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF) {
-                char::from(b).to_string()
-            } else {
-                n += 1;
-                char::from_u32(255 + n).expect("a valid char").to_string()
-            }
-        })
-        .collect()
 }
 
 /// A rebuilt model file: its bytes, metadata keys and tensor descriptions (for diagnostics).
