@@ -185,6 +185,43 @@ fn prefill_chunks_and_decodes_mask_the_window_alike() {
     assert_eq!(bits(&got), bits(&one), "decode");
 }
 
+/// Two sessions of `n_ctx` cells that have run the first `done` tokens of their ids, then the
+/// rest of both in one `decode_multi` batch (logits from row `logits_from` of each): the
+/// batch's logits and the sessions' positions after it.
+fn two_in_one_batch(
+    e: &Engine<CpuBackend>,
+    n_ctx: usize,
+    (a, a_done, a_from): (&[u32], usize, usize),
+    (b, b_done, b_from): (&[u32], usize, usize),
+) -> (Vec<f32>, [usize; 2]) {
+    let mut sa = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    let mut sb = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    e.prefill(&mut sa, &a[..a_done], false).unwrap();
+    e.prefill(&mut sb, &b[..b_done], false).unwrap();
+    let mut scratch = e.scratch();
+    let mut out = Vec::new();
+    e.decode_multi(
+        &mut [
+            specula_engine::BatchEntry {
+                session: &mut sa,
+                tokens: &a[a_done..],
+                logits_from: a_from,
+                capture: None,
+            },
+            specula_engine::BatchEntry {
+                session: &mut sb,
+                tokens: &b[b_done..],
+                logits_from: b_from,
+                capture: None,
+            },
+        ],
+        &mut scratch,
+        &mut out,
+    )
+    .unwrap();
+    (out, [sa.n_past(), sb.n_past()])
+}
+
 /// Several sessions in one batch (`decode_multi`, the server's continuous batching): a
 /// session 30 positions in running a 3-token verify-like block next to one 14 positions in
 /// running one token, each row with the bits it has alone.
@@ -194,31 +231,7 @@ fn batched_sessions_each_mask_their_own_window() {
     let (a, b) = (prompt(33), prompt(15));
     let one_a = prefill_all(&mut e, &a, 512);
     let one_b = prefill_all(&mut e, &b, 512);
-    let mut sa = e.session(64, QType::F16, QType::F16).unwrap();
-    let mut sb = e.session(64, QType::F16, QType::F16).unwrap();
-    e.prefill(&mut sa, &a[..30], false).unwrap();
-    e.prefill(&mut sb, &b[..14], false).unwrap();
-    let mut scratch = e.scratch();
-    let mut out = Vec::new();
-    e.decode_multi(
-        &mut [
-            specula_engine::BatchEntry {
-                session: &mut sa,
-                tokens: &a[30..],
-                logits_from: 0,
-                capture: None,
-            },
-            specula_engine::BatchEntry {
-                session: &mut sb,
-                tokens: &b[14..],
-                logits_from: 0,
-                capture: None,
-            },
-        ],
-        &mut scratch,
-        &mut out,
-    )
-    .unwrap();
+    let (out, _) = two_in_one_batch(&e, 64, (&a, 30, 0), (&b, 14, 0));
     let want: Vec<f32> = one_a[30 * N_VOCAB..]
         .iter()
         .chain(&one_b[14 * N_VOCAB..])
@@ -443,38 +456,14 @@ fn ring_prefill_chunks_decodes_and_batches_have_the_same_bits() {
     // ring, so the batch is split (1 + 4 + 4 rows, aligned to the end); each row keeps its bits.
     let (a, b) = (prompt(33), &ids[..15]);
     let one_a = ring_prefill(&mut e, &a, RING_BATCH);
-    let mut sa = e.session(CTX, QType::F16, QType::F16).unwrap();
-    let mut sb = e.session(CTX, QType::F16, QType::F16).unwrap();
-    e.prefill(&mut sa, &a[..24], false).unwrap();
-    e.prefill(&mut sb, &b[..14], false).unwrap();
-    let mut scratch = e.scratch();
-    let mut out = Vec::new();
-    e.decode_multi(
-        &mut [
-            specula_engine::BatchEntry {
-                session: &mut sa,
-                tokens: &a[24..],
-                logits_from: 2,
-                capture: None,
-            },
-            specula_engine::BatchEntry {
-                session: &mut sb,
-                tokens: &b[14..],
-                logits_from: 0,
-                capture: None,
-            },
-        ],
-        &mut scratch,
-        &mut out,
-    )
-    .unwrap();
+    let (out, n_past) = two_in_one_batch(&e, CTX, (&a, 24, 2), (b, 14, 0));
     let want: Vec<f32> = one_a[26 * N_VOCAB..]
         .iter()
         .chain(&one[14 * N_VOCAB..15 * N_VOCAB])
         .copied()
         .collect();
     assert_eq!(bits(&out), bits(&want));
-    assert_eq!((sa.n_past(), sb.n_past()), (33, 15));
+    assert_eq!(n_past, [33, 15]);
 }
 
 /// The ring and a full-size cache hold the same keys, and the attention visits the ring in
