@@ -292,3 +292,49 @@ fn crate_roots_are_recognised() {
         assert!(!is_crate_root(Path::new(other)), "{other}");
     }
 }
+
+/// Build output never lands in git: no file of any `target/` directory (cargo's, or the one
+/// criterion makes when a bench runs from a crate's own directory) is tracked or left
+/// unignored. 192 criterion result files under `crates/cpu/target/` were once committed.
+#[test]
+fn no_build_output() {
+    let files = files();
+    let problems = build_output(&files);
+    report("no build output (target/)", files.len(), &problems);
+}
+
+/// The files of `files` that lie under a directory named `target`.
+fn build_output(files: &[PathBuf]) -> Vec<String> {
+    files
+        .iter()
+        .filter(|p| {
+            p.components()
+                .rev()
+                .skip(1)
+                .any(|c| c.as_os_str() == "target")
+        })
+        .map(|p| {
+            format!(
+                "{}: build output; remove it from git (`target/` is ignored)",
+                p.display()
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn the_build_output_check_sees_what_it_should() {
+    let files: Vec<PathBuf> = [
+        "crates/cpu/target/criterion/gemv/report/index.html",
+        "target/release/specula",
+        "crates/cpu/src/target.rs",
+        "docs/target",
+    ]
+    .iter()
+    .map(PathBuf::from)
+    .collect();
+    let found = build_output(&files);
+    assert_eq!(found.len(), 2, "{found:?}");
+    assert!(found[0].starts_with("crates/cpu/target/criterion"));
+    assert!(found[1].starts_with("target/release"));
+}

@@ -103,8 +103,7 @@ fn real_models_match_gguf_py_when_fetched() {
         ("qwen2.5-coder-1.5b", "qwen2.5-coder-1.5b.json"),
         ("gemma3-270m", "gemma3-270m.json"),
     ] {
-        let Some(path) = specula_fetch::cached_model_path(model) else {
-            eprintln!("skipped: {model} not fetched (cargo xtask fetch-models {model})");
+        let Some(path) = specula_testkit::real_model(model) else {
             continue;
         };
         let ours = inspect_json(&path);

@@ -59,11 +59,9 @@ fn measure(name: &str, chunks: usize, settings: &[Setting]) -> Option<Vec<f64>> 
         .join("../../golden/llama")
         .join(format!("{name}.json"));
     let Ok(text) = std::fs::read_to_string(&golden) else {
-        eprintln!("skipped: no golden {}", golden.display());
-        return None;
+        return specula_testkit::skip(&format!("no golden {}", golden.display()));
     };
-    let Some(path) = specula_fetch::cached_model_path(name) else {
-        eprintln!("skipped: {name} not fetched (cargo xtask fetch-models {name})");
+    let Some(path) = specula_testkit::real_model(name) else {
         return None;
     };
     let g: Json = serde_json::from_str(&text).unwrap();
@@ -172,8 +170,7 @@ fn qwen25_cache_types_meet_their_kld_gates() {
 /// what its filled positions occupy.
 #[test]
 fn smollm2_cache_bytes_per_token_are_the_formats_bits() {
-    let Some(path) = specula_fetch::cached_model_path("smollm2-135m") else {
-        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+    let Some(path) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
     let e = engine(&path);

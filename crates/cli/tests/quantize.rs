@@ -449,8 +449,7 @@ fn output_does_not_depend_on_the_thread_count() {
 #[test]
 fn plans_match_llama_quantize_on_real_models() {
     for model in ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"] {
-        let Some(path) = specula_fetch::cached_model_path(model) else {
-            eprintln!("skipped: {model} not fetched (cargo xtask fetch-models {model})");
+        let Some(path) = specula_testkit::real_model(model) else {
             continue;
         };
         let golden = load(&format!("{model}.json"));

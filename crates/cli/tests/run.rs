@@ -147,8 +147,7 @@ fn unsupported_architecture_is_named() {
 
 #[test]
 fn default_model_generates_and_respects_the_context() {
-    let Some(smollm) = specula_fetch::cached_model_path("smollm2-135m") else {
-        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+    let Some(smollm) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
     let m = smollm.to_str().unwrap();
@@ -210,8 +209,7 @@ fn default_model_generates_and_respects_the_context() {
 /// and a mixed layout runs.
 #[test]
 fn per_layer_cache_types_reach_the_cache() {
-    let Some(smollm) = specula_fetch::cached_model_path("smollm2-135m") else {
-        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+    let Some(smollm) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
     let m = smollm.to_str().unwrap();

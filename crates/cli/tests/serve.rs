@@ -27,8 +27,7 @@ fn bad_flags_fail_before_listening() {
 #[cfg(unix)]
 #[test]
 fn sigterm_lets_the_request_in_flight_finish() {
-    let Some(smollm) = specula_fetch::cached_model_path("smollm2-135m") else {
-        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+    let Some(smollm) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
     let mut child = specula()

@@ -66,8 +66,7 @@ for x in values:\n        if x > 0:\n            s += x\n    return s\n```";
 
 #[test]
 fn default_model_speculative_output_is_the_plain_output() {
-    let Some(path) = specula_fetch::cached_model_path("smollm2-135m") else {
-        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+    let Some(path) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
     let m = path.to_str().unwrap();
@@ -129,8 +128,7 @@ fn default_model_speculative_output_is_the_plain_output() {
 /// says the cache rolled back by replay and counts the rounds that did.
 #[test]
 fn forced_replay_speculative_output_is_the_plain_output() {
-    let Some(path) = specula_fetch::cached_model_path("smollm2-135m") else {
-        eprintln!("skipped: smollm2-135m not fetched (cargo xtask fetch-models smollm2-135m)");
+    let Some(path) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
     let m = path.to_str().unwrap();
@@ -181,8 +179,7 @@ fn forced_replay_speculative_output_is_the_plain_output() {
 /// plain decoding.
 #[test]
 fn sliding_window_model_past_its_window_speculates_losslessly() {
-    let Some(path) = specula_fetch::cached_model_path("gemma3-270m") else {
-        eprintln!("skipped: gemma3-270m not fetched (cargo xtask fetch-models gemma3-270m)");
+    let Some(path) = specula_testkit::real_model("gemma3-270m") else {
         return;
     };
     let m = path.to_str().unwrap();
@@ -254,13 +251,9 @@ fn sliding_window_model_past_its_window_speculates_losslessly() {
 #[test]
 fn real_pair_speculative_output_is_the_plain_output() {
     let (Some(target), Some(draft)) = (
-        specula_fetch::cached_model_path("qwen2.5-coder-1.5b"),
-        specula_fetch::cached_model_path("qwen2.5-coder-0.5b"),
+        specula_testkit::real_model("qwen2.5-coder-1.5b"),
+        specula_testkit::real_model("qwen2.5-coder-0.5b"),
     ) else {
-        eprintln!(
-            "skipped: qwen2.5-coder-1.5b and -0.5b not fetched \
-             (cargo xtask fetch-models qwen2.5-coder-1.5b qwen2.5-coder-0.5b)"
-        );
         return;
     };
     let (t, d) = (target.to_str().unwrap(), draft.to_str().unwrap());

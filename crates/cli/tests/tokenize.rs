@@ -137,8 +137,7 @@ fn errors_are_one_line_with_a_failure_status() {
 #[test]
 fn real_models_give_llama_cpps_ids() {
     for model in ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m"] {
-        let Some(path) = specula_fetch::cached_model_path(model) else {
-            eprintln!("skipped: {model} not fetched (cargo xtask fetch-models {model})");
+        let Some(path) = specula_testkit::real_model(model) else {
             continue;
         };
         let golden = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -1,6 +1,50 @@
 //! What the workspace's tests need to build tiny models by hand: reproducible pseudo-random
 //! values (SplitMix64, the same on every machine and in the Python reference scripts that
-//! mirror it) and the 256 token texts of GPT-2's byte alphabet. Test-only (a dev-dependency).
+//! mirror it) and the 256 token texts of GPT-2's byte alphabet; and the one place a test that
+//! needs a real model or a golden file decides to skip ([`real_model`], [`skip`]): where
+//! `SPECULA_REQUIRE_MODELS` is set (`.ci/run` sets it after fetching every model) a skip is a
+//! failure, so the real-model goldens run on every CI submission. Test-only (a dev-dependency).
+
+use std::path::PathBuf;
+
+/// The variable that turns skips into failures.
+pub const REQUIRE_MODELS: &str = "SPECULA_REQUIRE_MODELS";
+
+/// Whether [`REQUIRE_MODELS`] is set to anything but empty or `0`.
+#[must_use]
+pub fn models_required() -> bool {
+    required(std::env::var_os(REQUIRE_MODELS).as_deref())
+}
+
+fn required(value: Option<&std::ffi::OsStr>) -> bool {
+    value.is_some_and(|v| !v.is_empty() && v != "0")
+}
+
+/// A test cannot run because `why` (a model not fetched, a golden file missing): prints
+/// `skipped: why` and returns `None`, or fails the test where [`models_required`].
+///
+/// # Panics
+/// Where [`models_required`]: a test that would skip fails instead.
+#[must_use]
+pub fn skip<T>(why: &str) -> Option<T> {
+    assert!(
+        !models_required(),
+        "{why}, and {REQUIRE_MODELS} is set (CI): a real-model test may not skip"
+    );
+    eprintln!("skipped: {why}");
+    None
+}
+
+/// The cached real model named `name` (`models.toml`), or [`skip`] with the command that
+/// fetches it.
+#[must_use]
+pub fn real_model(name: &str) -> Option<PathBuf> {
+    specula_fetch::cached_model_path(name).or_else(|| {
+        skip(&format!(
+            "{name} not fetched (cargo xtask fetch-models {name})"
+        ))
+    })
+}
 
 /// One step of SplitMix64: a well-mixed 64-bit value of `x`.
 #[must_use]
@@ -76,5 +120,50 @@ mod tests {
         assert_eq!(s[usize::from(b'A')], "A");
         assert_eq!(s[usize::from(b' ')], "Ġ");
         assert_eq!(s[usize::from(b'\n')], "Ċ");
+    }
+}
+
+#[cfg(test)]
+mod skip_tests {
+    use super::*;
+
+    #[test]
+    fn any_value_but_empty_or_zero_requires_models() {
+        assert!(!required(None));
+        assert!(!required(Some("".as_ref())));
+        assert!(!required(Some("0".as_ref())));
+        assert!(required(Some("1".as_ref())));
+        assert!(required(Some("true".as_ref())));
+    }
+
+    /// A skip under `SPECULA_REQUIRE_MODELS` fails the test (here: in a child process of this
+    /// test binary, so the variable never leaks into other tests).
+    #[test]
+    fn a_skip_fails_where_models_are_required() {
+        if std::env::var_os("SPECULA_TESTKIT_CHILD").is_some() {
+            let _: Option<()> = skip("a model that is never there");
+            return;
+        }
+        let exe = std::env::current_exe().unwrap();
+        let run = |require: &str| {
+            std::process::Command::new(&exe)
+                .args([
+                    "--exact",
+                    "skip_tests::a_skip_fails_where_models_are_required",
+                    "--nocapture",
+                ])
+                .env("SPECULA_TESTKIT_CHILD", "1")
+                .env(REQUIRE_MODELS, require)
+                .output()
+                .unwrap()
+        };
+        let required = run("1");
+        assert!(!required.status.success());
+        let text = String::from_utf8_lossy(&required.stdout).into_owned()
+            + &String::from_utf8_lossy(&required.stderr);
+        assert!(text.contains("a real-model test may not skip"), "{text}");
+        let optional = run("0");
+        assert!(optional.status.success());
+        assert!(String::from_utf8_lossy(&optional.stderr).contains("skipped: a model"));
     }
 }
