@@ -1,6 +1,12 @@
 //! What the workspace's tests need to build tiny models by hand: reproducible pseudo-random
 //! values (SplitMix64, the same on every machine and in the Python reference scripts that
 //! mirror it) and the 256 token texts of GPT-2's byte alphabet. Test-only (a dev-dependency).
+//!
+//! - [`tiny`] — tiny GGUF models of every architecture and drafter, as editable lists.
+//! - [`mutate`] — mutations of those models and the load-and-run property they must keep.
+
+pub mod mutate;
+pub mod tiny;
 
 /// One step of SplitMix64: a well-mixed 64-bit value of `x`.
 #[must_use]
