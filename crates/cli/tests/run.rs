@@ -261,7 +261,9 @@ fn per_layer_cache_types_reach_the_cache() {
 fn invalid_hyperparameters_are_one_line_errors_naming_the_key() {
     use specula_gguf::Value;
     let dir = tempfile::tempdir().unwrap();
-    let cases: [(&str, fn(&mut specula_testkit::tiny::TinyGguf), &str); 4] = [
+    use specula_testkit::tiny::TinyGguf;
+    type Edit = fn(&mut TinyGguf);
+    let cases: [(&str, Edit, &str); 4] = [
         (
             "odd_rope",
             |g| g.set("llama.rope.dimension_count", Value::U32(7)),

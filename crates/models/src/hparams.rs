@@ -304,7 +304,7 @@ impl AttnHparams {
         let rope_freq_scale = match get_f32(md, &scale_key)? {
             // 0 (and absent) mean no scaling, as in llama.cpp.
             None => 1.0,
-            Some(f) if f == 0.0 => 1.0,
+            Some(0.0) => 1.0,
             Some(f) if f.is_finite() && f > 0.0 => 1.0 / f,
             Some(f) => return Err(float_bound(&scale_key, f, "a finite number ≥ 0")),
         };

@@ -144,6 +144,9 @@ fn load(g: &tiny::TinyGguf) -> Result<Model<CpuBackend>, ModelError> {
     )
 }
 
+/// An edit of a tiny model's file.
+type Edit = dyn Fn(&mut tiny::TinyGguf);
+
 fn error_of(arch: &str, edit: impl FnOnce(&mut tiny::TinyGguf)) -> String {
     let mut g = tiny::target(arch);
     edit(&mut g);
@@ -154,7 +157,7 @@ fn error_of(arch: &str, edit: impl FnOnce(&mut tiny::TinyGguf)) -> String {
 /// were checked at load, each refused naming the key, its value and the bound.
 #[test]
 fn invalid_hyperparameters_name_the_key_and_the_bound() {
-    let cases: Vec<(&str, Box<dyn Fn(&mut tiny::TinyGguf)>, &str)> = vec![
+    let cases: Vec<(&str, Box<Edit>, &str)> = vec![
         (
             "llama",
             Box::new(|g| g.set("llama.rope.dimension_count", Value::U32(7))),
