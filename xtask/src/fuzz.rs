@@ -77,16 +77,18 @@ fn host_triple() -> Result<String> {
         .context("`rustc -vV` printed no `host:` line")
 }
 
-/// Seed inputs for `target`: files in the repository that it should parse.
+/// Seed inputs for `target`: files in the repository that it should parse (`gguf_header`:
+/// the golden GGUF files; `model_load`: one input per tiny seed model, `fuzz/seeds/model_load`).
 fn seeds(target: &str) -> Result<Vec<PathBuf>> {
-    let dir = match target {
-        "gguf_header" => repo_root().join("golden").join("gguf"),
+    let (dir, ext) = match target {
+        "gguf_header" => (repo_root().join("golden").join("gguf"), Some("gguf")),
+        "model_load" => (repo_root().join("fuzz").join("seeds").join(target), None),
         _ => return Ok(Vec::new()),
     };
     let mut seeds = Vec::new();
     for entry in fs::read_dir(&dir).with_context(|| format!("listing {}", dir.display()))? {
         let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "gguf") {
+        if ext.is_none_or(|x| path.extension().is_some_and(|e| e == x)) {
             seeds.push(path);
         }
     }
@@ -269,5 +271,19 @@ mod tests {
     fn the_gguf_header_target_exists_and_has_seeds() {
         assert!(targets().unwrap().contains(&"gguf_header".to_owned()));
         assert!(!seeds("gguf_header").unwrap().is_empty());
+    }
+
+    /// One seed per tiny model (four architectures, three drafters): the first byte of an
+    /// input picks the model.
+    #[test]
+    fn the_model_load_target_exists_and_seeds_every_model() {
+        assert!(targets().unwrap().contains(&"model_load".to_owned()));
+        let mut firsts: Vec<u8> = seeds("model_load")
+            .unwrap()
+            .iter()
+            .map(|p| fs::read(p).unwrap()[0])
+            .collect();
+        firsts.sort_unstable();
+        assert_eq!(firsts, [0, 1, 2, 3, 4, 5, 6]);
     }
 }

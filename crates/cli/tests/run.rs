@@ -250,3 +250,59 @@ fn per_layer_cache_types_reach_the_cache() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Hyperparameters the forward pass cannot use are refused at load, in one line naming the
+/// key: an odd `rope.dimension_count` (before the check: a panic in the CPU backend's RoPE at
+/// the first forward, with a backtrace), one past the head size, a zero K head size, and heads
+/// of zero values (`n_embd / n_head` = 0 without an explicit key length).
+#[test]
+fn invalid_hyperparameters_are_one_line_errors_naming_the_key() {
+    use specula_gguf::Value;
+    let dir = tempfile::tempdir().unwrap();
+    use specula_testkit::tiny::TinyGguf;
+    type Edit = fn(&mut TinyGguf);
+    let cases: [(&str, Edit, &str); 4] = [
+        (
+            "odd_rope",
+            |g| g.set("llama.rope.dimension_count", Value::U32(7)),
+            "metadata key `llama.rope.dimension_count` = 7: expected an even number in 2..=32",
+        ),
+        (
+            "wide_rope",
+            |g| g.set("llama.rope.dimension_count", Value::U32(64)),
+            "metadata key `llama.rope.dimension_count` = 64",
+        ),
+        (
+            "zero_key_length",
+            |g| g.set("llama.attention.key_length", Value::U32(0)),
+            "metadata key `llama.attention.key_length` = 0: expected at least 1",
+        ),
+        (
+            "zero_head",
+            |g| {
+                g.remove("llama.attention.key_length");
+                g.set("llama.attention.head_count", Value::U32(128));
+                g.set("llama.attention.head_count_kv", Value::U32(128));
+            },
+            "metadata key `llama.embedding_length` = 64: expected at least the 128 heads",
+        ),
+    ];
+    for (name, mutate, needle) in cases {
+        let mut g = specula_testkit::tiny::target("llama");
+        mutate(&mut g);
+        let path = dir.path().join(format!("{name}.gguf"));
+        std::fs::write(&path, g.to_bytes().unwrap()).unwrap();
+        let out = specula(&["run", "-m", path.to_str().unwrap(), "-p", "a", "-n", "2"]);
+        assert_clean_error(&out, needle);
+    }
+    // The unmutated tiny model runs: the errors above are the mutation's.
+    let g = specula_testkit::tiny::target("llama");
+    let path = dir.path().join("clean.gguf");
+    std::fs::write(&path, g.to_bytes().unwrap()).unwrap();
+    let out = specula(&["run", "-m", path.to_str().unwrap(), "-p", "a", "-n", "2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

@@ -28,7 +28,10 @@ use std::sync::Arc;
 use specula_gguf::{Gguf, Value};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
 
-use crate::{Loader, Model, ModelError, Result, get_f32, get_usize};
+use crate::{
+    AttnHparams, Loader, Model, ModelError, Result, count, finite_f32, get_usize, int_bound, mul,
+    opt_usize, scale_f32,
+};
 
 /// One matrix with llama.cpp's optional per-tensor scale (`<name>.scale`, NVFP4 exports):
 /// every product with it is multiplied by the scale.
@@ -236,48 +239,26 @@ impl DflashHparams {
             ));
         }
 
-        let n_embd = get_usize(md, &k("embedding_length"))?;
-        let n_head = get_usize(md, &k("attention.head_count"))?;
-        let n_head_kv = md
-            .get_u64(&k("attention.head_count_kv"))
-            .map_or(Ok(n_head), usize::try_from)
-            .map_err(|_| bad(&k("attention.head_count_kv"), "too large"))?;
-        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
-            return Err(bad(
-                &k("attention.head_count_kv"),
-                format!("{n_head} query heads cannot share {n_head_kv} K/V heads"),
-            ));
-        }
-        let head_dim = md
-            .get_u64(&k("attention.key_length"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(n_embd / n_head);
-        if let Some(vl) = md.get_u64(&k("attention.value_length"))
-            && usize::try_from(vl).ok() != Some(head_dim)
-        {
-            return Err(bad(
+        let at = AttnHparams::read(md, "dflash", 1e-6)?;
+        let (n_embd, n_head, head_dim) = (at.n_embd, at.n_head, at.head_dim_k);
+        // One head size for K and V: a value length, when given, must be the key length.
+        if opt_usize(md, &k("attention.value_length"))?.is_some() && at.head_dim_v != head_dim {
+            return Err(int_bound(
                 &k("attention.value_length"),
-                format!("{vl} differs from the key length {head_dim}"),
+                at.head_dim_v,
+                format!("the key length {head_dim} (a DFlash draft has one head size)"),
             ));
         }
-        let n_rot = md
-            .get_u64(&k("rope.dimension_count"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(head_dim);
         // Drafts of M-RoPE targets carry degenerate sections [n_rot/2, 0, 0, 0]: plain RoPE on
         // the temporal positions, which is what text positions are.
         if let Some(sec) = usize_array(file, &k("rope.dimension_sections"))?
-            && sec.iter().skip(1).any(|&s| s != 0)
+            && (sec.first().is_none_or(|&s| s == 0) || sec.iter().skip(1).any(|&s| s != 0))
         {
             return Err(bad(
                 &k("rope.dimension_sections"),
-                format!("{sec:?}: only degenerate sections [n, 0, 0, 0] are supported"),
+                format!("{sec:?}: only degenerate sections [n, 0, 0, 0] with n > 0 are supported"),
             ));
         }
-        let rope_freq_scale = match get_f32(md, &k("rope.scaling.factor")) {
-            Some(f) if f > 0.0 => 1.0 / f,
-            _ => 1.0,
-        };
         // The layer taps: current key, then the earlier spelling (both hold HF ids + 1).
         let target_layers = match usize_array(file, &k("target_layers"))? {
             Some(t) => t,
@@ -290,10 +271,7 @@ impl DflashHparams {
         if target_layers.is_empty() {
             return Err(bad(&k("target_layers"), "no target layers"));
         }
-        let block_size = md
-            .get_u64(&k("block_size"))
-            .map_or(Ok(16), usize::try_from)
-            .map_err(|_| bad(&k("block_size"), "too large"))?;
+        let block_size = opt_usize(md, &k("block_size"))?.unwrap_or(16);
         if block_size < 2 {
             return Err(bad(
                 &k("block_size"),
@@ -333,6 +311,17 @@ impl DflashHparams {
                     need("selector_rank")?,
                 );
                 let top_k = usize::try_from(top_k).unwrap_or(usize::MAX);
+                // The selector's `top_k · (top_k + 1)` bound and the convolutions' tensor
+                // shapes must be computable.
+                top_k
+                    .checked_add(1)
+                    .and_then(|t| t.checked_mul(top_k))
+                    .ok_or_else(|| int_bound(&k("selector_top_k"), top_k, "a smaller value"))?;
+                mul(
+                    &k("conv_kernel_size"),
+                    mul(&k("conv_kernel_size"), n_embd, kernel)?,
+                    2,
+                )?;
                 if n_embd % group != 0 {
                     return Err(bad(
                         &k("conv_group_size"),
@@ -344,8 +333,8 @@ impl DflashHparams {
                     group,
                     rank,
                     top_k,
-                    logit_scale: get_f32(md, &k("logit_scale")).filter(|&v| v != 0.0),
-                    softcap: get_f32(md, &k("final_logit_softcapping")).filter(|&v| v > 0.0),
+                    logit_scale: scale_f32(md, &k("logit_scale"))?.filter(|&v| v != 0.0),
+                    softcap: finite_f32(md, &k("final_logit_softcapping"))?.filter(|&v| v > 0.0),
                 })
             }
             _ if file.tensor("selector_hidden.weight").is_some() => {
@@ -358,25 +347,27 @@ impl DflashHparams {
         };
         #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
         let default_scale = 1.0 / (head_dim as f32).sqrt();
-        let nonzero = |key: &str| get_f32(md, &k(key)).filter(|&v| v != 0.0);
+        let nonzero = |key: &str| -> Result<Option<f32>> {
+            Ok(scale_f32(md, &k(key))?.filter(|&v| v != 0.0))
+        };
         Ok(Self {
-            n_layer: get_usize(md, &k("block_count"))?,
+            n_layer: count(md, &k("block_count"))?,
             n_embd,
-            n_ff: get_usize(md, &k("feed_forward_length"))?,
+            n_ff: count(md, &k("feed_forward_length"))?,
             n_head,
-            n_head_kv,
+            n_head_kv: at.n_head_kv,
             head_dim,
-            n_rot,
-            rope_freq_base: get_f32(md, &k("rope.freq_base")).unwrap_or(10_000.0),
-            rope_freq_scale,
-            rms_eps: get_f32(md, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-6),
+            n_rot: at.n_rot,
+            rope_freq_base: at.rope_freq_base,
+            rope_freq_scale: at.rope_freq_scale,
+            rms_eps: at.rms_eps,
             target_layers,
             block_size,
             mask_token_id,
             causal: get_bool(file, &k("attention.causal")).unwrap_or(false),
-            embedding_scale: nonzero("embedding_scale").unwrap_or(1.0),
-            attention_scale: nonzero("attention.scale").unwrap_or(default_scale),
-            attn_value_scale: nonzero("attention.value_scale"),
+            embedding_scale: nonzero("embedding_scale")?.unwrap_or(1.0),
+            attention_scale: nonzero("attention.scale")?.unwrap_or(default_scale),
+            attn_value_scale: nonzero("attention.value_scale")?,
             gelu,
             dflash2,
         })
@@ -571,6 +562,12 @@ pub(crate) fn read_d2t(file: &Gguf, n_vocab_target: usize) -> Result<Option<Vec<
         prev = Some(id);
         out.push(id);
     }
+    if out.is_empty() {
+        return Err(ModelError::BadValue {
+            key: "d2t".into(),
+            detail: "no ids: a reduced vocabulary needs at least one token".into(),
+        });
+    }
     Ok(Some(out))
 }
 
@@ -622,13 +619,24 @@ impl<B: Backend> Dflash<B> {
                 ),
             ));
         }
+        let n_vocab = thp.n_vocab;
+        if hp.mask_token_id as usize >= n_vocab {
+            return Err(int_bound(
+                "tokenizer.ggml.mask_token_id",
+                hp.mask_token_id as usize,
+                format!("a token of the target's vocabulary of {n_vocab}"),
+            ));
+        }
+        crate::check_layer_tensors(&file, "dflash.block_count", hp.n_layer)?;
         let l = Loader {
             backend,
             file: &file,
         };
         let (e, f, hd) = (hp.n_embd, hp.n_ff, hp.head_dim);
-        let (qd, kd) = (hp.n_head * hd, hp.n_head_kv * hd);
-        let n_vocab = thp.n_vocab;
+        let (qd, kd) = (
+            mul("dflash.attention.head_count", hp.n_head, hd)?,
+            mul("dflash.attention.head_count_kv", hp.n_head_kv, hd)?,
+        );
         let d2t = read_d2t(&file, n_vocab)?;
         let n_vocab_draft = d2t.as_ref().map_or(n_vocab, Vec::len);
         let own_embd = l.get("token_embd.weight", &[e, n_vocab])?;
@@ -667,7 +675,11 @@ impl<B: Backend> Dflash<B> {
             None => target.output_head(),
         };
         let n_extract = hp.target_layers.len();
-        let fc = load_mat(&l, "fc", &[n_extract * thp.n_embd, e])?;
+        let fc = load_mat(
+            &l,
+            "fc",
+            &[mul("dflash.target_layers", n_extract, thp.n_embd)?, e],
+        )?;
         let enc_norm = match l.get("enc.output_norm.weight", &[e])? {
             Some(w) => w,
             // The earliest upstream converter named the encoder norm after HF's `hidden_norm`.
@@ -679,7 +691,7 @@ impl<B: Backend> Dflash<B> {
             }
         };
         let output_norm = l.req("output_norm.weight", &[e])?;
-        let mut layers = Vec::with_capacity(hp.n_layer);
+        let mut layers = Vec::with_capacity(hp.n_layer.min(file.tensors().len()));
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             for unsupported in [

@@ -24,7 +24,9 @@ use specula_gguf::Gguf;
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
 
 use crate::dflash::{Mat, load_mat, read_d2t, sanitize, scatter_d2t, usize_array};
-use crate::{Loader, Model, ModelError, Result, get_f32, get_usize};
+use crate::{
+    AttnHparams, Loader, Model, ModelError, Result, count, get_usize, int_bound, mul, opt_usize,
+};
 
 /// Hyperparameters of an EAGLE-3 head (`eagle3.*` keys).
 #[derive(Clone, Debug, PartialEq)]
@@ -83,26 +85,19 @@ impl Eagle3Hparams {
                 format!("{n_layer}: an EAGLE-3 head has exactly one decoder layer"),
             ));
         }
-        let n_embd = get_usize(md, &k("embedding_length"))?;
-        let n_head = get_usize(md, &k("attention.head_count"))?;
-        let n_head_kv = md
-            .get_u64(&k("attention.head_count_kv"))
-            .map_or(Ok(n_head), usize::try_from)
-            .map_err(|_| bad(k("attention.head_count_kv"), "too large".into()))?;
-        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
-            return Err(bad(
-                k("attention.head_count_kv"),
-                format!("{n_head} query heads cannot share {n_head_kv} K/V heads"),
+        let at = AttnHparams::read(md, "eagle3", 1e-5)?;
+        // One head size for K and V, as llama.cpp's EAGLE-3 graph.
+        if opt_usize(md, &k("attention.value_length"))?.is_some() && at.head_dim_v != at.head_dim_k
+        {
+            return Err(int_bound(
+                &k("attention.value_length"),
+                at.head_dim_v,
+                format!(
+                    "the key length {} (an EAGLE-3 head has one head size)",
+                    at.head_dim_k
+                ),
             ));
         }
-        let head_dim = md
-            .get_u64(&k("attention.key_length"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(n_embd / n_head);
-        let n_rot = md
-            .get_u64(&k("rope.dimension_count"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(head_dim);
         let target_layers = match usize_array(file, &k("target_layers"))? {
             Some(t) => t,
             None => {
@@ -114,25 +109,21 @@ impl Eagle3Hparams {
         if target_layers.is_empty() {
             return Err(bad(k("target_layers"), "no target layers".into()));
         }
-        let rope_freq_scale = match get_f32(md, &k("rope.scaling.factor")) {
-            Some(f) if f > 0.0 => 1.0 / f,
-            _ => 1.0,
-        };
         let flag = |key: &str| {
             md.get(&k(key))
                 .and_then(specula_gguf::Value::as_bool)
                 .unwrap_or(false)
         };
         Ok(Self {
-            n_embd,
-            n_ff: get_usize(md, &k("feed_forward_length"))?,
-            n_head,
-            n_head_kv,
-            head_dim,
-            n_rot,
-            rope_freq_base: get_f32(md, &k("rope.freq_base")).unwrap_or(10_000.0),
-            rope_freq_scale,
-            rms_eps: get_f32(md, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
+            n_embd: at.n_embd,
+            n_ff: count(md, &k("feed_forward_length"))?,
+            n_head: at.n_head,
+            n_head_kv: at.n_head_kv,
+            head_dim: at.head_dim_k,
+            n_rot: at.n_rot,
+            rope_freq_base: at.rope_freq_base,
+            rope_freq_scale: at.rope_freq_scale,
+            rms_eps: at.rms_eps,
             target_layers,
             target_hidden_size: get_usize(md, &k("target_hidden_size"))?,
             norm_before_residual: flag("norm_before_residual"),
@@ -243,12 +234,17 @@ impl<B: Backend> Eagle3<B> {
             backend,
             file: &file,
         };
+        crate::check_layer_tensors(&file, "eagle3.block_count", 1)?;
         let (e, f, hd) = (hp.n_embd, hp.n_ff, hp.head_dim);
-        let (qd, kd) = (hp.n_head * hd, hp.n_head_kv * hd);
+        let (qd, kd) = (
+            mul("eagle3.attention.head_count", hp.n_head, hd)?,
+            mul("eagle3.attention.head_count_kv", hp.n_head_kv, hd)?,
+        );
+        let e2 = mul("eagle3.embedding_length", e, 2)?;
         let n_vocab = thp.n_vocab;
         let d2t = read_d2t(&file, n_vocab)?;
         let n_vocab_draft = d2t.as_ref().map_or(n_vocab, Vec::len);
-        let n_in = hp.target_layers.len() * thp.n_embd;
+        let n_in = mul("eagle3.target_layers", hp.target_layers.len(), thp.n_embd)?;
         let tok_embd = match l.get("token_embd.weight", &[e, n_vocab])? {
             Some(w) => Arc::new(w),
             None if e == thp.n_embd => target.token_embedding(),
@@ -283,9 +279,9 @@ impl<B: Backend> Eagle3<B> {
             },
             attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
             hidden_norm: l.req(&n("attn_norm_2.weight"), &[e])?,
-            wq: load_mat(&l, &n("attn_q"), &[2 * e, qd])?,
-            wk: load_mat(&l, &n("attn_k"), &[2 * e, kd])?,
-            wv: load_mat(&l, &n("attn_v"), &[2 * e, kd])?,
+            wq: load_mat(&l, &n("attn_q"), &[e2, qd])?,
+            wk: load_mat(&l, &n("attn_k"), &[e2, kd])?,
+            wv: load_mat(&l, &n("attn_v"), &[e2, kd])?,
             wo: load_mat(&l, &n("attn_output"), &[qd, e])?,
             ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
             ffn_gate: load_mat(&l, &n("ffn_gate"), &[e, f])?,

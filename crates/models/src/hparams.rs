@@ -115,36 +115,259 @@ impl Hparams {
     }
 }
 
+/// A required non-negative integer key.
 pub(crate) fn get_usize(md: &Metadata, key: &str) -> Result<usize, ModelError> {
-    let v = md.get_u64(key).ok_or_else(|| ModelError::MissingKey {
+    opt_usize(md, key)?.ok_or_else(|| ModelError::MissingKey {
         key: key.to_owned(),
-    })?;
-    usize::try_from(v).map_err(|_| ModelError::BadValue {
-        key: key.to_owned(),
-        detail: format!("{v} does not fit in usize"),
     })
 }
 
-pub(crate) fn get_f32(md: &Metadata, key: &str) -> Option<f32> {
-    match md.get(key)? {
-        specula_gguf::Value::F32(v) => Some(*v),
+/// An optional non-negative integer key: absent is `None`; a value of another type, a
+/// negative one or one past `usize` is an error naming the key.
+pub(crate) fn opt_usize(md: &Metadata, key: &str) -> Result<Option<usize>, ModelError> {
+    let Some(v) = md.get(key) else {
+        return Ok(None);
+    };
+    match (v.as_u64(), v.as_i64()) {
+        (Some(u), _) => usize::try_from(u)
+            .map(Some)
+            .map_err(|_| ModelError::BadValue {
+                key: key.to_owned(),
+                detail: format!("{u} does not fit in usize"),
+            }),
+        (None, Some(i)) => Err(ModelError::NegativeHparam {
+            key: key.to_owned(),
+            value: i,
+        }),
+        (None, None) => Err(ModelError::HparamType {
+            key: key.to_owned(),
+            found: format!("{:?}", v.value_type()),
+            expected: "an unsigned integer",
+        }),
+    }
+}
+
+/// An optional number key as `f32`: absent is `None`; a value that is not a number is an error
+/// naming the key.
+pub(crate) fn get_f32(md: &Metadata, key: &str) -> Result<Option<f32>, ModelError> {
+    let Some(v) = md.get(key) else {
+        return Ok(None);
+    };
+    match v {
+        specula_gguf::Value::F32(v) => Ok(Some(*v)),
         other => {
             #[allow(
                 clippy::cast_possible_truncation,
-                reason = "hyperparameters fit in f32"
+                reason = "hyperparameters fit in f32 (a huge one becomes ±inf, refused as such)"
             )]
             let v = other.as_f64().map(|v| v as f32);
-            v
+            v.map(Some).ok_or_else(|| ModelError::HparamType {
+                key: key.to_owned(),
+                found: format!("{:?}", other.value_type()),
+                expected: "a number",
+            })
         }
     }
 }
 
+/// An integer hyperparameter outside its bounds.
+pub(crate) fn int_bound(key: &str, value: usize, expected: impl Into<String>) -> ModelError {
+    ModelError::HparamRange {
+        key: key.to_owned(),
+        value: u64::try_from(value).unwrap_or(u64::MAX),
+        expected: expected.into(),
+    }
+}
+
+/// A float hyperparameter outside its bounds.
+pub(crate) fn float_bound(key: &str, value: f32, expected: impl Into<String>) -> ModelError {
+    ModelError::HparamFloat {
+        key: key.to_owned(),
+        value,
+        expected: expected.into(),
+    }
+}
+
+/// `key` read as a float that must be finite and positive, `default` when absent.
+pub(crate) fn positive_f32(md: &Metadata, key: &str, default: f32) -> Result<f32, ModelError> {
+    match get_f32(md, key)? {
+        None => Ok(default),
+        Some(v) if v.is_finite() && v > 0.0 => Ok(v),
+        Some(v) => Err(float_bound(key, v, "a finite number > 0")),
+    }
+}
+
+/// `key` read as a float that must be finite when present.
+pub(crate) fn finite_f32(md: &Metadata, key: &str) -> Result<Option<f32>, ModelError> {
+    match get_f32(md, key)? {
+        Some(v) if !v.is_finite() => Err(float_bound(key, v, "a finite number")),
+        v => Ok(v),
+    }
+}
+
+/// The largest magnitude of a factor applied to activations (embedding, attention score,
+/// attention value and logit scales): the f16 range (65504) llama.cpp stages activations
+/// in. A larger factor overflows the squares of the next RMS norm or the logits to ±∞.
+pub(crate) const MAX_SCALE: f32 = 65504.0;
+
+/// `key` read as a factor on activations: finite, of magnitude at most [`MAX_SCALE`].
+pub(crate) fn scale_f32(md: &Metadata, key: &str) -> Result<Option<f32>, ModelError> {
+    match get_f32(md, key)? {
+        Some(v) if !(v.is_finite() && v.abs() <= MAX_SCALE) => Err(float_bound(
+            key,
+            v,
+            format!("a finite factor of magnitude at most {MAX_SCALE}"),
+        )),
+        v => Ok(v),
+    }
+}
+
+/// `a · b`, or an error naming `key` when the product overflows.
+pub(crate) fn mul(key: &str, a: usize, b: usize) -> Result<usize, ModelError> {
+    a.checked_mul(b).ok_or_else(|| {
+        int_bound(
+            key,
+            a,
+            format!("a value whose product with {b} fits in usize"),
+        )
+    })
+}
+
+/// The attention and normalization hyperparameters every architecture and drafter reads
+/// under its prefix (`<prefix>.embedding_length`, `attention.*`, `rope.*`), validated: at
+/// least one head, query heads a multiple of the K/V heads, non-zero head sizes, rotated
+/// dimensions even and at most the K head size, a finite positive RoPE base and RMS epsilon.
+#[derive(Clone, Debug, PartialEq)]
+pub(crate) struct AttnHparams {
+    pub(crate) n_embd: usize,
+    pub(crate) n_head: usize,
+    pub(crate) n_head_kv: usize,
+    pub(crate) head_dim_k: usize,
+    pub(crate) head_dim_v: usize,
+    pub(crate) n_rot: usize,
+    pub(crate) rope_freq_base: f32,
+    pub(crate) rope_freq_scale: f32,
+    pub(crate) rms_eps: f32,
+}
+
+impl AttnHparams {
+    /// Reads and checks the keys under `prefix`; `default_eps` when the epsilon is absent.
+    pub(crate) fn read(md: &Metadata, prefix: &str, default_eps: f32) -> Result<Self, ModelError> {
+        let k = |s: &str| format!("{prefix}.{s}");
+        let n_embd = get_usize(md, &k("embedding_length"))?;
+        if n_embd == 0 {
+            return Err(int_bound(&k("embedding_length"), 0, "at least 1"));
+        }
+        let n_head = get_usize(md, &k("attention.head_count"))?;
+        if n_head == 0 {
+            return Err(int_bound(&k("attention.head_count"), 0, "at least 1"));
+        }
+        let n_head_kv = opt_usize(md, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+        if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
+            return Err(int_bound(
+                &k("attention.head_count_kv"),
+                n_head_kv,
+                format!(
+                    "a divisor of the {n_head} query heads (`{}`)",
+                    k("attention.head_count")
+                ),
+            ));
+        }
+        // Without explicit head sizes a head is `n_embd / n_head` values.
+        let head_dim = |key: &str| -> Result<usize, ModelError> {
+            match opt_usize(md, &k(key))? {
+                Some(0) => Err(int_bound(&k(key), 0, "at least 1")),
+                Some(d) => Ok(d),
+                None if n_embd / n_head == 0 => Err(int_bound(
+                    &k("embedding_length"),
+                    n_embd,
+                    format!(
+                        "at least the {n_head} heads of `{}` (or an explicit `{}`)",
+                        k("attention.head_count"),
+                        k(key)
+                    ),
+                )),
+                None => Ok(n_embd / n_head),
+            }
+        };
+        let head_dim_k = head_dim("attention.key_length")?;
+        let head_dim_v = head_dim("attention.value_length")?;
+        let n_rot = opt_usize(md, &k("rope.dimension_count"))?.unwrap_or(head_dim_k);
+        if n_rot == 0 || !n_rot.is_multiple_of(2) || n_rot > head_dim_k {
+            return Err(int_bound(
+                &k("rope.dimension_count"),
+                n_rot,
+                format!("an even number in 2..={head_dim_k} (the K head size)"),
+            ));
+        }
+        let scale_key = k("rope.scaling.factor");
+        let rope_freq_scale = match get_f32(md, &scale_key)? {
+            // 0 (and absent) mean no scaling, as in llama.cpp.
+            None => 1.0,
+            Some(0.0) => 1.0,
+            Some(f) if f.is_finite() && f > 0.0 => 1.0 / f,
+            Some(f) => return Err(float_bound(&scale_key, f, "a finite number ≥ 0")),
+        };
+        let base_key = k("rope.freq_base");
+        let rope_freq_base = positive_f32(md, &base_key, 10_000.0)?;
+        rope_angles_finite(&base_key, rope_freq_base, &scale_key, rope_freq_scale)?;
+        Ok(Self {
+            n_embd,
+            n_head,
+            n_head_kv,
+            head_dim_k,
+            head_dim_v,
+            n_rot,
+            rope_freq_base,
+            rope_freq_scale,
+            rms_eps: positive_f32(md, &k("attention.layer_norm_rms_epsilon"), default_eps)?,
+        })
+    }
+}
+
+/// The largest RoPE angle, `position · freq_scale · max(1, 1/base)` over positions below
+/// 2³², must be finite: a base below 1 makes the angles grow with the dimension, and a tiny
+/// base or scaling factor makes them infinite, which turns every rotated value into NaN.
+pub(crate) fn rope_angles_finite(
+    base_key: &str,
+    base: f32,
+    scale_key: &str,
+    freq_scale: f32,
+) -> Result<(), ModelError> {
+    const MAX_POS: f32 = 4_294_967_296.0;
+    if (MAX_POS * (1.0 / base).max(1.0)).is_finite() {
+        if (MAX_POS * (1.0 / base).max(1.0) * freq_scale).is_finite() {
+            return Ok(());
+        }
+        return Err(float_bound(
+            scale_key,
+            1.0 / freq_scale,
+            "a factor that keeps RoPE angles finite at every position",
+        ));
+    }
+    Err(float_bound(
+        base_key,
+        base,
+        "a base that keeps RoPE angles finite at every position",
+    ))
+}
+
+/// A required layer or width count that must be at least 1.
+pub(crate) fn count(md: &Metadata, key: &str) -> Result<usize, ModelError> {
+    match get_usize(md, key)? {
+        0 => Err(int_bound(key, 0, "at least 1")),
+        n => Ok(n),
+    }
+}
+
 impl Hparams {
-    /// Reads the hyperparameters; `n_vocab` comes from the token embedding's shape.
+    /// Reads the hyperparameters; `n_vocab` comes from the token embedding's shape. Every
+    /// value the forward pass uses is checked here, so a file that loads cannot reach an
+    /// assertion of a backend op.
     ///
     /// # Errors
     /// [`ModelError::UnsupportedArch`] for an architecture this crate does not run, or a
-    /// missing/invalid key.
+    /// missing/invalid key (naming the key, its value and the bound).
     pub fn from_metadata(md: &Metadata, n_vocab: usize) -> Result<Self, ModelError> {
         let arch_name =
             md.get_str("general.architecture")
@@ -156,39 +379,9 @@ impl Hparams {
         })?;
         let a = arch.name();
         let k = |s: &str| format!("{a}.{s}");
-        let n_embd = get_usize(md, &k("embedding_length"))?;
-        let n_head = get_usize(md, &k("attention.head_count"))?;
-        let n_head_kv = md
-            .get_u64(&k("attention.head_count_kv"))
-            .map_or(Ok(n_head), usize::try_from)
-            .map_err(|_| ModelError::BadValue {
-                key: k("attention.head_count_kv"),
-                detail: "too large".into(),
-            })?;
-        if n_head == 0 || n_head_kv == 0 || n_head % n_head_kv != 0 {
-            return Err(ModelError::BadValue {
-                key: k("attention.head_count_kv"),
-                detail: format!("{n_head} query heads cannot share {n_head_kv} K/V heads"),
-            });
-        }
-        let default_head = n_embd / n_head;
-        let head_dim_k = md
-            .get_u64(&k("attention.key_length"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(default_head);
-        let head_dim_v = md
-            .get_u64(&k("attention.value_length"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(default_head);
-        let n_rot = md
-            .get_u64(&k("rope.dimension_count"))
-            .and_then(|v| usize::try_from(v).ok())
-            .unwrap_or(head_dim_k);
-        let rope_freq_scale = match get_f32(md, &k("rope.scaling.factor")) {
-            Some(f) if f > 0.0 => 1.0 / f,
-            _ => 1.0,
-        };
-        let n_layer = get_usize(md, &k("block_count"))?;
+        let at = AttnHparams::read(md, a, 1e-5)?;
+        let (n_embd, n_head, head_dim_k) = (at.n_embd, at.n_head, at.head_dim_k);
+        let n_layer = count(md, &k("block_count"))?;
         #[allow(
             clippy::cast_precision_loss,
             reason = "head and embedding sizes are small"
@@ -196,10 +389,19 @@ impl Hparams {
         let (attn_scale, embd_scale) = match arch {
             // llama.cpp `llama_model_gemma3::load_arch_hparams`: 27B (62 layers) scales by
             // the embedding per head, the others by the head size.
-            Arch::Gemma3 if n_layer == 62 => (
-                1.0 / ((n_embd / n_head) as f32).sqrt(),
-                Some((n_embd as f32).sqrt()),
-            ),
+            Arch::Gemma3 if n_layer == 62 => {
+                if n_embd / n_head == 0 {
+                    return Err(int_bound(
+                        &k("embedding_length"),
+                        n_embd,
+                        format!("at least the {n_head} heads (62-layer Gemma 3 scales by it)"),
+                    ));
+                }
+                (
+                    1.0 / ((n_embd / n_head) as f32).sqrt(),
+                    Some((n_embd as f32).sqrt()),
+                )
+            }
             Arch::Gemma3 => (
                 1.0 / (head_dim_k as f32).sqrt(),
                 Some((n_embd as f32).sqrt()),
@@ -214,16 +416,16 @@ impl Hparams {
             arch,
             n_layer,
             n_embd,
-            n_ff: get_usize(md, &k("feed_forward_length"))?,
+            n_ff: count(md, &k("feed_forward_length"))?,
             n_head,
-            n_head_kv,
+            n_head_kv: at.n_head_kv,
             head_dim_k,
-            head_dim_v,
-            n_rot,
-            rope_freq_base: get_f32(md, &k("rope.freq_base")).unwrap_or(10_000.0),
-            rope_freq_scale,
-            rms_eps: get_f32(md, &k("attention.layer_norm_rms_epsilon")).unwrap_or(1e-5),
-            n_ctx_train: get_usize(md, &k("context_length"))?,
+            head_dim_v: at.head_dim_v,
+            n_rot: at.n_rot,
+            rope_freq_base: at.rope_freq_base,
+            rope_freq_scale: at.rope_freq_scale,
+            rms_eps: at.rms_eps,
+            n_ctx_train: count(md, &k("context_length"))?,
             n_vocab,
             attn_scale,
             embd_scale,
@@ -244,12 +446,9 @@ fn sliding_window(
     default_pattern: usize,
 ) -> Result<Option<SlidingWindow>, ModelError> {
     let key = format!("{arch}.attention.sliding_window");
-    let window = match md.get_u64(&key) {
+    let window = match opt_usize(md, &key)? {
         None | Some(0) => return Ok(None),
-        Some(w) => usize::try_from(w).map_err(|_| ModelError::BadValue {
-            key,
-            detail: format!("{w} does not fit in usize"),
-        })?,
+        Some(w) => w,
     };
     let pkey = format!("{arch}.attention.sliding_window_pattern");
     let layers = match md.get(&pkey) {
@@ -280,10 +479,14 @@ fn sliding_window(
         }
         None => swa_pattern(default_pattern, n_layer),
     };
+    let base_key = format!("{arch}.rope.freq_base_swa");
+    let rope_freq_base = positive_f32(md, &base_key, 10_000.0)?;
+    // Sliding-window layers do not scale their frequencies.
+    rope_angles_finite(&base_key, rope_freq_base, &base_key, 1.0)?;
     Ok(Some(SlidingWindow {
         window,
         layers,
-        rope_freq_base: get_f32(md, &format!("{arch}.rope.freq_base_swa")).unwrap_or(10_000.0),
+        rope_freq_base,
     }))
 }
 

@@ -54,7 +54,9 @@ impl ByteSource for FileBytes {
 }
 
 pub use hparams::{Arch, Hparams, SlidingWindow};
-pub(crate) use hparams::{get_f32, get_usize};
+pub(crate) use hparams::{
+    AttnHparams, count, finite_f32, get_usize, int_bound, mul, opt_usize, scale_f32,
+};
 
 /// Errors while loading or running a model.
 #[derive(Debug, thiserror::Error)]
@@ -103,6 +105,74 @@ pub enum ModelError {
         name: String,
         /// The type name.
         ty: String,
+    },
+    /// An integer hyperparameter outside what the architecture can run (checked at load).
+    #[error("metadata key `{key}` = {value}: expected {expected}")]
+    HparamRange {
+        /// The key.
+        key: String,
+        /// The value found (or derived from the key, e.g. a head size).
+        value: u64,
+        /// The bound it must satisfy.
+        expected: String,
+    },
+    /// A float hyperparameter outside what the architecture can run (checked at load).
+    #[error("metadata key `{key}` = {value:?}: expected {expected}")]
+    HparamFloat {
+        /// The key.
+        key: String,
+        /// The value found.
+        value: f32,
+        /// The bound it must satisfy.
+        expected: String,
+    },
+    /// A negative value under a key that counts something.
+    #[error("metadata key `{key}` = {value}: expected an unsigned integer")]
+    NegativeHparam {
+        /// The key.
+        key: String,
+        /// The value found.
+        value: i64,
+    },
+    /// A metadata value of the wrong type.
+    #[error("metadata key `{key}` holds {found}, expected {expected}")]
+    HparamType {
+        /// The key.
+        key: String,
+        /// The GGUF type found.
+        found: String,
+        /// What the key must hold.
+        expected: &'static str,
+    },
+    /// A layer tensor past the model's layer count (the count and the tensors disagree).
+    #[error("tensor `{name}` belongs to layer {layer}, but `{key}` = {n_layer}")]
+    ExtraLayer {
+        /// The tensor name.
+        name: String,
+        /// Its layer.
+        layer: usize,
+        /// The layer-count key.
+        key: String,
+        /// The layer count.
+        n_layer: usize,
+    },
+    /// A token id past the vocabulary (the rows of the token embedding).
+    #[error("token {token} is past the vocabulary of {n_vocab}")]
+    TokenOutOfVocab {
+        /// The token.
+        token: u32,
+        /// The vocabulary size.
+        n_vocab: usize,
+    },
+    /// A token embedding that is not a `[n_embd, n_vocab]` matrix with at least one row.
+    #[error("tensor `{name}` has shape {got:?}, expected [{n_embd}, n_vocab ≥ 1]")]
+    EmbeddingShape {
+        /// The tensor name.
+        name: String,
+        /// Shape found (ggml order).
+        got: Vec<u64>,
+        /// The hidden size.
+        n_embd: usize,
     },
     /// A batch that does not fit the cache or is malformed.
     #[error("{0}")]
@@ -311,6 +381,64 @@ impl<B: Backend> Loader<'_, B> {
     }
 }
 
+/// The layer of a `blk.N.…` tensor name.
+fn layer_of(name: &str) -> Option<usize> {
+    let rest = name.strip_prefix("blk.")?;
+    rest.split_once('.')?.0.parse().ok()
+}
+
+/// Refuses layer tensors past `n_layer` (the count under `key`): a file whose layer count and
+/// tensors disagree is not the model it claims to be (llama.cpp: "wrong number of tensors").
+pub(crate) fn check_layer_tensors(file: &Gguf, key: &str, n_layer: usize) -> Result<()> {
+    for t in file.tensors() {
+        if let Some(layer) = layer_of(&t.name)
+            && layer >= n_layer
+        {
+            return Err(ModelError::ExtraLayer {
+                name: t.name.clone(),
+                layer,
+                key: key.to_owned(),
+                n_layer,
+            });
+        }
+    }
+    Ok(())
+}
+
+/// Each layer has tensors of its own, so `block_count` cannot exceed the file's tensor count:
+/// checked before anything is sized by it (Gemma's per-layer window pattern).
+fn check_block_count(file: &Gguf) -> Result<()> {
+    let Some(arch) = file.metadata().get_str("general.architecture") else {
+        return Ok(());
+    };
+    let key = format!("{arch}.block_count");
+    let n_tensors = file.tensors().len();
+    match opt_usize(file.metadata(), &key) {
+        Ok(Some(n)) if n > n_tensors => Err(int_bound(
+            &key,
+            n,
+            format!("at most the {n_tensors} tensors of the file (every layer has its own)"),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The tokenizer's vocabulary must fit the embedding: a token past its rows would reach the
+/// embedding lookup with no row to read.
+fn check_vocab(file: &Gguf, n_vocab: usize) -> Result<()> {
+    const KEY: &str = "tokenizer.ggml.tokens";
+    if let Some(a) = file.metadata().get_array(KEY)
+        && a.len() > n_vocab
+    {
+        return Err(int_bound(
+            KEY,
+            a.len(),
+            format!("at most the {n_vocab} rows of `token_embd.weight` (tokens in the vocabulary)"),
+        ));
+    }
+    Ok(())
+}
+
 impl<B: Backend> Model<B> {
     /// Loads a model from an open GGUF file.
     ///
@@ -327,23 +455,58 @@ impl<B: Backend> Model<B> {
             .get(1)
             .and_then(|&d| usize::try_from(d).ok())
             .unwrap_or(0);
+        check_block_count(&file)?;
         let hp = Hparams::from_metadata(file.metadata(), n_vocab)?;
+        let embd_dims: Vec<u64> = embd.dims.clone();
+        if n_vocab == 0 || embd_dims.len() != 2 {
+            return Err(ModelError::EmbeddingShape {
+                name: "token_embd.weight".into(),
+                got: embd_dims,
+                n_embd: hp.n_embd,
+            });
+        }
+        check_vocab(&file, n_vocab)?;
+        check_layer_tensors(
+            &file,
+            &format!("{}.block_count", hp.arch.name()),
+            hp.n_layer,
+        )?;
         let l = Loader {
             backend,
             file: &file,
         };
         let (e, f) = (hp.n_embd, hp.n_ff);
+        let a = hp.arch.name();
         let (qd, kd, vd) = (
-            hp.n_head * hp.head_dim_k,
-            hp.n_head_kv * hp.head_dim_k,
-            hp.n_head_kv * hp.head_dim_v,
+            mul(
+                &format!("{a}.attention.head_count"),
+                hp.n_head,
+                hp.head_dim_k,
+            )?,
+            mul(
+                &format!("{a}.attention.head_count_kv"),
+                hp.n_head_kv,
+                hp.head_dim_k,
+            )?,
+            mul(
+                &format!("{a}.attention.head_count_kv"),
+                hp.n_head_kv,
+                hp.head_dim_v,
+            )?,
         );
+        let od = mul(
+            &format!("{a}.attention.head_count"),
+            hp.n_head,
+            hp.head_dim_v,
+        )?;
         let mut tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;
         let output_norm = l.req("output_norm.weight", &[e])?;
         let mut output = l.get("output.weight", &[e, n_vocab])?;
         // The output projection (the token embedding when tied) is a matmul weight.
         backend.prepare_matmul(output.as_mut().unwrap_or(&mut tok_embd));
-        let mut layers = Vec::with_capacity(hp.n_layer);
+        // The layers' tensors were counted above: a huge `block_count` is a missing tensor,
+        // not an allocation.
+        let mut layers = Vec::with_capacity(hp.n_layer.min(file.tensors().len()));
         for i in 0..hp.n_layer {
             let n = |s: &str| format!("blk.{i}.{s}");
             let qk_norm = matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3);
@@ -360,7 +523,7 @@ impl<B: Backend> Model<B> {
                 wq: l.mat(&n("attn_q.weight"), &[e, qd])?,
                 wk: l.mat(&n("attn_k.weight"), &[e, kd])?,
                 wv: l.mat(&n("attn_v.weight"), &[e, vd])?,
-                wo: l.mat(&n("attn_output.weight"), &[hp.n_head * hp.head_dim_v, e])?,
+                wo: l.mat(&n("attn_output.weight"), &[od, e])?,
                 bq: l.get(&n("attn_q.bias"), &[qd])?,
                 bk: l.get(&n("attn_k.bias"), &[kd])?,
                 bv: l.get(&n("attn_v.bias"), &[vd])?,
@@ -875,6 +1038,12 @@ impl<B: Backend> Model<B> {
         attend: &mut dyn FnMut(&B, &mut Scratch<B>, usize),
     ) -> Result<()> {
         let hp = &self.hp;
+        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
+            return Err(ModelError::TokenOutOfVocab {
+                token,
+                n_vocab: hp.n_vocab,
+            });
+        }
         be.get_rows(&self.tok_embd, tokens, &mut s.x);
         if let Some(f) = hp.embd_scale {
             be.scale(&mut s.x, f);

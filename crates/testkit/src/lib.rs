@@ -4,6 +4,12 @@
 //! needs a real model or a golden file decides to skip ([`real_model`], [`skip`]): where
 //! `SPECULA_REQUIRE_MODELS` is set (`.ci/run` sets it after fetching every model) a skip is a
 //! failure, so the real-model goldens run on every CI submission. Test-only (a dev-dependency).
+//!
+//! - [`tiny`] — tiny GGUF models of every architecture and drafter, as editable lists.
+//! - [`mutate`] — mutations of those models and the load-and-run property they must keep.
+
+pub mod mutate;
+pub mod tiny;
 
 use std::path::PathBuf;
 

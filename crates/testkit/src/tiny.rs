@@ -1,0 +1,372 @@
+//! Tiny GGUF models of every architecture specula loads (llama, qwen2, qwen3, gemma3) and of
+//! the DFlash / DFlash2 / EAGLE-3 drafters for a tiny target, as editable metadata and tensor
+//! lists: the tests that mutate models (`crates/models/tests/load_mutations.rs`, the
+//! `model_load` fuzz target) change keys and shapes here, then write the file.
+//!
+//! Tensor values are not stored: each tensor has a seed and its values are drawn at write
+//! time for whatever shape and type it has then, so a shape or type mutation still writes a
+//! well-formed file whose weights are small finite numbers.
+
+use specula_gguf::{Array, GgmlType, GgufWriter, Value};
+use specula_quant::QType;
+
+use crate::values;
+
+/// Vocabulary of the tiny models (rows of the embedding and the head).
+pub const N_VOCAB: usize = 32;
+/// Hidden size.
+pub const N_EMBD: usize = 64;
+/// Query heads.
+pub const N_HEAD: usize = 2;
+/// K/V heads.
+pub const N_HEAD_KV: usize = 1;
+/// Values per head (K and V).
+pub const HEAD_DIM: usize = 32;
+/// Feed-forward size.
+pub const N_FF: usize = 64;
+/// Target layers.
+pub const N_LAYER: usize = 2;
+/// The DFlash draft's MASK token.
+pub const MASK_TOKEN: u32 = 3;
+
+/// One tensor: name, dimensions in ggml order (`dims[0]` is the row length), type, and the
+/// seed of its values (`norm`: values near 1, as a norm weight).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Tensor {
+    /// Name.
+    pub name: String,
+    /// Dimensions, ggml order.
+    pub dims: Vec<u64>,
+    /// Type in the file.
+    pub ty: GgmlType,
+    /// Seed of the values.
+    pub seed: u64,
+    /// A norm weight (values near 1) rather than a matrix (values near 0).
+    pub norm: bool,
+    /// Explicit values (an I64 `d2t` map, say), used as they are instead of drawn ones.
+    pub raw: Option<Vec<u8>>,
+}
+
+/// A model file before it is written: metadata in order and tensors.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct TinyGguf {
+    /// Metadata, in file order.
+    pub metadata: Vec<(String, Value)>,
+    /// Tensors, in file order.
+    pub tensors: Vec<Tensor>,
+}
+
+fn u(v: usize) -> Value {
+    Value::U32(u32::try_from(v).expect("tiny sizes fit u32"))
+}
+
+fn d(v: &[usize]) -> Vec<u64> {
+    v.iter().map(|&x| u64::try_from(x).expect("fits")).collect()
+}
+
+impl TinyGguf {
+    /// Sets `key` (replacing its value in place, or appending it).
+    pub fn set(&mut self, key: &str, value: Value) {
+        match self.metadata.iter_mut().find(|(k, _)| k == key) {
+            Some((_, v)) => *v = value,
+            None => self.metadata.push((key.to_owned(), value)),
+        }
+    }
+
+    /// Removes `key` if present.
+    pub fn remove(&mut self, key: &str) {
+        self.metadata.retain(|(k, _)| k != key);
+    }
+
+    /// The value under `key`.
+    #[must_use]
+    pub fn get(&self, key: &str) -> Option<&Value> {
+        self.metadata.iter().find(|(k, _)| k == key).map(|(_, v)| v)
+    }
+
+    /// Adds an F32 tensor of `dims` (ggml order).
+    pub fn tensor(&mut self, name: &str, dims: &[usize], norm: bool) {
+        let seed = crate::splitmix64(self.tensors.len() as u64 ^ 0x5eed);
+        self.tensors.push(Tensor {
+            name: name.to_owned(),
+            dims: d(dims),
+            ty: GgmlType::F32,
+            seed,
+            norm,
+            raw: None,
+        });
+    }
+
+    /// The tensor called `name`.
+    pub fn tensor_mut(&mut self, name: &str) -> Option<&mut Tensor> {
+        self.tensors.iter_mut().find(|t| t.name == name)
+    }
+
+    /// The file's bytes, or `None` when the writer refuses the metadata or a tensor (a
+    /// mutation gave a shape no GGUF can hold: a dimension that is not whole blocks of its
+    /// type, too many dimensions, a duplicate).
+    #[must_use]
+    pub fn to_bytes(&self) -> Option<Vec<u8>> {
+        let mut w = GgufWriter::new();
+        for (k, v) in &self.metadata {
+            w.add(k.clone(), v.clone()).ok()?;
+        }
+        let mut data = Vec::with_capacity(self.tensors.len());
+        for t in &self.tensors {
+            w.add_tensor(&t.name, t.ty, &t.dims).ok()?;
+            data.push(tensor_bytes(t)?);
+        }
+        let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+        w.to_vec(&slices).ok()
+    }
+}
+
+/// Elements above which a mutated tensor is not written (a mutation that multiplies a dim by a
+/// huge factor would otherwise ask for gigabytes).
+const MAX_ELEMENTS: u64 = 1 << 20;
+
+/// The bytes of `t`: its values encoded in its type; zero bytes for integer types; `None`
+/// for a shape that is not whole blocks or too large to write.
+fn tensor_bytes(t: &Tensor) -> Option<Vec<u8>> {
+    let n: u64 = t.dims.iter().try_fold(1u64, |acc, &x| acc.checked_mul(x))?;
+    if n > MAX_ELEMENTS {
+        return None;
+    }
+    let row = usize::try_from(*t.dims.first().unwrap_or(&1)).ok()?;
+    let n = usize::try_from(n).ok()?;
+    let bytes = usize::try_from(t.ty.row_bytes(u64::try_from(n).ok()?)?).ok()?;
+    if let Some(raw) = &t.raw {
+        // Explicit values of another shape (a mutated `d2t`): zeros of the new size.
+        return Some(if raw.len() == bytes {
+            raw.clone()
+        } else {
+            vec![0; bytes]
+        });
+    }
+    let vals: Vec<f32> = if t.norm {
+        values(t.seed, n, 0.25).iter().map(|v| 1.0 + v).collect()
+    } else {
+        values(t.seed, n, 0.25)
+    };
+    let Some(q) = QType::from_ggml_id(t.ty.id()) else {
+        return Some(vec![0; bytes]);
+    };
+    if row == 0 {
+        return Some(Vec::new());
+    }
+    let rb = q.row_bytes(row).ok()?;
+    let mut out = vec![0u8; rb * (n / row)];
+    for (src, dst) in vals.chunks_exact(row).zip(out.chunks_exact_mut(rb)) {
+        if specula_quant::quantize_row(q, src, dst).is_err() {
+            // Activation-only and KV-only formats have no weight quantizer: any bytes do, the
+            // loader must refuse the type.
+            return Some(vec![0; bytes]);
+        }
+    }
+    (out.len() == bytes).then_some(out)
+}
+
+/// The four target architectures.
+pub const ARCHS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
+
+/// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
+/// names for it (Q/K/V biases for qwen2, QK-norm for qwen3 and gemma3, Gemma's sandwich
+/// norms and sliding window), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
+///
+/// # Panics
+/// For an architecture not in [`ARCHS`].
+#[must_use]
+pub fn target(arch: &str) -> TinyGguf {
+    assert!(ARCHS.contains(&arch), "no tiny {arch}");
+    let mut g = TinyGguf::default();
+    let k = |s: &str| format!("{arch}.{s}");
+    g.set("general.architecture", Value::String(arch.into()));
+    g.set(&k("block_count"), u(N_LAYER));
+    g.set(&k("context_length"), u(256));
+    g.set(&k("embedding_length"), u(N_EMBD));
+    g.set(&k("feed_forward_length"), u(N_FF));
+    g.set(&k("attention.head_count"), u(N_HEAD));
+    g.set(&k("attention.head_count_kv"), u(N_HEAD_KV));
+    g.set(&k("attention.key_length"), u(HEAD_DIM));
+    g.set(&k("attention.value_length"), u(HEAD_DIM));
+    g.set(&k("rope.dimension_count"), u(HEAD_DIM));
+    g.set(&k("rope.freq_base"), Value::F32(10_000.0));
+    g.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
+    if arch == "gemma3" {
+        g.set(&k("attention.sliding_window"), u(2));
+        g.set(&k("attention.sliding_window_pattern"), u(2));
+        g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
+    }
+    tokenizer(&mut g);
+    let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    g.tensor("token_embd.weight", &[e, N_VOCAB], false);
+    g.tensor("output_norm.weight", &[e], true);
+    if matches!(arch, "llama" | "qwen3") {
+        g.tensor("output.weight", &[e, N_VOCAB], false);
+    }
+    for i in 0..N_LAYER {
+        let n = |s: &str| format!("blk.{i}.{s}");
+        g.tensor(&n("attn_norm.weight"), &[e], true);
+        g.tensor(&n("attn_q.weight"), &[e, q], false);
+        g.tensor(&n("attn_k.weight"), &[e, kv], false);
+        g.tensor(&n("attn_v.weight"), &[e, kv], false);
+        g.tensor(&n("attn_output.weight"), &[q, e], false);
+        if arch == "qwen2" {
+            g.tensor(&n("attn_q.bias"), &[q], false);
+            g.tensor(&n("attn_k.bias"), &[kv], false);
+            g.tensor(&n("attn_v.bias"), &[kv], false);
+        }
+        if matches!(arch, "qwen3" | "gemma3") {
+            g.tensor(&n("attn_q_norm.weight"), &[HEAD_DIM], true);
+            g.tensor(&n("attn_k_norm.weight"), &[HEAD_DIM], true);
+        }
+        if arch == "gemma3" {
+            g.tensor(&n("post_attention_norm.weight"), &[e], true);
+            g.tensor(&n("post_ffw_norm.weight"), &[e], true);
+        }
+        g.tensor(&n("ffn_norm.weight"), &[e], true);
+        g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
+        g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
+        g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);
+    }
+    g
+}
+
+/// A SentencePiece vocabulary of [`N_VOCAB`] tokens (`<unk>`, `<s>`, `</s>`, then `▁a`, `▁b`,
+/// …), enough for `specula run` to tokenize a prompt.
+fn tokenizer(g: &mut TinyGguf) {
+    let mut tokens: Vec<String> = ["<unk>", "<s>", "</s>"].map(String::from).to_vec();
+    let mut types = vec![2, 3, 3];
+    let mut i = 0u32;
+    while tokens.len() < N_VOCAB {
+        let c = char::from_u32(u32::from('a') + i % 26).expect("a letter");
+        tokens.push(format!("\u{2581}{c}{}", i / 26));
+        types.push(1);
+        i += 1;
+    }
+    tokens[3] = "\u{2581}a".into();
+    let scores: Vec<f32> = (0..N_VOCAB)
+        .map(|i| -f32::from(u8::try_from(i).expect("tiny")))
+        .collect();
+    g.set("tokenizer.ggml.model", Value::String("llama".into()));
+    g.set("tokenizer.ggml.tokens", Value::Array(Array::String(tokens)));
+    g.set("tokenizer.ggml.scores", Value::Array(Array::F32(scores)));
+    g.set("tokenizer.ggml.token_type", Value::Array(Array::I32(types)));
+    g.set("tokenizer.ggml.bos_token_id", Value::U32(1));
+    g.set("tokenizer.ggml.eos_token_id", Value::U32(2));
+}
+
+/// The drafters a tiny target takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drafter {
+    /// DFlash (one Qwen3-style layer, taps `[1, 2]`).
+    Dflash,
+    /// DFlash2: DFlash with the dynamic convolutions and the candidate selector.
+    Dflash2,
+    /// EAGLE-3 (taps `[0, 1, 2]`, a reduced vocabulary with `d2t` and its own head).
+    Eagle3,
+}
+
+/// A DFlash (or DFlash2) draft for a tiny target: the target's embedding and head borrowed.
+#[must_use]
+pub fn dflash(dflash2: bool) -> TinyGguf {
+    let mut g = TinyGguf::default();
+    let k = |s: &str| format!("dflash.{s}");
+    g.set("general.architecture", Value::String("dflash".into()));
+    g.set(&k("block_count"), u(1));
+    g.set(&k("embedding_length"), u(N_EMBD));
+    g.set(&k("feed_forward_length"), u(N_FF));
+    g.set(&k("attention.head_count"), u(N_HEAD));
+    g.set(&k("attention.head_count_kv"), u(N_HEAD_KV));
+    g.set(&k("attention.key_length"), u(HEAD_DIM));
+    g.set(&k("attention.value_length"), u(HEAD_DIM));
+    g.set(&k("rope.freq_base"), Value::F32(10_000.0));
+    g.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
+    g.set(&k("target_layers"), Value::Array(Array::U32(vec![1, 2])));
+    g.set(&k("block_size"), u(4));
+    g.set("tokenizer.ggml.mask_token_id", Value::U32(MASK_TOKEN));
+    let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let (kernel, group, rank, top_k) = (2, 16, 4, 2);
+    if dflash2 {
+        g.set(&k("selector_top_k"), u(top_k));
+        g.set(&k("conv_kernel_size"), u(kernel));
+        g.set(&k("conv_group_size"), u(group));
+        g.set(&k("selector_rank"), u(rank));
+    }
+    g.tensor("fc.weight", &[2 * e, e], false);
+    g.tensor("enc.output_norm.weight", &[e], true);
+    g.tensor("output_norm.weight", &[e], true);
+    let n = |s: &str| format!("blk.0.{s}");
+    g.tensor(&n("attn_norm.weight"), &[e], true);
+    g.tensor(&n("attn_q.weight"), &[e, q], false);
+    g.tensor(&n("attn_k.weight"), &[e, kv], false);
+    g.tensor(&n("attn_v.weight"), &[e, kv], false);
+    g.tensor(&n("attn_output.weight"), &[q, e], false);
+    g.tensor(&n("attn_q_norm.weight"), &[HEAD_DIM], true);
+    g.tensor(&n("attn_k_norm.weight"), &[HEAD_DIM], true);
+    g.tensor(&n("ffn_norm.weight"), &[e], true);
+    g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
+    g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
+    g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);
+    if dflash2 {
+        for which in ["attn", "ffn"] {
+            g.tensor(&n(&format!("{which}_conv_base")), &[e, kernel, 2], false);
+            g.tensor(
+                &n(&format!("{which}_conv_proj.weight")),
+                &[e, 2 * kernel * (e / group)],
+                false,
+            );
+        }
+        g.tensor("selector_hidden.weight", &[e, rank], false);
+        g.tensor("selector_predecessor.weight", &[rank, N_VOCAB], false);
+        g.tensor("selector_successor.weight", &[rank, N_VOCAB], false);
+    }
+    g
+}
+
+/// An EAGLE-3 head for a tiny target, with a reduced vocabulary (every other token, `d2t`)
+/// and its own head over it; the embedding borrowed.
+#[must_use]
+pub fn eagle3() -> TinyGguf {
+    let mut g = TinyGguf::default();
+    let k = |s: &str| format!("eagle3.{s}");
+    g.set("general.architecture", Value::String("eagle3".into()));
+    g.set(&k("block_count"), u(1));
+    g.set(&k("embedding_length"), u(N_EMBD));
+    g.set(&k("feed_forward_length"), u(N_FF));
+    g.set(&k("attention.head_count"), u(N_HEAD));
+    g.set(&k("attention.head_count_kv"), u(N_HEAD_KV));
+    g.set(&k("attention.key_length"), u(HEAD_DIM));
+    g.set(&k("rope.freq_base"), Value::F32(10_000.0));
+    g.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
+    g.set(&k("target_layers"), Value::Array(Array::U32(vec![0, 1, 2])));
+    g.set(&k("target_hidden_size"), u(N_EMBD));
+    let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let n_draft = N_VOCAB / 2;
+    g.tensor("fc.weight", &[3 * e, e], false);
+    let n = |s: &str| format!("blk.0.{s}");
+    g.tensor(&n("attn_norm.weight"), &[e], true);
+    g.tensor(&n("attn_norm_2.weight"), &[e], true);
+    g.tensor(&n("attn_q.weight"), &[2 * e, q], false);
+    g.tensor(&n("attn_k.weight"), &[2 * e, kv], false);
+    g.tensor(&n("attn_v.weight"), &[2 * e, kv], false);
+    g.tensor(&n("attn_output.weight"), &[q, e], false);
+    g.tensor(&n("ffn_norm.weight"), &[e], true);
+    g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
+    g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
+    g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);
+    g.tensor("output_norm.weight", &[e], true);
+    g.tensor("output.weight", &[e, n_draft], false);
+    let ids: Vec<u8> = (0..n_draft)
+        .flat_map(|i| (2 * i64::try_from(i).expect("fits")).to_le_bytes())
+        .collect();
+    g.tensors.push(Tensor {
+        name: "d2t".into(),
+        dims: d(&[n_draft]),
+        ty: GgmlType::I64,
+        seed: 0,
+        norm: false,
+        raw: Some(ids),
+    });
+    g
+}
