@@ -212,7 +212,7 @@ fn a_faulty_request_fails_alone_and_the_server_keeps_serving() {
                 }
                 if !stream {
                     // Streaming the faulty request again fails it again, the server still up.
-                    let mut body = greedy(&faulty, 20);
+                    let mut body = greedy(&faulty, 200);
                     body["stream"] = json!(true);
                     let r = post(addr, "/v1/completions", &body);
                     assert!(r.text().contains(CAUSE), "{what}: {}", r.text());
