@@ -637,7 +637,8 @@ fn a_batched_forward_fails_only_the_entry_at_fault() {
     use specula_engine::BatchEntry;
     let e = engine(tiny(3, 0, false));
     let prompts: [&[u32]; 3] = [&[5, 6, 7, 8], &[9, 10], &[11, 12, 13]];
-    let rows: [&[u32]; 3] = [&[20, 21], &[N_VOCAB as u32 + 3], &[30]];
+    let bad = u32::try_from(N_VOCAB).unwrap() + 3;
+    let rows: [&[u32]; 3] = [&[20, 21], &[bad], &[30]];
     let sessions = || -> Vec<_> {
         prompts
             .iter()

@@ -476,11 +476,7 @@ impl<B: Backend> Worker<B> {
             let n_vocab = self.engine.model.hparams().n_vocab;
             let slot = &mut self.slots[i];
             slot.last_used = clock;
-            if let Err((job, msg)) =
-                start_task(slot, self.drafter.as_mut(), job, spec_default, n_vocab)
-            {
-                let _ = job.events.send(Event::Error(500, msg.clone()));
-                tracing::error!(id = %job.id, slot = i, "request failed: {msg}");
+            if let Err(msg) = start_task(slot, self.drafter.as_mut(), job, spec_default, n_vocab) {
                 self.fault(i, &msg);
             }
         }
@@ -746,7 +742,7 @@ impl<B: Backend> Worker<B> {
         slot.cached.clear();
         slot.features.clear();
         if let (Some(d), Some(f)) = (self.drafter.as_mut(), self.factory.as_mut()) {
-            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f())) {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
                 Ok(Ok(fresh)) => d.replace(i, fresh),
                 Ok(Err(e)) => {
                     tracing::error!(slot = i, "cannot remake the slot's drafter: {e}");
@@ -865,15 +861,15 @@ fn token_logprob(
 /// Sets up a slot for a job: keeps the cache's prefix shared with the prompt, makes the
 /// sampler (the prompt in its penalty window) and the speculative state. A job that cannot
 /// run is answered with its error.
-/// A drafter's failure in `begin` comes back as `Err` (the request and why) for the caller to
-/// fail the slot ([`Worker::fault`]).
+/// A drafter's failure in `begin` answers the job with a 500 naming it and comes back as
+/// `Err` (why) for the caller to reset the slot ([`Worker::fault`]).
 fn start_task<B: Backend>(
     slot: &mut Slot<B>,
     mut drafter: Option<&mut PerSeq>,
     job: Job,
     spec_default: Option<SpecOptions>,
     n_vocab: usize,
-) -> Result<(), (Job, String)> {
+) -> Result<(), String> {
     let refuse = |job: Job, status: u16, msg: String| {
         let _ = job.events.send(Event::Error(status, msg));
         Ok(())
@@ -940,7 +936,12 @@ fn start_task<B: Backend>(
     if let Some(d) = drafter.as_mut().filter(|_| spec_on) {
         match d.begin_reusing(slot.id, &job.prompt, common) {
             Ok(held) => common = common.min(held),
-            Err(e) => return Err((job, format!("the drafter failed: {e}"))),
+            Err(e) => {
+                let msg = format!("the drafter failed: {e}");
+                tracing::error!(id = %job.id, slot = slot.id, "request failed: {msg}");
+                let _ = job.events.send(Event::Error(500, msg.clone()));
+                return Err(msg);
+            }
         }
     }
     // The drafter may hold fewer positions than the target could keep; a sliding-window ring

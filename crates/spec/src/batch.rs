@@ -105,6 +105,39 @@ fn guarded<T>(
     })
 }
 
+/// Calls `f` for each feed with its rows of `features` (`None` without taps), the results into
+/// `out` (cleared first).
+fn feed_each(
+    feeds: &[SeqFeed<'_>],
+    features: &[f32],
+    taps: bool,
+    out: &mut Vec<Result<(), SpecError>>,
+    mut f: impl FnMut(&SeqFeed<'_>, Option<&[f32]>) -> Result<(), SpecError>,
+) {
+    out.clear();
+    let width = features
+        .len()
+        .checked_div(feeds.iter().map(|f| f.rows.len()).sum())
+        .unwrap_or(0);
+    for feed in feeds {
+        let rows = taps.then(|| &features[feed.rows.start * width..feed.rows.end * width]);
+        out.push(f(feed, rows));
+    }
+}
+
+/// A per-sequence drafter takes in its rows ([`Drafter::process_features`] with features, else
+/// [`Drafter::process`]).
+fn feed<D: Drafter + ?Sized>(
+    d: &mut D,
+    f: &SeqFeed<'_>,
+    rows: Option<&[f32]>,
+) -> Result<(), SpecError> {
+    match rows {
+        Some(rows) => d.process_features(f.tokens, f.pos0, rows),
+        None => d.process(f.tokens, f.pos0),
+    }
+}
+
 /// One per-sequence [`Drafter`] for each sequence, called in turn. Each call is isolated: an
 /// error or a panic (caught, as [`SpecError::Panicked`]) is the result of that sequence only,
 /// and the other sequences' calls still run. A sequence whose drafter failed must start over
@@ -202,24 +235,12 @@ impl<D: Drafter + ?Sized> BatchDrafter for PerSeq<D> {
         features: &[f32],
         out: &mut Vec<Result<(), SpecError>>,
     ) {
-        out.clear();
-        let taps = self.target_taps().len();
-        let width = features
-            .len()
-            .checked_div(feeds.iter().map(|f| f.rows.len()).sum())
-            .unwrap_or(0);
-        for f in feeds {
+        let taps = !self.target_taps().is_empty();
+        feed_each(feeds, features, taps, out, |f, rows| {
             let d = &mut self.drafters[f.seq];
             let name = d.name();
-            out.push(guarded(name, || {
-                if taps == 0 {
-                    d.process(f.tokens, f.pos0)
-                } else {
-                    let rows = &features[f.rows.start * width..f.rows.end * width];
-                    d.process_features(f.tokens, f.pos0, rows)
-                }
-            }));
-        }
+            guarded(name, || feed(&mut **d, f, rows))
+        });
     }
 
     fn accept(&mut self, seq: usize, n: usize) -> Result<(), SpecError> {
@@ -283,20 +304,10 @@ impl BatchDrafter for One<'_> {
         features: &[f32],
         out: &mut Vec<Result<(), SpecError>>,
     ) {
-        out.clear();
         let taps = !self.0.target_taps().is_empty();
-        let width = features
-            .len()
-            .checked_div(feeds.iter().map(|f| f.rows.len()).sum())
-            .unwrap_or(0);
-        for f in feeds {
-            out.push(if taps {
-                let rows = &features[f.rows.start * width..f.rows.end * width];
-                self.0.process_features(f.tokens, f.pos0, rows)
-            } else {
-                self.0.process(f.tokens, f.pos0)
-            });
-        }
+        feed_each(feeds, features, taps, out, |f, rows| {
+            feed(&mut *self.0, f, rows)
+        });
     }
 
     fn accept(&mut self, _seq: usize, n: usize) -> Result<(), SpecError> {
