@@ -15,15 +15,19 @@
 
 use std::fmt::Write as _;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
 use specula_cpu::CpuBackend;
-use specula_engine::{DflashDrafter, Eagle3Drafter, Engine, Injection, Session};
+use specula_engine::{
+    DflashDrafter, Eagle3Drafter, Engine, Injection, PlanEntry, RoundCost, Session, SpecOptions,
+    SpecSeq, plan,
+};
 use specula_models::Taps;
 use specula_quant::QType;
-use specula_spec::{DraftParams, Drafter};
+use specula_spec::verify::Verdict;
+use specula_spec::{Drafter, One};
 
 use crate::load;
 
@@ -234,71 +238,95 @@ fn run_once_spec(
     }
     let spec_err = |err: specula_spec::SpecError| anyhow::anyhow!("{err}");
     a.drafter.begin(&[]).map_err(spec_err)?;
+    let mut drafter = One(&mut *a.drafter);
     if pp > 0 {
         let t = Instant::now();
-        e.prefill_with_features(
+        e.run_for(
             s,
             &toks,
             toks.len() - 1,
             &mut a.logits,
             &mut a.taps,
             &mut a.features,
+            &mut drafter,
+            0,
         )?;
-        a.drafter
-            .process_features(&toks, 0, &a.features)
-            .map_err(spec_err)?;
         return Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX));
     }
     // The context of the rounds (untimed).
     let head = &toks[..toks.len() - 1];
-    e.prefill_with_features(
+    e.run_for(
         s,
         head,
         head.len(),
         &mut a.logits,
         &mut a.taps,
         &mut a.features,
+        &mut drafter,
+        0,
     )?;
-    a.drafter
-        .process_features(head, 0, &a.features)
-        .map_err(spec_err)?;
-    let mut history = toks.clone();
-    let mut batch = Vec::with_capacity(a.n_max + 1);
+    // Fixed rounds of `n_max` drafts (the context was sized for them).
+    let options = SpecOptions {
+        n_max: a.n_max,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    let mut seq = SpecSeq::new(0, options, Some(&drafter), &toks);
+    let mut drafts = Vec::with_capacity(1);
     let t = Instant::now();
     for _ in 0..tg {
-        let td = Instant::now();
-        let draft = a
-            .drafter
-            .draft(&DraftParams {
-                history: &history,
-                n_max: a.n_max,
-                p_min: 0.0,
-            })
-            .map_err(spec_err)?;
-        let mut in_drafter = td.elapsed();
-        let base = s.n_past();
-        batch.clear();
-        batch.push(*history.last().unwrap_or(&0));
-        batch.extend_from_slice(&draft);
-        e.prefill_with_features(s, &batch, 0, &mut a.logits, &mut a.taps, &mut a.features)?;
-        let tp = Instant::now();
-        a.drafter
-            .process_features(&batch, base, &a.features)
-            .map_err(spec_err)?;
-        if !draft.is_empty() {
-            a.drafter.accept(0);
+        let failed = plan(
+            &mut [PlanEntry {
+                seq: &mut seq,
+                session: s,
+                lead: 0,
+                left: usize::MAX,
+            }],
+            Some(&mut drafter),
+            n_vocab,
+            &mut drafts,
+        );
+        if let Some((_, err)) = failed.into_iter().next() {
+            return Err(spec_err(err));
         }
-        in_drafter += tp.elapsed();
-        a.draft_ns += in_drafter.as_nanos();
+        let tv = Instant::now();
+        let in_drafter_s = e.run_for(
+            s,
+            seq.rows(),
+            0,
+            &mut a.logits,
+            &mut a.taps,
+            &mut a.features,
+            &mut drafter,
+            0,
+        )?;
+        let verify_s = tv.elapsed().as_secs_f64() - in_drafter_s;
+        // Every draft rejected, and the target's own token a random one: the benchmark
+        // measures cost, not acceptance.
+        let own = ids(1, n_vocab, seed)[0];
+        seq.commit(
+            e,
+            s,
+            Some(&mut drafter),
+            &a.logits,
+            |_, _| {
+                Ok(Verdict {
+                    tokens: vec![own],
+                    accepted: 0,
+                })
+            },
+            RoundCost {
+                verify_s,
+                in_drafter_s,
+            },
+        )?;
+        a.draft_ns += Duration::from_secs_f64(seq.last_draft_s()).as_nanos();
         a.rounds += 1;
-        s.truncate(base + 1);
-        // The target's own token (a random one: the benchmark measures cost, not acceptance).
-        history.push(ids(1, n_vocab, seed)[0]);
     }
     Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
 }
 
-/// Deterministic pseudo-random ids (llama-bench uses `rand() % n_vocab`).
 fn ids(n: usize, n_vocab: usize, seed: &mut u64) -> Vec<u32> {
     (0..n)
         .map(|_| {

@@ -8,18 +8,23 @@
 //!   budget, an end-of-generation token or the context end; returns ids, text and llama.cpp-style
 //!   [`Timings`].
 //!
-//! - [`Engine::generate_speculative`] — the same with speculative rounds from any
-//!   [`specula_spec::Drafter`] (draft, one batched verify forward, rollback of the rejected
-//!   rows), and [`DraftModel`], a smaller model of the same vocabulary as a drafter.
+//! - [`SpecSeq`] — one speculative round, the same for `run`, `bench` and `serve`: [`plan`]
+//!   (draft length, one drafter call for every sequence, clamp, rows, checkpoint), the caller's
+//!   forward, [`SpecSeq::commit`] (verify, accept, statistics and policy, rollback).
+//! - [`Engine::generate_speculative`] — [`Engine::generate`] with speculative rounds from any
+//!   [`specula_spec::Drafter`]; [`Engine::decode_multi_isolated`] — a batched forward in which
+//!   a failing entry fails alone.
+//! - [`drafters`] — the drafters that drive a model: [`DraftModel`], a smaller model of the
+//!   same vocabulary.
 //! - [`Rollback`] — how a session takes rejected rows back: a trim, or [`Session::checkpoint`]
 //!   before the verify and [`Engine::rewind`] (restore, run the accepted rows again) after it.
-//! - [`DflashDrafter`] — a DFlash block drafter fed with the target's hidden states (KV
-//!   injection, eager or deferred: [`Injection`]), and [`Eagle3Drafter`], an EAGLE-3 head
-//!   drafting a chain in feature space.
+//! - in [`drafters`] too: [`DflashDrafter`], a DFlash block drafter fed with the target's
+//!   hidden states (KV injection, eager or deferred: [`Injection`]), and [`Eagle3Drafter`], an
+//!   EAGLE-3 head drafting a chain in feature space.
 
-mod dflash;
-mod eagle3;
+pub mod drafters;
 mod rollback;
+mod round;
 mod spec;
 
 use std::time::Instant;
@@ -96,12 +101,21 @@ pub enum EngineError {
     /// KV cache formats the model's heads cannot be stored in.
     #[error(transparent)]
     Kv(#[from] specula_kv::KvError),
+    /// A forward panicked (a bug), caught by [`Engine::decode_multi_isolated`].
+    #[error("the forward panicked: {message}")]
+    Panicked {
+        /// The panic's message.
+        message: String,
+    },
 }
 
-pub use dflash::{DflashDrafter, Injection};
-pub use eagle3::Eagle3Drafter;
+pub use drafters::{
+    DflashDrafter, DraftModel, Eagle3Drafter, Injection, VocabMismatch, check_vocab,
+    frequent_tokens,
+};
 pub use rollback::{Checkpoint, Rewound};
-pub use spec::{DraftModel, SpecOptions, VocabMismatch, check_vocab, frequent_tokens};
+pub use round::{PlanEntry, RoundCost, SpecSeq, plan};
+pub use spec::SpecOptions;
 pub use specula_kv::Rollback;
 
 /// Result alias.
@@ -710,6 +724,61 @@ impl<B: Backend> Engine<B> {
             }
         }
         Ok(())
+    }
+
+    /// [`Engine::decode_multi`] that isolates failing entries: when the batch fails (an error,
+    /// or a panic), every session goes back to the position it had, and the entries run one at
+    /// a time. `failed` (cleared first) gets the index and error of each entry that fails
+    /// alone; `out` the logits of the others, entry after entry (with batch-invariant kernels,
+    /// the bits the whole batch gives). A failed entry's session is at its old position, but its
+    /// cells past it (and its sliding-window ring's) may be half written: reset it before reuse.
+    pub fn decode_multi_isolated(
+        &self,
+        entries: &mut [BatchEntry<'_, B>],
+        scratch: &mut Scratch<B>,
+        out: &mut Vec<f32>,
+        failed: &mut Vec<(usize, EngineError)>,
+    ) {
+        failed.clear();
+        let bases: Vec<usize> = entries.iter().map(|e| e.session.n_past).collect();
+        let Err(err) = self.decode_multi_caught(entries, scratch, out) else {
+            return;
+        };
+        for (e, &b) in entries.iter_mut().zip(&bases) {
+            e.session.n_past = b;
+        }
+        out.clear();
+        if entries.len() == 1 {
+            failed.push((0, err));
+            return;
+        }
+        let mut part = Vec::new();
+        for i in 0..entries.len() {
+            match self.decode_multi_caught(&mut entries[i..=i], scratch, &mut part) {
+                Ok(()) => out.extend_from_slice(&part),
+                Err(e) => {
+                    entries[i].session.n_past = bases[i];
+                    failed.push((i, e));
+                }
+            }
+        }
+    }
+
+    /// [`Engine::decode_multi`], a panic becoming [`EngineError::Panicked`].
+    fn decode_multi_caught(
+        &self,
+        entries: &mut [BatchEntry<'_, B>],
+        scratch: &mut Scratch<B>,
+        out: &mut Vec<f32>,
+    ) -> Result<()> {
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.decode_multi(entries, scratch, out)
+        }))
+        .unwrap_or_else(|p| {
+            Err(EngineError::Panicked {
+                message: specula_spec::batch::panic_message(p.as_ref()),
+            })
+        })
     }
 
     /// [`Engine::decode_multi`] of entries with more rows than their session's sliding-window

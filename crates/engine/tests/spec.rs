@@ -627,3 +627,73 @@ fn a_draft_model_reuses_the_shared_prompt_prefix() {
         assert_eq!(again.generated_ids, want.generated_ids);
     }
 }
+
+/// A batched forward in which one entry fails (a token outside the vocabulary) fails that
+/// entry alone: the others' sessions advance and their logits are the bits each gets running
+/// alone, the failing entry's session stays where it was, and `decode_multi` itself refuses
+/// the whole batch (so the fallback is what isolates the entry).
+#[test]
+fn a_batched_forward_fails_only_the_entry_at_fault() {
+    use specula_engine::BatchEntry;
+    let e = engine(tiny(3, 0, false));
+    let prompts: [&[u32]; 3] = [&[5, 6, 7, 8], &[9, 10], &[11, 12, 13]];
+    let bad = u32::try_from(N_VOCAB).unwrap() + 3;
+    let rows: [&[u32]; 3] = [&[20, 21], &[bad], &[30]];
+    let sessions = || -> Vec<_> {
+        prompts
+            .iter()
+            .map(|p| {
+                let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+                e.prefill(&mut s, p, false).unwrap();
+                s
+            })
+            .collect()
+    };
+    // Alone.
+    let mut want = Vec::new();
+    for (i, mut s) in sessions().into_iter().enumerate() {
+        if i != 1 {
+            want.extend(e.prefill(&mut s, rows[i], true).unwrap());
+        }
+    }
+    let mut ss = sessions();
+    let mut scratch = e.scratch();
+    let mut out = Vec::new();
+    let mut entries: Vec<BatchEntry<'_, CpuBackend>> = ss
+        .iter_mut()
+        .zip(rows)
+        .map(|(session, tokens)| BatchEntry {
+            session,
+            tokens,
+            logits_from: 0,
+            capture: None,
+        })
+        .collect();
+    assert!(
+        e.decode_multi(&mut entries, &mut scratch, &mut out)
+            .is_err(),
+        "the batch as a whole is refused"
+    );
+    let mut failed = Vec::new();
+    e.decode_multi_isolated(&mut entries, &mut scratch, &mut out, &mut failed);
+    drop(entries);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert_eq!(failed[0].0, 1);
+    assert!(
+        failed[0].1.to_string().contains("outside the vocabulary"),
+        "{}",
+        failed[0].1
+    );
+    assert_eq!(out.len(), want.len());
+    assert!(
+        out.iter()
+            .zip(&want)
+            .all(|(a, b)| a.to_bits() == b.to_bits()),
+        "the entries that did not fail have their own logits, bit for bit"
+    );
+    assert_eq!(
+        ss.iter().map(|s| s.n_past()).collect::<Vec<_>>(),
+        [6, 2, 4],
+        "the good sessions advance, the failed one stays"
+    );
+}

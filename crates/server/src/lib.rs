@@ -74,6 +74,33 @@ pub enum ServerError {
     Runtime(String),
 }
 
+/// The name of the engine thread.
+const ENGINE_THREAD: &str = "specula-engine";
+
+/// A panic on the engine thread is a bug that the worker catches and turns into a failed
+/// request (a 500 naming it): the log gets one error line for it, not the default hook's
+/// message and backtrace on stderr. Panics on other threads keep the previous hook.
+fn quiet_engine_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().name() == Some(ENGINE_THREAD) {
+                let location = info
+                    .location()
+                    .map_or_else(String::new, |l| format!("{}:{}", l.file(), l.line()));
+                tracing::error!(
+                    location,
+                    "panic on the engine thread (caught; the request fails): {}",
+                    specula_spec::batch::panic_message(info.payload())
+                );
+            } else {
+                previous(info);
+            }
+        }));
+    });
+}
+
 /// Makes one drafter (called once per slot, on the engine thread).
 pub type DrafterFactory = Box<dyn FnMut() -> Result<Box<dyn Drafter>, String> + Send>;
 
@@ -219,6 +246,7 @@ where
     if cfg.n_parallel == 0 {
         return Err(ServerError::Config("-np must be at least 1".into()));
     }
+    quiet_engine_panics();
     let n_ctx_slot = cfg.n_ctx / cfg.n_parallel;
     if n_ctx_slot < 2 {
         return Err(ServerError::Config(format!(
@@ -253,7 +281,7 @@ where
     let spec_kind = spec.as_ref().map(|s| (s.kind.clone(), s.options));
     let wm = Arc::clone(&metrics);
     let engine_thread = std::thread::Builder::new()
-        .name("specula-engine".into())
+        .name(ENGINE_THREAD.into())
         .spawn(move || {
             let spec = spec.map(|s| {
                 (

@@ -18,13 +18,15 @@ use std::sync::mpsc::{Receiver, TryRecvError};
 use std::time::Instant;
 
 use serde_json::json;
-use specula_engine::{BatchEntry, Capture, Engine, EngineError, Rewound, Rollback, SpecOptions};
+use specula_engine::{
+    BatchEntry, Capture, Engine, EngineError, PlanEntry, Rollback, RoundCost, SpecOptions, SpecSeq,
+    plan,
+};
 use specula_models::{Scratch, Taps};
 use specula_quant::QType;
 use specula_sampling::{Candidates, Sampler, SamplerParams, steps};
-use specula_spec::policy::Adaptive;
 use specula_spec::verify::sample_and_match;
-use specula_spec::{DraftParams, Drafter, SpecStats};
+use specula_spec::{BatchDrafter, Drafter, PerSeq, SeqFeed, SpecError, SpecStats};
 use specula_tensor::Backend;
 use tokio::sync::{mpsc, oneshot};
 
@@ -120,20 +122,12 @@ struct Task {
     job: Job,
     phase: Phase,
     sampler: Sampler,
-    /// Prompt and generated tokens; the last one is the anchor the cache does not hold yet.
-    history: Vec<u32>,
+    /// The speculative state and this step's round; its history is the prompt and the
+    /// generated tokens, the last one the anchor the cache does not hold yet.
+    seq: SpecSeq,
     n_generated: usize,
     cached: usize,
     text: TextStream,
-    spec_on: bool,
-    spec: SpecOptions,
-    policy: Adaptive,
-    stats: SpecStats,
-    since_draft: usize,
-    /// This step's batch: the anchor and the draft.
-    batch: Vec<u32>,
-    draft_s: f64,
-    caught_up: usize,
     prompt_s: f64,
     /// When the slot took the job (prompt time runs from here to the end of the prefill).
     assigned: Instant,
@@ -149,7 +143,6 @@ struct Slot<B: Backend> {
     session: specula_engine::Session<B>,
     /// The tokens the cache holds, for prefix reuse.
     cached: Vec<u32>,
-    drafter: Option<Box<dyn Drafter>>,
     /// The target hidden states the drafter learns from (none: a drafter that follows the
     /// tokens alone, and no capture in the batched forward).
     taps: Taps,
@@ -173,9 +166,17 @@ pub(crate) struct Worker<B: Backend> {
     rx: Receiver<Command>,
     metrics: Arc<Metrics>,
     spec: Option<SpecSetup>,
+    /// One drafter per slot (sequence `i` is slot `i`), every sequence in each call.
+    drafter: Option<PerSeq>,
+    /// Makes a slot a fresh drafter after a fault.
+    factory: Option<crate::DrafterFactory>,
     rollback: Rollback,
     scratch: Scratch<B>,
     logits: Vec<f32>,
+    /// This step's features of all slots, `[rows, taps · n_embd]`.
+    features: Vec<f32>,
+    drafts: Vec<Result<Vec<u32>, SpecError>>,
+    fed: Vec<Result<(), SpecError>>,
     clock: u64,
 }
 
@@ -198,6 +199,7 @@ impl<B: Backend> Worker<B> {
         metrics: Arc<Metrics>,
     ) -> Result<Self, String> {
         let mut slots = Vec::with_capacity(cfg.n_parallel);
+        let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
         for id in 0..cfg.n_parallel {
             let mut session = engine
                 .session(cfg.n_ctx_slot, cfg.k_type, cfg.v_type)
@@ -217,11 +219,11 @@ impl<B: Backend> Worker<B> {
                     .map_or_else(Vec::new, |d| d.target_taps().to_vec()),
                 rows: Vec::new(),
             };
+            drafters.extend(drafter);
             slots.push(Slot {
                 id,
                 session,
                 cached: Vec::new(),
-                drafter,
                 taps,
                 features: Vec::new(),
                 task: None,
@@ -241,7 +243,11 @@ impl<B: Backend> Worker<B> {
                 Rollback::Replay => "checkpoint before each verify, accepted rows run again",
             }
         );
-        let spec = spec.map(|(s, _)| s);
+        let drafter = match spec {
+            Some(_) => Some(PerSeq::new(drafters).map_err(|e| e.to_string())?),
+            None => None,
+        };
+        let (spec, factory) = spec.map_or((None, None), |(s, f)| (Some(s), Some(f)));
         if let Some(s) = &spec {
             tracing::info!(
                 kind = %s.kind,
@@ -276,9 +282,14 @@ impl<B: Backend> Worker<B> {
             rx,
             metrics,
             spec,
+            drafter,
+            factory,
             rollback,
             scratch,
             logits: Vec::new(),
+            features: Vec::new(),
+            drafts: Vec::new(),
+            fed: Vec::new(),
             clock: 0,
         })
     }
@@ -339,10 +350,25 @@ impl<B: Backend> Worker<B> {
             if stop {
                 break;
             }
-            self.assign();
-            self.reap();
-            self.plan_prefill();
-            self.decode_step();
+            // Faults of one slot are caught where they happen and fail that slot; a panic
+            // anywhere else in a step fails every busy slot, and the engine goes on.
+            let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.assign();
+                self.reap();
+                self.plan_prefill();
+                self.decode_step();
+            }));
+            if let Err(p) = step {
+                let msg = format!(
+                    "the engine step panicked: {}",
+                    specula_spec::batch::panic_message(p.as_ref())
+                );
+                for i in 0..self.slots.len() {
+                    if self.slots[i].task.is_some() {
+                        self.fault(i, &msg);
+                    }
+                }
+            }
             self.gauges();
         }
         for slot in &mut self.slots {
@@ -397,13 +423,13 @@ impl<B: Backend> Worker<B> {
                     "rollback": self.rollback.name(),
                     "speculative": self.spec.as_ref().map(|sp| json!({
                         "type": sp.kind,
-                        "n_max": task.map_or(sp.options.n_max, |t| t.spec.n_max),
+                        "n_max": task.map_or(sp.options.n_max, |t| t.seq.options().n_max),
                         "n_min": sp.options.n_min,
                         "p_min": sp.options.p_min,
                         "adaptive": sp.options.adaptive,
-                        "enabled": task.is_none_or(|t| t.spec_on),
-                        "draft_n": task.map_or(0, |t| t.stats.drafted),
-                        "draft_n_accepted": task.map_or(0, |t| t.stats.accepted),
+                        "enabled": task.is_none_or(|t| t.seq.drafting()),
+                        "draft_n": task.map_or(0, |t| t.seq.stats().drafted),
+                        "draft_n_accepted": task.map_or(0, |t| t.seq.stats().accepted),
                     })),
                 })
             })
@@ -450,7 +476,9 @@ impl<B: Backend> Worker<B> {
             let n_vocab = self.engine.model.hparams().n_vocab;
             let slot = &mut self.slots[i];
             slot.last_used = clock;
-            start_task(slot, job, spec_default, n_vocab);
+            if let Err(msg) = start_task(slot, self.drafter.as_mut(), job, spec_default, n_vocab) {
+                self.fault(i, &msg);
+            }
         }
     }
 
@@ -504,59 +532,42 @@ impl<B: Backend> Worker<B> {
     }
 
     /// One batched forward over every busy slot (prompt chunks and generation rows), then
-    /// verification and streaming.
+    /// verification and streaming. A fault of one slot — its drafter's error or panic, its
+    /// sampling, its rollback, its entry of the forward — fails that slot's request alone
+    /// ([`Worker::fault`]); the others go on.
     #[allow(clippy::too_many_lines, reason = "one engine step, in order")]
     fn decode_step(&mut self) {
         let n_vocab = self.engine.model.hparams().n_vocab;
-        // Drafts.
+        // Plan the generating slots' rounds: one drafter call drafts for all of them.
         let mut n_busy = 0u64;
-        for slot in &mut self.slots {
-            let Some(t) = &mut slot.task else { continue };
-            if t.phase != Phase::Decode {
-                continue;
-            }
-            n_busy += 1;
-            if t.decode_start.is_none() {
-                t.decode_start = Some(Instant::now());
-            }
-            let anchor = *t.history.last().expect("a prompt has a token");
-            t.batch.clear();
-            t.batch.push(anchor);
-            t.draft_s = 0.0;
-            t.caught_up = 0;
-            let Some(d) = slot.drafter.as_mut().filter(|_| t.spec_on) else {
-                continue;
-            };
-            let left = t.job.n_predict - t.n_generated;
-            let room = (slot.session.n_ctx() - slot.session.n_past() - 1).min(left - 1);
-            let k = if t.spec.adaptive {
-                t.policy.next(room)
-            } else {
-                t.spec.n_max.min(room)
-            };
-            if k == 0 {
-                continue;
-            }
-            let td = Instant::now();
-            let draft = d.draft(&DraftParams {
-                history: &t.history,
-                n_max: k,
-                p_min: t.spec.p_min,
-            });
-            t.draft_s = td.elapsed().as_secs_f64();
-            t.caught_up = std::mem::replace(&mut t.since_draft, 0);
-            match draft {
-                Ok(mut draft) => {
-                    draft.truncate(k);
-                    if draft.len() >= t.spec.n_min && draft.iter().all(|&x| (x as usize) < n_vocab)
-                    {
-                        t.batch.extend_from_slice(&draft);
-                    }
+        let mut faults: Vec<(usize, String)> = Vec::new();
+        {
+            let mut idx = Vec::with_capacity(self.slots.len());
+            let mut entries = Vec::with_capacity(self.slots.len());
+            for (i, slot) in self.slots.iter_mut().enumerate() {
+                let Some(t) = &mut slot.task else { continue };
+                if t.phase != Phase::Decode {
+                    continue;
                 }
-                Err(e) => {
-                    fail(slot, 500, &format!("the drafter failed: {e}"));
+                n_busy += 1;
+                if t.decode_start.is_none() {
+                    t.decode_start = Some(Instant::now());
                 }
+                idx.push(i);
+                entries.push(PlanEntry {
+                    seq: &mut t.seq,
+                    session: &slot.session,
+                    lead: 0,
+                    left: t.job.n_predict - t.n_generated,
+                });
             }
+            let drafter = self.drafter.as_mut().map(|d| d as &mut dyn BatchDrafter);
+            for (j, e) in plan(&mut entries, drafter, n_vocab, &mut self.drafts) {
+                faults.push((idx[j], format!("the drafter failed: {e}")));
+            }
+        }
+        for (i, msg) in faults.drain(..) {
+            self.fault(i, &msg);
         }
         let prefilling = self.slots.iter().any(|s| {
             s.task
@@ -566,14 +577,14 @@ impl<B: Backend> Worker<B> {
         if n_busy == 0 && !prefilling {
             return;
         }
-        // The batched forward.
-        let mut bases = Vec::with_capacity(self.slots.len());
-        // A memory that cannot trim comes back to its state before the verify.
-        let mut checkpoints = Vec::with_capacity(self.slots.len());
+        // The batched forward; an entry that fails alone fails its slot.
         let tv = Instant::now();
-        let result = {
+        // The slot of each entry, and where its logits rows start (`None`: it failed).
+        let mut order = Vec::with_capacity(self.slots.len());
+        let mut failed = Vec::new();
+        {
             let mut entries: Vec<BatchEntry<'_, B>> = Vec::with_capacity(self.slots.len());
-            for slot in &mut self.slots {
+            for (i, slot) in self.slots.iter_mut().enumerate() {
                 let Slot {
                     session,
                     task,
@@ -584,40 +595,35 @@ impl<B: Backend> Worker<B> {
                 let Some(t) = task else { continue };
                 // Hidden states only for a slot whose drafter learns from them and drafts
                 // for this request.
-                let capture =
-                    (t.spec_on && !taps.layers.is_empty()).then_some(Capture { taps, features });
-                match t.phase {
+                let capture = (t.seq.drafting() && !taps.layers.is_empty())
+                    .then_some(Capture { taps, features });
+                let (tokens, logits_from) = match t.phase {
                     // Prompt rows: their KV only, no logits.
                     Phase::Prefill { next } if t.prefill_end > next => {
                         let chunk = &t.job.prompt[next..t.prefill_end];
-                        entries.push(BatchEntry {
-                            session,
-                            tokens: chunk,
-                            logits_from: chunk.len(),
-                            capture,
-                        });
+                        (chunk, chunk.len())
                     }
-                    Phase::Prefill { .. } => {}
-                    Phase::Decode => {
-                        bases.push(session.n_past());
-                        checkpoints.push(
-                            (session.rollback() == Rollback::Replay).then(|| session.checkpoint()),
-                        );
-                        entries.push(BatchEntry {
-                            session,
-                            tokens: &t.batch,
-                            logits_from: 0,
-                            capture,
-                        });
-                    }
-                }
+                    Phase::Prefill { .. } => continue,
+                    Phase::Decode => (t.seq.rows(), 0),
+                };
+                order.push((i, tokens.len() - logits_from));
+                entries.push(BatchEntry {
+                    session,
+                    tokens,
+                    logits_from,
+                    capture,
+                });
             }
             if entries.is_empty() {
                 return;
             }
-            self.engine
-                .decode_multi(&mut entries, &mut self.scratch, &mut self.logits)
-        };
+            self.engine.decode_multi_isolated(
+                &mut entries,
+                &mut self.scratch,
+                &mut self.logits,
+                &mut failed,
+            );
+        }
         let verify_s = tv.elapsed().as_secs_f64();
         if n_busy > 0 {
             self.metrics.with(|c| {
@@ -625,153 +631,192 @@ impl<B: Backend> Worker<B> {
                 c.n_busy_slots += n_busy;
             });
         }
-        if let Err(e) = result {
-            for slot in &mut self.slots {
-                if slot.task.is_some() {
-                    fail(slot, 500, &format!("decoding failed: {e}"));
-                    slot.session.reset();
-                    slot.cached.clear();
-                }
-            }
-            return;
+        let mut starts: Vec<Option<usize>> = vec![Some(0); order.len()];
+        for (j, e) in failed.drain(..) {
+            starts[j] = None;
+            faults.push((order[j].0, format!("decoding failed: {e}")));
         }
-        // Verify, commit, stream.
         let mut off = 0;
-        let mut bases = bases.into_iter();
-        let mut checkpoints = checkpoints.into_iter();
-        let engine = &self.engine;
-        let tokenizer = &engine.tokenizer;
-        for slot in &mut self.slots {
-            let Some(t) = &mut slot.task else { continue };
-            if t.phase != Phase::Decode {
-                continue;
-            }
-            let base = bases.next().expect("one base per entry");
-            let ck = checkpoints.next().expect("one checkpoint per entry");
-            let n_rows = t.batch.len();
-            let rows = &self.logits[off * n_vocab..(off + n_rows) * n_vocab];
-            off += n_rows;
-            let draft = &t.batch[1..];
-            let verdict = match sample_and_match(&mut t.sampler, rows, n_vocab, draft) {
-                Ok(v) => v,
-                Err(e) => {
-                    fail(slot, 500, &format!("sampling failed: {e}"));
-                    continue;
-                }
-            };
-            if let Some(d) = slot.drafter.as_mut().filter(|_| t.spec_on) {
-                // The drafter's share of the round after the forward (feature injection, its
-                // deferred part on acceptance) is drafting cost, as in `generate_speculative`.
-                let td = Instant::now();
-                let fed = if slot.taps.layers.is_empty() {
-                    d.process(&t.batch, base)
-                } else {
-                    d.process_features(&t.batch, base, &slot.features)
-                };
-                if let Err(e) = fed {
-                    fail(slot, 500, &format!("the drafter failed: {e}"));
-                    continue;
-                }
-                if !draft.is_empty() {
-                    d.accept(verdict.accepted);
-                }
-                let draft_s = t.draft_s + td.elapsed().as_secs_f64();
-                t.stats.record(draft.len(), verdict.accepted);
-                t.policy.record(
-                    draft.len(),
-                    verdict.accepted,
-                    verify_s,
-                    draft_s,
-                    t.caught_up,
-                );
-            }
-            // The cache keeps the anchor and the accepted drafts.
-            let keep = 1 + verdict.accepted;
-            let mut rewound = engine.rewind(
-                &mut slot.session,
-                base + keep,
-                ck.as_ref(),
-                &t.batch[..keep],
-            );
-            if let Err(EngineError::Rewind { .. }) = rewound {
-                // A sliding-window ring that a verify of more rows than one forward writes has
-                // overwritten: the replay starts before this round, from the history.
-                let mut tail = t.history.clone();
-                tail.extend_from_slice(&t.batch[1..keep]);
-                rewound = engine.rewind(&mut slot.session, base + keep, ck.as_ref(), &tail);
-            }
-            match rewound {
-                Ok(Rewound::Replayed(rows)) => t.stats.record_replay(rows),
-                Ok(Rewound::Nothing | Rewound::Trimmed) => {}
-                Err(e) => {
-                    fail(
-                        slot,
-                        500,
-                        &format!("rolling back the rejected draft failed: {e}"),
-                    );
-                    continue;
-                }
-            }
-            t.since_draft += 1;
-            let mut finish: Option<&'static str> = None;
-            for (i, &id) in verdict.tokens.iter().enumerate() {
-                t.history.push(id);
-                t.n_generated += 1;
-                let row = &rows[i * n_vocab..(i + 1) * n_vocab];
-                let logprob = t
-                    .job
-                    .logprobs
-                    .map(|n| token_logprob(tokenizer, row, id, n, &mut t.candidates, &mut t.top));
-                let eog = !t.job.ignore_eos && tokenizer.is_eog(id);
-                let stopped = !eog && t.text.push(tokenizer.token_to_piece(id, false));
-                let text = t.text.take_ready();
-                let _ = t.job.events.send(Event::Delta(Delta {
-                    text,
-                    token: id,
-                    logprob,
-                }));
-                if eog || stopped {
-                    finish = Some("stop");
-                    break;
-                }
-                if t.n_generated >= t.job.n_predict {
-                    finish = Some("length");
-                    break;
-                }
-            }
-            if let Some(reason) = finish {
-                let t = slot.task.take().expect("a task");
-                finish_task(slot, t, reason, &self.metrics);
+        for (start, &(_, n_rows)) in starts.iter_mut().zip(&order) {
+            if let Some(s) = start {
+                *s = off;
+                off += n_rows;
             }
         }
-        // Prompt rows: the drafter sees them, the slot advances, and starts generating after
-        // the last chunk.
-        for slot in &mut self.slots {
-            let Some(t) = &mut slot.task else { continue };
-            if let Phase::Prefill { next } = t.phase
-                && t.prefill_end > next
-            {
-                if let Some(d) = slot.drafter.as_mut().filter(|_| t.spec_on) {
-                    let chunk = &t.job.prompt[next..t.prefill_end];
-                    let fed = if slot.taps.layers.is_empty() {
-                        d.process(chunk, next)
-                    } else {
-                        d.process_features(chunk, next, &slot.features)
-                    };
-                    if let Err(e) = fed {
-                        fail(slot, 500, &format!("the drafter failed: {e}"));
-                        continue;
+        for (i, msg) in faults.drain(..) {
+            self.fault(i, &msg);
+        }
+        // The drafter takes in every drafting slot's rows (prompt chunks and verify batches),
+        // their features as rows of one batch.
+        let mut in_drafter_s = 0.0;
+        if let Some(d) = self.drafter.as_mut() {
+            self.features.clear();
+            let mut feeds = Vec::with_capacity(order.len());
+            let mut n_rows = 0;
+            for (&(i, _), start) in order.iter().zip(&starts) {
+                let slot = &self.slots[i];
+                let Some(t) = slot.task.as_ref().filter(|t| t.seq.drafting()) else {
+                    continue;
+                };
+                if start.is_none() {
+                    continue;
+                }
+                let mut feed = match t.phase {
+                    Phase::Prefill { next } => SeqFeed {
+                        seq: slot.id,
+                        tokens: &t.job.prompt[next..t.prefill_end],
+                        pos0: next,
+                        rows: 0..0,
+                    },
+                    Phase::Decode => t.seq.feed(0..0),
+                };
+                if !slot.taps.layers.is_empty() {
+                    feed.rows = n_rows..n_rows + feed.tokens.len();
+                    n_rows += feed.tokens.len();
+                    self.features.extend_from_slice(&slot.features);
+                }
+                feeds.push(feed);
+            }
+            if !feeds.is_empty() {
+                let td = Instant::now();
+                d.process(&feeds, &self.features, &mut self.fed);
+                in_drafter_s = td.elapsed().as_secs_f64();
+                for (f, r) in feeds.iter().zip(self.fed.drain(..)) {
+                    if let Err(e) = r {
+                        faults.push((f.seq, format!("the drafter failed: {e}")));
                     }
                 }
+            }
+        }
+        for (i, msg) in faults.drain(..) {
+            self.fault(i, &msg);
+        }
+        // Verify, commit, stream; then the prompt rows: the slot advances, and starts
+        // generating after the last chunk.
+        let cost = RoundCost {
+            verify_s,
+            in_drafter_s,
+        };
+        for (&(i, n_rows), start) in order.iter().zip(&starts) {
+            let Some(start) = *start else { continue };
+            let slot = &mut self.slots[i];
+            let Some(t) = &mut slot.task else { continue };
+            if let Phase::Prefill { .. } = t.phase {
                 t.phase = Phase::Prefill {
                     next: t.prefill_end,
                 };
                 if t.prefill_end == t.job.prompt.len() - 1 {
                     finish_prefill(slot);
                 }
+                continue;
+            }
+            let rows = &self.logits[start * n_vocab..(start + n_rows) * n_vocab];
+            let drafter = self.drafter.as_mut().map(|d| d as &mut dyn BatchDrafter);
+            let metrics = &self.metrics;
+            let engine = &self.engine;
+            let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                commit_slot(engine, slot, drafter, rows, cost, metrics)
+            }))
+            .unwrap_or_else(|p| {
+                Err(format!(
+                    "decoding panicked: {}",
+                    specula_spec::batch::panic_message(p.as_ref())
+                ))
+            });
+            if let Err(msg) = r {
+                self.fault(i, &msg);
             }
         }
     }
+
+    /// Fails slot `i`'s request with a 500 naming the cause, and resets what it holds — its
+    /// cache, its drafter (a fresh one from the factory) — so that nothing half-updated is
+    /// used again; the slot takes the next request.
+    fn fault(&mut self, i: usize, msg: &str) {
+        let slot = &mut self.slots[i];
+        if let Some(t) = slot.task.take() {
+            tracing::error!(id = %t.job.id, slot = slot.id, "request failed: {msg}");
+            let _ = t.job.events.send(Event::Error(500, msg.to_owned()));
+        }
+        slot.session.reset();
+        slot.cached.clear();
+        slot.features.clear();
+        if let (Some(d), Some(f)) = (self.drafter.as_mut(), self.factory.as_mut()) {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+                Ok(Ok(fresh)) => d.replace(i, fresh),
+                Ok(Err(e)) => {
+                    tracing::error!(slot = i, "cannot remake the slot's drafter: {e}");
+                }
+                Err(_) => tracing::error!(slot = i, "remaking the slot's drafter panicked"),
+            }
+        }
+    }
+}
+
+/// Verifies and commits a generating slot's round ([`SpecSeq::commit`]) and streams the
+/// tokens; ends the task when it stops.
+fn commit_slot<B: Backend>(
+    engine: &Engine<B>,
+    slot: &mut Slot<B>,
+    drafter: Option<&mut dyn BatchDrafter>,
+    rows: &[f32],
+    cost: RoundCost,
+    metrics: &Metrics,
+) -> Result<(), String> {
+    let n_vocab = engine.model.hparams().n_vocab;
+    let tokenizer = &engine.tokenizer;
+    // A server with a drafter reports its counters (zero when the request turned it off).
+    let has_drafter = drafter.is_some();
+    let Some(t) = &mut slot.task else {
+        return Ok(());
+    };
+    let verdict = t
+        .seq
+        .commit(
+            engine,
+            &mut slot.session,
+            drafter,
+            rows,
+            |rows, draft| sample_and_match(&mut t.sampler, rows, n_vocab, draft),
+            cost,
+        )
+        .map_err(|e| match e {
+            EngineError::Spec(SpecError::Sampling(_) | SpecError::Shape(_)) => {
+                format!("sampling failed: {e}")
+            }
+            EngineError::Spec(_) => format!("the drafter failed: {e}"),
+            e => format!("rolling back the rejected draft failed: {e}"),
+        })?;
+    let mut finish: Option<&'static str> = None;
+    for (i, &id) in verdict.tokens.iter().enumerate() {
+        t.n_generated += 1;
+        let row = &rows[i * n_vocab..(i + 1) * n_vocab];
+        let logprob = t
+            .job
+            .logprobs
+            .map(|n| token_logprob(tokenizer, row, id, n, &mut t.candidates, &mut t.top));
+        let eog = !t.job.ignore_eos && tokenizer.is_eog(id);
+        let stopped = !eog && t.text.push(tokenizer.token_to_piece(id, false));
+        let text = t.text.take_ready();
+        let _ = t.job.events.send(Event::Delta(Delta {
+            text,
+            token: id,
+            logprob,
+        }));
+        if eog || stopped {
+            finish = Some("stop");
+            break;
+        }
+        if t.n_generated >= t.job.n_predict {
+            finish = Some("length");
+            break;
+        }
+    }
+    if let Some(reason) = finish {
+        let t = slot.task.take().expect("a task");
+        finish_task(slot, t, reason, metrics, has_drafter);
+    }
+    Ok(())
 }
 
 /// The prompt is in the cache (all but the anchor), and the drafter has seen it chunk by
@@ -816,14 +861,18 @@ fn token_logprob(
 /// Sets up a slot for a job: keeps the cache's prefix shared with the prompt, makes the
 /// sampler (the prompt in its penalty window) and the speculative state. A job that cannot
 /// run is answered with its error.
+/// A drafter's failure in `begin` answers the job with a 500 naming it and comes back as
+/// `Err` (why) for the caller to reset the slot ([`Worker::fault`]).
 fn start_task<B: Backend>(
     slot: &mut Slot<B>,
+    mut drafter: Option<&mut PerSeq>,
     job: Job,
     spec_default: Option<SpecOptions>,
     n_vocab: usize,
-) {
+) -> Result<(), String> {
     let refuse = |job: Job, status: u16, msg: String| {
         let _ = job.events.send(Event::Error(status, msg));
+        Ok(())
     };
     let n_ctx = slot.session.n_ctx();
     if job.prompt.is_empty() || job.prompt.len() + job.n_predict > n_ctx {
@@ -874,20 +923,25 @@ fn start_task<B: Backend>(
     if let Some(p) = job.spec.p_min {
         spec.p_min = p;
     }
-    if let Some(cap) = slot.drafter.as_ref().and_then(|d| d.max_draft()) {
+    if let Some(cap) = drafter.as_ref().and_then(|d| d.max_draft()) {
         spec.n_max = spec.n_max.min(cap);
     }
-    let spec_on = spec_default.is_some() && slot.drafter.is_some() && spec.n_max > 0;
+    let spec_on = spec_default.is_some() && drafter.is_some() && spec.n_max > 0;
     // The drafter starts on the prompt with its context cut to exactly the reused positions
     // (a feature drafter that sat out the request which wrote some of them holds fewer: the
     // target runs those again, so that the drafter sees them); the prompt chunks that follow
     // bring it the rest, as on a cold cache.
     // The prompt's time starts here: a draft model's prefill of the prompt is part of it.
     let assigned = Instant::now();
-    if let Some(d) = slot.drafter.as_mut().filter(|_| spec_on) {
-        match d.begin_reusing(&job.prompt, common) {
+    if let Some(d) = drafter.as_mut().filter(|_| spec_on) {
+        match d.begin_reusing(slot.id, &job.prompt, common) {
             Ok(held) => common = common.min(held),
-            Err(e) => return refuse(job, 500, format!("the drafter failed: {e}")),
+            Err(e) => {
+                let msg = format!("the drafter failed: {e}");
+                tracing::error!(id = %job.id, slot = slot.id, "request failed: {msg}");
+                let _ = job.events.send(Event::Error(500, msg.clone()));
+                return Err(msg);
+            }
         }
     }
     // The drafter may hold fewer positions than the target could keep; a sliding-window ring
@@ -901,24 +955,17 @@ fn start_task<B: Backend>(
         slot.session.truncate(common);
     }
     slot.cached.truncate(common);
-    let self_limiting =
-        spec.p_min > 0.0 && slot.drafter.as_ref().is_some_and(|d| d.stops_when_unsure());
     let stop = job.stop.clone();
+    let drafter = drafter
+        .filter(|_| spec_on)
+        .map(|d| &*d as &dyn BatchDrafter);
     slot.task = Some(Task {
         phase: Phase::Prefill { next: common },
         sampler,
-        history: job.prompt.clone(),
+        seq: SpecSeq::new(slot.id, spec, drafter, &job.prompt),
         n_generated: 0,
         cached: common,
         text: TextStream::new(stop),
-        spec_on,
-        policy: Adaptive::new(spec.n_max).self_limiting(self_limiting),
-        spec,
-        stats: SpecStats::default(),
-        since_draft: 1,
-        batch: Vec::new(),
-        draft_s: 0.0,
-        caught_up: 0,
         prompt_s: 0.0,
         assigned,
         prefill_end: common,
@@ -927,11 +974,13 @@ fn start_task<B: Backend>(
         top: Vec::new(),
         job,
     });
+    Ok(())
 }
 
 /// Forgets a finished task's rows past its history and records what the cache holds.
 fn release<B: Backend>(slot: &mut Slot<B>, t: &Task) {
-    let mut keep = slot.session.n_past().min(t.history.len());
+    let history = t.seq.history();
+    let mut keep = slot.session.n_past().min(history.len());
     if slot.session.can_trim_to(keep) {
         slot.session.truncate(keep);
     } else {
@@ -939,16 +988,7 @@ fn release<B: Backend>(slot: &mut Slot<B>, t: &Task) {
         keep = 0;
     }
     slot.cached.clear();
-    slot.cached.extend_from_slice(&t.history[..keep]);
-}
-
-/// Ends a slot's task with an error.
-fn fail<B: Backend>(slot: &mut Slot<B>, status: u16, msg: &str) {
-    if let Some(t) = slot.task.take() {
-        tracing::warn!(id = %t.job.id, slot = slot.id, "{msg}");
-        let _ = t.job.events.send(Event::Error(status, msg.to_owned()));
-        release(slot, &t);
-    }
+    slot.cached.extend_from_slice(&history[..keep]);
 }
 
 fn finish_task<B: Backend>(
@@ -956,19 +996,21 @@ fn finish_task<B: Backend>(
     mut t: Task,
     reason: &'static str,
     metrics: &Metrics,
+    has_drafter: bool,
 ) {
     let tail = t.text.finish();
     let predicted_s = t.decode_start.map_or(0.0, |s| s.elapsed().as_secs_f64());
     let prompt_n = t.job.prompt.len() - t.cached;
-    // A server with a drafter reports its counters (zero when the request turned it off).
-    let spec = slot.drafter.is_some().then(|| t.stats.clone());
+    let spec = has_drafter.then(|| t.seq.stats().clone());
     metrics.with(|c| {
         c.prompt_tokens += prompt_n as u64;
         c.prompt_tokens_cached += t.cached as u64;
         c.prompt_seconds += t.prompt_s;
         c.tokens_predicted += t.n_generated as u64;
         c.predicted_seconds += predicted_s;
-        c.n_tokens_max = c.n_tokens_max.max(t.history.len() as u64);
+        c.n_tokens_max = c
+            .n_tokens_max
+            .max((t.job.prompt.len() + t.n_generated) as u64);
         if let Some(s) = &spec {
             add_spec(&mut c.spec, s);
         }

@@ -12,6 +12,9 @@
 //!   ask the loop for target hidden states through [`Drafter::target_taps`] and receive them in
 //!   [`Drafter::process_features`]);
 //!   [`DrafterChain`] asks several in priority order, the first non-empty draft wins.
+//! - [`BatchDrafter`]: every active sequence of a step in one call (draft asks of all, the
+//!   target's rows of all with their features as rows of one batch); [`PerSeq`] serves
+//!   per-sequence drafters through it, each sequence's call isolated from the others'.
 //! - [`ngram`]: prompt lookup ([`ngram::NgramSimple`]) and an n-gram cache
 //!   ([`ngram::NgramCache`]), drafters that need no second model.
 //! - [`verify`]: sample-and-match (greedy is its temperature-0 case) and standard rejection
@@ -30,12 +33,14 @@
 //! assert_eq!(draft, vec![6, 7, 8]);
 //! ```
 
+pub mod batch;
 pub mod ngram;
 pub mod policy;
 pub mod verify;
 
 mod stats;
 
+pub use batch::{BatchDrafter, DraftAsk, One, PerSeq, SeqFeed};
 pub use stats::SpecStats;
 
 /// Errors of drafters and verifiers.
@@ -56,6 +61,14 @@ pub enum SpecError {
     /// The verifier was given rows that do not match the draft.
     #[error("verify: {0}")]
     Shape(String),
+    /// A drafter panicked (a bug), caught by [`PerSeq`]: only its sequence fails.
+    #[error("{drafter} panicked: {message}")]
+    Panicked {
+        /// The drafter's name.
+        drafter: &'static str,
+        /// The panic's message.
+        message: String,
+    },
     /// A state handed to [`Drafter::restore`] was not made by that drafter.
     #[error("{0}: not a state of this drafter")]
     ForeignState(&'static str),

@@ -443,6 +443,22 @@ pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHan
             })
         }
     };
+    start(cfg, e, tok, spec)
+}
+
+/// A server on 127.0.0.1 (free port) around the tiny model with the speculative setup `spec`.
+pub fn server_spec(cfg: ServerConfig, spec: Option<Speculative>) -> ServerHandle {
+    let bytes = tiny(SEED, 0, false);
+    let tok = Tokenizer::from_gguf(&Gguf::from_bytes(bytes.clone()).unwrap()).unwrap();
+    start(cfg, engine(bytes), tok, spec)
+}
+
+fn start(
+    cfg: ServerConfig,
+    e: Engine<CpuBackend>,
+    tok: Tokenizer,
+    spec: Option<Speculative>,
+) -> ServerHandle {
     specula_server::start(
         ServerConfig {
             host: "127.0.0.1".into(),

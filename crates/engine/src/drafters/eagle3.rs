@@ -17,7 +17,7 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
-use crate::spec::top1;
+use super::top1;
 use crate::{Engine, Result};
 
 /// What [`Drafter::state`] saves: the head's context.

@@ -27,7 +27,7 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
-use crate::spec::top1;
+use super::top1;
 use crate::{Engine, EngineError, Result};
 
 /// When target features are written into the draft cache (`--dflash-defer-injection`).
