@@ -61,9 +61,7 @@ fn measure(name: &str, chunks: usize, settings: &[Setting]) -> Option<Vec<f64>> 
     let Ok(text) = std::fs::read_to_string(&golden) else {
         return specula_testkit::skip(&format!("no golden {}", golden.display()));
     };
-    let Some(path) = specula_testkit::real_model(name) else {
-        return None;
-    };
+    let path = specula_testkit::real_model(name)?;
     let g: Json = serde_json::from_str(&text).unwrap();
     let pp = &g["perplexity"];
     let tokens: Vec<u32> = pp["tokens"]
