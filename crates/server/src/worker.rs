@@ -196,18 +196,19 @@ impl<B: Backend> Worker<B> {
         mut spec: Option<(SpecSetup, crate::DrafterFactory)>,
         rx: Receiver<Command>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, crate::ServerError> {
         let mut slots = Vec::with_capacity(cfg.n_parallel);
         for id in 0..cfg.n_parallel {
             let mut session = engine
                 .session(cfg.n_ctx_slot, cfg.k_type, cfg.v_type)
-                .map_err(|e| format!("cannot allocate the cache of slot {id}: {e}"))?;
+                .map_err(|source| crate::ServerError::SlotCache { slot: id, source })?;
             if cfg.force_replay {
                 session.force_replay();
             }
             let drafter = match spec.as_mut() {
                 Some((_, factory)) => Some(
-                    factory().map_err(|e| format!("cannot make the drafter of slot {id}: {e}"))?,
+                    factory()
+                        .map_err(|source| crate::ServerError::SlotDrafter { slot: id, source })?,
                 ),
                 None => None,
             };
@@ -554,7 +555,11 @@ impl<B: Backend> Worker<B> {
                     }
                 }
                 Err(e) => {
-                    fail(slot, 500, &format!("the drafter failed: {e}"));
+                    fail(
+                        slot,
+                        500,
+                        &format!("the drafter failed: {}", crate::chain(&e)),
+                    );
                 }
             }
         }
@@ -628,7 +633,7 @@ impl<B: Backend> Worker<B> {
         if let Err(e) = result {
             for slot in &mut self.slots {
                 if slot.task.is_some() {
-                    fail(slot, 500, &format!("decoding failed: {e}"));
+                    fail(slot, 500, &format!("decoding failed: {}", crate::chain(&e)));
                     slot.session.reset();
                     slot.cached.clear();
                 }
@@ -655,7 +660,7 @@ impl<B: Backend> Worker<B> {
             let verdict = match sample_and_match(&mut t.sampler, rows, n_vocab, draft) {
                 Ok(v) => v,
                 Err(e) => {
-                    fail(slot, 500, &format!("sampling failed: {e}"));
+                    fail(slot, 500, &format!("sampling failed: {}", crate::chain(&e)));
                     continue;
                 }
             };
@@ -669,7 +674,11 @@ impl<B: Backend> Worker<B> {
                     d.process_features(&t.batch, base, &slot.features)
                 };
                 if let Err(e) = fed {
-                    fail(slot, 500, &format!("the drafter failed: {e}"));
+                    fail(
+                        slot,
+                        500,
+                        &format!("the drafter failed: {}", crate::chain(&e)),
+                    );
                     continue;
                 }
                 if !draft.is_empty() {
@@ -707,7 +716,10 @@ impl<B: Backend> Worker<B> {
                     fail(
                         slot,
                         500,
-                        &format!("rolling back the rejected draft failed: {e}"),
+                        &format!(
+                            "rolling back the rejected draft failed: {}",
+                            crate::chain(&e)
+                        ),
                     );
                     continue;
                 }
@@ -759,7 +771,11 @@ impl<B: Backend> Worker<B> {
                         d.process_features(chunk, next, &slot.features)
                     };
                     if let Err(e) = fed {
-                        fail(slot, 500, &format!("the drafter failed: {e}"));
+                        fail(
+                            slot,
+                            500,
+                            &format!("the drafter failed: {}", crate::chain(&e)),
+                        );
                         continue;
                     }
                 }
@@ -844,11 +860,17 @@ fn start_task<B: Backend>(
     }
     let mut sampler = match Sampler::new(job.sampler, n_vocab) {
         Ok(s) => s,
-        Err(e) => return refuse(job, 400, format!("bad sampling parameter: {e}")),
+        Err(e) => {
+            return refuse(
+                job,
+                400,
+                format!("bad sampling parameter: {}", crate::chain(&e)),
+            );
+        }
     };
     for &id in &job.prompt {
         if let Err(e) = sampler.accept(id) {
-            return refuse(job, 400, format!("bad prompt token: {e}"));
+            return refuse(job, 400, format!("bad prompt token: {}", crate::chain(&e)));
         }
     }
     // Keep the cached prefix; the anchor (last prompt token) always runs in the first step.
@@ -887,7 +909,13 @@ fn start_task<B: Backend>(
     if let Some(d) = slot.drafter.as_mut().filter(|_| spec_on) {
         match d.begin_reusing(&job.prompt, common) {
             Ok(held) => common = common.min(held),
-            Err(e) => return refuse(job, 500, format!("the drafter failed: {e}")),
+            Err(e) => {
+                return refuse(
+                    job,
+                    500,
+                    format!("the drafter failed: {}", crate::chain(&e)),
+                );
+            }
         }
     }
     // The drafter may hold fewer positions than the target could keep; a sliding-window ring
@@ -1017,10 +1045,4 @@ fn finish_task<B: Backend>(
     };
     let _ = t.job.events.send(Event::Done(Box::new(summary)));
     release(slot, &t);
-}
-
-impl From<EngineError> for crate::ServerError {
-    fn from(e: EngineError) -> Self {
-        Self::Engine(e.to_string())
-    }
 }

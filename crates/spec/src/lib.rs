@@ -45,20 +45,70 @@ pub enum SpecError {
     /// The sampler refused a step (e.g. logits of the wrong length).
     #[error(transparent)]
     Sampling(#[from] specula_sampling::SamplingError),
-    /// A drafter's own failure (a draft model's forward pass, …), with its message.
-    #[error("{drafter}: {message}")]
+    /// A drafter's own failure (a draft model's forward pass, …), with its cause.
+    #[error("drafter {drafter}")]
     Drafter {
         /// The drafter's name.
         drafter: &'static str,
-        /// What went wrong.
-        message: String,
+        /// What went wrong inside it (the draft model's or drafter network's error).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// The verifier was given rows that do not match the draft.
-    #[error("verify: {0}")]
-    Shape(String),
+    /// The verifier was given target rows that do not match the draft.
+    #[error(
+        "verify: {got} logits for a draft of {draft} tokens over {n_vocab} ids (want {} rows of {n_vocab})",
+        draft + 1
+    )]
+    Rows {
+        /// Logits given.
+        got: usize,
+        /// Draft tokens.
+        draft: usize,
+        /// Vocabulary size (logits per row).
+        n_vocab: usize,
+    },
+    /// The rejection-sampling verifier was given draft distributions that do not match the
+    /// draft.
+    #[error(
+        "verify: {got} draft distributions for {draft} draft tokens over {n_vocab} ids (want {draft} of {n_vocab} values)"
+    )]
+    Distributions {
+        /// Distributions given.
+        got: usize,
+        /// Draft tokens.
+        draft: usize,
+        /// Vocabulary size.
+        n_vocab: usize,
+    },
+    /// Target features (or what a drafter made of them) that do not fit the tokens they came
+    /// with: the target must capture the drafter's taps for every token it runs.
+    #[error("{drafter}: {got} feature values for {tokens} tokens (want {tokens} rows of {width})")]
+    Features {
+        /// The drafter's name.
+        drafter: &'static str,
+        /// Values given.
+        got: usize,
+        /// Tokens of the batch.
+        tokens: usize,
+        /// Values per token.
+        width: usize,
+    },
     /// A state handed to [`Drafter::restore`] was not made by that drafter.
     #[error("{0}: not a state of this drafter")]
     ForeignState(&'static str),
+}
+
+impl SpecError {
+    /// A drafter's failure caused by `source` (a model's, an engine's error).
+    pub fn drafter(
+        drafter: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Drafter {
+            drafter,
+            source: Box::new(source),
+        }
+    }
 }
 
 /// A drafter's saved state, opaque to the loop.
