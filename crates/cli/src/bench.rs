@@ -30,6 +30,7 @@ use specula_spec::verify::Verdict;
 use specula_spec::{Drafter, One};
 
 use crate::load;
+use crate::run::SpecType;
 
 /// Output format.
 #[derive(Clone, Copy, Debug, clap::ValueEnum)]
@@ -104,6 +105,9 @@ pub struct Args {
     /// rounds per second.
     #[arg(long = "model-draft", visible_alias = "md")]
     pub model_draft: Option<String>,
+    /// `--dflash` / `--eagle3` (as in `specula run`; default: from the file's architecture).
+    #[command(flatten)]
+    pub kind: crate::draft_args::DraftKind,
     /// Draft tokens per round of the `tg` tests with `-md` (clamped to a DFlash block − 1).
     #[arg(
         long = "spec-draft-n-max",
@@ -120,26 +124,64 @@ pub struct Args {
     pub dflash_defer_injection: u8,
 }
 
+/// One test's result: llama-bench's JSON fields, in its order and with its value types
+/// (`tools/llama-bench/llama-bench.cpp`: `test::get_fields`, `get_field_type`, then
+/// `samples_ns`, `samples_ts`), so that tools reading llama-bench's `-o json|jsonl` read ours;
+/// specula's own fields follow. Settings specula does not have carry the value that says what
+/// specula does (no GPU layers, no split, the weights' memory map, …).
 #[derive(Debug, Serialize)]
-struct Record {
+pub(crate) struct Record {
+    /// Short commit of the build (`unknown` outside a git tree, as llama.cpp's build).
     build_commit: &'static str,
+    /// Commits up to the build (0 outside a git tree, as llama.cpp's build).
+    build_number: u64,
+    /// The CPU's model name.
+    cpu_info: String,
+    /// GPUs used: none.
+    gpu_info: &'static str,
+    backends: &'static str,
     model_filename: String,
     model_type: String,
     model_size: u64,
     model_n_params: u64,
-    backends: &'static str,
-    n_threads: usize,
     n_batch: usize,
+    /// specula runs a batch of `-b` tokens as one forward: the physical batch is `n_batch`.
+    n_ubatch: usize,
+    n_threads: usize,
+    /// No affinity mask (llama-bench's `0x0`).
+    cpu_mask: &'static str,
+    cpu_strict: bool,
+    /// llama.cpp's default polling level: specula's workers poll for the next op (200 µs)
+    /// before they sleep.
+    poll: u32,
     type_k: String,
     type_v: String,
+    n_gpu_layers: u32,
+    n_cpu_moe: u32,
+    /// One device: no split.
+    split_mode: &'static str,
+    main_gpu: u32,
+    no_kv_offload: bool,
+    /// 1: flash attention (an online softmax over KV tiles) is always on.
+    flash_attn: u32,
+    devices: &'static str,
+    tensor_split: &'static str,
+    tensor_buft_overrides: &'static str,
+    /// Weights are read from the file's memory map.
+    load_mode: &'static str,
+    /// Every tensor is read whole (no on-demand rows).
+    lazy_mode: &'static str,
+    embeddings: bool,
+    no_op_offload: u32,
+    no_host: bool,
+    /// Matmul weights are repacked for the CPU's kernels where they have a packed layout.
+    repack: bool,
+    fit_target: u64,
+    fit_min_ctx: u32,
     n_prompt: usize,
     n_gen: usize,
     n_depth: usize,
-    /// Bytes of KV cache per token (one cell of every layer, K and V).
-    kv_bytes_per_token: usize,
-    /// Bytes of KV cache holding depth + test tokens (a sliding-window ring at most its
-    /// size).
-    kv_bytes_used: usize,
+    /// When the test ran, RFC 3339 UTC (`2026-12-01T20:03:04Z`).
     test_time: String,
     avg_ns: u64,
     stddev_ns: u64,
@@ -147,6 +189,11 @@ struct Record {
     stddev_ts: f64,
     samples_ns: Vec<u64>,
     samples_ts: Vec<f64>,
+    /// Bytes of KV cache per token (one cell of every layer, K and V).
+    kv_bytes_per_token: usize,
+    /// Bytes of KV cache holding depth + test tokens (a sliding-window ring at most its
+    /// size).
+    kv_bytes_used: usize,
     /// With `-md`: the drafter and the draft length of its rounds (`tg` counts rounds).
     #[serde(skip_serializing_if = "Option::is_none")]
     spec: Option<String>,
@@ -154,6 +201,53 @@ struct Record {
     /// it the verify batch's features); the rest is the target's verify.
     #[serde(skip_serializing_if = "Option::is_none")]
     draft_ns_per_round: Option<u64>,
+}
+
+/// The build's commit and number (`build.rs`).
+fn build_info() -> (&'static str, u64) {
+    (
+        env!("SPECULA_BUILD_COMMIT"),
+        env!("SPECULA_BUILD_NUMBER").parse().unwrap_or(0),
+    )
+}
+
+/// The CPU's model name (`/proc/cpuinfo`'s first `model name`; the architecture elsewhere),
+/// as ggml's CPU device describes itself.
+fn cpu_info() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("model name"))
+                .and_then(|rest| rest.split_once(':'))
+                .map(|(_, name)| name.trim().to_owned())
+        })
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| std::env::consts::ARCH.to_owned())
+}
+
+/// `t` as llama-bench's `test_time`: RFC 3339 UTC to the second (`strftime("%FT%TZ")`).
+pub(crate) fn rfc3339(t: std::time::SystemTime) -> String {
+    let secs = t
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date of a day count (H. Hinnant's `civil_from_days`), for days since 1970.
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + u64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
 }
 
 /// A feature drafter attached to the benchmark.
@@ -169,38 +263,43 @@ struct Attached {
     rounds: u128,
 }
 
-fn attach(args: &Args, target: &Engine<CpuBackend>, n_ctx: usize) -> Result<Option<Attached>> {
-    let Some(md) = &args.model_draft else {
+fn attach(
+    args: &Args,
+    spec: Option<SpecType>,
+    target: &Engine<CpuBackend>,
+    n_ctx: usize,
+) -> Result<Option<Attached>> {
+    let Some(spec) = spec else {
         return Ok(None);
     };
-    let path = load::model_path(Some(md))?;
+    let path = load::model_path(args.model_draft.as_deref())?;
     let file = Arc::new(
         specula_gguf::Gguf::open(&path)
             .with_context(|| format!("cannot load the draft {}", path.display()))?,
     );
     let be = CpuBackend::new(args.threads);
-    let (kind, drafter, n_max): (&'static str, Box<dyn Drafter>, usize) = match file
-        .header()
-        .architecture()
-    {
-        Some("dflash") => {
+    let (kind, drafter, n_max): (&'static str, Box<dyn Drafter>, usize) = match spec {
+        SpecType::DraftDflash => {
             let policy = if args.dflash_defer_injection == 1 {
                 Injection::Deferred
             } else {
                 Injection::Eager
             };
-            let d = DflashDrafter::new(be, file, target, n_ctx, QType::F16, QType::F16, policy)?;
+            let d = DflashDrafter::new(be, file, target, n_ctx, QType::F16, QType::F16, policy)
+                .with_context(|| format!("cannot use {} as a DFlash drafter", path.display()))?;
             let n = args.spec_n_max.min(d.net().hparams().block_size - 1);
             ("draft-dflash", Box::new(d), n)
         }
-        Some("eagle3") => {
-            let d = Eagle3Drafter::new(be, file, target, n_ctx, QType::F16, QType::F16)?;
+        SpecType::DraftEagle3 => {
+            let d = Eagle3Drafter::new(be, file, target, n_ctx, QType::F16, QType::F16)
+                .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
             ("draft-eagle3", Box::new(d), args.spec_n_max)
         }
         other => bail!(
-            "-md {}: `specula bench` attaches DFlash or EAGLE-3 drafters (architecture dflash or eagle3), not {}",
+            "-md {}: `specula bench` attaches DFlash or EAGLE-3 drafters (architecture dflash or eagle3, or --dflash / --eagle3), not {} (architecture {})",
             path.display(),
-            other.unwrap_or("?")
+            crate::draft_args::spec_name(other),
+            file.header().architecture().unwrap_or("?")
         ),
     };
     let taps = Taps {
@@ -236,8 +335,7 @@ fn run_once_spec(
     if let (true, Some(b)) = (e.tokenizer.add_bos(), bos) {
         toks[0] = b;
     }
-    let spec_err = |err: specula_spec::SpecError| anyhow::anyhow!("{err}");
-    a.drafter.begin(&[]).map_err(spec_err)?;
+    a.drafter.begin(&[])?;
     let mut drafter = One(&mut *a.drafter);
     if pp > 0 {
         let t = Instant::now();
@@ -288,7 +386,7 @@ fn run_once_spec(
             &mut drafts,
         );
         if let Some((_, err)) = failed.into_iter().next() {
-            return Err(spec_err(err));
+            return Err(err.into());
         }
         let tv = Instant::now();
         let in_drafter_s = e.run_for(
@@ -409,6 +507,8 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_v)?,
     );
     let overrides = load::layer_types(&args.layer_types)?;
+    // The drafter's kind before the model: a flag error should not wait for a load.
+    let spec = args.kind.resolve(None, args.model_draft.as_deref())?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -440,7 +540,7 @@ pub fn run(args: &Args) -> Result<String> {
         .max(1)
         + args.n_depth.iter().copied().max().unwrap_or(0);
     engine.kv_overrides = overrides;
-    let mut attached = attach(args, &engine, n_ctx + 64)?;
+    let mut attached = attach(args, spec, &engine, n_ctx + 64)?;
     if let Some(a) = &attached {
         if args.n_depth.iter().any(|&d| d > 0) {
             bail!("-d is not supported with -md yet");
@@ -456,6 +556,7 @@ pub fn run(args: &Args) -> Result<String> {
     let mut session = engine.session(n_ctx, k_type, v_type)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
 
+    let cpu_info = cpu_info();
     let mut records = Vec::new();
     let tests: Vec<(usize, usize)> = args
         .n_prompt
@@ -473,6 +574,8 @@ pub fn run(args: &Args) -> Result<String> {
                 None => run_once(&engine, session, (pp, tg, depth), seed),
             };
             prefill_depth(&engine, &mut session, depth, &mut seed)?;
+            // llama-bench stamps a test when it is set up, before its warm-up.
+            let test_time = rfc3339(std::time::SystemTime::now());
             once(&mut session, &mut attached, &mut seed)?; // warm-up
             if let Some(a) = attached.as_mut() {
                 (a.draft_ns, a.rounds) = (0, 0);
@@ -496,29 +599,54 @@ pub fn run(args: &Args) -> Result<String> {
                 reason = "non-negative nanosecond statistics"
             )]
             let (avg_ns, stddev_ns) = (avg_ns as u64, sd_ns as u64);
+            let (build_commit, build_number) = build_info();
             records.push(Record {
-                build_commit: env!("CARGO_PKG_VERSION"),
+                build_commit,
+                build_number,
+                cpu_info: cpu_info.clone(),
+                gpu_info: "",
+                backends: "CPU",
                 model_filename: path.display().to_string(),
                 model_type: model_type.clone(),
                 model_size: size,
                 model_n_params: params,
-                backends: "CPU",
-                n_threads: args.threads,
                 n_batch: args.batch_size,
+                n_ubatch: args.batch_size,
+                n_threads: args.threads,
+                cpu_mask: "0x0",
+                cpu_strict: false,
+                poll: 50,
                 type_k: k_type.name().to_owned(),
                 type_v: v_type.name().to_owned(),
+                n_gpu_layers: 0,
+                n_cpu_moe: 0,
+                split_mode: "none",
+                main_gpu: 0,
+                no_kv_offload: false,
+                flash_attn: 1,
+                devices: "CPU",
+                tensor_split: "0.00",
+                tensor_buft_overrides: "none",
+                load_mode: "mmap",
+                lazy_mode: "off",
+                embeddings: false,
+                no_op_offload: 0,
+                no_host: false,
+                repack: true,
+                fit_target: 0,
+                fit_min_ctx: 0,
                 n_prompt: pp,
                 n_gen: tg,
                 n_depth: depth,
-                kv_bytes_per_token: layout.bytes_per_token(),
-                kv_bytes_used: layout.bytes_for(depth + pp + tg),
-                test_time: format!("{:?}", std::time::SystemTime::now()),
+                test_time,
                 avg_ns,
                 stddev_ns,
                 avg_ts,
                 stddev_ts,
                 samples_ns,
                 samples_ts,
+                kv_bytes_per_token: layout.bytes_per_token(),
+                kv_bytes_used: layout.bytes_for(depth + pp + tg),
                 spec: attached
                     .as_ref()
                     .map(|a| format!("{} n_max {}", a.kind, a.n_max)),
@@ -590,4 +718,23 @@ fn render(records: &[Record], output: Output) -> Result<String> {
         }
     }
     Ok(s)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, UNIX_EPOCH};
+
+    use super::rfc3339;
+
+    /// `test_time` is llama-bench's `strftime("%FT%TZ", gmtime(…))`: checked at the epoch, a
+    /// leap day, the end of a leap year and a well-known timestamp.
+    #[test]
+    fn test_time_is_rfc3339_utc() {
+        let at = |s: u64| rfc3339(UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!(at(0), "1970-01-01T00:00:00Z");
+        assert_eq!(at(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(at(1_483_228_799), "2016-12-31T23:59:59Z");
+        assert_eq!(at(1_700_000_000), "2023-11-14T22:13:20Z");
+        assert_eq!(at(4_102_444_800), "2100-01-01T00:00:00Z");
+    }
 }

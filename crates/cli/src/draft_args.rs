@@ -1,8 +1,103 @@
 //! The speculative-decoding flags `specula run` and `specula serve` share (llama.cpp's names):
 //! draft length per round, the draft model's own context, threads and cache types, and DFlash's
-//! injection policy.
+//! injection policy; and the `-md` file's kind (`--dflash`, `--eagle3`, else auto-detected),
+//! which `specula bench` takes too.
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
+use clap::ValueEnum as _;
+
+use crate::run::SpecType;
+
+/// What kind of drafter the `-md` file is, for every subcommand that takes `-md`.
+#[derive(Debug, Clone, Copy, Default, clap::Args)]
+pub struct DraftKind {
+    /// The `-md` file is a DFlash drafter (`--spec-type draft-dflash`).
+    #[arg(long = "dflash", conflicts_with = "eagle3")]
+    pub dflash: bool,
+    /// The `-md` file is an EAGLE-3 head (`--spec-type draft-eagle3`).
+    #[arg(long = "eagle3")]
+    pub eagle3: bool,
+}
+
+impl DraftKind {
+    /// The `--spec-type` these flags name, if any.
+    #[must_use]
+    pub fn flag(self) -> Option<SpecType> {
+        if self.dflash {
+            Some(SpecType::DraftDflash)
+        } else if self.eagle3 {
+            Some(SpecType::DraftEagle3)
+        } else {
+            None
+        }
+    }
+
+    /// The speculative method of a subcommand: `--spec-type` if given, else `--dflash` /
+    /// `--eagle3`, else the `-md` file's architecture ([`detect_spec_type`]); `None` without
+    /// any of them (the caller's default). A method that needs a draft model without `-md`,
+    /// or `-md` with a method that takes none, is refused.
+    ///
+    /// # Errors
+    /// Contradicting flags, a missing or superfluous `-md`, or a `-md` file that cannot be
+    /// read.
+    pub fn resolve(
+        self,
+        spec_type: Option<SpecType>,
+        model_draft: Option<&str>,
+    ) -> Result<Option<SpecType>> {
+        let kind = match (spec_type, self.flag(), model_draft) {
+            (Some(t), Some(f), _) if t != f => bail!(
+                "--spec-type {} contradicts --{}",
+                spec_name(t),
+                if self.dflash { "dflash" } else { "eagle3" }
+            ),
+            (Some(t), _, _) | (None, Some(t), _) => t,
+            (None, None, Some(md)) => detect_spec_type(&crate::load::model_path(Some(md))?)?,
+            (None, None, None) => return Ok(None),
+        };
+        let needs_model = matches!(
+            kind,
+            SpecType::DraftSimple | SpecType::DraftEagle3 | SpecType::DraftDflash
+        );
+        if needs_model != model_draft.is_some() {
+            let flag = match (spec_type, self.dflash, self.eagle3) {
+                (None, true, _) => "--dflash".to_owned(),
+                (None, _, true) => "--eagle3".to_owned(),
+                _ => format!("--spec-type {}", spec_name(kind)),
+            };
+            bail!(
+                "{flag} {}",
+                if needs_model {
+                    "needs a draft model (-md FILE)"
+                } else {
+                    "takes no draft model (-md)"
+                }
+            );
+        }
+        Ok(Some(kind))
+    }
+}
+
+/// A `--spec-type`'s name on the command line (`draft-dflash`, …).
+pub fn spec_name(t: SpecType) -> String {
+    t.to_possible_value()
+        .map_or_else(String::new, |v| v.get_name().to_owned())
+}
+
+/// The `--spec-type` a draft GGUF asks for, from its `general.architecture` (llama.cpp's
+/// auto-detection: `dflash` → DFlash, `eagle3` → EAGLE-3, anything else a draft model).
+///
+/// # Errors
+/// The file cannot be read as GGUF.
+pub fn detect_spec_type(path: &std::path::Path) -> Result<SpecType> {
+    let file = specula_gguf::Gguf::open(path)
+        .with_context(|| format!("cannot load the draft {}", path.display()))?;
+    Ok(match file.header().architecture() {
+        Some("dflash") => SpecType::DraftDflash,
+        Some("eagle3") => SpecType::DraftEagle3,
+        _ => SpecType::DraftSimple,
+    })
+}
 
 /// Draft length and draft-model flags.
 #[derive(Debug, Clone, clap::Args)]

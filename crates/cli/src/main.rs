@@ -4,7 +4,15 @@
 //! it as text or JSON, so tests can check the report without parsing terminal output.
 //!
 //! - `specula inspect [FILE|MODEL] [--json]` — what is inside a GGUF file ([`inspect`]).
+//! - `specula run` — generate text, plain or speculative, like llama-cli ([`run`]).
+//! - `specula serve` — the OpenAI-compatible server, like llama-server ([`serve`]).
+//! - `specula bench` — llama-bench's pp/tg tests and its JSON fields ([`bench`]).
+//! - `specula perplexity FILE` — llama-perplexity's numbers ([`perplexity`]).
 //! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
+//! - `specula tokenize` — a prompt's token ids, like llama-tokenize ([`tokenize`]).
+//!
+//! Every subcommand that takes a draft model (`-md`) takes `--dflash` / `--eagle3` too
+//! ([`draft_args::DraftKind`]); errors are printed with their whole cause chain.
 
 mod bench;
 mod draft_args;

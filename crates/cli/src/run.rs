@@ -4,7 +4,6 @@ use std::io::Write as _;
 use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
-use clap::ValueEnum as _;
 use serde::Serialize;
 use specula_engine::{
     DflashDrafter, DraftModel, Eagle3Drafter, GenerateOptions, Injection, SpecOptions, Timings,
@@ -93,12 +92,9 @@ pub struct Args {
     /// `draft-dflash`, `eagle3` → `draft-eagle3`, else `draft-simple`); without: `ngram-simple`.
     #[arg(long = "spec-type", value_enum)]
     pub spec_type: Option<SpecType>,
-    /// The `-md` file is a DFlash drafter (`--spec-type draft-dflash`).
-    #[arg(long = "dflash", conflicts_with = "eagle3")]
-    pub dflash: bool,
-    /// The `-md` file is an EAGLE-3 head (`--spec-type draft-eagle3`).
-    #[arg(long = "eagle3")]
-    pub eagle3: bool,
+    /// `--dflash` / `--eagle3`.
+    #[command(flatten)]
+    pub kind: crate::draft_args::DraftKind,
     /// The draft-model and draft-length flags shared with `specula serve`.
     #[command(flatten)]
     pub draft: crate::draft_args::DraftArgs,
@@ -212,6 +208,11 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_v)?,
     );
     let overrides = load::layer_types(&args.layer_types)?;
+    // The speculative method before the model: a flag error should not wait for a load.
+    let spec_kind = args
+        .kind
+        .resolve(args.spec_type, args.model_draft.as_deref())?
+        .unwrap_or(SpecType::NgramSimple);
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -272,7 +273,7 @@ pub fn run(args: &Args) -> Result<String> {
     if args.draft.force_replay() {
         session.force_replay();
     }
-    let (kind, mut drafter, n_max) = drafter(args, &engine)?;
+    let (kind, mut drafter, n_max) = drafter(args, spec_kind, &engine)?;
     let spec = SpecOptions {
         n_max,
         n_min: args.draft.spec_n_min,
@@ -368,18 +369,6 @@ pub fn run(args: &Args) -> Result<String> {
     Ok(s)
 }
 
-/// The `--spec-type` a draft GGUF asks for, from its `general.architecture` (llama.cpp's
-/// auto-detection: `dflash` → DFlash, `eagle3` → EAGLE-3, anything else a draft model).
-pub(crate) fn detect_spec_type(path: &std::path::Path) -> Result<SpecType> {
-    let file = specula_gguf::Gguf::open(path)
-        .with_context(|| format!("cannot load the draft {}", path.display()))?;
-    Ok(match file.header().architecture() {
-        Some("dflash") => SpecType::DraftDflash,
-        Some("eagle3") => SpecType::DraftEagle3,
-        _ => SpecType::DraftSimple,
-    })
-}
-
 /// A drafter chosen by the flags: its `--spec-type` name, the drafter (`None`: no speculation)
 /// and the draft length per round.
 type Chosen = (String, Option<Box<dyn Drafter>>, usize);
@@ -388,6 +377,7 @@ type Chosen = (String, Option<Box<dyn Drafter>>, usize);
 /// draft length per round (`--spec-draft-n-max`, clamped to what the drafter can make).
 fn drafter(
     args: &Args,
+    kind: SpecType,
     target: &specula_engine::Engine<specula_cpu::CpuBackend>,
 ) -> Result<Chosen> {
     if args.draft.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
@@ -399,43 +389,7 @@ fn drafter(
             args.draft.spec_p_min
         );
     }
-    let flag = if args.dflash {
-        Some(SpecType::DraftDflash)
-    } else if args.eagle3 {
-        Some(SpecType::DraftEagle3)
-    } else {
-        None
-    };
-    let kind = match (args.spec_type, flag, &args.model_draft) {
-        (Some(t), Some(f), _) if t != f => bail!(
-            "--spec-type {} contradicts --{}",
-            t.to_possible_value()
-                .map_or_else(String::new, |v| v.get_name().to_owned()),
-            if args.dflash { "dflash" } else { "eagle3" }
-        ),
-        (Some(t), _, _) | (None, Some(t), _) => t,
-        (None, None, Some(md)) => detect_spec_type(&load::model_path(Some(md))?)?,
-        (None, None, None) => SpecType::NgramSimple,
-    };
-    let needs_model = matches!(
-        kind,
-        SpecType::DraftSimple | SpecType::DraftEagle3 | SpecType::DraftDflash
-    );
-    if needs_model != args.model_draft.is_some() {
-        bail!(
-            "--spec-type {} {}",
-            kind.to_possible_value()
-                .map_or_else(String::new, |v| v.get_name().to_owned()),
-            if needs_model {
-                "needs a draft model (-md FILE)"
-            } else {
-                "takes no draft model (-md)"
-            }
-        );
-    }
-    let name = kind
-        .to_possible_value()
-        .map_or_else(String::new, |v| v.get_name().to_owned());
+    let name = crate::draft_args::spec_name(kind);
     let threads = args.draft.threads(args.threads);
     let threads = if threads == 0 {
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get)

@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::ValueEnum as _;
 use specula_cpu::CpuBackend;
 use specula_engine::{DflashDrafter, DraftModel, Eagle3Drafter, Engine, Injection, SpecOptions};
 use specula_models::dflash::Dflash;
@@ -76,6 +75,9 @@ pub struct Args {
     /// `draft-dflash`, `eagle3` → `draft-eagle3`, else `draft-simple`); without: none.
     #[arg(long = "spec-type", value_enum)]
     pub spec_type: Option<SpecType>,
+    /// `--dflash` / `--eagle3`.
+    #[command(flatten)]
+    pub kind: crate::draft_args::DraftKind,
     /// The draft-model and draft-length flags shared with `specula run` (a request may change
     /// `--spec-draft-n-max`: `speculative.n_max`; `-cd` 0 is a slot's context; a DFlash or
     /// EAGLE-3 drafter's cache holds at least a slot's context).
@@ -103,6 +105,10 @@ pub fn run(args: &Args) -> Result<String> {
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
     );
+    // The speculative method before the model: a flag error should not wait for a load.
+    let spec_kind = args
+        .kind
+        .resolve(args.spec_type, args.model_draft.as_deref())?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -113,7 +119,7 @@ pub fn run(args: &Args) -> Result<String> {
         .with_context(|| format!("cannot load {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
-    let spec = speculative(args, &engine, n_ctx_slot)?;
+    let spec = speculative(args, spec_kind, &engine, n_ctx_slot)?;
     let name = args.alias.clone().unwrap_or_else(|| {
         path.file_name()
             .map_or_else(|| "specula".into(), |n| n.to_string_lossy().into_owned())
@@ -151,38 +157,16 @@ pub fn run(args: &Args) -> Result<String> {
 /// and state.
 fn speculative(
     args: &Args,
+    kind: Option<SpecType>,
     target: &Engine<CpuBackend>,
     n_ctx_slot: usize,
 ) -> Result<Option<Speculative>> {
-    let kind = match (args.spec_type, &args.model_draft) {
-        (Some(t), _) => t,
-        (None, Some(md)) => crate::run::detect_spec_type(&load::model_path(Some(md))?)?,
-        (None, None) => return Ok(None),
+    let kind = match kind {
+        None | Some(SpecType::None) => return Ok(None),
+        Some(kind) => kind,
     };
-    if kind == SpecType::None {
-        if args.model_draft.is_some() {
-            bail!("--spec-type none takes no draft model (-md)");
-        }
-        return Ok(None);
-    }
     args.draft.check()?;
-    let name = kind
-        .to_possible_value()
-        .map_or_else(String::new, |v| v.get_name().to_owned());
-    let needs_model = matches!(
-        kind,
-        SpecType::DraftSimple | SpecType::DraftEagle3 | SpecType::DraftDflash
-    );
-    if needs_model != args.model_draft.is_some() {
-        bail!(
-            "--spec-type {name} {}",
-            if needs_model {
-                "needs a draft model (-md FILE)"
-            } else {
-                "takes no draft model (-md)"
-            }
-        );
-    }
+    let name = crate::draft_args::spec_name(kind);
     let mut options = SpecOptions {
         n_max: args.draft.spec_n_max,
         n_min: args.draft.spec_n_min,
@@ -217,7 +201,7 @@ fn speculative(
             Box::new(move || {
                 DflashDrafter::shared(Arc::clone(&backend), Arc::clone(&net), n_ctx, k, v, policy)
                     .map(|d| Box::new(d) as _)
-                    .map_err(|e| e.to_string())
+                    .map_err(Into::into)
             })
         }
         SpecType::DraftEagle3 => {
@@ -230,7 +214,7 @@ fn speculative(
             Box::new(move || {
                 Eagle3Drafter::shared(Arc::clone(&backend), Arc::clone(&net), n_ctx, k, v)
                     .map(|d| Box::new(d) as _)
-                    .map_err(|e| e.to_string())
+                    .map_err(Into::into)
             })
         }
         SpecType::DraftSimple => {
@@ -258,7 +242,7 @@ fn speculative(
             let replay = args.draft.force_replay();
             Box::new(move || {
                 let mut d = DraftModel::shared(Arc::clone(&draft), &target_file, n_ctx, k, v)
-                    .map_err(|e| e.to_string())?;
+                    .map_err(Box::<dyn std::error::Error + Send + Sync>::from)?;
                 if replay {
                     d.force_replay();
                 }

@@ -360,3 +360,212 @@ fn serve_runs_feature_drafters_from_the_command_line() {
         let _ = child.wait();
     }
 }
+
+/// llama-bench's fields and their JSON types, in its order: `test::get_fields()` and
+/// `test::get_field_type()` of `tools/llama-bench/llama-bench.cpp` (INT → integer, BOOL →
+/// `true`/`false`, FLOAT → a number with a fraction, STRING → a string), then the two arrays
+/// its JSON and JSONL printers append. Tools that read llama-bench's `-o json|jsonl` read these.
+const LLAMA_BENCH_FIELDS: &[(&str, &str)] = &[
+    ("build_commit", "string"),
+    ("build_number", "int"),
+    ("cpu_info", "string"),
+    ("gpu_info", "string"),
+    ("backends", "string"),
+    ("model_filename", "string"),
+    ("model_type", "string"),
+    ("model_size", "int"),
+    ("model_n_params", "int"),
+    ("n_batch", "int"),
+    ("n_ubatch", "int"),
+    ("n_threads", "int"),
+    ("cpu_mask", "string"),
+    ("cpu_strict", "bool"),
+    ("poll", "int"),
+    ("type_k", "string"),
+    ("type_v", "string"),
+    ("n_gpu_layers", "int"),
+    ("n_cpu_moe", "int"),
+    ("split_mode", "string"),
+    ("main_gpu", "int"),
+    ("no_kv_offload", "bool"),
+    ("flash_attn", "int"),
+    ("devices", "string"),
+    ("tensor_split", "string"),
+    ("tensor_buft_overrides", "string"),
+    ("load_mode", "string"),
+    ("lazy_mode", "string"),
+    ("embeddings", "bool"),
+    ("no_op_offload", "int"),
+    ("no_host", "bool"),
+    ("repack", "bool"),
+    ("fit_target", "int"),
+    ("fit_min_ctx", "int"),
+    ("n_prompt", "int"),
+    ("n_gen", "int"),
+    ("n_depth", "int"),
+    ("test_time", "string"),
+    ("avg_ns", "int"),
+    ("stddev_ns", "int"),
+    ("avg_ts", "float"),
+    ("stddev_ts", "float"),
+    ("samples_ns", "int[]"),
+    ("samples_ts", "float[]"),
+];
+
+/// A JSON object's members in the order they were written.
+struct Ordered(Vec<(String, Json)>);
+
+impl<'de> serde::Deserialize<'de> for Ordered {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Ordered;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut m: A,
+            ) -> Result<Ordered, A::Error> {
+                let mut v = Vec::new();
+                while let Some(kv) = m.next_entry()? {
+                    v.push(kv);
+                }
+                Ok(Ordered(v))
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
+/// The JSON type of a value, in the names of [`LLAMA_BENCH_FIELDS`].
+fn json_type(v: &Json) -> String {
+    match v {
+        Json::String(_) => "string".into(),
+        Json::Bool(_) => "bool".into(),
+        Json::Number(n) if n.is_f64() => "float".into(),
+        Json::Number(_) => "int".into(),
+        Json::Array(a) => {
+            let t: Vec<String> = a.iter().map(json_type).collect();
+            assert!(t.windows(2).all(|w| w[0] == w[1]), "mixed array {v}");
+            format!("{}[]", t.first().map_or("?", String::as_str))
+        }
+        _ => format!("{v}"),
+    }
+}
+
+/// `specula bench -o json|jsonl` carries every llama-bench field, in llama-bench's order and
+/// with its JSON type (`test_time` an RFC 3339 UTC time), with and without a drafter; and
+/// `-md` takes `--dflash` / `--eagle3` (or detects them) as `specula run` does.
+#[test]
+fn bench_json_has_llama_bench_fields_and_draft_kind_flags() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, d) = files(dir.path());
+    let head = dir.path().join("eagle3.gguf");
+    let head = head.to_str().unwrap();
+    let cases: [(Vec<&str>, Option<&str>); 4] = [
+        (vec![], None),
+        (vec!["-md", &d, "--dflash"], Some("draft-dflash")),
+        (vec!["-md", head, "--eagle3"], Some("draft-eagle3")),
+        (vec!["-md", head], Some("draft-eagle3")),
+    ];
+    for (extra, spec) in &cases {
+        for fmt in ["json", "jsonl"] {
+            let mut args = vec![
+                "bench", "-m", &t, "-p", "8", "-n", "2", "-r", "2", "-t", "1",
+            ];
+            args.extend(["-o", fmt]);
+            args.extend(extra);
+            let out = specula(&args);
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "{args:?}: {err}");
+            let text = String::from_utf8(out.stdout).unwrap();
+            let records: Vec<Ordered> = if fmt == "json" {
+                serde_json::from_str(&text).expect("one JSON array")
+            } else {
+                text.lines()
+                    .map(|l| serde_json::from_str(l).expect("one object per line"))
+                    .collect()
+            };
+            assert_eq!(records.len(), 2, "{args:?}: pp8 and tg2: {text}");
+            for (r, (pp, tg)) in records.iter().zip([(8, 0), (0, 2)]) {
+                assert!(r.0.len() >= LLAMA_BENCH_FIELDS.len(), "{args:?}");
+                for ((key, value), (want_key, want_type)) in r.0.iter().zip(LLAMA_BENCH_FIELDS) {
+                    assert_eq!(key, want_key, "{args:?}: field order");
+                    assert_eq!(json_type(value), *want_type, "{args:?}: {key} = {value}");
+                }
+                let get = |k: &str| &r.0.iter().find(|(key, _)| key == k).unwrap().1;
+                assert_eq!(get("n_prompt"), pp, "{args:?}");
+                assert_eq!(get("n_gen"), tg, "{args:?}");
+                assert_eq!(get("samples_ns").as_array().unwrap().len(), 2);
+                let time = get("test_time").as_str().unwrap().as_bytes();
+                assert_eq!(time.len(), 20, "{args:?}: {}", get("test_time"));
+                for (i, c) in time.iter().enumerate() {
+                    let want = match i {
+                        4 | 7 => Some(b'-'),
+                        10 => Some(b'T'),
+                        13 | 16 => Some(b':'),
+                        19 => Some(b'Z'),
+                        _ => None,
+                    };
+                    match want {
+                        Some(w) => assert_eq!(*c, w, "{}", get("test_time")),
+                        None => assert!(c.is_ascii_digit(), "{}", get("test_time")),
+                    }
+                }
+                let got_spec = r.0.iter().find(|(k, _)| k == "spec").map(|(_, v)| v);
+                match spec {
+                    Some(s) => assert!(
+                        got_spec
+                            .and_then(Json::as_str)
+                            .is_some_and(|g| g.starts_with(s)),
+                        "{args:?}: {got_spec:?}"
+                    ),
+                    None => assert!(got_spec.is_none(), "{args:?}"),
+                }
+            }
+        }
+    }
+    let bad = |extra: &[&str], needle: &str| {
+        let mut args = vec![
+            "bench", "-m", &t, "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+        ];
+        args.extend(extra);
+        let out = specula(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    };
+    bad(&["--dflash"], "--dflash needs a draft model (-md FILE)");
+    bad(&["-md", &t, "--dflash"], "as a DFlash drafter");
+    bad(&["-md", &t], "attaches DFlash or EAGLE-3 drafters");
+}
+
+/// A draft model's error from below the engine reaches the user with every layer of its
+/// chain: the draft's own K cache (`-ctkd q4_0`) cannot hold the model's 16-value heads; `run`
+/// names the draft model, `serve` the slot, and both the cache's own error.
+#[test]
+fn draft_model_errors_print_their_whole_chain() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, _) = files(dir.path());
+    let kv = "K cache type q4_0 cannot store heads of 16 values: it needs a head dim that is a multiple of 32 (use f16, or a turbo type, which pads)";
+    let draft = ["-md", &t, "--spec-type", "draft-simple", "-ctkd", "q4_0"];
+    for (args, want) in [
+        (
+            vec!["run", "-m", &t, "-p", "hi", "-n", "2"],
+            format!("error: cannot use {t} (Qwen3) as the draft model: {kv}"),
+        ),
+        (
+            vec!["serve", "-m", &t, "--port", "0"],
+            format!("error: cannot make the drafter of slot 0: {kv}"),
+        ),
+    ] {
+        let mut args = args.clone();
+        args.extend(draft);
+        let out = specula(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{err}");
+        assert_eq!(err.lines().last(), Some(want.as_str()), "{err}");
+    }
+}

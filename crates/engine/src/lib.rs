@@ -74,7 +74,7 @@ pub enum EngineError {
     #[error(transparent)]
     Spec(specula_spec::SpecError),
     /// A draft model's vocabulary is not the target's.
-    #[error("the draft model cannot draft for this target: {0}")]
+    #[error("the draft model cannot draft for this target")]
     Vocab(#[from] VocabMismatch),
     /// A checkpoint of positions the session no longer holds.
     #[error(
@@ -559,9 +559,7 @@ impl<B: Backend> Engine<B> {
     fn check_taps(&self, layers: &[usize]) -> Result<()> {
         let n_layer = self.model.hparams().n_layer;
         if let Some(&t) = layers.iter().find(|&&t| t > n_layer) {
-            return Err(EngineError::Model(ModelError::Batch(format!(
-                "tap {t} is past the target's {n_layer} layers"
-            ))));
+            return Err(EngineError::Model(ModelError::Tap { tap: t, n_layer }));
         }
         Ok(())
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use specula_cpu::CpuBackend;
 use specula_engine::{
-    DraftModel, Engine, GenerateOptions, SpecOptions, VocabMismatch, check_vocab,
+    DraftModel, Engine, EngineError, GenerateOptions, SpecOptions, VocabMismatch, check_vocab,
 };
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_models::Model;
@@ -532,8 +532,17 @@ fn a_draft_model_of_another_vocabulary_is_refused_by_name() {
         check_vocab(&e.tokenizer, &other.tokenizer),
         Err(VocabMismatch::Special { what: "EOS", .. })
     ));
+    // The refusal says what it refuses, and keeps the mismatch as its source.
     let err = DraftModel::new(other, &e.tokenizer, 64, QType::F16, QType::F16).unwrap_err();
-    assert!(err.to_string().contains("EOS"), "{err}");
+    assert!(
+        matches!(
+            &err,
+            EngineError::Vocab(VocabMismatch::Special { what: "EOS", .. })
+        ),
+        "{err}"
+    );
+    let cause = std::error::Error::source(&err).map(ToString::to_string);
+    assert!(cause.is_some_and(|c| c.contains("EOS")), "{err}");
 }
 
 /// `--spec-draft-vocab`: a draft model whose head is cut to the most frequent tokens keeps the

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 #[non_exhaustive]
 pub enum GgufError {
     /// The file could not be opened, mapped, written or renamed.
-    #[error("{action} {path}: {source}")]
+    #[error("{action} {path}")]
     Io {
         /// What was being done (`open`, `map`, `write`, …).
         action: &'static str,

@@ -509,7 +509,10 @@ fn failed_write_file_leaves_nothing_half_written() {
             }
         })
         .unwrap_err();
-    assert!(err.to_string().contains("quantizer failed"), "{err}");
+    // The message says what was done to which file; the callback's error is its source.
+    assert!(err.to_string().contains("out.gguf"), "{err}");
+    let cause = std::error::Error::source(&err).map(ToString::to_string);
+    assert_eq!(cause.as_deref(), Some("quantizer failed"), "{err}");
     assert_eq!(std::fs::read(&target).unwrap(), b"previous contents");
     let leftovers: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()

@@ -128,9 +128,7 @@ pub type Result<T, E = KvError> = std::result::Result<T, E>;
 
 impl From<KvError> for specula_tensor::TensorError {
     fn from(e: KvError) -> Self {
-        Self::Kv {
-            detail: e.to_string(),
-        }
+        Self::Kv(Box::new(e))
     }
 }
 

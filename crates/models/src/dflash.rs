@@ -891,15 +891,20 @@ impl<B: Backend> Dflash<B> {
             return Ok(());
         }
         if features.len() != n * w {
-            return Err(ModelError::Batch(format!(
-                "DFlash injection: {} feature values for {n} rows of width {w}",
-                features.len()
-            )));
+            return Err(ModelError::Features {
+                what: "DFlash injection",
+                got: features.len(),
+                rows: n,
+                width: w,
+            });
         }
         if let Some(&p) = pos.iter().find(|&&p| p as usize >= n_ctx) {
-            return Err(ModelError::Batch(format!(
-                "DFlash injection at position {p} of a {n_ctx}-cell draft cache"
-            )));
+            return Err(ModelError::PastCache {
+                what: "DFlash injection",
+                rows: n,
+                pos: p as usize,
+                n_ctx,
+            });
         }
         let hp = &self.hp;
         sanitize(features, &mut s.sanitized);
@@ -943,20 +948,26 @@ impl<B: Backend> Dflash<B> {
         let hp = &self.hp;
         let n = tokens.len();
         if n == 0 || pos0 + n > n_ctx {
-            return Err(ModelError::Batch(format!(
-                "DFlash block of {n} rows at position {pos0} in a {n_ctx}-cell draft cache"
-            )));
+            return Err(ModelError::PastCache {
+                what: "DFlash block",
+                rows: n,
+                pos: pos0,
+                n_ctx,
+            });
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.n_vocab) {
-            return Err(ModelError::Batch(format!(
-                "DFlash block token {t} outside the vocabulary of {}",
-                self.n_vocab
-            )));
+            return Err(ModelError::TokenPastVocab {
+                what: "DFlash block",
+                id: t,
+                n_vocab: self.n_vocab,
+            });
         }
         if let Some(&r) = rows.iter().find(|&&r| r >= n) {
-            return Err(ModelError::Batch(format!(
-                "logits asked for row {r} of a {n}-row block"
-            )));
+            return Err(ModelError::LogitsRow {
+                what: "DFlash block".into(),
+                row: r,
+                rows: n,
+            });
         }
         let start = u32::try_from(pos0).unwrap_or(u32::MAX);
         s.pos.clear();

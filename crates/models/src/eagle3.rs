@@ -385,10 +385,12 @@ impl<B: Backend> Eagle3<B> {
     ) -> Result<()> {
         let w = self.feature_width();
         if !features.len().is_multiple_of(w) {
-            return Err(ModelError::Batch(format!(
-                "EAGLE-3 encoder: {} feature values are not rows of {w}",
-                features.len()
-            )));
+            return Err(ModelError::Features {
+                what: "EAGLE-3 encoder",
+                got: features.len(),
+                rows: features.len().div_ceil(w),
+                width: w,
+            });
         }
         let n = features.len() / w;
         if n == 0 {
@@ -431,23 +433,29 @@ impl<B: Backend> Eagle3<B> {
         let hp = &self.hp;
         let (n, e) = (tokens.len(), hp.n_embd);
         if n == 0 || pos.len() != n || g.len() != n * e {
-            return Err(ModelError::Batch(format!(
-                "EAGLE-3 decoder: {n} tokens, {} positions, {} g values (rows of {e})",
-                pos.len(),
-                g.len()
-            )));
+            return Err(ModelError::DecoderRows {
+                what: "EAGLE-3 decoder",
+                tokens: n,
+                positions: pos.len(),
+                values: g.len(),
+                width: e,
+            });
         }
         let max = pos.iter().max().map_or(0, |&p| p as usize);
         if max >= n_ctx {
-            return Err(ModelError::Batch(format!(
-                "EAGLE-3 decoder at position {max} of a {n_ctx}-cell cache"
-            )));
+            return Err(ModelError::PastCache {
+                what: "EAGLE-3 decoder",
+                rows: n,
+                pos: max,
+                n_ctx,
+            });
         }
         if let Some(&t) = tokens.iter().find(|&&t| t as usize >= self.n_vocab) {
-            return Err(ModelError::Batch(format!(
-                "EAGLE-3 token {t} outside the vocabulary of {}",
-                self.n_vocab
-            )));
+            return Err(ModelError::TokenPastVocab {
+                what: "EAGLE-3 decoder",
+                id: t,
+                n_vocab: self.n_vocab,
+            });
         }
         s.cells.clear();
         s.cells.extend(pos.iter().map(|&p| p as usize));

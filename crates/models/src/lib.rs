@@ -174,9 +174,115 @@ pub enum ModelError {
         /// The hidden size.
         n_embd: usize,
     },
-    /// A batch that does not fit the cache or is malformed.
-    #[error("{0}")]
-    Batch(String),
+    /// A quantized tensor whose rows the block format cannot cut.
+    #[error("tensor `{name}`")]
+    Rows {
+        /// The tensor name.
+        name: String,
+        /// Why.
+        #[source]
+        source: specula_quant::QuantError,
+    },
+    /// An output head cut to no tokens ([`Model::restrict_head`]).
+    #[error("an output head cut to no tokens (want at least one id)")]
+    EmptyHead,
+    /// A token id past the vocabulary.
+    #[error("{what}: token {id} is outside the vocabulary of {n_vocab} ids")]
+    TokenPastVocab {
+        /// The forward or operation (`output head`, `DFlash block`, …).
+        what: &'static str,
+        /// The id.
+        id: u32,
+        /// Vocabulary size.
+        n_vocab: usize,
+    },
+    /// A batch without sequences.
+    #[error("a batch needs at least one sequence")]
+    NoSequences,
+    /// A batch sequence whose positions do not match its tokens.
+    #[error(
+        "sequence {seq} of the batch has {tokens} tokens and {positions} positions (want one position per token, at least one token)"
+    )]
+    Positions {
+        /// Index of the sequence in the batch (0 for a one-sequence batch).
+        seq: usize,
+        /// Tokens.
+        tokens: usize,
+        /// Positions.
+        positions: usize,
+    },
+    /// Logits asked for a row the batch does not have.
+    #[error("{what}: logits asked for row {row} of {rows} rows")]
+    LogitsRow {
+        /// The batch (`sequence 2 of the batch`, `DFlash block`, …).
+        what: String,
+        /// The row asked for.
+        row: usize,
+        /// Rows of the batch.
+        rows: usize,
+    },
+    /// A sliding-window ring placement that does not fit the batch or the ring.
+    #[error(
+        "a ring placement of {rows} rows into {cells} cells for a {tokens}-token batch (want one cell below {cells} per token)"
+    )]
+    RingPlacement {
+        /// Rows placed.
+        rows: usize,
+        /// Cells of the ring.
+        cells: usize,
+        /// Tokens of the batch.
+        tokens: usize,
+    },
+    /// A target tap past the target's layers.
+    #[error("tap {tap} is past the target's {n_layer} layers (want at most {n_layer})")]
+    Tap {
+        /// The tap (0 = the embeddings, `l` = the output of layer `l − 1`).
+        tap: usize,
+        /// Layers of the target.
+        n_layer: usize,
+    },
+    /// Features that are not whole rows for the tokens they come with.
+    #[error("{what}: {got} feature values for {rows} rows of {width} (want {})", rows * width)]
+    Features {
+        /// The forward (`DFlash injection`, `EAGLE-3 encoder`).
+        what: &'static str,
+        /// Values given.
+        got: usize,
+        /// Rows expected.
+        rows: usize,
+        /// Values per row.
+        width: usize,
+    },
+    /// A drafter decoder's inputs that do not fit each other.
+    #[error(
+        "{what}: {tokens} tokens, {positions} positions and {values} values (want one position and one row of {width} values per token, at least one token)"
+    )]
+    DecoderRows {
+        /// The forward.
+        what: &'static str,
+        /// Tokens.
+        tokens: usize,
+        /// Positions.
+        positions: usize,
+        /// Values.
+        values: usize,
+        /// Values per row.
+        width: usize,
+    },
+    /// Rows at positions past a drafter's cache (or no rows at all).
+    #[error(
+        "{what}: {rows} rows at position {pos} do not fit a {n_ctx}-cell cache (want at least one row, ending at most at {n_ctx})"
+    )]
+    PastCache {
+        /// The forward.
+        what: &'static str,
+        /// Rows.
+        rows: usize,
+        /// First (or offending) position.
+        pos: usize,
+        /// Cells of the cache.
+        n_ctx: usize,
+    },
     /// An error of the backend.
     #[error(transparent)]
     Backend(#[from] TensorError),
@@ -585,17 +691,20 @@ impl<B: Backend> Model<B> {
     /// vocabulary does the same).
     ///
     /// # Errors
-    /// [`ModelError::Batch`] for an empty `ids` or an id past the vocabulary; errors of the
+    /// [`ModelError::EmptyHead`] for an empty `ids`, [`ModelError::TokenPastVocab`] for an id
+    /// past the vocabulary; errors of the
     /// backend making the weight.
     pub fn restrict_head(&mut self, backend: &B, ids: &[u32]) -> Result<()> {
         let n_vocab = self.hp.n_vocab;
         if ids.is_empty() {
-            return Err(ModelError::Batch("a head cut to no tokens".into()));
+            return Err(ModelError::EmptyHead);
         }
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= n_vocab) {
-            return Err(ModelError::Batch(format!(
-                "token {bad} is past the vocabulary of {n_vocab}"
-            )));
+            return Err(ModelError::TokenPastVocab {
+                what: "output head",
+                id: bad,
+                n_vocab,
+            });
         }
         let name = if self.output.is_some() {
             "output.weight"
@@ -614,9 +723,9 @@ impl<B: Backend> Model<B> {
             ty: info.ty.name().to_owned(),
         })?;
         let e = self.hp.n_embd;
-        let row = ty.row_bytes(e).map_err(|err| ModelError::BadValue {
-            key: name.into(),
-            detail: err.to_string(),
+        let row = ty.row_bytes(e).map_err(|source| ModelError::Rows {
+            name: name.into(),
+            source,
         })?;
         let data = self.file.tensor_data(idx);
         let mut bytes = Vec::with_capacity(row * ids.len());
@@ -807,15 +916,18 @@ impl<B: Backend> Model<B> {
         let n = tokens.len();
         Self::check_ring(ring.as_ref(), n)?;
         if n == 0 || pos.len() != n {
-            return Err(ModelError::Batch(format!(
-                "a batch needs one position per token ({n} tokens, {} positions)",
-                pos.len()
-            )));
+            return Err(ModelError::Positions {
+                seq: 0,
+                tokens: n,
+                positions: pos.len(),
+            });
         }
         if let Some(&bad) = logits_rows.iter().find(|&&r| r >= n) {
-            return Err(ModelError::Batch(format!(
-                "logits asked for row {bad} of a {n}-token batch"
-            )));
+            return Err(ModelError::LogitsRow {
+                what: "the batch".into(),
+                row: bad,
+                rows: n,
+            });
         }
         s.cells.clear();
         s.cells.extend(pos.iter().map(|&p| p as usize));
@@ -892,9 +1004,7 @@ impl<B: Backend> Model<B> {
             );
         }
         if seqs.is_empty() {
-            return Err(ModelError::Batch(
-                "a batch needs at least one sequence".into(),
-            ));
+            return Err(ModelError::NoSequences);
         }
         let mut all_tokens = std::mem::take(&mut s.all_tokens);
         let mut all_pos = std::mem::take(&mut s.all_pos);
@@ -905,15 +1015,18 @@ impl<B: Backend> Model<B> {
         for (i, q) in seqs.iter().enumerate() {
             let n = q.tokens.len();
             if n == 0 || q.pos.len() != n {
-                return Err(ModelError::Batch(format!(
-                    "sequence {i} of the batch needs one position per token ({n} tokens, {} positions)",
-                    q.pos.len()
-                )));
+                return Err(ModelError::Positions {
+                    seq: i,
+                    tokens: n,
+                    positions: q.pos.len(),
+                });
             }
             if let Some(&bad) = q.logits_rows.iter().find(|&&r| r >= n) {
-                return Err(ModelError::Batch(format!(
-                    "logits asked for row {bad} of sequence {i}, which has {n} tokens"
-                )));
+                return Err(ModelError::LogitsRow {
+                    what: format!("sequence {i} of the batch"),
+                    row: bad,
+                    rows: n,
+                });
             }
             Self::check_ring(q.ring.as_ref(), n)?;
             let off = all_tokens.len();
@@ -1011,11 +1124,11 @@ impl<B: Backend> Model<B> {
     fn check_ring(ring: Option<&Ring<'_>>, n: usize) -> Result<()> {
         match ring {
             Some(r) if r.cells.len() != n || r.cells.iter().any(|&c| c >= r.kv_pos.len()) => {
-                Err(ModelError::Batch(format!(
-                    "a ring placement of {} rows into {} cells for a {n}-token batch",
-                    r.cells.len(),
-                    r.kv_pos.len()
-                )))
+                Err(ModelError::RingPlacement {
+                    rows: r.cells.len(),
+                    cells: r.kv_pos.len(),
+                    tokens: n,
+                })
             }
             _ => Ok(()),
         }

@@ -45,7 +45,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use specula_engine::{Engine, SpecOptions};
+use specula_engine::{Engine, EngineError, SpecOptions};
 use specula_quant::QType;
 use specula_spec::Drafter;
 use specula_tensor::Backend;
@@ -56,22 +56,81 @@ use specula_tokenizer::Tokenizer;
 #[non_exhaustive]
 pub enum ServerError {
     /// The address cannot be bound.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}")]
     Bind {
         /// The address.
         addr: String,
         /// Why.
+        #[source]
         source: std::io::Error,
     },
-    /// The settings do not work together.
-    #[error("{0}")]
-    Config(String),
-    /// The engine thread could not start (cache allocation, drafter).
-    #[error("{0}")]
-    Engine(String),
+    /// `-np 0`.
+    #[error("-np must be at least 1")]
+    NoSlots,
+    /// A context too small to give each slot room.
+    #[error(
+        "-c {n_ctx} over -np {n_parallel} leaves {n_ctx_slot} positions per slot (want at least 2); raise -c or lower -np"
+    )]
+    SlotContext {
+        /// `-c`.
+        n_ctx: usize,
+        /// `-np`.
+        n_parallel: usize,
+        /// `n_ctx / n_parallel`.
+        n_ctx_slot: usize,
+    },
+    /// A slot's cache cannot be allocated.
+    #[error("cannot allocate the cache of slot {slot}")]
+    SlotCache {
+        /// The slot.
+        slot: usize,
+        /// Why.
+        #[source]
+        source: EngineError,
+    },
+    /// A slot's drafter cannot be made (the [`DrafterFactory`] failed).
+    #[error("cannot make the drafter of slot {slot}")]
+    SlotDrafter {
+        /// The slot.
+        slot: usize,
+        /// The factory's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+    /// The slots' drafters cannot serve one batch (they ask for different target taps).
+    #[error("the slots' drafters cannot share one batch")]
+    SlotDrafters(#[source] specula_spec::SpecError),
+    /// The engine thread ended before it was ready.
+    #[error("the engine thread stopped while starting")]
+    EngineStopped,
+    /// The engine failed.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
     /// The async runtime or a server thread failed.
-    #[error("server runtime: {0}")]
-    Runtime(String),
+    #[error("server runtime: {what}")]
+    Runtime {
+        /// What was being done.
+        what: &'static str,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The HTTP thread panicked.
+    #[error("server runtime: the HTTP thread panicked")]
+    HttpPanicked,
+}
+
+/// An error and its causes, outermost first, joined by `: ` (what a 500 response and a log
+/// line carry: `decoding failed: the draft-simple drafter failed: KV cache full: …`).
+pub(crate) fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 /// The name of the engine thread.
@@ -102,7 +161,8 @@ fn quiet_engine_panics() {
 }
 
 /// Makes one drafter (called once per slot, on the engine thread).
-pub type DrafterFactory = Box<dyn FnMut() -> Result<Box<dyn Drafter>, String> + Send>;
+pub type DrafterFactory =
+    Box<dyn FnMut() -> Result<Box<dyn Drafter>, Box<dyn std::error::Error + Send + Sync>> + Send>;
 
 /// Speculative decoding of the server: a drafter per slot and the default options that a
 /// request may override (`speculative.n_max`, `speculative.n_min`, `speculative.p_min`).
@@ -212,9 +272,7 @@ impl ServerHandle {
 
     fn join(&mut self) -> Result<(), ServerError> {
         match self.thread.take() {
-            Some(t) => t
-                .join()
-                .map_err(|_| ServerError::Runtime("the HTTP thread panicked".into()))?,
+            Some(t) => t.join().map_err(|_| ServerError::HttpPanicked)?,
             None => Ok(()),
         }
     }
@@ -244,15 +302,16 @@ where
     Engine<B>: Send,
 {
     if cfg.n_parallel == 0 {
-        return Err(ServerError::Config("-np must be at least 1".into()));
+        return Err(ServerError::NoSlots);
     }
     quiet_engine_panics();
     let n_ctx_slot = cfg.n_ctx / cfg.n_parallel;
     if n_ctx_slot < 2 {
-        return Err(ServerError::Config(format!(
-            "-c {} over -np {} leaves {n_ctx_slot} positions per slot; raise -c or lower -np",
-            cfg.n_ctx, cfg.n_parallel
-        )));
+        return Err(ServerError::SlotContext {
+            n_ctx: cfg.n_ctx,
+            n_parallel: cfg.n_parallel,
+            n_ctx_slot,
+        });
     }
     let addr = format!("{}:{}", cfg.host, cfg.port);
     let listener = std::net::TcpListener::bind(&addr).map_err(|source| ServerError::Bind {
@@ -265,7 +324,10 @@ where
     })?;
     listener
         .set_nonblocking(true)
-        .map_err(|e| ServerError::Runtime(e.to_string()))?;
+        .map_err(|source| ServerError::Runtime {
+            what: "cannot make the listener non-blocking",
+            source,
+        })?;
 
     let hp = engine.model.hparams().clone();
     let metrics = Arc::new(metrics::Metrics::default());
@@ -302,18 +364,19 @@ where
                 }
             }
         })
-        .map_err(|e| ServerError::Runtime(e.to_string()))?;
+        .map_err(|source| ServerError::Runtime {
+            what: "cannot start the engine thread",
+            source,
+        })?;
     let rollback = match ready_rx.recv() {
         Ok(Ok(r)) => r,
         Ok(Err(e)) => {
             let _ = engine_thread.join();
-            return Err(ServerError::Engine(e));
+            return Err(e);
         }
         Err(_) => {
             let _ = engine_thread.join();
-            return Err(ServerError::Engine(
-                "the engine thread stopped while starting".into(),
-            ));
+            return Err(ServerError::EngineStopped);
         }
     };
 
@@ -356,22 +419,35 @@ where
                 .thread_name("specula-http-worker")
                 .enable_all()
                 .build()
-                .map_err(|e| ServerError::Runtime(e.to_string()))?;
+                .map_err(|source| ServerError::Runtime {
+                    what: "cannot build the HTTP runtime",
+                    source,
+                })?;
             let served = rt.block_on(async move {
-                let listener = tokio::net::TcpListener::from_std(listener)
-                    .map_err(|e| ServerError::Runtime(e.to_string()))?;
+                let listener = tokio::net::TcpListener::from_std(listener).map_err(|source| {
+                    ServerError::Runtime {
+                        what: "cannot register the listener",
+                        source,
+                    }
+                })?;
                 let app = http::router(state);
                 axum::serve(listener, app)
                     .with_graceful_shutdown(shutdown_signal(stop_rx, handle_signals))
                     .await
-                    .map_err(|e| ServerError::Runtime(e.to_string()))
+                    .map_err(|source| ServerError::Runtime {
+                        what: "the HTTP server failed",
+                        source,
+                    })
             });
             tracing::info!("HTTP server stopped; stopping the engine");
             let _ = tx.send(worker::Command::Shutdown);
             let _ = engine_thread.join();
             served
         })
-        .map_err(|e| ServerError::Runtime(e.to_string()))?;
+        .map_err(|source| ServerError::Runtime {
+            what: "cannot start the HTTP thread",
+            source,
+        })?;
     tracing::info!("listening on http://{local}");
     Ok(ServerHandle {
         addr: local,

@@ -197,19 +197,20 @@ impl<B: Backend> Worker<B> {
         mut spec: Option<(SpecSetup, crate::DrafterFactory)>,
         rx: Receiver<Command>,
         metrics: Arc<Metrics>,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, crate::ServerError> {
         let mut slots = Vec::with_capacity(cfg.n_parallel);
         let mut drafters: Vec<Box<dyn Drafter>> = Vec::new();
         for id in 0..cfg.n_parallel {
             let mut session = engine
                 .session(cfg.n_ctx_slot, cfg.k_type, cfg.v_type)
-                .map_err(|e| format!("cannot allocate the cache of slot {id}: {e}"))?;
+                .map_err(|source| crate::ServerError::SlotCache { slot: id, source })?;
             if cfg.force_replay {
                 session.force_replay();
             }
             let drafter = match spec.as_mut() {
                 Some((_, factory)) => Some(
-                    factory().map_err(|e| format!("cannot make the drafter of slot {id}: {e}"))?,
+                    factory()
+                        .map_err(|source| crate::ServerError::SlotDrafter { slot: id, source })?,
                 ),
                 None => None,
             };
@@ -244,7 +245,7 @@ impl<B: Backend> Worker<B> {
             }
         );
         let drafter = match spec {
-            Some(_) => Some(PerSeq::new(drafters).map_err(|e| e.to_string())?),
+            Some(_) => Some(PerSeq::new(drafters).map_err(crate::ServerError::SlotDrafters)?),
             None => None,
         };
         let (spec, factory) = spec.map_or((None, None), |(s, f)| (Some(s), Some(f)));
@@ -563,7 +564,7 @@ impl<B: Backend> Worker<B> {
             }
             let drafter = self.drafter.as_mut().map(|d| d as &mut dyn BatchDrafter);
             for (j, e) in plan(&mut entries, drafter, n_vocab, &mut self.drafts) {
-                faults.push((idx[j], format!("the drafter failed: {e}")));
+                faults.push((idx[j], format!("the drafter failed: {}", crate::chain(&e))));
             }
         }
         for (i, msg) in faults.drain(..) {
@@ -634,7 +635,7 @@ impl<B: Backend> Worker<B> {
         let mut starts: Vec<Option<usize>> = vec![Some(0); order.len()];
         for (j, e) in failed.drain(..) {
             starts[j] = None;
-            faults.push((order[j].0, format!("decoding failed: {e}")));
+            faults.push((order[j].0, format!("decoding failed: {}", crate::chain(&e))));
         }
         let mut off = 0;
         for (start, &(_, n_rows)) in starts.iter_mut().zip(&order) {
@@ -683,7 +684,7 @@ impl<B: Backend> Worker<B> {
                 in_drafter_s = td.elapsed().as_secs_f64();
                 for (f, r) in feeds.iter().zip(self.fed.drain(..)) {
                     if let Err(e) = r {
-                        faults.push((f.seq, format!("the drafter failed: {e}")));
+                        faults.push((f.seq, format!("the drafter failed: {}", crate::chain(&e))));
                     }
                 }
             }
@@ -781,11 +782,14 @@ fn commit_slot<B: Backend>(
             cost,
         )
         .map_err(|e| match e {
-            EngineError::Spec(SpecError::Sampling(_) | SpecError::Shape(_)) => {
-                format!("sampling failed: {e}")
-            }
-            EngineError::Spec(_) => format!("the drafter failed: {e}"),
-            e => format!("rolling back the rejected draft failed: {e}"),
+            EngineError::Spec(
+                SpecError::Sampling(_) | SpecError::Rows { .. } | SpecError::Distributions { .. },
+            ) => format!("sampling failed: {}", crate::chain(&e)),
+            EngineError::Spec(_) => format!("the drafter failed: {}", crate::chain(&e)),
+            e => format!(
+                "rolling back the rejected draft failed: {}",
+                crate::chain(&e)
+            ),
         })?;
     let mut finish: Option<&'static str> = None;
     for (i, &id) in verdict.tokens.iter().enumerate() {
@@ -893,11 +897,17 @@ fn start_task<B: Backend>(
     }
     let mut sampler = match Sampler::new(job.sampler, n_vocab) {
         Ok(s) => s,
-        Err(e) => return refuse(job, 400, format!("bad sampling parameter: {e}")),
+        Err(e) => {
+            return refuse(
+                job,
+                400,
+                format!("bad sampling parameter: {}", crate::chain(&e)),
+            );
+        }
     };
     for &id in &job.prompt {
         if let Err(e) = sampler.accept(id) {
-            return refuse(job, 400, format!("bad prompt token: {e}"));
+            return refuse(job, 400, format!("bad prompt token: {}", crate::chain(&e)));
         }
     }
     // Keep the cached prefix; the anchor (last prompt token) always runs in the first step.
@@ -937,7 +947,7 @@ fn start_task<B: Backend>(
         match d.begin_reusing(slot.id, &job.prompt, common) {
             Ok(held) => common = common.min(held),
             Err(e) => {
-                let msg = format!("the drafter failed: {e}");
+                let msg = format!("the drafter failed: {}", crate::chain(&e));
                 tracing::error!(id = %job.id, slot = slot.id, "request failed: {msg}");
                 let _ = job.events.send(Event::Error(500, msg.clone()));
                 return Err(msg);
@@ -1059,10 +1069,4 @@ fn finish_task<B: Backend>(
     };
     let _ = t.job.events.send(Event::Done(Box::new(summary)));
     release(slot, &t);
-}
-
-impl From<EngineError> for crate::ServerError {
-    fn from(e: EngineError) -> Self {
-        Self::Engine(e.to_string())
-    }
 }

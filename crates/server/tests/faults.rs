@@ -53,7 +53,7 @@ impl Faulty {
         match self.how {
             How::Error => Err(SpecError::Drafter {
                 drafter: "faulty",
-                message: format!("{CAUSE} in {at:?}"),
+                source: format!("{CAUSE} in {at:?}").into(),
             }),
             How::Panic => panic!("{CAUSE} in {at:?}"),
         }

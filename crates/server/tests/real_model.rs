@@ -19,9 +19,7 @@ use specula_spec::ngram::NgramSimple;
 use specula_tokenizer::Tokenizer;
 
 fn smollm(n_parallel: usize, ngram: bool) -> Option<ServerHandle> {
-    let Some(path) = specula_testkit::real_model("smollm2-135m") else {
-        return None;
-    };
+    let path = specula_testkit::real_model("smollm2-135m")?;
     let file = Arc::new(Gguf::open(&path).unwrap());
     let be = CpuBackend::new(2);
     let model = Model::load(&be, Arc::clone(&file)).unwrap();
@@ -89,9 +87,7 @@ fn smollm2_batched_slots_and_ngram_drafts_keep_greedy_answers() {
 /// Gemma-3 270m with forwards of 16 rows, so its sliding-window layers keep a ring of
 /// 512 + 16 cells of a 1024-cell slot.
 fn gemma(n_parallel: usize, ngram: bool) -> Option<ServerHandle> {
-    let Some(path) = specula_testkit::real_model("gemma3-270m") else {
-        return None;
-    };
+    let path = specula_testkit::real_model("gemma3-270m")?;
     let file = Arc::new(Gguf::open(&path).unwrap());
     let be = CpuBackend::new(2);
     let model = Model::load(&be, Arc::clone(&file)).unwrap();

@@ -159,7 +159,7 @@ impl<D: Drafter + ?Sized> PerSeq<D> {
     /// The drafters of sequences `0..drafters.len()`.
     ///
     /// # Errors
-    /// [`SpecError::Shape`] when they ask for different target taps (one feature batch has one
+    /// [`SpecError::Taps`] when they ask for different target taps (one feature batch has one
     /// row layout).
     pub fn new(drafters: Vec<Box<D>>) -> Result<Self, SpecError> {
         if let Some(first) = drafters.first()
@@ -167,11 +167,11 @@ impl<D: Drafter + ?Sized> PerSeq<D> {
                 .iter()
                 .position(|d| d.target_taps() != first.target_taps())
         {
-            return Err(SpecError::Shape(format!(
-                "the drafter of sequence {i} taps {:?}, that of sequence 0 {:?}: one batch of features needs the same taps for all",
-                drafters[i].target_taps(),
-                first.target_taps()
-            )));
+            return Err(SpecError::Taps {
+                seq: i,
+                taps: drafters[i].target_taps().to_vec(),
+                first: first.target_taps().to_vec(),
+            });
         }
         Ok(Self { drafters })
     }

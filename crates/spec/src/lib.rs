@@ -50,17 +50,67 @@ pub enum SpecError {
     /// The sampler refused a step (e.g. logits of the wrong length).
     #[error(transparent)]
     Sampling(#[from] specula_sampling::SamplingError),
-    /// A drafter's own failure (a draft model's forward pass, …), with its message.
-    #[error("{drafter}: {message}")]
+    /// A drafter's own failure (a draft model's forward pass, …), with its cause.
+    #[error("drafter {drafter}")]
     Drafter {
         /// The drafter's name.
         drafter: &'static str,
-        /// What went wrong.
-        message: String,
+        /// What went wrong inside it (the draft model's or drafter network's error).
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
     },
-    /// The verifier was given rows that do not match the draft.
-    #[error("verify: {0}")]
-    Shape(String),
+    /// The verifier was given target rows that do not match the draft.
+    #[error(
+        "verify: {got} logits for a draft of {draft} tokens over {n_vocab} ids (want {} rows of {n_vocab})",
+        draft + 1
+    )]
+    Rows {
+        /// Logits given.
+        got: usize,
+        /// Draft tokens.
+        draft: usize,
+        /// Vocabulary size (logits per row).
+        n_vocab: usize,
+    },
+    /// The rejection-sampling verifier was given draft distributions that do not match the
+    /// draft.
+    #[error(
+        "verify: {got} draft distributions for {draft} draft tokens over {n_vocab} ids (want {draft} of {n_vocab} values)"
+    )]
+    Distributions {
+        /// Distributions given.
+        got: usize,
+        /// Draft tokens.
+        draft: usize,
+        /// Vocabulary size.
+        n_vocab: usize,
+    },
+    /// Target features (or what a drafter made of them) that do not fit the tokens they came
+    /// with: the target must capture the drafter's taps for every token it runs.
+    #[error("{drafter}: {got} feature values for {tokens} tokens (want {tokens} rows of {width})")]
+    Features {
+        /// The drafter's name.
+        drafter: &'static str,
+        /// Values given.
+        got: usize,
+        /// Tokens of the batch.
+        tokens: usize,
+        /// Values per token.
+        width: usize,
+    },
+    /// Drafters of one batch that ask for different target taps (one batch of features has
+    /// one row layout).
+    #[error(
+        "the drafter of sequence {seq} taps {taps:?}, that of sequence 0 {first:?}: one batch of features needs the same taps for all"
+    )]
+    Taps {
+        /// The sequence whose drafter differs.
+        seq: usize,
+        /// Its taps.
+        taps: Vec<usize>,
+        /// The taps of sequence 0.
+        first: Vec<usize>,
+    },
     /// A drafter panicked (a bug), caught by [`PerSeq`]: only its sequence fails.
     #[error("{drafter} panicked: {message}")]
     Panicked {
@@ -72,6 +122,19 @@ pub enum SpecError {
     /// A state handed to [`Drafter::restore`] was not made by that drafter.
     #[error("{0}: not a state of this drafter")]
     ForeignState(&'static str),
+}
+
+impl SpecError {
+    /// A drafter's failure caused by `source` (a model's, an engine's error).
+    pub fn drafter(
+        drafter: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+    ) -> Self {
+        Self::Drafter {
+            drafter,
+            source: Box::new(source),
+        }
+    }
 }
 
 /// A drafter's saved state, opaque to the loop.

@@ -25,20 +25,16 @@ pub struct Verdict {
     pub accepted: usize,
 }
 
-fn rows_of<'a>(
-    rows: &'a [f32],
-    n_vocab: usize,
-    draft: &[u32],
-) -> Result<std::slice::ChunksExact<'a, f32>, SpecError> {
+/// Checks that `rows` holds `draft.len() + 1` rows of `n_vocab` logits.
+fn check_rows(rows: &[f32], n_vocab: usize, draft: &[u32]) -> Result<(), SpecError> {
     if n_vocab == 0 || rows.len() != (draft.len() + 1) * n_vocab {
-        return Err(SpecError::Shape(format!(
-            "{} logits for a draft of {} tokens over {n_vocab} ids (want {} rows)",
-            rows.len(),
-            draft.len(),
-            draft.len() + 1
-        )));
+        return Err(SpecError::Rows {
+            got: rows.len(),
+            draft: draft.len(),
+            n_vocab,
+        });
     }
-    Ok(rows.chunks_exact(n_vocab))
+    Ok(())
 }
 
 /// Sample-and-match over the verify rows `rows` (`draft.len() + 1` rows of `n_vocab` logits:
@@ -52,25 +48,28 @@ pub fn sample_and_match(
     n_vocab: usize,
     draft: &[u32],
 ) -> Result<Verdict, SpecError> {
-    let rows = rows_of(rows, n_vocab, draft)?;
+    check_rows(rows, n_vocab, draft)?;
+    let (drafted, last) = rows.split_at(draft.len() * n_vocab);
     let mut tokens = Vec::with_capacity(draft.len() + 1);
-    for (i, row) in rows.enumerate() {
+    for (i, (row, &d)) in drafted.chunks_exact(n_vocab).zip(draft).enumerate() {
         let y = sampler.sample(row)?;
         sampler.accept(y)?;
         tokens.push(y);
-        if draft.get(i) != Some(&y) {
+        if y != d {
             return Ok(Verdict {
                 tokens,
                 accepted: i,
             });
         }
     }
-    unreachable_verdict()
-}
-
-/// The loop above always returns at the last row (no draft token there to match).
-fn unreachable_verdict() -> Result<Verdict, SpecError> {
-    Err(SpecError::Shape("no row past the draft".into()))
+    // Every draft token matched: the last row gives the bonus token.
+    let y = sampler.sample(last)?;
+    sampler.accept(y)?;
+    tokens.push(y);
+    Ok(Verdict {
+        tokens,
+        accepted: draft.len(),
+    })
 }
 
 /// The sampler's final distribution for `row` as a dense vector over the vocabulary.
@@ -118,13 +117,14 @@ pub fn rejection(
     draft: &[u32],
     q: &[Vec<f32>],
 ) -> Result<Verdict, SpecError> {
-    let rows: Vec<&[f32]> = rows_of(rows, n_vocab, draft)?.collect();
+    check_rows(rows, n_vocab, draft)?;
+    let rows: Vec<&[f32]> = rows.chunks_exact(n_vocab).collect();
     if q.len() != draft.len() || q.iter().any(|q| q.len() != n_vocab) {
-        return Err(SpecError::Shape(format!(
-            "{} draft distributions for {} draft tokens over {n_vocab} ids",
-            q.len(),
-            draft.len()
-        )));
+        return Err(SpecError::Distributions {
+            got: q.len(),
+            draft: draft.len(),
+            n_vocab,
+        });
     }
     let mut tokens = Vec::with_capacity(draft.len() + 1);
     for (i, (&d, q)) in draft.iter().zip(q).enumerate() {

@@ -65,12 +65,10 @@ pub enum TensorError {
         /// Bytes given.
         got: usize,
     },
-    /// The cache cannot hold the requested cells.
-    #[error("KV cache: {detail}")]
-    Kv {
-        /// What went wrong.
-        detail: String,
-    },
+    /// An error of the KV cache (a `specula_kv::KvError`: this crate sits below `specula-kv`,
+    /// so it keeps the error as its source, whole).
+    #[error(transparent)]
+    Kv(Box<dyn std::error::Error + Send + Sync>),
     /// A block-format error from `specula-quant`.
     #[error(transparent)]
     Quant(#[from] specula_quant::QuantError),

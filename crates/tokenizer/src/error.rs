@@ -74,7 +74,15 @@ pub enum TokenizerError {
     /// The model has no `tokenizer.chat_template`.
     #[error("the model has no chat template (tokenizer.chat_template)")]
     NoChatTemplate,
-    /// The chat template does not parse or fails while rendering.
+    /// The chat template does not parse or fails while rendering. The message carries
+    /// minijinja's whole report (`{:#}`: the kind, the detail and the template line), so the
+    /// error is not also given as this one's source (a cause chain would print it twice).
     #[error("chat template: {0:#}")]
-    Template(#[from] minijinja::Error),
+    Template(minijinja::Error),
+}
+
+impl From<minijinja::Error> for TokenizerError {
+    fn from(e: minijinja::Error) -> Self {
+        Self::Template(e)
+    }
 }

@@ -57,9 +57,7 @@ fn opt_id(v: &Json) -> Option<TokenId> {
 
 /// Checks one model; returns the list of differences.
 fn check(model: &str) -> Option<Vec<String>> {
-    let Some(path) = specula_testkit::real_model(model) else {
-        return None;
-    };
+    let path = specula_testkit::real_model(model)?;
     let g: Json = serde_json::from_str(&std::fs::read_to_string(golden_path(model)).unwrap())
         .expect("golden parses");
     let t0 = Instant::now();

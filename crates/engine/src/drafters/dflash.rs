@@ -87,11 +87,8 @@ impl<B: Backend> std::fmt::Debug for DflashDrafter<B> {
     }
 }
 
-fn err(e: impl std::fmt::Display) -> SpecError {
-    SpecError::Drafter {
-        drafter: "draft-dflash",
-        message: e.to_string(),
-    }
+fn err(e: impl std::error::Error + Send + Sync + 'static) -> SpecError {
+    SpecError::drafter("draft-dflash", e)
 }
 
 impl<B: Backend> DflashDrafter<B> {
@@ -182,11 +179,12 @@ impl<B: Backend> DflashDrafter<B> {
         let n = tokens.len();
         let w = self.net.feature_width();
         if features.len() != n * w {
-            return Err(err(format!(
-                "{} feature values for {n} rows of width {w}: the loop did not capture taps {:?}",
-                features.len(),
-                self.taps
-            )));
+            return Err(SpecError::Features {
+                drafter: "draft-dflash",
+                got: features.len(),
+                tokens: n,
+                width: w,
+            });
         }
         if pos0 > self.ctx_tokens.len() || pos0 + n > self.n_ctx {
             // Context the target never showed us (or past the cache): no drafting on top of it.

@@ -191,7 +191,7 @@ impl<B: Backend> DraftModel<B> {
                 self.checkpoint.as_ref(),
                 &self.cached[..n],
             )
-            .map_err(|e| Self::err(&e))?;
+            .map_err(Self::err)?;
         if let Rewound::Replayed(rows) = r {
             self.replays.0 += 1;
             self.replays.1 += rows;
@@ -203,11 +203,8 @@ impl<B: Backend> DraftModel<B> {
         Ok(())
     }
 
-    fn err(e: &EngineError) -> SpecError {
-        SpecError::Drafter {
-            drafter: "draft-simple",
-            message: e.to_string(),
-        }
+    fn err(e: EngineError) -> SpecError {
+        SpecError::drafter("draft-simple", e)
     }
 
     /// Brings the cache to `tokens` (rerunning only what differs) and returns the logits of
@@ -220,7 +217,7 @@ impl<B: Backend> DraftModel<B> {
         let feed = &tokens[common..];
         self.engine
             .prefill_into(&mut self.session, feed, feed.len() - 1, &mut self.logits)
-            .map_err(|e| Self::err(&e))?;
+            .map_err(Self::err)?;
         self.cached.extend_from_slice(feed);
         if self.session.rollback() == Rollback::Replay {
             self.checkpoint = Some(self.session.checkpoint());
@@ -311,7 +308,7 @@ impl<B: Backend> Drafter for DraftModel<B> {
         if !feed.is_empty() {
             self.engine
                 .prefill_into(&mut self.session, feed, feed.len(), &mut self.logits)
-                .map_err(|e| Self::err(&e))?;
+                .map_err(Self::err)?;
             self.cached.extend_from_slice(feed);
         }
         Ok(())
@@ -340,7 +337,7 @@ impl<B: Backend> Drafter for DraftModel<B> {
             }
             self.engine
                 .prefill_into(&mut self.session, &[tok], 0, &mut self.logits)
-                .map_err(|e| Self::err(&e))?;
+                .map_err(Self::err)?;
             self.cached.push(tok);
         }
         Ok(out)

@@ -56,11 +56,8 @@ impl<B: Backend> std::fmt::Debug for Eagle3Drafter<B> {
     }
 }
 
-fn err(e: impl std::fmt::Display) -> SpecError {
-    SpecError::Drafter {
-        drafter: "draft-eagle3",
-        message: e.to_string(),
-    }
+fn err(e: impl std::error::Error + Send + Sync + 'static) -> SpecError {
+    SpecError::drafter("draft-eagle3", e)
 }
 
 impl<B: Backend> Eagle3Drafter<B> {
@@ -177,12 +174,14 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             .map_err(err)?;
         let e = self.net.hparams().n_embd;
         if self.g.len() - before != tokens.len() * e {
+            let got = self.g.len() - before;
             self.g.truncate(before);
-            return Err(err(format!(
-                "{} feature rows for {} tokens",
-                (self.g.len() - before) / e,
-                tokens.len()
-            )));
+            return Err(SpecError::Features {
+                drafter: "draft-eagle3",
+                got,
+                tokens: tokens.len(),
+                width: e,
+            });
         }
         self.seq.extend_from_slice(tokens);
         Ok(())

@@ -385,7 +385,7 @@ pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHan
                 factory: Box::new(move || {
                     DraftModel::shared(Arc::clone(&d), &target, n_ctx_slot, QType::F16, QType::F16)
                         .map(|m| Box::new(m) as _)
-                        .map_err(|e| e.to_string())
+                        .map_err(|e| Box::new(e) as _)
                 }),
             })
         }
@@ -417,7 +417,7 @@ pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHan
                         policy,
                     )
                     .map(|d| Box::new(d) as _)
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| Box::new(e) as _)
                 }),
             })
         }
@@ -438,7 +438,7 @@ pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHan
                         QType::F16,
                     )
                     .map(|d| Box::new(d) as _)
-                    .map_err(|e| e.to_string())
+                    .map_err(|e| Box::new(e) as _)
                 }),
             })
         }
