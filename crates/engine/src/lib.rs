@@ -121,6 +121,22 @@ pub use specula_kv::Rollback;
 /// Result alias.
 pub type Result<T, E = EngineError> = std::result::Result<T, E>;
 
+/// The text whose K and V rows fix the offsets of every session's quantized cache
+/// ([`Engine::session`]): prose and code, as the caches hold. The offsets take the part all
+/// rows share (K biases, massive-activation channels) out of the quantization blocks, which
+/// any text shows.
+pub const KV_CALIBRATION_TEXT: &str = "The cache stores the keys and values of every position \
+    that came before, so that each new token attends to the whole context without computing it \
+    again. Here is a short program that reads a file, counts its words and prints the most \
+    common ones:\n\nimport collections\nimport sys\n\n\ndef main(path):\n    with open(path, \
+    encoding=\"utf-8\") as f:\n        words = f.read().lower().split()\n    counts = \
+    collections.Counter(words)\n    for word, n in counts.most_common(10):\n        \
+    print(f\"{n:6d} {word}\")\n\n\nif __name__ == \"__main__\":\n    main(sys.argv[1])\n\n\
+    It runs in linear time; the dictionary holds one entry per distinct word.\n";
+
+/// How many tokens of [`KV_CALIBRATION_TEXT`] a session runs to fix its cache offsets.
+pub const KV_CALIBRATION_TOKENS: usize = 128;
+
 /// A model with its tokenizer on a backend.
 pub struct Engine<B: Backend> {
     /// The device.
@@ -428,7 +444,7 @@ impl<B: Backend> Engine<B> {
     /// If the backend cannot allocate the cache.
     pub fn session(&self, n_ctx: usize, k_type: QType, v_type: QType) -> Result<Session<B>> {
         let shape = self.kv_shape(n_ctx, k_type, v_type);
-        Ok(Session {
+        let mut s = Session {
             layout: self.kv_layout(n_ctx, k_type, v_type)?,
             kv: self
                 .backend
@@ -446,7 +462,61 @@ impl<B: Backend> Engine<B> {
                 held: vec![SwaRing::EMPTY; n_ctx],
                 cells: Vec::new(),
             }),
-        })
+        };
+        self.calibrate_kv(&mut s)?;
+        Ok(s)
+    }
+
+    /// Fixes the per-head offsets of a fresh session's quantized planes
+    /// ([`specula_kv::Plane::calibrate`]: the mean of a plane's first write) from a fixed
+    /// input: the first [`KV_CALIBRATION_TOKENS`] tokens of [`KV_CALIBRATION_TEXT`] (fewer
+    /// when the context or a sliding-window ring holds fewer), run in one forward, then the
+    /// session is emptied. Every session of this engine with these formats and context gets the
+    /// same offsets, whatever it runs later, so a sequence's rows are stored, and its output
+    /// computed, exactly as on a fresh session: no dependence on earlier requests of a reused
+    /// server slot, on the prefill chunking, on which prefix a prompt-cache hit reuses, or on
+    /// rewinds and replays. A session whose every plane is a float format skips it.
+    fn calibrate_kv(&self, s: &mut Session<B>) -> Result<()> {
+        let float = |t: QType| matches!(t, QType::F32 | QType::F16 | QType::BF16);
+        if s.layout
+            .layers
+            .iter()
+            .all(|l| float(l.types.k) && float(l.types.v))
+        {
+            return Ok(());
+        }
+        let n_vocab = self.model.hparams().n_vocab;
+        let room = s
+            .ring
+            .as_ref()
+            .map_or(s.n_ctx, |r| r.pos.len().min(s.n_ctx))
+            .min(KV_CALIBRATION_TOKENS);
+        let mut ids: Vec<u32> = self
+            .tokenizer
+            .encode(KV_CALIBRATION_TEXT)
+            .into_iter()
+            .filter(|&id| (id as usize) < n_vocab)
+            .take(room)
+            .collect();
+        if ids.is_empty() {
+            // A vocabulary that cannot spell the text: the first token ids instead.
+            ids = (0..u32::try_from(room.min(n_vocab)).unwrap_or(u32::MAX)).collect();
+        }
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let pos: Vec<u32> = (0..u32::try_from(ids.len()).unwrap_or(u32::MAX)).collect();
+        self.model.forward(
+            &self.backend,
+            &mut s.kv,
+            &mut s.scratch,
+            &ids,
+            &pos,
+            &[],
+            None,
+        )?;
+        s.reset();
+        Ok(())
     }
 
     /// Cells of the sliding-window ring of this engine's sessions: `window + n_batch`

@@ -660,3 +660,71 @@ fn a_ring_of_many_tiles_has_the_bits_of_the_full_cache() {
     assert_eq!(bits(&run(false, 16)), full);
     assert_eq!(bits(&run(false, 1)), full);
 }
+
+/// The logits of every position of `ids` prefilled into `s`, in forwards of at most `n_batch`
+/// rows.
+fn prefill_in(
+    e: &mut Engine<CpuBackend>,
+    s: &mut specula_engine::Session<CpuBackend>,
+    ids: &[u32],
+    n_batch: usize,
+) -> Vec<f32> {
+    let made = e.n_batch;
+    e.n_batch = n_batch;
+    let out = e.prefill(s, ids, true).unwrap();
+    e.n_batch = made;
+    out
+}
+
+/// Quantized caches (issue 14, item 3): a session's quantized planes get their per-head
+/// offsets when the session is made, from the engine's calibration text, never from the rows
+/// a request writes first. So a sequence's logits have the same bits whatever the session ran
+/// before (emptied, or rewound to a shared prefix that is not a whole chunk), however its rows
+/// are chunked, on the ring and on a full cache. Before, the offsets were the mean of the
+/// first forward's rows: a chunk of one row and a chunk of eight gave different logits, and a
+/// reused session kept the offsets of the first sequence it ever ran.
+#[test]
+fn quantized_cache_logits_do_not_depend_on_history_or_chunking() {
+    use QType::{IQ4_NL, Q4_0, Q4_1, Q8_0, Turbo3, Turbo4};
+    let ids = prompt(40);
+    let other: Vec<u32> = prompt(50).iter().map(|&t| (t * 7 + 3) % 256).collect();
+    for swa_full in [false, true] {
+        let mut e = ring_engine(3, swa_full);
+        for (k, v) in [
+            (Q8_0, Q8_0),
+            (Q4_0, Q4_1),
+            (Turbo3, Turbo3),
+            (IQ4_NL, Turbo4),
+        ] {
+            let what = format!("-ctk {k} -ctv {v}, swa_full {swa_full}");
+            let mut fresh = e.session(CTX, k, v).unwrap();
+            let want = prefill_in(&mut e, &mut fresh, &ids, RING_BATCH);
+            for n_batch in [1, 3] {
+                let mut s = e.session(CTX, k, v).unwrap();
+                let got = prefill_in(&mut e, &mut s, &ids, n_batch);
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{what}: forwards of {n_batch} rows"
+                );
+            }
+            // A session that ran another sequence first, emptied.
+            let mut s = e.session(CTX, k, v).unwrap();
+            prefill_in(&mut e, &mut s, &other, 1);
+            s.reset();
+            let got = prefill_in(&mut e, &mut s, &ids, RING_BATCH);
+            assert_eq!(bits(&got), bits(&want), "{what}: after another sequence");
+            // A session holding the first 13 positions with another tail, taken back to them.
+            let mut s = e.session(CTX, k, v).unwrap();
+            let head: Vec<u32> = ids[..13].iter().chain(&other[..20]).copied().collect();
+            prefill_in(&mut e, &mut s, &head, 1);
+            e.rewind(&mut s, 13, None, &ids[..13]).unwrap();
+            let got = prefill_in(&mut e, &mut s, &ids[13..], 3);
+            assert_eq!(
+                bits(&got),
+                bits(&want[13 * N_VOCAB..]),
+                "{what}: after a rewind to a shared prefix"
+            );
+        }
+    }
+}

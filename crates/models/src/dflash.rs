@@ -29,62 +29,9 @@ use specula_gguf::{Gguf, Value};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
 
 use crate::{
-    AttnHparams, Loader, Model, ModelError, Result, count, finite_f32, get_usize, int_bound, mul,
-    opt_usize, scale_f32,
+    AttnHparams, Linear, Loader, Model, ModelError, Result, count, finite_f32, get_usize,
+    int_bound, mul, opt_usize, scale_f32,
 };
-
-/// One matrix with llama.cpp's optional per-tensor scale (`<name>.scale`, NVFP4 exports):
-/// every product with it is multiplied by the scale.
-#[derive(Debug)]
-pub(crate) struct Mat<W> {
-    pub(crate) w: W,
-    pub(crate) scale: Option<f32>,
-}
-
-impl<W> Mat<W> {
-    /// `out = (x · wᵀ) · scale`.
-    pub(crate) fn apply<B: Backend<Weight = W>>(&self, be: &B, x: &B::Tensor, out: &mut B::Tensor) {
-        be.matmul(x, &self.w, out);
-        if let Some(s) = self.scale {
-            be.scale(out, s);
-        }
-    }
-}
-
-/// Reads a per-tensor scale `<base>.scale` (F32, one element) if the file has one.
-pub(crate) fn tensor_scale(file: &Gguf, base: &str) -> Result<Option<f32>> {
-    let name = format!("{base}.scale");
-    let Some(info) = file.tensor(&name) else {
-        return Ok(None);
-    };
-    let data = file.tensor_data_by_name(&name).unwrap_or(&[]);
-    if info.ty != specula_gguf::GgmlType::F32 || info.n_elements() != 1 || data.len() != 4 {
-        return Err(ModelError::BadShape {
-            name,
-            expected: vec![1],
-            got: info
-                .dims
-                .iter()
-                .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-                .collect(),
-        });
-    }
-    Ok(Some(f32::from_le_bytes([
-        data[0], data[1], data[2], data[3],
-    ])))
-}
-
-/// Loads matrix `<base>.weight` (required) with its optional scale.
-pub(crate) fn load_mat<B: Backend>(
-    l: &Loader<'_, B>,
-    base: &str,
-    dims: &[usize],
-) -> Result<Mat<B::Weight>> {
-    Ok(Mat {
-        w: l.mat(&format!("{base}.weight"), dims)?,
-        scale: tensor_scale(l.file, base)?,
-    })
-}
 
 /// Hyperparameters of a DFlash draft (`dflash.*` keys).
 #[derive(Clone, Debug, PartialEq)]
@@ -377,16 +324,16 @@ impl DflashHparams {
 #[derive(Debug)]
 struct DLayer<W> {
     attn_norm: W,
-    wq: Mat<W>,
-    wk: Mat<W>,
-    wv: Mat<W>,
-    wo: Mat<W>,
+    wq: Linear<W>,
+    wk: Linear<W>,
+    wv: Linear<W>,
+    wo: Linear<W>,
     q_norm: W,
     k_norm: W,
     ffn_norm: W,
-    ffn_gate: Mat<W>,
-    ffn_up: Mat<W>,
-    ffn_down: Mat<W>,
+    ffn_gate: Linear<W>,
+    ffn_up: Linear<W>,
+    ffn_down: Linear<W>,
     /// DFlash2: the attention and MLP convolutions.
     attn_conv: Option<Conv<W>>,
     ffn_conv: Option<Conv<W>>,
@@ -398,7 +345,7 @@ struct Conv<W> {
     /// `[2][kernel][n_embd]` (side, tap, channel), as HF's `base_kernel`.
     base: Vec<f32>,
     /// `n_embd → 2 · kernel · groups` coefficients, read `[side][tap][group]`.
-    proj: Mat<W>,
+    proj: Linear<W>,
 }
 
 /// DFlash2's causal grouped dynamic convolution inside one block (rows `0..n`):
@@ -501,12 +448,11 @@ pub struct DflashScratch<B: Backend> {
 /// A loaded DFlash draft network.
 pub struct Dflash<B: Backend> {
     hp: DflashHparams,
-    fc: Mat<B::Weight>,
+    fc: Linear<B::Weight>,
     enc_norm: B::Weight,
     output_norm: B::Weight,
     tok_embd: Arc<B::Weight>,
-    output: Arc<B::Weight>,
-    output_scale: Option<f32>,
+    output: Linear<Arc<B::Weight>>,
     /// Draft row → absolute target id, for reduced-vocabulary drafts.
     d2t: Option<Vec<u32>>,
     n_vocab: usize,
@@ -628,10 +574,7 @@ impl<B: Backend> Dflash<B> {
             ));
         }
         crate::check_layer_tensors(&file, "dflash.block_count", hp.n_layer)?;
-        let l = Loader {
-            backend,
-            file: &file,
-        };
+        let l = Loader::new(backend, &file);
         let (e, f, hd) = (hp.n_embd, hp.n_ff, hp.head_dim);
         let (qd, kd) = (
             mul("dflash.attention.head_count", hp.n_head, hd)?,
@@ -649,17 +592,16 @@ impl<B: Backend> Dflash<B> {
                 ),
             ));
         }
-        let mut own_output = l.get("output.weight", &[e, n_vocab_draft])?;
-        if let Some(w) = own_output.as_mut() {
-            backend.prepare_matmul(w);
-        }
-        let output_scale = tensor_scale(&file, "output")?;
+        let own_output = l.linear_opt("output", &[e, n_vocab_draft])?;
         let tok_embd = match own_embd {
             Some(w) => Arc::new(w),
             None => target.token_embedding(),
         };
         let output = match own_output {
-            Some(w) => Arc::new(w),
+            Some(o) => Linear {
+                w: Arc::new(o.w),
+                scale: o.scale,
+            },
             None if d2t.is_some() => {
                 return Err(ModelError::MissingTensor {
                     name: "output.weight (a reduced-vocabulary draft with d2t needs its own head)"
@@ -670,13 +612,15 @@ impl<B: Backend> Dflash<B> {
                 // llama.cpp ties a draft's own embedding as its head.
                 let mut w = l.req("token_embd.weight", &[e, n_vocab])?;
                 backend.prepare_matmul(&mut w);
-                Arc::new(w)
+                Linear {
+                    w: Arc::new(w),
+                    scale: None,
+                }
             }
-            None => target.output_head(),
+            None => target.output_linear(),
         };
         let n_extract = hp.target_layers.len();
-        let fc = load_mat(
-            &l,
+        let fc = l.linear(
             "fc",
             &[mul("dflash.target_layers", n_extract, thp.n_embd)?, e],
         )?;
@@ -723,8 +667,7 @@ impl<B: Backend> Dflash<B> {
                 drop(base_w);
                 Ok(Some(Conv {
                     base,
-                    proj: load_mat(
-                        &l,
+                    proj: l.linear(
                         &n(&format!("{which}_conv_proj")),
                         &[e, 2 * h2.kernel * groups],
                     )?,
@@ -734,16 +677,16 @@ impl<B: Backend> Dflash<B> {
                 attn_conv: conv("attn")?,
                 ffn_conv: conv("ffn")?,
                 attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
-                wq: load_mat(&l, &n("attn_q"), &[e, qd])?,
-                wk: load_mat(&l, &n("attn_k"), &[e, kd])?,
-                wv: load_mat(&l, &n("attn_v"), &[e, kd])?,
-                wo: load_mat(&l, &n("attn_output"), &[qd, e])?,
+                wq: l.linear(&n("attn_q"), &[e, qd])?,
+                wk: l.linear(&n("attn_k"), &[e, kd])?,
+                wv: l.linear(&n("attn_v"), &[e, kd])?,
+                wo: l.linear(&n("attn_output"), &[qd, e])?,
                 q_norm: l.req(&n("attn_q_norm.weight"), &[hd])?,
                 k_norm: l.req(&n("attn_k_norm.weight"), &[hd])?,
                 ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
-                ffn_gate: load_mat(&l, &n("ffn_gate"), &[e, f])?,
-                ffn_up: load_mat(&l, &n("ffn_up"), &[e, f])?,
-                ffn_down: load_mat(&l, &n("ffn_down"), &[f, e])?,
+                ffn_gate: l.linear(&n("ffn_gate"), &[e, f])?,
+                ffn_up: l.linear(&n("ffn_up"), &[e, f])?,
+                ffn_down: l.linear(&n("ffn_down"), &[f, e])?,
             });
         }
         let selector = match &hp.dflash2 {
@@ -772,6 +715,7 @@ impl<B: Backend> Dflash<B> {
             }
             None => None,
         };
+        l.scales.check(&file)?;
         Ok(Self {
             selector,
             hp,
@@ -780,7 +724,6 @@ impl<B: Backend> Dflash<B> {
             output_norm,
             tok_embd,
             output,
-            output_scale,
             d2t,
             n_vocab,
             n_embd_target: thp.n_embd,
@@ -909,14 +852,14 @@ impl<B: Backend> Dflash<B> {
         let hp = &self.hp;
         sanitize(features, &mut s.sanitized);
         s.feats = be.from_host(n, w, &s.sanitized);
-        self.fc.apply(be, &s.feats, &mut s.fc);
+        self.fc.matmul(be, &s.feats, &mut s.fc);
         be.rms_norm(&s.fc, Some(&self.enc_norm), hp.rms_eps, &mut s.g);
         s.cells.clear();
         s.cells.extend(pos.iter().map(|&p| p as usize));
         let rope = self.rope();
         for (il, layer) in self.layers.iter().enumerate() {
-            layer.wk.apply(be, &s.g, &mut s.k);
-            layer.wv.apply(be, &s.g, &mut s.v);
+            layer.wk.matmul(be, &s.g, &mut s.k);
+            layer.wv.matmul(be, &s.g, &mut s.v);
             be.rms_norm_groups(&mut s.k, hp.head_dim, &layer.k_norm, hp.rms_eps);
             be.rope(&mut s.k, hp.head_dim, pos, &rope);
             be.kv_write(kv, il, &s.cells, &s.k, &s.v);
@@ -991,7 +934,7 @@ impl<B: Backend> Dflash<B> {
         for (il, layer) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
             if let Some(c) = &layer.attn_conv {
-                c.proj.apply(be, &s.cur, &mut s.dynt);
+                c.proj.matmul(be, &s.cur, &mut s.dynt);
                 be.to_host(&s.dynt, &mut s.dyn_attn);
                 conv_apply(
                     be,
@@ -1004,9 +947,9 @@ impl<B: Backend> Dflash<B> {
                     &mut s.h2,
                 );
             }
-            layer.wq.apply(be, &s.cur, &mut s.q);
-            layer.wk.apply(be, &s.cur, &mut s.k);
-            layer.wv.apply(be, &s.cur, &mut s.v);
+            layer.wq.matmul(be, &s.cur, &mut s.q);
+            layer.wk.matmul(be, &s.cur, &mut s.k);
+            layer.wv.matmul(be, &s.cur, &mut s.v);
             be.rms_norm_groups(&mut s.q, hp.head_dim, &layer.q_norm, hp.rms_eps);
             be.rms_norm_groups(&mut s.k, hp.head_dim, &layer.k_norm, hp.rms_eps);
             be.rope(&mut s.q, hp.head_dim, &s.pos, &rope);
@@ -1029,7 +972,7 @@ impl<B: Backend> Dflash<B> {
             if let Some(vs) = hp.attn_value_scale {
                 be.scale(&mut s.attn, vs);
             }
-            layer.wo.apply(be, &s.attn, &mut s.proj);
+            layer.wo.matmul(be, &s.attn, &mut s.proj);
             if let Some(c) = &layer.attn_conv {
                 conv_apply(
                     be,
@@ -1046,20 +989,20 @@ impl<B: Backend> Dflash<B> {
 
             be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
             if let Some(c) = &layer.ffn_conv {
-                c.proj.apply(be, &s.cur, &mut s.dynt);
+                c.proj.matmul(be, &s.cur, &mut s.dynt);
                 be.to_host(&s.dynt, &mut s.dyn_ffn);
                 conv_apply(
                     be, c, &s.dyn_ffn, 0, cshape, &mut s.cur, &mut s.h1, &mut s.h2,
                 );
             }
-            layer.ffn_gate.apply(be, &s.cur, &mut s.gate);
-            layer.ffn_up.apply(be, &s.cur, &mut s.up);
+            layer.ffn_gate.matmul(be, &s.cur, &mut s.gate);
+            layer.ffn_up.matmul(be, &s.cur, &mut s.up);
             if hp.gelu {
                 be.geglu(&s.gate, &s.up, &mut s.act);
             } else {
                 be.swiglu(&s.gate, &s.up, &mut s.act);
             }
-            layer.ffn_down.apply(be, &s.act, &mut s.proj);
+            layer.ffn_down.matmul(be, &s.act, &mut s.proj);
             if let Some(c) = &layer.ffn_conv {
                 conv_apply(
                     be,
@@ -1080,10 +1023,7 @@ impl<B: Backend> Dflash<B> {
         }
         be.copy_rows(&s.x, rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
-        be.matmul(&s.norm, self.output.as_ref(), &mut s.logits);
-        if let Some(sc) = self.output_scale {
-            be.scale(&mut s.logits, sc);
-        }
+        self.output.matmul(be, &s.norm, &mut s.logits);
         be.to_host(&s.logits, &mut s.host);
         if let Some(h2) = &hp.dflash2 {
             // The selector scores with the target's own output transforms.

@@ -23,9 +23,10 @@ use std::sync::Arc;
 use specula_gguf::Gguf;
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
 
-use crate::dflash::{Mat, load_mat, read_d2t, sanitize, scatter_d2t, usize_array};
+use crate::dflash::{read_d2t, sanitize, scatter_d2t, usize_array};
 use crate::{
-    AttnHparams, Loader, Model, ModelError, Result, count, get_usize, int_bound, mul, opt_usize,
+    AttnHparams, Linear, Loader, Model, ModelError, Result, count, get_usize, int_bound, mul,
+    opt_usize,
 };
 
 /// Hyperparameters of an EAGLE-3 head (`eagle3.*` keys).
@@ -170,22 +171,21 @@ pub struct Eagle3Scratch<B: Backend> {
 /// A loaded EAGLE-3 head.
 pub struct Eagle3<B: Backend> {
     hp: Eagle3Hparams,
-    fc: Mat<B::Weight>,
+    fc: Linear<B::Weight>,
     fc_norm: Option<B::Weight>,
     attn_norm: B::Weight,
     hidden_norm: B::Weight,
-    wq: Mat<B::Weight>,
-    wk: Mat<B::Weight>,
-    wv: Mat<B::Weight>,
-    wo: Mat<B::Weight>,
+    wq: Linear<B::Weight>,
+    wk: Linear<B::Weight>,
+    wv: Linear<B::Weight>,
+    wo: Linear<B::Weight>,
     ffn_norm: B::Weight,
-    ffn_gate: Mat<B::Weight>,
-    ffn_up: Mat<B::Weight>,
-    ffn_down: Mat<B::Weight>,
+    ffn_gate: Linear<B::Weight>,
+    ffn_up: Linear<B::Weight>,
+    ffn_down: Linear<B::Weight>,
     output_norm: B::Weight,
     tok_embd: Arc<B::Weight>,
-    output: Arc<B::Weight>,
-    output_scale: Option<f32>,
+    output: Linear<Arc<B::Weight>>,
     d2t: Option<Vec<u32>>,
     n_vocab: usize,
 }
@@ -230,10 +230,7 @@ impl<B: Backend> Eagle3<B> {
                 arch: "eagle3 with `rope_freqs` (llama3 rope scaling, not supported)".into(),
             });
         }
-        let l = Loader {
-            backend,
-            file: &file,
-        };
+        let l = Loader::new(backend, &file);
         crate::check_layer_tensors(&file, "eagle3.block_count", 1)?;
         let (e, f, hd) = (hp.n_embd, hp.n_ff, hp.head_dim);
         let (qd, kd) = (
@@ -257,12 +254,12 @@ impl<B: Backend> Eagle3<B> {
                 });
             }
         };
-        let output = match l.get("output.weight", &[e, n_vocab_draft])? {
-            Some(mut w) => {
-                backend.prepare_matmul(&mut w);
-                Arc::new(w)
-            }
-            None if d2t.is_none() && e == thp.n_embd => target.output_head(),
+        let output = match l.linear_opt("output", &[e, n_vocab_draft])? {
+            Some(o) => Linear {
+                w: Arc::new(o.w),
+                scale: o.scale,
+            },
+            None if d2t.is_none() && e == thp.n_embd => target.output_linear(),
             None => {
                 return Err(ModelError::MissingTensor {
                     name: "output.weight".into(),
@@ -270,8 +267,8 @@ impl<B: Backend> Eagle3<B> {
             }
         };
         let n = |s: &str| format!("blk.0.{s}");
-        Ok(Self {
-            fc: load_mat(&l, "fc", &[n_in, e])?,
+        let net = Self {
+            fc: l.linear("fc", &[n_in, e])?,
             fc_norm: if hp.norm_before_fc {
                 Some(l.req("enc.output_norm.weight", &[n_in])?)
             } else {
@@ -279,22 +276,23 @@ impl<B: Backend> Eagle3<B> {
             },
             attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
             hidden_norm: l.req(&n("attn_norm_2.weight"), &[e])?,
-            wq: load_mat(&l, &n("attn_q"), &[e2, qd])?,
-            wk: load_mat(&l, &n("attn_k"), &[e2, kd])?,
-            wv: load_mat(&l, &n("attn_v"), &[e2, kd])?,
-            wo: load_mat(&l, &n("attn_output"), &[qd, e])?,
+            wq: l.linear(&n("attn_q"), &[e2, qd])?,
+            wk: l.linear(&n("attn_k"), &[e2, kd])?,
+            wv: l.linear(&n("attn_v"), &[e2, kd])?,
+            wo: l.linear(&n("attn_output"), &[qd, e])?,
             ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
-            ffn_gate: load_mat(&l, &n("ffn_gate"), &[e, f])?,
-            ffn_up: load_mat(&l, &n("ffn_up"), &[e, f])?,
-            ffn_down: load_mat(&l, &n("ffn_down"), &[f, e])?,
+            ffn_gate: l.linear(&n("ffn_gate"), &[e, f])?,
+            ffn_up: l.linear(&n("ffn_up"), &[e, f])?,
+            ffn_down: l.linear(&n("ffn_down"), &[f, e])?,
             output_norm: l.req("output_norm.weight", &[e])?,
-            output_scale: crate::dflash::tensor_scale(&file, "output")?,
             tok_embd,
             output,
             d2t,
             n_vocab,
             hp,
-        })
+        };
+        l.scales.check(&file)?;
+        Ok(net)
     }
 
     /// The hyperparameters.
@@ -400,9 +398,9 @@ impl<B: Backend> Eagle3<B> {
         s.feats = be.from_host(n, w, &s.sanitized);
         if let Some(nw) = &self.fc_norm {
             be.rms_norm(&s.feats, Some(nw), self.hp.rms_eps, &mut s.fnorm);
-            self.fc.apply(be, &s.fnorm, &mut s.g);
+            self.fc.matmul(be, &s.fnorm, &mut s.g);
         } else {
-            self.fc.apply(be, &s.feats, &mut s.g);
+            self.fc.matmul(be, &s.feats, &mut s.g);
         }
         be.to_host(&s.g, &mut s.h1);
         out.extend_from_slice(&s.h1);
@@ -478,9 +476,9 @@ impl<B: Backend> Eagle3<B> {
             s.hcat.extend_from_slice(&s.h2[r * e..(r + 1) * e]);
         }
         s.cat = be.from_host(n, 2 * e, &s.hcat);
-        self.wq.apply(be, &s.cat, &mut s.q);
-        self.wk.apply(be, &s.cat, &mut s.k);
-        self.wv.apply(be, &s.cat, &mut s.v);
+        self.wq.matmul(be, &s.cat, &mut s.q);
+        self.wk.matmul(be, &s.cat, &mut s.k);
+        self.wv.matmul(be, &s.cat, &mut s.v);
         be.rope(&mut s.q, hp.head_dim, pos, &rope);
         be.rope(&mut s.k, hp.head_dim, pos, &rope);
         be.kv_write(kv, 0, &s.cells, &s.k, &s.v);
@@ -500,27 +498,24 @@ impl<B: Backend> Eagle3<B> {
             },
             &mut s.attn,
         );
-        self.wo.apply(be, &s.attn, &mut s.x);
+        self.wo.matmul(be, &s.attn, &mut s.x);
         if hp.norm_before_residual {
             be.add(&mut s.x, &s.gnorm);
         } else {
             be.add(&mut s.x, &gt);
         }
         be.rms_norm(&s.x, Some(&self.ffn_norm), hp.rms_eps, &mut s.cur);
-        self.ffn_gate.apply(be, &s.cur, &mut s.gate);
-        self.ffn_up.apply(be, &s.cur, &mut s.up);
+        self.ffn_gate.matmul(be, &s.cur, &mut s.gate);
+        self.ffn_up.matmul(be, &s.cur, &mut s.up);
         be.swiglu(&s.gate, &s.up, &mut s.act);
-        self.ffn_down.apply(be, &s.act, &mut s.proj);
+        self.ffn_down.matmul(be, &s.act, &mut s.proj);
         be.add(&mut s.x, &s.proj);
         be.to_host(&s.x, &mut s.prenorm);
         if !logits {
             return Ok(());
         }
         be.rms_norm(&s.x, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
-        be.matmul(&s.norm, self.output.as_ref(), &mut s.logits);
-        if let Some(sc) = self.output_scale {
-            be.scale(&mut s.logits, sc);
-        }
+        self.output.matmul(be, &s.norm, &mut s.logits);
         be.to_host(&s.logits, &mut s.logits_host);
         if let Some(d2t) = &self.d2t {
             scatter_d2t(d2t, &s.logits_host, self.n_vocab, &mut s.full);

@@ -31,6 +31,7 @@
 pub mod dflash;
 pub mod eagle3;
 mod hparams;
+mod linear;
 
 use std::sync::Arc;
 
@@ -57,6 +58,7 @@ pub use hparams::{Arch, Hparams, SlidingWindow};
 pub(crate) use hparams::{
     AttnHparams, count, finite_f32, get_usize, int_bound, mul, opt_usize, scale_f32,
 };
+pub use linear::Linear;
 
 /// Errors while loading or running a model.
 #[derive(Debug, thiserror::Error)]
@@ -283,6 +285,22 @@ pub enum ModelError {
         /// Cells of the cache.
         n_ctx: usize,
     },
+    /// A scale tensor llama.cpp reads that no matrix of this model applies.
+    #[error("tensor `{name}` is {what}: refusing the model rather than computing without it")]
+    UnappliedScale {
+        /// The tensor name.
+        name: String,
+        /// What it is and why it is not applied.
+        what: &'static str,
+    },
+    /// A per-tensor scale that is not a finite number.
+    #[error("tensor `{name}` holds the scale {value}, expected a finite number")]
+    BadScale {
+        /// The tensor name.
+        name: String,
+        /// The value found.
+        value: f32,
+    },
     /// An error of the backend.
     #[error(transparent)]
     Backend(#[from] TensorError),
@@ -295,10 +313,10 @@ pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 #[derive(Debug)]
 struct Layer<W> {
     attn_norm: W,
-    wq: W,
-    wk: W,
-    wv: W,
-    wo: W,
+    wq: Linear<W>,
+    wk: Linear<W>,
+    wv: Linear<W>,
+    wo: Linear<W>,
     bq: Option<W>,
     bk: Option<W>,
     bv: Option<W>,
@@ -308,9 +326,9 @@ struct Layer<W> {
     /// FFN output before its residual add.
     post_attn_norm: Option<W>,
     ffn_norm: W,
-    ffn_gate: W,
-    ffn_up: W,
-    ffn_down: W,
+    ffn_gate: Linear<W>,
+    ffn_up: Linear<W>,
+    ffn_down: Linear<W>,
     post_ffw_norm: Option<W>,
 }
 
@@ -416,6 +434,8 @@ pub struct Model<B: Backend> {
     output_norm: B::Weight,
     /// `None` when the embedding is tied (the output projection is `tok_embd`).
     output: Option<Arc<B::Weight>>,
+    /// The per-tensor scale of `output` (`output.scale`, NVFP4 exports; never of a tied head).
+    output_scale: Option<f32>,
     /// The token of each output row when the head was cut to a subset of the vocabulary
     /// ([`Model::restrict_head`]); `None` when row `i` is token `i`.
     head_ids: Option<Vec<u32>>,
@@ -436,9 +456,40 @@ impl<B: Backend> std::fmt::Debug for Model<B> {
 struct Loader<'a, B: Backend> {
     backend: &'a B,
     file: &'a Arc<Gguf>,
+    /// The matrices whose per-tensor scales are applied.
+    scales: linear::Scales,
 }
 
-impl<B: Backend> Loader<'_, B> {
+impl<'a, B: Backend> Loader<'a, B> {
+    fn new(backend: &'a B, file: &'a Arc<Gguf>) -> Self {
+        Self {
+            backend,
+            file,
+            scales: linear::Scales::default(),
+        }
+    }
+
+    /// Matrix `<base>.weight` (required, prepared for matmul) with its optional per-tensor
+    /// scale `<base>.scale`.
+    fn linear(&self, base: &str, dims: &[usize]) -> Result<Linear<B::Weight>> {
+        Ok(Linear {
+            w: self.mat(&format!("{base}.weight"), dims)?,
+            scale: self.scales.read(self.file, base)?,
+        })
+    }
+
+    /// [`Loader::linear`] for a matrix the file may not have.
+    fn linear_opt(&self, base: &str, dims: &[usize]) -> Result<Option<Linear<B::Weight>>> {
+        let Some(mut w) = self.get(&format!("{base}.weight"), dims)? else {
+            return Ok(None);
+        };
+        self.backend.prepare_matmul(&mut w);
+        Ok(Some(Linear {
+            w,
+            scale: self.scales.read(self.file, base)?,
+        }))
+    }
+
     fn get(&self, name: &str, dims: &[usize]) -> Result<Option<B::Weight>> {
         let Some(idx) = self.file.tensors().iter().position(|t| t.name == name) else {
             return Ok(None);
@@ -577,10 +628,7 @@ impl<B: Backend> Model<B> {
             &format!("{}.block_count", hp.arch.name()),
             hp.n_layer,
         )?;
-        let l = Loader {
-            backend,
-            file: &file,
-        };
+        let l = Loader::new(backend, &file);
         let (e, f) = (hp.n_embd, hp.n_ff);
         let a = hp.arch.name();
         let (qd, kd, vd) = (
@@ -607,9 +655,11 @@ impl<B: Backend> Model<B> {
         )?;
         let mut tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;
         let output_norm = l.req("output_norm.weight", &[e])?;
-        let mut output = l.get("output.weight", &[e, n_vocab])?;
+        let output = l.linear_opt("output", &[e, n_vocab])?;
         // The output projection (the token embedding when tied) is a matmul weight.
-        backend.prepare_matmul(output.as_mut().unwrap_or(&mut tok_embd));
+        if output.is_none() {
+            backend.prepare_matmul(&mut tok_embd);
+        }
         // The layers' tensors were counted above: a huge `block_count` is a missing tensor,
         // not an allocation.
         let mut layers = Vec::with_capacity(hp.n_layer.min(file.tensors().len()));
@@ -626,10 +676,10 @@ impl<B: Backend> Model<B> {
             };
             layers.push(Layer {
                 attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
-                wq: l.mat(&n("attn_q.weight"), &[e, qd])?,
-                wk: l.mat(&n("attn_k.weight"), &[e, kd])?,
-                wv: l.mat(&n("attn_v.weight"), &[e, vd])?,
-                wo: l.mat(&n("attn_output.weight"), &[od, e])?,
+                wq: l.linear(&n("attn_q"), &[e, qd])?,
+                wk: l.linear(&n("attn_k"), &[e, kd])?,
+                wv: l.linear(&n("attn_v"), &[e, vd])?,
+                wo: l.linear(&n("attn_output"), &[od, e])?,
                 bq: l.get(&n("attn_q.bias"), &[qd])?,
                 bk: l.get(&n("attn_k.bias"), &[kd])?,
                 bv: l.get(&n("attn_v.bias"), &[vd])?,
@@ -645,17 +695,20 @@ impl<B: Backend> Model<B> {
                 },
                 post_attn_norm: opt("post_attention_norm.weight", post_norms)?,
                 ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
-                ffn_gate: l.mat(&n("ffn_gate.weight"), &[e, f])?,
-                ffn_up: l.mat(&n("ffn_up.weight"), &[e, f])?,
-                ffn_down: l.mat(&n("ffn_down.weight"), &[f, e])?,
+                ffn_gate: l.linear(&n("ffn_gate"), &[e, f])?,
+                ffn_up: l.linear(&n("ffn_up"), &[e, f])?,
+                ffn_down: l.linear(&n("ffn_down"), &[f, e])?,
                 post_ffw_norm: opt("post_ffw_norm.weight", post_norms)?,
             });
         }
+        l.scales.check(&file)?;
+        let output_scale = output.as_ref().and_then(|o| o.scale);
         Ok(Self {
             hp,
             tok_embd: Arc::new(tok_embd),
             output_norm,
-            output: output.map(Arc::new),
+            output: output.map(|o| Arc::new(o.w)),
+            output_scale,
             head_ids: None,
             layers,
             file,
@@ -680,6 +733,16 @@ impl<B: Backend> Model<B> {
     #[must_use]
     pub fn output_head(&self) -> Arc<B::Weight> {
         Arc::clone(self.output.as_ref().unwrap_or(&self.tok_embd))
+    }
+
+    /// [`Model::output_head`] with its per-tensor scale: what a drafter that borrows the
+    /// target's head multiplies by.
+    #[must_use]
+    pub fn output_linear(&self) -> Linear<Arc<B::Weight>> {
+        Linear {
+            w: self.output_head(),
+            scale: self.output_scale,
+        }
     }
 
     /// Cuts the output head to the rows of `ids`, in that order: from then on a logits row
@@ -1167,9 +1230,9 @@ impl<B: Backend> Model<B> {
                 f(be, s, il);
             }
             be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
-            be.matmul(&s.cur, &layer.wq, &mut s.q);
-            be.matmul(&s.cur, &layer.wk, &mut s.k);
-            be.matmul(&s.cur, &layer.wv, &mut s.v);
+            layer.wq.matmul(be, &s.cur, &mut s.q);
+            layer.wk.matmul(be, &s.cur, &mut s.k);
+            layer.wv.matmul(be, &s.cur, &mut s.v);
             if let Some(b) = &layer.bq {
                 be.add_vector(&mut s.q, b);
             }
@@ -1186,7 +1249,7 @@ impl<B: Backend> Model<B> {
             be.rope(&mut s.q, hp.head_dim_k, pos, &rope);
             be.rope(&mut s.k, hp.head_dim_k, pos, &rope);
             attend(be, s, il);
-            be.matmul(&s.attn, &layer.wo, &mut s.proj);
+            layer.wo.matmul(be, &s.attn, &mut s.proj);
             if let Some(w) = &layer.post_attn_norm {
                 be.rms_norm(&s.proj, Some(w), hp.rms_eps, &mut s.cur);
                 be.add(&mut s.x, &s.cur);
@@ -1195,14 +1258,14 @@ impl<B: Backend> Model<B> {
             }
 
             be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
-            be.matmul(&s.cur, &layer.ffn_gate, &mut s.gate);
-            be.matmul(&s.cur, &layer.ffn_up, &mut s.up);
+            layer.ffn_gate.matmul(be, &s.cur, &mut s.gate);
+            layer.ffn_up.matmul(be, &s.cur, &mut s.up);
             if hp.arch == Arch::Gemma3 {
                 be.geglu(&s.gate, &s.up, &mut s.act);
             } else {
                 be.swiglu(&s.gate, &s.up, &mut s.act);
             }
-            be.matmul(&s.act, &layer.ffn_down, &mut s.proj);
+            layer.ffn_down.matmul(be, &s.act, &mut s.proj);
             if let Some(w) = &layer.post_ffw_norm {
                 be.rms_norm(&s.proj, Some(w), hp.rms_eps, &mut s.cur);
                 be.add(&mut s.x, &s.cur);
@@ -1220,8 +1283,11 @@ impl<B: Backend> Model<B> {
         }
         be.copy_rows(&s.x, logits_rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
-        let head = self.output.as_ref().unwrap_or(&self.tok_embd);
-        be.matmul(&s.norm, head.as_ref(), &mut s.logits);
+        let head = Linear {
+            w: self.output.as_ref().unwrap_or(&self.tok_embd).as_ref(),
+            scale: self.output_scale,
+        };
+        head.matmul(be, &s.norm, &mut s.logits);
         be.to_host(&s.logits, &mut s.host);
         Ok(())
     }

@@ -39,6 +39,12 @@ const N_LAYER: usize = 2;
 /// A tiny llama GGUF (with a chat template) with random weights (`seed`), its end-of-generation token `eos` and,
 /// when `rename` is set, token 7 renamed (to test the vocabulary check).
 pub fn tiny(seed: u64, eos: u32, rename: bool) -> Vec<u8> {
+    tiny_heads(seed, eos, rename, HEAD_DIM)
+}
+
+/// [`tiny`] with heads of `head_dim` values (the block cache formats need a multiple of 32,
+/// their Hadamard rotation a multiple of 64).
+pub fn tiny_heads(seed: u64, eos: u32, rename: bool, head_dim: usize) -> Vec<u8> {
     let u = |v: usize| GValue::U32(u32::try_from(v).unwrap());
     let mut w = GgufWriter::new();
     let mut tokens = byte_symbols();
@@ -55,7 +61,7 @@ pub fn tiny(seed: u64, eos: u32, rename: bool) -> Vec<u8> {
         ("llama.attention.head_count_kv", u(N_HEAD_KV)),
         ("llama.rope.freq_base", GValue::F32(10_000.0)),
         ("llama.attention.layer_norm_rms_epsilon", GValue::F32(1e-5)),
-        ("llama.rope.dimension_count", u(HEAD_DIM)),
+        ("llama.rope.dimension_count", u(head_dim)),
         ("llama.vocab_size", u(N_VOCAB)),
         ("tokenizer.ggml.model", GValue::String("gpt2".into())),
         ("tokenizer.ggml.pre", GValue::String("default".into())),
@@ -82,7 +88,11 @@ pub fn tiny(seed: u64, eos: u32, rename: bool) -> Vec<u8> {
     for (k, v) in md {
         w.add(k, v).unwrap();
     }
-    let (q, kv) = (N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    if head_dim != N_EMBD / N_HEAD {
+        w.add("llama.attention.key_length", u(head_dim)).unwrap();
+        w.add("llama.attention.value_length", u(head_dim)).unwrap();
+    }
+    let (q, kv) = (N_HEAD * head_dim, N_HEAD_KV * head_dim);
     let mut t: Vec<(String, QType, usize, usize)> = vec![
         ("token_embd.weight".into(), QType::Q8_0, N_EMBD, N_VOCAB),
         ("output_norm.weight".into(), QType::F32, N_EMBD, 1),
@@ -359,7 +369,11 @@ pub fn server(cfg: ServerConfig, draft: Draft) -> ServerHandle {
 
 /// [`server`] with a prompt chunk of `n_batch` tokens.
 pub fn server_with(cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHandle {
-    let bytes = tiny(SEED, 0, false);
+    server_on(tiny(SEED, 0, false), cfg, draft, n_batch)
+}
+
+/// [`server_with`] around the model file `bytes` (the drafters are made for [`tiny`]'s shape).
+pub fn server_on(bytes: Vec<u8>, cfg: ServerConfig, draft: Draft, n_batch: usize) -> ServerHandle {
     let mut e = engine(bytes.clone());
     e.n_batch = n_batch;
     let tok = Tokenizer::from_gguf(&Gguf::from_bytes(bytes.clone()).unwrap()).unwrap();
