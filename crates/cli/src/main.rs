@@ -45,7 +45,7 @@ enum Command {
     Run(run::Args),
     /// OpenAI-compatible HTTP server with parallel slots and speculative decoding, like
     /// llama-server.
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// Prompt-processing and generation speed, llama-bench style.
     Bench(bench::Args),
     /// Perplexity of a text file, computed as llama-perplexity does.
@@ -213,7 +213,7 @@ mod tests {
         let Command::Serve(a) = cli.command else {
             panic!("not serve");
         };
-        a
+        *a
     }
 
     /// Each llama-server flag in each of its spellings (short, long, alias, `=`).
