@@ -88,7 +88,7 @@ fn start(args: &ServerBenchArgs, np: usize) -> Result<(std::process::Child, Sock
     let mut cmd = Command::new(repo_root().join("target/release/specula"));
     cmd.args(["serve", "--port", &port.to_string(), "-m", &args.model]);
     cmd.args(["-np", &np.to_string(), "-c", &(1024 * np).to_string()]);
-    cmd.args(["-t", &args.threads.to_string()]);
+    cmd.args(["-t", &args.threads.to_string(), "--metrics"]);
     cmd.stderr(std::process::Stdio::null());
     println!("$ {}", crate::util::display(&cmd));
     let mut child = cmd.spawn().context("starting specula serve")?;

@@ -15,6 +15,12 @@ use specula_tokenizer::Tokenizer;
 /// cached); no argument means the default model (fetched and verified on first use, with a
 /// progress bar).
 pub fn model_path(arg: Option<&str>) -> Result<PathBuf> {
+    model_path_with(arg, false)
+}
+
+/// [`model_path`]; `offline` (llama-server's `--offline`): a model name must already be in
+/// the cache, nothing is downloaded.
+pub fn model_path_with(arg: Option<&str>, offline: bool) -> Result<PathBuf> {
     let name = match arg {
         Some(a) if Path::new(a).exists() => return Ok(PathBuf::from(a)),
         Some(a) => {
@@ -33,6 +39,14 @@ pub fn model_path(arg: Option<&str>) -> Result<PathBuf> {
         None => specula_fetch::default_model().name.as_str(),
     };
     let cache = specula_fetch::ModelCache::from_env()?;
+    if offline {
+        return cache.path_if_present(name).ok_or_else(|| {
+            anyhow::anyhow!(
+                "--offline: model {name} is not in the cache {}; fetch it first (without --offline) or give a GGUF file",
+                cache.root().display()
+            )
+        });
+    }
     Ok(cache.fetch(name, true)?)
 }
 

@@ -45,7 +45,7 @@ enum Command {
     Run(run::Args),
     /// OpenAI-compatible HTTP server with parallel slots and speculative decoding, like
     /// llama-server.
-    Serve(serve::Args),
+    Serve(Box<serve::Args>),
     /// Prompt-processing and generation speed, llama-bench style.
     Bench(bench::Args),
     /// Perplexity of a text file, computed as llama-perplexity does.
@@ -67,6 +67,13 @@ const LLAMA_SHORT: &[(&str, &str)] = &[
     ("-ctvd", "--cache-type-v-draft"),
     ("-np", "--parallel"),
     ("-to", "--timeout"),
+    ("-ub", "--ubatch-size"),
+    ("-fa", "--flash-attn"),
+    ("-ngl", "--n-gpu-layers"),
+    ("-cb", "--cont-batching"),
+    ("-nocb", "--no-cont-batching"),
+    ("-kvu", "--kv-unified"),
+    ("-no-kvu", "--no-kv-unified"),
 ];
 
 /// The arguments with llama.cpp's multi-letter single-dash flags (`-md FILE`, `-ctk q8_0`,
@@ -197,5 +204,137 @@ mod tests {
         assert_eq!(a.timeout, 30);
         assert_eq!((a.host.as_str(), a.port), ("0.0.0.0", 9000));
         assert_eq!(a.draft.spec_n_max, 8);
+    }
+
+    fn serve(args: &[&str]) -> serve::Args {
+        let all = ["specula", "serve"].iter().chain(args);
+        let cli = Cli::try_parse_from(llama_args(all.map(std::ffi::OsString::from)))
+            .unwrap_or_else(|e| panic!("{args:?}: {e}"));
+        let Command::Serve(a) = cli.command else {
+            panic!("not serve");
+        };
+        *a
+    }
+
+    /// Each llama-server flag in each of its spellings (short, long, alias, `=`).
+    #[test]
+    fn serve_parses_every_llama_server_spelling() {
+        type Check = fn(&serve::Args) -> bool;
+        let cases: &[(&[&str], Check)] = &[
+            (&["--temp", "0.2"], |a| a.llama.temp == 0.2),
+            (&["--temperature=0.3"], |a| a.llama.temp == 0.3),
+            (&["-s", "42"], |a| a.llama.seed == 42),
+            (&["--seed=-1"], |a| a.llama.seed == -1),
+            (&["--seed", "-1"], |a| a.llama.seed == -1),
+            (&["--top-k", "5"], |a| a.llama.top_k == 5),
+            (&["--top-p=0.5"], |a| a.llama.top_p == 0.5),
+            (&["--min-p", "0.1"], |a| a.llama.min_p == 0.1),
+            (&["--repeat-penalty", "1.1"], |a| {
+                a.llama.repeat_penalty == 1.1
+            }),
+            (&["--repeat-last-n", "-1"], |a| a.llama.repeat_last_n == -1),
+            (&["--presence-penalty", "-0.5"], |a| {
+                a.llama.presence_penalty == -0.5
+            }),
+            (&["--frequency-penalty=0.5"], |a| {
+                a.llama.frequency_penalty == 0.5
+            }),
+            (&["-n", "64"], |a| a.llama.n_predict == 64),
+            (&["--n-predict", "-1"], |a| a.llama.n_predict == -1),
+            (&["--predict=7"], |a| a.llama.n_predict == 7),
+            (&["-ub", "128"], |a| a.ubatch_size == 128),
+            (&["-ub=64"], |a| a.ubatch_size == 64),
+            (&["--ubatch-size", "32"], |a| a.ubatch_size == 32),
+            (&["-b", "256"], |a| a.batch_size == 256),
+            (&["-fa", "on"], |a| a.llama.flash_attn == "on"),
+            (&["-fa=off"], |a| a.llama.flash_attn == "off"),
+            (&["--flash-attn", "auto"], |a| a.llama.flash_attn == "auto"),
+            (&["-ctk", "q8_0", "-ctv=q4_0"], |a| {
+                a.cache_type_k == "q8_0" && a.cache_type_v == "q4_0"
+            }),
+            (&["--cache-type-k=q8_0"], |a| a.cache_type_k == "q8_0"),
+            (&["-cb"], |a| a.llama.cont_batching),
+            (&["--cont-batching"], |a| a.llama.cont_batching),
+            (&["-nocb"], |a| a.llama.no_cont_batching),
+            (&["--no-cont-batching"], |a| a.llama.no_cont_batching),
+            (&["-kvu"], |a| a.llama.kv_unified),
+            (&["--kv-unified"], |a| a.llama.kv_unified),
+            (&["-no-kvu"], |a| a.llama.no_kv_unified),
+            (&["--context-shift"], |a| a.llama.context_shift),
+            (&["--no-context-shift"], |a| a.llama.no_context_shift),
+            (&["--metrics"], |a| a.llama.metrics),
+            (&[], |a| !a.llama.metrics && !a.llama.no_slots),
+            (&["--slots"], |a| a.llama.slots),
+            (&["--no-slots"], |a| a.llama.no_slots),
+            (&["--slot-save-path", "/tmp/s"], |a| {
+                a.llama.slot_save_path.is_some()
+            }),
+            (&["--jinja"], |a| a.llama.jinja),
+            (&["--no-jinja"], |a| a.llama.no_jinja),
+            (&["--chat-template", "chatml"], |a| {
+                a.llama.chat_template.as_deref() == Some("chatml")
+            }),
+            (&["--chat-template-file=t.jinja"], |a| {
+                a.llama.chat_template_file.is_some()
+            }),
+            (&["--reasoning-format", "deepseek"], |a| {
+                a.llama.reasoning_format == "deepseek"
+            }),
+            (&["--cors-origins", "*"], |a| a.llama.cors_origins.is_some()),
+            (&["--api-key", "a,b"], |a| {
+                a.api_key.as_deref() == Some("a,b")
+            }),
+            (&["--api-key-file", "k.txt"], |a| a.api_key_file.is_some()),
+            (&["--offline"], |a| a.llama.offline),
+            (&["--no-webui"], |a| a.llama.no_webui),
+            (&["--no-ui"], |a| a.llama.no_webui),
+            (&["--host", "0.0.0.0"], |a| a.host == "0.0.0.0"),
+            (&["--timeout", "9"], |a| a.timeout == 9),
+            (&["-to", "8"], |a| a.timeout == 8),
+            (&["-to=7"], |a| a.timeout == 7),
+            (&["-a", "x"], |a| a.alias.as_deref() == Some("x")),
+            (&["--alias=y"], |a| a.alias.as_deref() == Some("y")),
+            (&["--threads-http", "3"], |a| a.threads_http == 3),
+            (&["-ngl", "99"], |a| {
+                a.llama.n_gpu_layers.as_deref() == Some("99")
+            }),
+            (&["--n-gpu-layers=all"], |a| {
+                a.llama.n_gpu_layers.as_deref() == Some("all")
+            }),
+            (&["--gpu-layers", "auto"], |a| {
+                a.llama.n_gpu_layers.is_some()
+            }),
+            (&["--mlock"], |a| a.llama.mlock),
+            (&["--no-mmap"], |a| a.llama.no_mmap),
+            (&["-v"], |a| a.verbose),
+            (&["--verbose"], |a| a.verbose),
+            (&["--log-verbose"], |a| a.verbose),
+            (&["--log-disable"], |a| a.log_disable),
+            (&["--embedding"], |a| a.llama.embedding),
+            (&["--embeddings"], |a| a.llama.embedding),
+            (&["-np", "2", "-c", "4096"], |a| {
+                a.parallel == 2 && a.ctx_size == 4096
+            }),
+        ];
+        for (args, check) in cases {
+            assert!(check(&serve(args)), "{args:?}");
+        }
+        // The later of --chat-template and --chat-template-file wins, as in llama-server.
+        let a = serve(&[
+            "--chat-template",
+            "chatml",
+            "--chat-template-file",
+            "t.jinja",
+        ]);
+        assert!(a.llama.chat_template.is_none() && a.llama.chat_template_file.is_some());
+        // A value outside llama.cpp's set is a parse error naming the flag.
+        let bad = Cli::try_parse_from(llama_args(
+            ["specula", "serve", "-fa", "maybe"]
+                .iter()
+                .map(std::ffi::OsString::from),
+        ))
+        .unwrap_err()
+        .to_string();
+        assert!(bad.contains("--flash-attn"), "{bad}");
     }
 }

@@ -24,7 +24,7 @@ pub struct Args {
     /// Model name in responses and /v1/models (default: the file name).
     #[arg(short = 'a', long = "alias")]
     pub alias: Option<String>,
-    /// Address to listen on.
+    /// Address to listen on (llama-server's comma-separated list: one address here).
     #[arg(long, default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on (0: any free port).
@@ -39,9 +39,12 @@ pub struct Args {
     /// Threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
-    /// Tokens per prompt chunk.
+    /// Logical batch: tokens per prompt chunk.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
+    /// Physical batch: at most this many tokens per forward (a chunk is min(-b, -ub)).
+    #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
+    pub ubatch_size: usize,
     /// Full-size cache for sliding-window layers (a cell per position, as the other layers),
     /// instead of a ring of window + batch-size cells (llama.cpp's `--swa-full`).
     #[arg(long = "swa-full")]
@@ -52,10 +55,13 @@ pub struct Args {
     /// V cache type.
     #[arg(long = "cache-type-v", visible_alias = "ctv", default_value = "f16")]
     pub cache_type_v: String,
-    /// Require this key (`Authorization: Bearer KEY`) on every endpoint but /health and
-    /// /v1/models.
+    /// Require one of these keys (comma-separated; `Authorization: Bearer KEY`) on every
+    /// endpoint but /health and /v1/models.
     #[arg(long = "api-key")]
     pub api_key: Option<String>,
+    /// File of API keys, one per line (`#` lines are comments).
+    #[arg(long = "api-key-file")]
+    pub api_key_file: Option<std::path::PathBuf>,
     /// Longest a request may run, in seconds.
     #[arg(long = "timeout", visible_alias = "to", default_value_t = 600)]
     pub timeout: u64,
@@ -66,8 +72,14 @@ pub struct Args {
     #[arg(long = "threads-http", default_value_t = 2)]
     pub threads_http: usize,
     /// Log debug details too.
-    #[arg(short = 'v', long)]
+    #[arg(short = 'v', long, visible_alias = "log-verbose")]
     pub verbose: bool,
+    /// No log output.
+    #[arg(long = "log-disable")]
+    pub log_disable: bool,
+    /// The sampling defaults and llama-server's other flags.
+    #[command(flatten)]
+    pub llama: LlamaFlags,
     /// Draft model (GGUF file or manifest name) for speculative decoding.
     #[arg(long = "model-draft", visible_alias = "md")]
     pub model_draft: Option<String>,
@@ -85,12 +97,310 @@ pub struct Args {
     pub draft: crate::draft_args::DraftArgs,
 }
 
+/// llama-server flags besides the loading and speculative ones: request defaults and
+/// switches. Those that cannot apply here are accepted with a notice (see [`notices`]).
+#[derive(Debug, clap::Args)]
+#[allow(
+    clippy::struct_excessive_bools,
+    reason = "llama-server's on/off flags, one field each"
+)]
+pub struct LlamaFlags {
+    /// Default temperature of a request that does not set one.
+    #[arg(long = "temp", visible_alias = "temperature", default_value_t = 0.8)]
+    pub temp: f32,
+    /// Default seed (-1: random per request).
+    #[arg(short = 's', long = "seed", default_value_t = -1, allow_negative_numbers = true)]
+    pub seed: i64,
+    /// Default top-k (0: off).
+    #[arg(long = "top-k", default_value_t = 40)]
+    pub top_k: u32,
+    /// Default top-p (1.0: off).
+    #[arg(long = "top-p", default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Default min-p (0.0: off).
+    #[arg(long = "min-p", default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Default repetition penalty (1.0: off).
+    #[arg(long = "repeat-penalty", default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Default window of the penalties (0: off, -1: the slot's context).
+    #[arg(
+        long = "repeat-last-n",
+        default_value_t = 64,
+        allow_negative_numbers = true
+    )]
+    pub repeat_last_n: i64,
+    /// Default presence penalty (0.0: off).
+    #[arg(
+        long = "presence-penalty",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub presence_penalty: f32,
+    /// Default frequency penalty (0.0: off).
+    #[arg(
+        long = "frequency-penalty",
+        default_value_t = 0.0,
+        allow_negative_numbers = true
+    )]
+    pub frequency_penalty: f32,
+    /// Default tokens to generate when a request sets no max_tokens (-1: until the slot's
+    /// context is full).
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        visible_alias = "predict",
+        default_value_t = -1,
+        allow_negative_numbers = true
+    )]
+    pub n_predict: i64,
+    /// Flash attention: on, off or auto (the CPU attention is one fused kernel either way).
+    #[arg(long = "flash-attn", visible_alias = "fa", default_value = "auto", value_parser = ["on", "off", "auto", "1", "0", "true", "false", "enabled", "disabled"])]
+    pub flash_attn: String,
+    /// Continuous batching (always on here).
+    #[arg(
+        long = "cont-batching",
+        visible_alias = "cb",
+        overrides_with = "no_cont_batching"
+    )]
+    pub cont_batching: bool,
+    /// Ignored with a notice: batching is always continuous.
+    #[arg(long = "no-cont-batching", visible_alias = "nocb")]
+    pub no_cont_batching: bool,
+    /// One KV buffer shared by the slots (ignored with a notice: each slot has its own cache).
+    #[arg(
+        long = "kv-unified",
+        visible_alias = "kvu",
+        overrides_with = "no_kv_unified"
+    )]
+    pub kv_unified: bool,
+    /// Per-slot KV caches (what this server does).
+    #[arg(long = "no-kv-unified", visible_alias = "no-kvu")]
+    pub no_kv_unified: bool,
+    /// Shift the context when it fills (ignored with a notice: a request stops at the slot's
+    /// context).
+    #[arg(long = "context-shift", overrides_with = "no_context_shift")]
+    pub context_shift: bool,
+    /// No context shift (what this server does).
+    #[arg(long = "no-context-shift")]
+    pub no_context_shift: bool,
+    /// Serve GET /metrics (Prometheus); without it /metrics answers 501.
+    #[arg(long = "metrics")]
+    pub metrics: bool,
+    /// Serve GET /slots (the default).
+    #[arg(long = "slots", overrides_with = "no_slots")]
+    pub slots: bool,
+    /// GET /slots answers 501.
+    #[arg(long = "no-slots")]
+    pub no_slots: bool,
+    /// Where slot saves go (ignored with a notice: slot save / restore is not served).
+    #[arg(long = "slot-save-path")]
+    pub slot_save_path: Option<std::path::PathBuf>,
+    /// Jinja chat templates (always).
+    #[arg(long = "jinja", overrides_with = "no_jinja")]
+    pub jinja: bool,
+    /// Ignored with a notice: templates are always rendered with Jinja.
+    #[arg(long = "no-jinja")]
+    pub no_jinja: bool,
+    /// Chat template: a llama.cpp built-in name (chatml, llama3, zephyr) or Jinja source.
+    #[arg(long = "chat-template", overrides_with = "chat_template_file")]
+    pub chat_template: Option<String>,
+    /// Chat template from a Jinja file (the later of this and --chat-template wins).
+    #[arg(long = "chat-template-file", overrides_with = "chat_template")]
+    pub chat_template_file: Option<std::path::PathBuf>,
+    /// Reasoning format: none, deepseek, deepseek-legacy or auto (thoughts stay in the
+    /// content: `none`; the others are accepted with a notice).
+    #[arg(long = "reasoning-format", default_value = "auto", value_parser = ["none", "deepseek", "deepseek-legacy", "auto"])]
+    pub reasoning_format: String,
+    /// CORS origins (accepted with a notice: no CORS headers are sent).
+    #[arg(long = "cors-origins")]
+    pub cors_origins: Option<String>,
+    /// Download nothing: a model name must already be in the cache.
+    #[arg(long = "offline")]
+    pub offline: bool,
+    /// The built-in web UI (there is none here: accepted with a notice).
+    #[arg(long = "webui", visible_alias = "ui", overrides_with = "no_webui")]
+    pub webui: bool,
+    /// No web UI (what this server does).
+    #[arg(long = "no-webui", visible_alias = "no-ui")]
+    pub no_webui: bool,
+    /// Layers on the GPU (ignored with a notice: no GPU backend in this build).
+    #[arg(long = "n-gpu-layers", visible_aliases = ["ngl", "gpu-layers"])]
+    pub n_gpu_layers: Option<String>,
+    /// Lock the model in memory (ignored with a notice).
+    #[arg(long = "mlock")]
+    pub mlock: bool,
+    /// Read the model instead of mapping it (ignored with a notice: the model is mapped).
+    #[arg(long = "no-mmap")]
+    pub no_mmap: bool,
+    /// Serve embeddings (refused: embeddings are not served).
+    #[arg(long = "embedding", visible_alias = "embeddings")]
+    pub embedding: bool,
+}
+
+/// llama.cpp's built-in chat templates this server renders (llama-chat.cpp's formats, as Jinja).
+const BUILTIN_TEMPLATES: &[(&str, &str)] = &[
+    (
+        "chatml",
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    ),
+    (
+        "llama3",
+        "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>\n\n{{ m.content | trim }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}",
+    ),
+    (
+        "zephyr",
+        "{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}<|endoftext|>\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    ),
+];
+
+/// The chat template the flags ask for: `--chat-template-file` read, `--chat-template` a
+/// built-in name or (with `{{` / `{%`) Jinja source; `None`: the model's.
+fn chat_template(f: &LlamaFlags) -> Result<Option<String>> {
+    if let Some(path) = &f.chat_template_file {
+        return std::fs::read_to_string(path)
+            .map(Some)
+            .with_context(|| format!("cannot read --chat-template-file {}", path.display()));
+    }
+    let Some(name) = &f.chat_template else {
+        return Ok(None);
+    };
+    if let Some((_, src)) = BUILTIN_TEMPLATES.iter().find(|(n, _)| n == name) {
+        return Ok(Some((*src).to_string()));
+    }
+    if name.contains("{{") || name.contains("{%") {
+        return Ok(Some(name.clone()));
+    }
+    let names: Vec<&str> = BUILTIN_TEMPLATES.iter().map(|(n, _)| *n).collect();
+    bail!(
+        "--chat-template {name}: not a built-in template this server renders ({}); give Jinja source or --chat-template-file",
+        names.join(", ")
+    )
+}
+
+/// The API keys of `--api-key` (comma-separated) and `--api-key-file` (one per line, `#`
+/// comments), in order.
+fn api_keys(args: &Args) -> Result<Vec<String>> {
+    let mut keys: Vec<String> = args
+        .api_key
+        .iter()
+        .flat_map(|k| k.split(','))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(String::from)
+        .collect();
+    if let Some(path) = &args.api_key_file {
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("cannot read --api-key-file {}", path.display()))?;
+        keys.extend(
+            text.lines()
+                .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                .map(String::from),
+        );
+    }
+    Ok(keys)
+}
+
+/// One line per flag that is accepted but cannot apply here; an error for one that cannot be
+/// accepted.
+fn notices(args: &Args) -> Result<Vec<String>> {
+    let f = &args.llama;
+    if f.embedding {
+        bail!("--embedding: embeddings are not served by specula serve (no /embedding endpoint)");
+    }
+    if args
+        .host
+        .split(',')
+        .filter(|h| !h.trim().is_empty())
+        .count()
+        > 1
+    {
+        bail!(
+            "--host {}: one address only (specula serve binds a single listener)",
+            args.host
+        );
+    }
+    let mut out = Vec::new();
+    let mut ignored = |on: bool, flag: &str, why: &str| {
+        if on {
+            out.push(format!("ignored: {flag} ({why})"));
+        }
+    };
+    ignored(
+        f.n_gpu_layers.is_some(),
+        "-ngl",
+        "no GPU backend in this build",
+    );
+    ignored(
+        f.no_cont_batching,
+        "--no-cont-batching",
+        "batching is always continuous; outputs do not depend on it",
+    );
+    ignored(
+        f.kv_unified,
+        "--kv-unified",
+        "each slot has its own KV cache",
+    );
+    ignored(
+        f.context_shift,
+        "--context-shift",
+        "no context shift; a request stops at the slot's context",
+    );
+    ignored(
+        f.slot_save_path.is_some(),
+        "--slot-save-path",
+        "slot save / restore is not served",
+    );
+    ignored(
+        f.no_jinja,
+        "--no-jinja",
+        "chat templates are always rendered with Jinja",
+    );
+    ignored(
+        !matches!(f.reasoning_format.as_str(), "none" | "auto"),
+        "--reasoning-format",
+        "thoughts stay in the content",
+    );
+    ignored(
+        f.cors_origins.is_some(),
+        "--cors-origins",
+        "no CORS headers are sent",
+    );
+    ignored(f.webui, "--webui", "there is no web UI");
+    ignored(f.mlock, "--mlock", "the model is mapped, not locked");
+    ignored(f.no_mmap, "--no-mmap", "the model is always mapped");
+    Ok(out)
+}
+
+/// The server's request defaults from the sampling flags; `n_ctx_slot` for `--repeat-last-n -1`.
+fn sampling(f: &LlamaFlags, n_ctx_slot: usize) -> Result<specula_sampling::SamplerParams> {
+    let p = specula_sampling::SamplerParams {
+        temperature: f.temp,
+        top_k: f.top_k,
+        top_p: f.top_p,
+        min_p: f.min_p,
+        repeat_penalty: f.repeat_penalty,
+        repeat_last_n: match f.repeat_last_n {
+            -1 => u32::try_from(n_ctx_slot).unwrap_or(u32::MAX),
+            n => u32::try_from(n)
+                .map_err(|_| anyhow::anyhow!("--repeat-last-n {n}: give 0 or more, or -1"))?,
+        },
+        presence_penalty: f.presence_penalty,
+        frequency_penalty: f.frequency_penalty,
+        ..specula_sampling::SamplerParams::default()
+    };
+    p.validate().context("bad sampling flag")?;
+    Ok(p)
+}
+
 /// Runs the server until SIGTERM / Ctrl-C.
 pub fn run(args: &Args) -> Result<String> {
-    let level = if args.verbose {
-        tracing::Level::DEBUG
+    let level = if args.log_disable {
+        tracing::level_filters::LevelFilter::OFF
+    } else if args.verbose {
+        tracing::level_filters::LevelFilter::DEBUG
     } else {
-        tracing::Level::INFO
+        tracing::level_filters::LevelFilter::INFO
     };
     let _ = tracing_subscriber::fmt()
         .with_max_level(level)
@@ -98,9 +408,15 @@ pub fn run(args: &Args) -> Result<String> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .try_init();
-    if args.parallel == 0 || args.ctx_size == 0 || args.batch_size == 0 {
-        bail!("-np, -c and -b must be positive");
+    if args.parallel == 0 || args.ctx_size == 0 || args.batch_size == 0 || args.ubatch_size == 0 {
+        bail!("-np, -c, -b and -ub must be positive");
     }
+    for line in notices(args)? {
+        eprintln!("specula serve: {line}");
+    }
+    let template = chat_template(&args.llama)?;
+    let keys = api_keys(args)?;
+    let sampler = sampling(&args.llama, args.ctx_size / args.parallel)?;
     let (k_type, v_type) = (
         load::cache_type(&args.cache_type_k)?,
         load::cache_type(&args.cache_type_v)?,
@@ -109,9 +425,9 @@ pub fn run(args: &Args) -> Result<String> {
     let spec_kind = args
         .kind
         .resolve(args.spec_type, args.model_draft.as_deref())?;
-    let path = load::model_path(args.model.as_deref())?;
+    let path = load::model_path_with(args.model.as_deref(), args.llama.offline)?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
-    engine.n_batch = args.batch_size;
+    engine.n_batch = args.batch_size.min(args.ubatch_size);
     engine.swa_full = args.swa_full;
     let n_ctx_slot = args.ctx_size / args.parallel;
     load::check_cache(&engine, n_ctx_slot, k_type, v_type)?;
@@ -137,13 +453,20 @@ pub fn run(args: &Args) -> Result<String> {
         n_ctx: args.ctx_size,
         k_type,
         v_type,
-        api_key: args.api_key.clone().filter(|k| !k.is_empty()),
+        api_key: keys.first().cloned(),
+        extra_api_keys: keys.get(1..).unwrap_or_default().to_vec(),
         timeout: Duration::from_secs(args.timeout.max(1)),
         body_limit: args.body_limit,
         model_name: name,
         http_threads: args.threads_http,
         handle_signals: true,
         force_replay: args.draft.force_replay(),
+        sampling: sampler,
+        seed: u64::try_from(args.llama.seed).ok(),
+        n_predict: usize::try_from(args.llama.n_predict).ok(),
+        metrics: args.llama.metrics,
+        slots: !args.llama.no_slots,
+        chat_template: template,
     };
     let server = specula_server::start(cfg, engine, tokenizer, spec)?;
     eprintln!("specula serve: listening on http://{}", server.addr());

@@ -33,6 +33,7 @@ pub(crate) struct Limits {
     pub n_ctx_slot: usize,
     pub n_parallel: usize,
     pub api_key: Option<String>,
+    pub extra_api_keys: Vec<String>,
     pub timeout: Duration,
     pub body_limit: usize,
     pub model_name: String,
@@ -40,6 +41,16 @@ pub(crate) struct Limits {
     pub n_ctx_train: usize,
     pub spec: Option<(String, SpecOptions)>,
     pub rollback: &'static str,
+    /// Sampling defaults (`--temp` …; the seed is `seed`).
+    pub sampling: SamplerParams,
+    /// Default seed (`--seed`); `None`: random per request.
+    pub seed: Option<u64>,
+    /// Default max tokens (`-n`).
+    pub n_predict: Option<usize>,
+    /// `/metrics` served (`--metrics`).
+    pub metrics: bool,
+    /// `/slots` served (`--slots`).
+    pub slots: bool,
 }
 
 /// What every handler shares.
@@ -121,7 +132,13 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
         .and_then(|v| v.strip_prefix("Bearer "))
         .or_else(|| req.headers().get("x-api-key").and_then(|v| v.to_str().ok()));
     match given {
-        Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => next.run(req).await,
+        Some(g)
+            if std::iter::once(key)
+                .chain(st.limits.extra_api_keys.iter().map(String::as_str))
+                .any(|k| constant_time_eq(g.trim().as_bytes(), k.as_bytes())) =>
+        {
+            next.run(req).await
+        }
         _ => {
             tracing::warn!(path = %req.uri().path(), "rejected a request without a valid API key");
             ApiError(
@@ -201,7 +218,23 @@ async fn props(State(st): State<AppState>) -> axum::Json<Value> {
     }))
 }
 
+/// llama-server's answer to an endpoint turned off by a flag (its `not_supported_error`).
+fn not_supported(endpoint: &str, flag: &str) -> Response {
+    (
+        StatusCode::NOT_IMPLEMENTED,
+        axum::Json(json!({"error": {
+            "code": 501,
+            "message": format!("This server does not support {endpoint} endpoint. Start it with `{flag}`"),
+            "type": "not_supported_error",
+        }})),
+    )
+        .into_response()
+}
+
 async fn metrics(State(st): State<AppState>) -> Response {
+    if !st.limits.metrics {
+        return not_supported("metrics", "--metrics");
+    }
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
         st.metrics.render(),
@@ -210,6 +243,9 @@ async fn metrics(State(st): State<AppState>) -> Response {
 }
 
 async fn slots(State(st): State<AppState>) -> Response {
+    if !st.limits.slots {
+        return not_supported("slots", "--slots");
+    }
     let (tx, rx) = tokio::sync::oneshot::channel();
     if st.tx.send(Command::Slots(tx)).is_err() {
         return ApiError(503, "the engine has stopped".into()).into_response();
@@ -425,12 +461,16 @@ fn job(
             }
             n
         }
-        None => l.n_ctx_slot - n_prompt,
+        // `-n` is a default, not a promise: it stops where the slot's context ends.
+        None => l
+            .n_predict
+            .map_or(l.n_ctx_slot - n_prompt, |n| n.min(l.n_ctx_slot - n_prompt)),
     };
-    let d = SamplerParams::default();
+    let d = l.sampling;
     let seed = match c.seed {
         Some(s) if s >= 0 => s.cast_unsigned(),
-        _ => specula_sampling::entropy_seed(),
+        Some(_) => specula_sampling::entropy_seed(),
+        None => l.seed.unwrap_or_else(specula_sampling::entropy_seed),
     };
     let sampler = SamplerParams {
         temperature: c.temperature.unwrap_or(d.temperature),

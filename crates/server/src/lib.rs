@@ -115,6 +115,9 @@ pub enum ServerError {
         #[source]
         source: std::io::Error,
     },
+    /// The chat template given in place of the model's does not compile.
+    #[error("cannot use the given chat template")]
+    ChatTemplate(#[source] specula_tokenizer::TokenizerError),
     /// The HTTP thread panicked.
     #[error("server runtime: the HTTP thread panicked")]
     HttpPanicked,
@@ -201,6 +204,9 @@ pub struct ServerConfig {
     pub v_type: QType,
     /// Required Bearer key (`--api-key`).
     pub api_key: Option<String>,
+    /// Further keys accepted beside `api_key` (llama-server's comma-separated `--api-key`
+    /// and `--api-key-file`); read only when `api_key` is set.
+    pub extra_api_keys: Vec<String>,
     /// Longest a request may run (`--timeout`).
     pub timeout: Duration,
     /// Largest request body in bytes.
@@ -214,6 +220,24 @@ pub struct ServerConfig {
     /// Roll the slots' caches (and draft models' caches) back by checkpoint and replay even
     /// where they could trim (`--spec-rollback replay`): slower, for testing that path.
     pub force_replay: bool,
+    /// Sampling defaults of a request that does not set a field (`--temp`, `--top-k`,
+    /// `--top-p`, `--min-p`, `--repeat-penalty`, `--repeat-last-n`, `--presence-penalty`,
+    /// `--frequency-penalty`); the `seed` field is not read: see `seed`.
+    pub sampling: specula_sampling::SamplerParams,
+    /// Seed of a request without `seed` (`--seed`); `None` (`--seed -1`): a fresh random seed
+    /// per request.
+    pub seed: Option<u64>,
+    /// Tokens a request without `max_tokens` / `n_predict` may generate (`-n`); `None`: until
+    /// the slot's context is full.
+    pub n_predict: Option<usize>,
+    /// Serve `GET /metrics` (`--metrics`); off, it answers 501 as llama-server does. On by
+    /// default here; the CLI follows llama-server (off unless `--metrics`).
+    pub metrics: bool,
+    /// Serve `GET /slots` (`--slots` / `--no-slots`); off, it answers 501.
+    pub slots: bool,
+    /// A chat template (Jinja source) used instead of the model's
+    /// (`--chat-template`, `--chat-template-file`).
+    pub chat_template: Option<String>,
 }
 
 impl Default for ServerConfig {
@@ -226,12 +250,19 @@ impl Default for ServerConfig {
             k_type: QType::F16,
             v_type: QType::F16,
             api_key: None,
+            extra_api_keys: Vec::new(),
             timeout: Duration::from_secs(600),
             body_limit: 8 << 20,
             model_name: "specula".into(),
             http_threads: 2,
             handle_signals: false,
             force_replay: false,
+            sampling: specula_sampling::SamplerParams::default(),
+            seed: None,
+            n_predict: None,
+            metrics: true,
+            slots: true,
+            chat_template: None,
         }
     }
 }
@@ -329,6 +360,23 @@ where
             source,
         })?;
 
+    // The template before the engine starts: a bad --chat-template-file fails at once.
+    let template = match &cfg.chat_template {
+        Some(source) => Some(Arc::new(
+            tokenizer
+                .chat_template_from(source)
+                .map_err(ServerError::ChatTemplate)?,
+        )),
+        None => match tokenizer.chat_template() {
+            Ok(t) => Some(Arc::new(t)),
+            Err(e) => {
+                tracing::warn!(
+                    "no usable chat template ({e}); /v1/chat/completions will answer 400"
+                );
+                None
+            }
+        },
+    };
     let hp = engine.model.hparams().clone();
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::channel();
@@ -380,13 +428,6 @@ where
         }
     };
 
-    let template = match tokenizer.chat_template() {
-        Ok(t) => Some(Arc::new(t)),
-        Err(e) => {
-            tracing::warn!("no usable chat template ({e}); /v1/chat/completions will answer 400");
-            None
-        }
-    };
     let state = http::AppState {
         tx: tx.clone(),
         tokenizer: Arc::new(tokenizer),
@@ -396,6 +437,7 @@ where
             n_ctx_slot,
             n_parallel: cfg.n_parallel,
             api_key: cfg.api_key.clone(),
+            extra_api_keys: cfg.extra_api_keys.clone(),
             timeout: cfg.timeout,
             body_limit: cfg.body_limit,
             model_name: cfg.model_name.clone(),
@@ -403,6 +445,11 @@ where
             n_ctx_train: hp.n_ctx_train,
             spec: spec_kind,
             rollback: rollback.name(),
+            sampling: cfg.sampling,
+            seed: cfg.seed,
+            n_predict: cfg.n_predict,
+            metrics: cfg.metrics,
+            slots: cfg.slots,
         }),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)

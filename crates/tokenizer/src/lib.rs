@@ -397,6 +397,15 @@ impl Tokenizer {
             .chat_template
             .as_deref()
             .ok_or(TokenizerError::NoChatTemplate)?;
+        self.chat_template_from(source)
+    }
+
+    /// `source` compiled as a chat template with this model's BOS / EOS texts (a template
+    /// given in place of the model's: llama-server's `--chat-template-file`).
+    ///
+    /// # Errors
+    /// [`TokenizerError::Template`] if it does not parse.
+    pub fn chat_template_from(&self, source: &str) -> Result<ChatTemplate, TokenizerError> {
         let text = |id: Option<TokenId>| id.and_then(|i| self.token_text(i)).unwrap_or("");
         ChatTemplate::new(
             source,
