@@ -18,6 +18,10 @@ use crate::load;
 /// Arguments of `specula run` (llama.cpp flag names).
 #[derive(Debug, clap::Args)]
 pub struct Args {
+    /// Flash attention (llama.cpp's `-fa`): on, off or auto; accepted so llama.cpp command lines
+    /// run unchanged (the CPU attention is one fused kernel either way).
+    #[arg(long = "flash-attn", visible_alias = "fa", default_value = "auto", value_parser = ["on", "off", "auto", "1", "0", "true", "false", "enabled", "disabled"])]
+    pub flash_attn: String,
     /// GGUF file or manifest model name; default: the default model (fetched on first use).
     #[arg(short = 'm', long = "model")]
     pub model: Option<String>,
