@@ -161,7 +161,8 @@ struct Final {
 }
 
 impl Final {
-    fn body(&self, content: &str, tokens: &[u32], s: &Summary) -> Value {
+    /// `has_new_line`: whether the whole generation (streamed or not) holds a newline.
+    fn body(&self, content: &str, tokens: &[u32], s: &Summary, has_new_line: bool) -> Value {
         json!({
             "index": 0,
             "content": content,
@@ -173,7 +174,7 @@ impl Final {
             "tokens_evaluated": s.prompt_tokens,
             "generation_settings": self.settings,
             "prompt": self.prompt_text,
-            "has_new_line": content.contains('\n'),
+            "has_new_line": has_new_line,
             "truncated": false,
             "stop_type": stop_type(s),
             "stopping_word": s.stopping_word,
@@ -296,7 +297,7 @@ async fn collect(
                 text.push_str(&s.tail);
                 st.metrics
                     .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
-                let mut v = fin.body(&text, &tokens, &s);
+                let mut v = fin.body(&text, &tokens, &s, text.contains('\n'));
                 if !probs.is_empty() {
                     v["completion_probabilities"] = Value::Array(probs);
                 }
@@ -329,6 +330,7 @@ fn stream(
         rx: mpsc::UnboundedReceiver<Event>,
         done: bool,
         n: usize,
+        has_new_line: bool,
     }
     let id_slot = slot.map_or(-1, |s| i64::try_from(s).unwrap_or(-1));
     let fin = std::sync::Arc::new(fin);
@@ -336,6 +338,7 @@ fn stream(
         rx,
         done: false,
         n: 0,
+        has_new_line: false,
     };
     let s = futures_util::stream::unfold(init, move |mut s| {
         let st = st.clone();
@@ -348,6 +351,7 @@ fn stream(
             let v = match s.rx.recv().await? {
                 Event::Delta(d) => {
                     s.n += 1;
+                    s.has_new_line |= d.text.contains('\n');
                     let mut v = json!({
                         "index": 0,
                         "content": d.text,
@@ -367,7 +371,12 @@ fn stream(
                     st.metrics
                         .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
                     // Held-back text that was no stop string goes out with the summary.
-                    fin.body(&sum.tail, &[], &sum)
+                    fin.body(
+                        &sum.tail,
+                        &[],
+                        &sum,
+                        s.has_new_line || sum.tail.contains('\n'),
+                    )
                 }
                 Event::Error(status, msg) => {
                     s.done = true;
@@ -415,10 +424,17 @@ async fn props(State(st): State<AppState>) -> axum::Json<Value> {
         })
     };
     let special = tok.special_tokens();
+    let mut params = generation_settings(&s, -1, &[], &Common::default(), 0);
+    if let Some(m) = params.as_object_mut() {
+        // llama-server's props list no `stop`, and seed 4294967295 (LLAMA_DEFAULT_SEED):
+        // a fresh random seed per request, which is what a request without `seed` gets here.
+        m.remove("stop");
+        m.insert("seed".into(), json!(u32::MAX));
+    }
     axum::Json(json!({
         "default_generation_settings": {
             "n_ctx": l.n_ctx_slot,
-            "params": generation_settings(&s, -1, &[], &Common::default(), 0),
+            "params": params,
         },
         "total_slots": l.n_parallel,
         "model_alias": l.model_name,
