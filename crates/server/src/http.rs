@@ -71,7 +71,9 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/detokenize", post(detokenize))
         .merge(crate::native::routes())
         .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(crate::native::cors))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
@@ -155,7 +157,7 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::new(
         404,
         format!(
-            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots, /props, /tokenize, /detokenize",
+            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /completion, /apply-template, /v1/models, /health, /metrics, /slots, /props, /tokenize, /detokenize",
             req.method(),
             req.uri().path()
         ),

@@ -7,8 +7,10 @@ use std::time::Instant;
 
 use axum::Router;
 use axum::body::Bytes;
-use axum::extract::State;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, Method, header};
+use axum::middleware::Next;
 use axum::response::sse::{Event as SseEvent, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -30,6 +32,37 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/completions", post(completion))
         .route("/apply-template", post(apply_template))
         .route("/props", get(props))
+}
+
+/// CORS as llama-server does it with its defaults (`--cors-origins *`, credentials on): every
+/// answer allows the request's `Origin`; an `OPTIONS` preflight is answered at once, before the
+/// API key is checked (browsers send none), with llama-server's methods and headers.
+pub(crate) async fn cors(req: Request, next: Next) -> Response {
+    let origin = req.headers().get(header::ORIGIN).cloned();
+    let mut res = if req.method() == Method::OPTIONS {
+        let mut r = ([(header::CONTENT_TYPE, "text/html")], "").into_response();
+        let h = r.headers_mut();
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_CREDENTIALS,
+            HeaderValue::from_static("true"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_METHODS,
+            HeaderValue::from_static("GET, POST, DELETE, OPTIONS"),
+        );
+        h.insert(
+            header::ACCESS_CONTROL_ALLOW_HEADERS,
+            HeaderValue::from_static("*"),
+        );
+        r
+    } else {
+        next.run(req).await
+    };
+    if let Some(o) = origin {
+        res.headers_mut()
+            .insert(header::ACCESS_CONTROL_ALLOW_ORIGIN, o);
+    }
+    res
 }
 
 /// `POST /completion`.

@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{Draft, get, post, server};
+use common::{Draft, get, post, request, server};
 use serde_json::{Value, json};
 use specula_server::ServerConfig;
 
@@ -190,7 +190,7 @@ fn errors_have_llama_servers_shape_and_types() {
             .contains("prompt")
     );
 
-    let r = common::request(s.addr(), "POST", "/completion", &[], b"{not json");
+    let r = request(s.addr(), "POST", "/completion", &[], b"{not json");
     assert_eq!(r.status, 400);
     assert_eq!(r.json()["error"]["type"], "invalid_request_error");
 
@@ -234,4 +234,54 @@ fn props_names_llama_servers_fields() {
     assert_eq!(v["default_generation_settings"]["params"]["n_predict"], -1);
     assert!(!v["chat_template"].as_str().unwrap().is_empty(), "{v}");
     assert!(v["build_info"].as_str().unwrap().starts_with("specula"));
+}
+
+#[test]
+fn cors_preflight_and_origin_are_answered_as_llama_server_does() {
+    let mut c = cfg(1);
+    c.api_key = Some("k".into());
+    let s = server(c, Draft::None);
+    // A preflight needs no key and gets llama-server's default CORS headers.
+    let r = request(
+        s.addr(),
+        "OPTIONS",
+        "/completion",
+        &[("Origin", "http://example.test")],
+        b"",
+    );
+    assert_eq!(r.status, 200, "{}", r.head);
+    let head = r.head.to_ascii_lowercase();
+    for h in [
+        "access-control-allow-origin: http://example.test",
+        "access-control-allow-credentials: true",
+        "access-control-allow-methods: get, post, delete, options",
+        "access-control-allow-headers: *",
+    ] {
+        assert!(head.contains(h), "{h} missing in {head}");
+    }
+    // Other answers (a refused one too) carry the origin.
+    let r = request(
+        s.addr(),
+        "GET",
+        "/props",
+        &[("Origin", "http://example.test")],
+        b"",
+    );
+    assert_eq!(r.status, 401);
+    assert_eq!(r.json()["error"]["type"], "authentication_error");
+    assert!(
+        r.head
+            .to_ascii_lowercase()
+            .contains("access-control-allow-origin: http://example.test")
+    );
+    // A known path with the wrong method is a 404 not_found_error, as in llama-server.
+    let r = request(
+        s.addr(),
+        "GET",
+        "/completion",
+        &[("Authorization", "Bearer k")],
+        b"",
+    );
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["type"], "not_found_error");
 }
