@@ -165,6 +165,17 @@ mod tests {
         assert_eq!(run(&[b"ab", b"c"], &["c", "bc"]), ("a".into(), true));
     }
 
+    /// `stopping_word` of llama-server: the stop string that begins first, none before a hit.
+    #[test]
+    fn the_stop_string_that_ended_the_text_is_remembered() {
+        let mut t = TextStream::new(vec!["c".into(), "bc".into()]);
+        assert!(!t.push(b"ab"));
+        assert_eq!(t.stopping_word(), None);
+        assert!(t.push(b"c"));
+        assert_eq!(t.stopping_word(), Some("bc"));
+        assert_eq!(t.take_ready(), "a");
+    }
+
     #[test]
     fn a_possible_stop_prefix_is_held_then_released_when_it_diverges() {
         let mut t = TextStream::new(vec!["STOP".into()]);
