@@ -191,6 +191,8 @@ struct Final {
     model: String,
     prompt_text: String,
     settings: Value,
+    /// The positions left in the slot, when they (not `n_predict`) bound the generation.
+    room: Option<usize>,
 }
 
 impl Final {
@@ -208,7 +210,7 @@ impl Final {
             "generation_settings": self.settings,
             "prompt": self.prompt_text,
             "has_new_line": has_new_line,
-            "truncated": false,
+            "truncated": self.room.is_some_and(|r| s.finish_reason == "length" && s.completion_tokens >= r),
             "stop_type": stop_type(s),
             "stopping_word": s.stopping_word,
             "tokens_cached": s.prompt_tokens + s.completion_tokens.saturating_sub(1),
@@ -259,10 +261,22 @@ async fn completion(State(st): State<AppState>, body: Result<Bytes, BytesRejecti
     );
     let (tx, rx) = mpsc::unbounded_channel();
     // llama-server's `logprobs` of /completion is `n_probs`; the OpenAI field is not read here.
-    let c = Common {
+    let mut c = Common {
         logprobs: None,
         ..req.common
     };
+    // As llama-server (without context shift): a generation longer than the slot has room
+    // for is not refused but stops where the slot is full, with `truncated: true`.
+    let asked = c.n_predict.or(c.max_tokens);
+    let room = st.limits.n_ctx_slot.saturating_sub(ids.len());
+    let to_room = match asked.filter(|&n| n >= 0) {
+        None => true,
+        Some(n) => usize::try_from(n).is_ok_and(|n| n > room),
+    };
+    if to_room && room > 0 {
+        c.n_predict = Some(i64::try_from(room).unwrap_or(i64::MAX));
+        c.max_tokens = None;
+    }
     let mut job = match job(&st, &c, ids, Kind::Completion, tx) {
         Ok(j) => j,
         Err(e) => return fail(&st, t0, e),
@@ -283,13 +297,8 @@ async fn completion(State(st): State<AppState>, body: Result<Bytes, BytesRejecti
             .clone()
             .unwrap_or_else(|| st.limits.model_name.clone()),
         prompt_text,
-        settings: generation_settings(
-            &job.sampler,
-            c.n_predict.unwrap_or(-1),
-            &stop,
-            &c,
-            req.n_probs,
-        ),
+        settings: generation_settings(&job.sampler, asked.unwrap_or(-1), &stop, &c, req.n_probs),
+        room: to_room.then_some(room),
     };
     let n_prompt = job.prompt.len();
     if st.tx.send(Command::Generate(Box::new(job))).is_err() {

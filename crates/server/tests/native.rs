@@ -143,6 +143,29 @@ fn a_stop_string_reports_stop_type_word_and_the_stopping_word() {
     assert_eq!(v["generation_settings"]["stop"], json!([word]));
 }
 
+/// llama-server (without context shift) does not refuse an `n_predict` past the slot's room:
+/// it generates until the slot is full and says `truncated`.
+#[test]
+fn n_predict_past_the_slot_stops_at_its_end_truncated() {
+    let s = server(cfg(1), Draft::None);
+    let prompt = tokenize(s.addr(), "fill the slot", true);
+    let room = 256 - prompt.len();
+    for n in [json!(1000), json!(-1)] {
+        let mut body = greedy(json!(prompt), 0);
+        body["n_predict"] = n.clone();
+        let r = post(s.addr(), "/completion", &body);
+        assert_eq!(r.status, 200, "{}", r.text());
+        let v = r.json();
+        assert_eq!(v["tokens_predicted"], room, "n_predict {n}");
+        assert_eq!(v["stop_type"], "limit");
+        assert_eq!(v["truncated"], true);
+        assert_eq!(v["generation_settings"]["n_predict"], n);
+    }
+    // Within the room: not truncated.
+    let v = post(s.addr(), "/completion", &greedy(json!(prompt), 5)).json();
+    assert_eq!(v["truncated"], false);
+}
+
 #[test]
 fn id_slot_picks_the_slot_and_an_unknown_one_is_refused() {
     let s = server(cfg(2), Draft::None);
