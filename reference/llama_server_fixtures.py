@@ -59,6 +59,19 @@ def requests(ids):
     ]
 
 
+API_KEY = "fixture-key"
+
+
+def key_requests():
+    """Fixtures of a second run with `--api-key API_KEY`: (name, method, path, body, headers)."""
+    return [
+        ("auth_missing", "GET", "/props", None, {}),
+        ("auth_wrong", "POST", "/completion", {"prompt": TEXT, "n_predict": 1},
+         {"Authorization": "Bearer wrong"}),
+        ("auth_health_public", "GET", "/health", None, {}),
+    ]
+
+
 def sha256_file(path):
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -73,12 +86,12 @@ def free_port():
         return s.getsockname()[1]
 
 
-def call(port, method, path, body):
+def call(port, method, path, body, headers=None):
     data = None
     if body is not None:
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
+                                 headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(req, timeout=120) as r:
             status, raw = r.status, r.read()
@@ -109,36 +122,48 @@ def main():
     if not model.exists():
         print(f"llama_server_fixtures: skipped, no {model} (cargo xtask fetch-models smollm2-135m)")
         return 0
-    port = free_port()
-    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *ARGS]
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    try:
-        for _ in range(600):
-            try:
-                if call(port, "GET", "/health", None)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.2)
-        else:
-            print("llama_server_fixtures: llama-server did not become healthy", file=sys.stderr)
-            return 1
-        status, tok = call(port, "POST", "/tokenize", {"content": TEXT, "add_special": True})
-        assert status == 200, tok
-        ids = tok["response"]["tokens"]
-        out = args.out / "llama_server"
-        out.mkdir(parents=True, exist_ok=True)
-        names = []
-        for name, method, path, body in requests(ids):
-            status, got = call(port, method, path, body)
-            record = {"request": {"method": method, "path": path, "body": body}, "status": status, **got}
-            (out / f"{name}.json").write_text(json.dumps(record, indent=1, ensure_ascii=False) + "\n")
-            names.append(name)
-            print(f"llama_server_fixtures: {name}: {status}")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+    out = args.out / "llama_server"
+    out.mkdir(parents=True, exist_ok=True)
+    names = []
+
+    def record(name, method, path, body, status, got, headers=None):
+        rec = {"request": {"method": method, "path": path, "body": body}, "status": status, **got}
+        if headers:
+            rec["request"]["headers"] = headers
+        (out / f"{name}.json").write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
+        names.append(name)
+        print(f"llama_server_fixtures: {name}: {status}")
+
+    for extra in ([], ["--api-key", API_KEY]):
+        port = free_port()
+        cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *ARGS, *extra]
+        log = open(os.devnull, "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log)
+        try:
+            for _ in range(600):
+                try:
+                    if call(port, "GET", "/health", None)[0] == 200:
+                        break
+                except (urllib.error.URLError, ConnectionError):
+                    pass
+                time.sleep(0.2)
+            else:
+                print("llama_server_fixtures: llama-server did not become healthy", file=sys.stderr)
+                return 1
+            if extra:
+                for name, method, path, body, headers in key_requests():
+                    status, got = call(port, method, path, body, headers)
+                    record(name, method, path, body, status, got, headers)
+                continue
+            status, tok = call(port, "POST", "/tokenize", {"content": TEXT, "add_special": True})
+            assert status == 200, tok
+            ids = tok["response"]["tokens"]
+            for name, method, path, body in requests(ids):
+                status, got = call(port, method, path, body)
+                record(name, method, path, body, status, got)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
     shown = ["llama-server", "-m", MODEL, *ARGS]
     (out / "MANIFEST.md").write_text(f"""# golden/llama_server/
 
@@ -150,7 +175,7 @@ Answers of the reference llama-server to fixed requests; replayed against specul
 | script | `reference/llama_server_fixtures.py` |
 | oracle | llama-server of llama.cpp {UPSTREAM} (vendored by llama-cpp-python 0.3.36, built by `reference/build_llama_cpp.sh`, target `llama-server`) |
 | model | `{MODEL}`, sha256 `{sha256_file(model)}` |
-| server command | `{' '.join(shown)}` |
+| server command | `{' '.join(shown)}` (the `auth_*` files: the same with `--api-key {API_KEY}`) |
 | date | {time.strftime('%Y-%m-%d', time.gmtime())} |
 | command | `python reference/llama_server_fixtures.py --out golden --llama-dest /work/llama` |
 

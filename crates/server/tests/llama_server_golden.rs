@@ -2,7 +2,7 @@
 //! reference/llama_server_fixtures.py from the reference build on SmolLM2-135M Q4_1 with
 //! `-t 2 -c 2048 -np 1`): the same requests on the same model and settings must give the same
 //! greedy `content` and `tokens`, the same `/apply-template` text and `/tokenize` ids, the same
-//! error `type` and code, and the same response keys where specula implements them. Skips when
+//! error `type` and code (with and without `--api-key`), and the same response keys where specula implements them. Skips when
 //! the model is not fetched.
 //!
 //! Greedy output: equal token for token, or equal up to a step where specula's two best
@@ -45,7 +45,7 @@ fn golden(name: &str) -> Value {
     serde_json::from_str(&text).unwrap()
 }
 
-fn start(path: &Path) -> ServerHandle {
+fn start(path: &Path, api_key: Option<&str>) -> ServerHandle {
     let file = Arc::new(Gguf::open(path).unwrap());
     let be = CpuBackend::new(2);
     let model = Model::load(&be, Arc::clone(&file)).unwrap();
@@ -57,6 +57,7 @@ fn start(path: &Path) -> ServerHandle {
         n_ctx: 2048,
         model_name: path.file_name().unwrap().to_string_lossy().into_owned(),
         model_path: path.display().to_string(),
+        api_key: api_key.map(str::to_owned),
         ..ServerConfig::default()
     };
     specula_server::start(cfg, engine, tok, None).unwrap()
@@ -72,10 +73,18 @@ fn replay(s: &ServerHandle, g: &Value) -> (u16, Vec<u8>) {
         Value::String(raw) => raw.as_bytes().to_vec(),
         v => v.to_string().into_bytes(),
     };
-    let r = if method == "GET" {
+    let headers: Vec<(&str, &str)> = req["headers"]
+        .as_object()
+        .map(|h| {
+            h.iter()
+                .map(|(k, v)| (k.as_str(), v.as_str().unwrap()))
+                .collect()
+        })
+        .unwrap_or_default();
+    let r = if method == "GET" && headers.is_empty() {
         get(s.addr(), path)
     } else {
-        request(s.addr(), method, path, &[], &body)
+        request(s.addr(), method, path, &headers, &body)
     };
     (r.status, r.body)
 }
@@ -182,7 +191,7 @@ fn smollm2_native_endpoints_answer_as_llama_server() {
     let Some(path) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
-    let s = start(&path);
+    let s = start(&path, None);
     let json = |b: &[u8]| -> Value {
         serde_json::from_slice(b)
             .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(b)))
@@ -317,5 +326,26 @@ fn smollm2_native_endpoints_answer_as_llama_server() {
             assert_eq!(ours["n_ctx"], theirs["n_ctx"]);
         }
     }
+    s.shutdown().unwrap();
+
+    // With an API key (the fixtures' second llama-server run, `--api-key fixture-key`).
+    let s = start(&path, Some("fixture-key"));
+    for name in ["auth_missing", "auth_wrong"] {
+        let g = golden(name);
+        let (status, body) = replay(&s, &g);
+        let ours = &json(&body)["error"];
+        let theirs = &g["response"]["error"];
+        assert_eq!(
+            u64::from(status),
+            theirs["code"].as_u64().unwrap(),
+            "{name}"
+        );
+        assert_eq!(ours["type"], theirs["type"], "{name}");
+        assert_eq!(keys(ours), keys(theirs), "{name}: keys");
+    }
+    let g = golden("auth_health_public");
+    let (status, body) = replay(&s, &g);
+    assert_eq!(status, 200);
+    assert_eq!(json(&body), g["response"]);
     s.shutdown().unwrap();
 }
