@@ -458,6 +458,7 @@ pub fn run(args: &Args) -> Result<String> {
         timeout: Duration::from_secs(args.timeout.max(1)),
         body_limit: args.body_limit,
         model_name: name,
+        model_path: path.display().to_string(),
         http_threads: args.threads_http,
         handle_signals: true,
         force_replay: args.draft.force_replay(),

@@ -221,6 +221,7 @@ pub(crate) fn error_body(status: u16, message: &str) -> Value {
         401 | 403 => "authentication_error",
         404 => "not_found_error",
         400 | 413 | 422 => "invalid_request_error",
+        501 => "not_supported_error",
         503 => "unavailable_error",
         504 => "timeout_error",
         _ => "server_error",

@@ -37,6 +37,7 @@ pub(crate) struct Limits {
     pub timeout: Duration,
     pub body_limit: usize,
     pub model_name: String,
+    pub model_path: String,
     pub n_vocab: usize,
     pub n_ctx_train: usize,
     pub spec: Option<(String, SpecOptions)>,
@@ -71,36 +72,56 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
-        .route("/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/models", get(models))
         .route("/health", get(health))
         .route("/v1/health", get(health))
         .route("/metrics", get(metrics))
         .route("/slots", get(slots))
-        .route("/props", get(props))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .merge(crate::native::routes())
         .fallback(not_found)
+        .method_not_allowed_fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
+        .layer(middleware::from_fn(crate::native::cors))
         .layer(DefaultBodyLimit::max(body_limit))
         .with_state(state)
 }
 
 /// An error answer.
 #[derive(Debug)]
-pub(crate) struct ApiError(u16, String);
+pub(crate) struct ApiError {
+    pub status: u16,
+    pub msg: String,
+    /// `(n_prompt_tokens, n_ctx)` of llama-server's `exceed_context_size_error`.
+    pub exceed: Option<(usize, usize)>,
+}
 
 impl ApiError {
-    fn bad(msg: impl Into<String>) -> Self {
-        Self(400, msg.into())
+    pub(crate) fn new(status: u16, msg: impl Into<String>) -> Self {
+        Self {
+            status,
+            msg: msg.into(),
+            exceed: None,
+        }
+    }
+
+    pub(crate) fn bad(msg: impl Into<String>) -> Self {
+        Self::new(400, msg)
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let status = StatusCode::from_u16(self.0).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(error_body(self.0, &self.1))).into_response()
+        let status = StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut body = error_body(self.status, &self.msg);
+        if let Some((n_prompt, n_ctx)) = self.exceed {
+            body["error"]["type"] = json!("exceed_context_size_error");
+            body["error"]["n_prompt_tokens"] = json!(n_prompt);
+            body["error"]["n_ctx"] = json!(n_ctx);
+        }
+        (status, axum::Json(body)).into_response()
     }
 }
 
@@ -141,9 +162,8 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
         }
         _ => {
             tracing::warn!(path = %req.uri().path(), "rejected a request without a valid API key");
-            ApiError(
-                401,
-                "invalid or missing API key: send `Authorization: Bearer <key>` with the key given to --api-key".into(),
+            ApiError::new(401,
+                "invalid or missing API key: send `Authorization: Bearer <key>` with the key given to --api-key",
             )
             .into_response()
         }
@@ -151,34 +171,36 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
 }
 
 async fn not_found(req: Request) -> ApiError {
-    ApiError(
+    ApiError::new(
         404,
         format!(
-            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /v1/models, /health, /metrics, /slots, /props, /tokenize, /detokenize",
+            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /completion, /apply-template, /v1/models, /health, /metrics, /slots, /props, /tokenize, /detokenize",
             req.method(),
             req.uri().path()
         ),
     )
 }
 
-fn body_bytes(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(
+    st: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Bytes, ApiError> {
     body.map_err(|e| {
         let status = e.status().as_u16();
         if status == 413 {
-            ApiError(
-                413,
+            ApiError::new(413,
                 format!(
                     "the request body is larger than the server's limit of {} bytes; send a shorter request or start the server with a larger --body-limit",
                     st.limits.body_limit
                 ),
             )
         } else {
-            ApiError(status, format!("cannot read the request body: {e}"))
+            ApiError::new(status, format!("cannot read the request body: {e}"))
         }
     })
 }
 
-fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
+pub(crate) fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, ApiError> {
     serde_json::from_slice(bytes).map_err(|e| ApiError::bad(format!("invalid JSON body: {e}")))
 }
 
@@ -201,20 +223,6 @@ async fn models(State(st): State<AppState>) -> axum::Json<Value> {
                 "n_ctx_slot": l.n_ctx_slot,
             },
         }],
-    }))
-}
-
-async fn props(State(st): State<AppState>) -> axum::Json<Value> {
-    let l = &st.limits;
-    axum::Json(json!({
-        "model_alias": l.model_name,
-        "total_slots": l.n_parallel,
-        "n_ctx": l.n_ctx_slot,
-        "rollback": l.rollback,
-        "chat_template": st.tokenizer.chat_template_source(),
-        "speculative": l.spec.as_ref().map(|(kind, o)| json!({
-            "type": kind, "n_max": o.n_max, "n_min": o.n_min, "p_min": o.p_min, "adaptive": o.adaptive,
-        })),
     }))
 }
 
@@ -248,11 +256,11 @@ async fn slots(State(st): State<AppState>) -> Response {
     }
     let (tx, rx) = tokio::sync::oneshot::channel();
     if st.tx.send(Command::Slots(tx)).is_err() {
-        return ApiError(503, "the engine has stopped".into()).into_response();
+        return ApiError::new(503, "the engine has stopped").into_response();
     }
     match rx.await {
         Ok(v) => axum::Json(v).into_response(),
-        Err(_) => ApiError(503, "the engine has stopped".into()).into_response(),
+        Err(_) => ApiError::new(503, "the engine has stopped").into_response(),
     }
 }
 
@@ -311,7 +319,7 @@ async fn detokenize(
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
-fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
+pub(crate) fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, ApiError> {
     let mut ids = tok.encode_with(
         text,
         EncodeOptions {
@@ -407,15 +415,15 @@ async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesReject
     }
 }
 
-fn fail(st: &AppState, t0: Instant, e: ApiError) -> Response {
+pub(crate) fn fail(st: &AppState, t0: Instant, e: ApiError) -> Response {
     st.metrics
         .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
-    tracing::info!(status = e.0, "request refused: {}", e.1);
+    tracing::info!(status = e.status, "request refused: {}", e.msg);
     e.into_response()
 }
 
 /// The job of a request: limits checked, sampling and speculative settings resolved.
-fn job(
+pub(crate) fn job(
     st: &AppState,
     c: &Common,
     prompt: Vec<u32>,
@@ -436,12 +444,15 @@ fn job(
         .or(c.n_predict.filter(|&n| n >= 0));
     let n_prompt = prompt.len();
     if n_prompt >= l.n_ctx_slot {
-        return Err(ApiError::bad(format!(
-            "the prompt has {n_prompt} tokens but a slot holds {} (-c {} over -np {}); shorten the prompt or start the server with a larger -c (or fewer slots)",
-            l.n_ctx_slot,
-            l.n_ctx_slot * l.n_parallel,
-            l.n_parallel
-        )));
+        return Err(ApiError {
+            exceed: Some((n_prompt, l.n_ctx_slot)),
+            ..ApiError::bad(format!(
+                "the prompt has {n_prompt} tokens but a slot holds {} (-c {} over -np {}); shorten the prompt or start the server with a larger -c (or fewer slots)",
+                l.n_ctx_slot,
+                l.n_ctx_slot * l.n_parallel,
+                l.n_parallel
+            ))
+        });
     }
     let n_predict = match asked {
         Some(n) if n < 1 => {
@@ -564,12 +575,13 @@ fn job(
         logprobs,
         spec,
         ignore_eos: c.ignore_eos,
+        slot: None,
         events,
         deadline: Instant::now() + l.timeout,
     })
 }
 
-fn now_secs() -> u64 {
+pub(crate) fn now_secs() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -685,10 +697,7 @@ async fn generate(st: AppState, c: Common, prompt: Vec<u32>, kind: Kind, t0: Ins
         return fail(
             &st,
             t0,
-            ApiError(
-                503,
-                "the engine has stopped; the server is shutting down".into(),
-            ),
+            ApiError::new(503, "the engine has stopped; the server is shutting down"),
         );
     }
     if c.stream {
@@ -715,11 +724,11 @@ async fn generate(st: AppState, c: Common, prompt: Vec<u32>, kind: Kind, t0: Ins
                     st.metrics
                         .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
                 }
-                return ApiError(status, msg).into_response();
+                return ApiError::new(status, msg).into_response();
             }
         }
     }
-    ApiError(500, "the engine dropped the request".into()).into_response()
+    ApiError::new(500, "the engine dropped the request").into_response()
 }
 
 /// The SSE answer: one event per token, a final event with `usage` and `timings`, `[DONE]`.

@@ -38,6 +38,7 @@
 mod api;
 mod http;
 mod metrics;
+mod native;
 mod text;
 mod worker;
 
@@ -213,6 +214,8 @@ pub struct ServerConfig {
     pub body_limit: usize,
     /// The model's name in responses and `/v1/models` (`--alias`).
     pub model_name: String,
+    /// The model file, as `/props` reports it (`model_path`); empty when not from a file.
+    pub model_path: String,
     /// Threads of the HTTP runtime.
     pub http_threads: usize,
     /// Stop on SIGTERM / Ctrl-C.
@@ -254,6 +257,7 @@ impl Default for ServerConfig {
             timeout: Duration::from_secs(600),
             body_limit: 8 << 20,
             model_name: "specula".into(),
+            model_path: String::new(),
             http_threads: 2,
             handle_signals: false,
             force_replay: false,
@@ -441,6 +445,7 @@ where
             timeout: cfg.timeout,
             body_limit: cfg.body_limit,
             model_name: cfg.model_name.clone(),
+            model_path: cfg.model_path.clone(),
             n_vocab: hp.n_vocab,
             n_ctx_train: hp.n_ctx_train,
             spec: spec_kind,

@@ -13,6 +13,8 @@ pub(crate) struct TextStream {
     sent: usize,
     stops: Vec<String>,
     max_stop: usize,
+    /// The stop string that ended the text, once one has.
+    matched: Option<String>,
 }
 
 /// The largest char boundary of `s` at or below `i`.
@@ -83,16 +85,22 @@ impl TextStream {
         let hit = self
             .stops
             .iter()
-            .filter_map(|s| self.text[start..].find(s.as_str()).map(|p| start + p))
-            .min();
+            .filter_map(|s| self.text[start..].find(s.as_str()).map(|p| (start + p, s)))
+            .min_by_key(|&(p, _)| p);
         match hit {
-            Some(p) => {
+            Some((p, word)) => {
+                self.matched = Some(word.clone());
                 self.text.truncate(p.max(self.sent));
                 self.pending.clear();
                 true
             }
             None => false,
         }
+    }
+
+    /// The stop string that ended the text (llama-server's `stopping_word`), if one did.
+    pub(crate) fn stopping_word(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// The text that can be released now: everything decoded except an ending that is the
@@ -155,6 +163,17 @@ mod tests {
             ("Hello ".into(), true)
         );
         assert_eq!(run(&[b"ab", b"c"], &["c", "bc"]), ("a".into(), true));
+    }
+
+    /// `stopping_word` of llama-server: the stop string that begins first, none before a hit.
+    #[test]
+    fn the_stop_string_that_ended_the_text_is_remembered() {
+        let mut t = TextStream::new(vec!["c".into(), "bc".into()]);
+        assert!(!t.push(b"ab"));
+        assert_eq!(t.stopping_word(), None);
+        assert!(t.push(b"c"));
+        assert_eq!(t.stopping_word(), Some("bc"));
+        assert_eq!(t.take_ready(), "a");
     }
 
     #[test]

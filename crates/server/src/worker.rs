@@ -63,6 +63,8 @@ pub(crate) struct Job {
     pub logprobs: Option<usize>,
     pub spec: SpecRequest,
     pub ignore_eos: bool,
+    /// The slot the request must run in (llama-server's `id_slot`); any free one when `None`.
+    pub slot: Option<usize>,
     pub events: mpsc::UnboundedSender<Event>,
     pub deadline: Instant,
 }
@@ -98,6 +100,8 @@ pub(crate) struct Summary {
     pub predicted_ms: f64,
     pub spec: Option<SpecStats>,
     pub slot: usize,
+    /// The stop string that ended the generation (empty when none did).
+    pub stopping_word: String,
 }
 
 /// What the engine sends back for a request.
@@ -458,7 +462,7 @@ impl<B: Backend> Worker<B> {
                 .slots
                 .iter()
                 .enumerate()
-                .filter(|(_, s)| s.task.is_none())
+                .filter(|(i, s)| s.task.is_none() && job.slot.is_none_or(|w| w == *i))
                 .map(|(i, s)| {
                     let common = s
                         .cached
@@ -1066,6 +1070,7 @@ fn finish_task<B: Backend>(
         predicted_ms: predicted_s * 1e3,
         spec,
         slot: slot.id,
+        stopping_word: t.text.stopping_word().unwrap_or_default().to_owned(),
     };
     let _ = t.job.events.send(Event::Done(Box::new(summary)));
     release(slot, &t);
