@@ -6,7 +6,7 @@
 //! - `specula inspect [FILE|MODEL] [--json]` — what is inside a GGUF file ([`inspect`]).
 //! - `specula run` — generate text, plain or speculative, like llama-cli ([`run`]).
 //! - `specula serve` — the OpenAI-compatible server, like llama-server ([`serve`]).
-//! - `specula bench` — llama-bench's pp/tg tests and its JSON fields ([`bench`]).
+//! - `specula bench` — llama-bench's pp/tg tests and its JSON fields ([`mod@bench`]).
 //! - `specula perplexity FILE` — llama-perplexity's numbers ([`perplexity`]).
 //! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
 //! - `specula tokenize` — a prompt's token ids, like llama-tokenize ([`tokenize`]).
