@@ -11,6 +11,7 @@
 pub mod mutate;
 pub mod tiny;
 
+#[cfg(feature = "real-models")]
 use std::path::PathBuf;
 
 /// The variable that turns skips into failures.
@@ -43,6 +44,7 @@ pub fn skip<T>(why: &str) -> Option<T> {
 
 /// The cached real model named `name` (`models.toml`), or [`skip`] with the command that
 /// fetches it.
+#[cfg(feature = "real-models")]
 #[must_use]
 pub fn real_model(name: &str) -> Option<PathBuf> {
     specula_fetch::cached_model_path(name).or_else(|| {
