@@ -49,14 +49,15 @@ if ! grep -q "llama.cpp@$UPSTREAM" "$SRC/CHANGELOG.md"; then
 fi
 
 # 3. Configure and build (shared libraries; the quantizer tools and tests as a sanity check; the
-#    perplexity, bench and simple-generation tools for reference/llama_golden.py and speed anchors).
+#    perplexity, bench and simple-generation tools for reference/llama_golden.py and speed anchors,
+#    llama-server for reference/llama_server_fixtures.py).
 if [ ! -f "$DEST/build/CMakeCache.txt" ]; then
     "$CMAKE" -S "$SRC/vendor/llama.cpp" -B "$DEST/build" \
         -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_UI=OFF \
         -DLLAMA_USE_PREBUILT_UI=OFF -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_TESTS=ON -DGGML_OPENMP=OFF
 fi
 "$CMAKE" --build "$DEST/build" -j"$JOBS" --target llama-quantize test-quantize-perf test-quantize-fns \
-    llama-perplexity llama-bench llama-simple
+    llama-perplexity llama-bench llama-simple llama-server
 
 LIB="$DEST/build/bin/libggml-base.so"
 test -f "$LIB" || { echo "error: $LIB was not built" >&2; exit 1; }
