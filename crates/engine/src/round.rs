@@ -156,6 +156,12 @@ impl SpecSeq {
         &self.rows[(self.lead + 1).min(self.rows.len())..]
     }
 
+    /// Cuts the planned round's draft to its first `n` tokens (a constraint rejects the
+    /// next one: e.g. a grammar, before the verify batch runs).
+    pub fn cut_draft(&mut self, n: usize) {
+        self.rows.truncate((self.lead + 1 + n).min(self.rows.len()));
+    }
+
     /// The planned round's rows as the drafter takes them after the forward, their features at
     /// `rows` of the batch's.
     #[must_use]

@@ -57,6 +57,9 @@ pub(crate) struct Common {
     #[serde(rename = "speculative.p_min")]
     pub spec_p_min: Option<f32>,
     pub speculative: Option<SpecField>,
+    /// `response_format`, `json_schema`, `grammar`, `logit_bias`.
+    #[serde(flatten)]
+    pub structured: crate::structured::Fields,
 }
 
 /// Message content: a string or a list of parts (only text parts are read).

@@ -63,6 +63,8 @@ pub(crate) struct AppState {
     pub metrics: Arc<Metrics>,
     pub limits: Arc<Limits>,
     pub started: u64,
+    /// Compiles requests' JSON schemas and grammars (built on first use).
+    pub grammars: Arc<crate::structured::LazyGrammars>,
 }
 
 /// The application.
@@ -562,6 +564,9 @@ pub(crate) fn job(
             "speculative.p_min = {p}: use a probability in [0, 1]"
         )));
     }
+    let constraint = crate::structured::constraint(st, &c.structured)?;
+    let logit_bias =
+        crate::structured::logit_bias(&st.tokenizer, l.n_vocab, c.structured.logit_bias.as_ref())?;
     let prefix = match kind {
         Kind::Chat => "chatcmpl",
         Kind::Completion => "cmpl",
@@ -575,6 +580,8 @@ pub(crate) fn job(
         logprobs,
         spec,
         ignore_eos: c.ignore_eos,
+        constraint,
+        logit_bias,
         slot: None,
         events,
         deadline: Instant::now() + l.timeout,

@@ -39,6 +39,7 @@ mod api;
 mod http;
 mod metrics;
 mod native;
+mod structured;
 mod text;
 mod worker;
 
@@ -456,6 +457,7 @@ where
             metrics: cfg.metrics,
             slots: cfg.slots,
         }),
+        grammars: Arc::default(),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),

@@ -63,6 +63,10 @@ pub(crate) struct Job {
     pub logprobs: Option<usize>,
     pub spec: SpecRequest,
     pub ignore_eos: bool,
+    /// The grammar the output follows (structured output), at the start of the output.
+    pub constraint: Option<Box<specula_grammar::Constraint>>,
+    /// Added to the logits before sampling (`logit_bias`; −∞ bans a token).
+    pub logit_bias: Vec<(u32, f32)>,
     /// The slot the request must run in (llama-server's `id_slot`); any free one when `None`.
     pub slot: Option<usize>,
     pub events: mpsc::UnboundedSender<Event>,
@@ -140,6 +144,8 @@ struct Task {
     decode_start: Option<Instant>,
     candidates: Candidates,
     top: Vec<(u32, f32)>,
+    /// The round's logits rows after `logit_bias` and the grammar mask (constrained jobs).
+    masked: Vec<f32>,
 }
 
 struct Slot<B: Backend> {
@@ -571,6 +577,18 @@ impl<B: Backend> Worker<B> {
                 faults.push((idx[j], format!("the drafter failed: {}", crate::chain(&e))));
             }
         }
+        // A constrained slot's draft ends before its first token the grammar rejects, so
+        // the verify batch carries only drafts the constrained target could accept.
+        for slot in &mut self.slots {
+            if let Some(t) = &mut slot.task
+                && t.phase == Phase::Decode
+                && let Some(c) = t.job.constraint.as_mut()
+                && !t.seq.draft().is_empty()
+            {
+                let n = c.valid_prefix(t.seq.draft());
+                t.seq.cut_draft(n);
+            }
+        }
         for (i, msg) in faults.drain(..) {
             self.fault(i, &msg);
         }
@@ -775,13 +793,28 @@ fn commit_slot<B: Backend>(
     let Some(t) = &mut slot.task else {
         return Ok(());
     };
+    // Logit biases, then the grammar: row `i` masked with the matcher state after the
+    // anchor and `draft[..i]`, so the verifier sees what constrained plain decoding sees.
+    let constrained = t.job.constraint.is_some() || !t.job.logit_bias.is_empty();
+    if constrained {
+        t.masked.clear();
+        t.masked.extend_from_slice(rows);
+        for row in t.masked.chunks_exact_mut(n_vocab) {
+            crate::structured::apply_bias(&t.job.logit_bias, row);
+        }
+        if let Some(c) = t.job.constraint.as_mut() {
+            c.mask_rows(&mut t.masked, n_vocab, t.seq.draft())
+                .map_err(|e| e.to_string())?;
+        }
+    }
+    let sampled: &[f32] = if constrained { &t.masked } else { rows };
     let verdict = t
         .seq
         .commit(
             engine,
             &mut slot.session,
             drafter,
-            rows,
+            sampled,
             |rows, draft| sample_and_match(&mut t.sampler, rows, n_vocab, draft),
             cost,
         )
@@ -803,6 +836,9 @@ fn commit_slot<B: Backend>(
             .job
             .logprobs
             .map(|n| token_logprob(tokenizer, row, id, n, &mut t.candidates, &mut t.top));
+        if let Some(c) = t.job.constraint.as_mut() {
+            c.accept(&[id]).map_err(|e| e.to_string())?;
+        }
         let eog = !t.job.ignore_eos && tokenizer.is_eog(id);
         let stopped = !eog && t.text.push(tokenizer.token_to_piece(id, false));
         let text = t.text.take_ready();
@@ -986,6 +1022,7 @@ fn start_task<B: Backend>(
         decode_start: None,
         candidates: Candidates::new(),
         top: Vec::new(),
+        masked: Vec::new(),
         job,
     });
     Ok(())
