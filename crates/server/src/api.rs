@@ -183,6 +183,11 @@ pub(crate) fn timings(s: &Summary) -> Value {
         t["draft_accept_by_position"] = json!(spec.acceptance_by_position());
         t["draft_replays"] = json!(spec.replays);
     }
+    if let Some(g) = &s.grammar {
+        t["grammar_masks"] = json!(g.n);
+        t["grammar_mask_ms"] = json!(g.total_ms);
+        t["grammar_mask_median_ms"] = json!(g.median_ms);
+    }
     t
 }
 

@@ -200,6 +200,28 @@ pub(crate) fn logit_bias(
     Ok(out)
 }
 
+/// What a request's grammar masks cost: how many were computed (one per verify row), their
+/// total and median milliseconds (reported in `timings` as `grammar_masks`,
+/// `grammar_mask_ms`, `grammar_mask_median_ms`).
+#[derive(Clone, Debug)]
+pub(crate) struct MaskCost {
+    pub n: usize,
+    pub total_ms: f64,
+    pub median_ms: f64,
+}
+
+impl MaskCost {
+    pub(crate) fn of(seconds: &[f64]) -> Self {
+        let mut s = seconds.to_vec();
+        s.sort_by(f64::total_cmp);
+        Self {
+            n: s.len(),
+            total_ms: s.iter().sum::<f64>() * 1e3,
+            median_ms: s.get(s.len() / 2).map_or(0.0, |m| m * 1e3),
+        }
+    }
+}
+
 /// Adds the biases to a logits row (llama.cpp's logit-bias sampler, before the chain).
 pub(crate) fn apply_bias(bias: &[(u32, f32)], row: &mut [f32]) {
     for &(id, b) in bias {

@@ -106,6 +106,8 @@ pub(crate) struct Summary {
     pub slot: usize,
     /// The stop string that ended the generation (empty when none did).
     pub stopping_word: String,
+    /// What the grammar masks cost (constrained requests).
+    pub grammar: Option<crate::structured::MaskCost>,
 }
 
 /// What the engine sends back for a request.
@@ -1108,6 +1110,11 @@ fn finish_task<B: Backend>(
         spec,
         slot: slot.id,
         stopping_word: t.text.stopping_word().unwrap_or_default().to_owned(),
+        grammar: t
+            .job
+            .constraint
+            .as_ref()
+            .map(|c| crate::structured::MaskCost::of(c.mask_seconds())),
     };
     let _ = t.job.events.send(Event::Done(Box::new(summary)));
     release(slot, &t);

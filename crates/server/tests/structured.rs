@@ -298,6 +298,34 @@ fn streamed_constrained_output_is_the_plain_output() {
 }
 
 #[test]
+fn constrained_requests_still_speculate_and_report_the_mask_cost() {
+    let s = server(cfg(), Draft::SelfModel);
+    let schema = &schemas()[0];
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 0,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}});
+    let v = post(s.addr(), "/v1/chat/completions", &body).json();
+    let t = &v["timings"];
+    let (drafted, accepted) = (
+        t["draft_n"].as_u64().unwrap(),
+        t["draft_n_accepted"].as_u64().unwrap(),
+    );
+    // The draft model drafts its unconstrained greedy tokens; the grammar cuts them, and what
+    // is left is accepted (the draft model is the target).
+    assert!(drafted > 0 && accepted == drafted, "{t}");
+    let masks = t["grammar_masks"].as_u64().unwrap();
+    assert!(masks >= t["predicted_n"].as_u64().unwrap(), "{t}");
+    assert!(t["grammar_mask_median_ms"].as_f64().unwrap() > 0.0, "{t}");
+    // Plain requests carry no grammar timings.
+    let v = post(
+        s.addr(),
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+    )
+    .json();
+    assert!(v["timings"].get("grammar_masks").is_none(), "{v}");
+}
+
+#[test]
 fn json_object_gives_an_object_and_composes_with_logit_bias() {
     let s = server(cfg(), Draft::Ngram);
     // Favouring `"` and `}` makes the random model's strings and objects end; without the
