@@ -7,7 +7,7 @@ use serde_json::{Value, json};
 use crate::worker::{Summary, TokenLogprob};
 
 /// `stop`: one string or several.
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub(crate) enum Stop {
     One(String),
@@ -15,7 +15,7 @@ pub(crate) enum Stop {
 }
 
 /// Nested speculative overrides: `"speculative": {"n_max": 4}` (or `false` to disable).
-#[derive(Debug, Deserialize)]
+#[derive(Clone, Debug, Deserialize)]
 #[serde(untagged)]
 pub(crate) enum SpecField {
     Enabled(bool),
@@ -27,7 +27,7 @@ pub(crate) enum SpecField {
 }
 
 /// Fields shared by chat and text completions.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Clone, Debug, Default, Deserialize)]
 pub(crate) struct Common {
     pub model: Option<String>,
     #[serde(default)]

@@ -433,12 +433,17 @@ pub(crate) fn job(
     events: mpsc::UnboundedSender<Event>,
 ) -> Result<Job, ApiError> {
     let l = &st.limits;
-    if let Some(n) = c.n
-        && n != 1
-    {
-        return Err(ApiError::bad(format!(
-            "n = {n}: only n = 1 is supported; send separate requests for several choices"
-        )));
+    match c.n {
+        Some(n) if n < 1 => {
+            return Err(ApiError::bad(format!("n = {n}: ask for at least 1 choice")));
+        }
+        Some(n) if n > 1 => {
+            return Err(ApiError::bad(format!(
+                "n = {n}: this endpoint serves one choice per request; /v1/chat/completions and /v1/completions take n up to {}",
+                crate::choices::MAX_CHOICES
+            )));
+        }
+        _ => {}
     }
     let asked = c
         .max_completion_tokens
@@ -596,11 +601,11 @@ pub(crate) fn now_secs() -> u64 {
 
 /// What a response is named and stamped with.
 #[derive(Clone)]
-struct Head {
-    id: String,
-    created: u64,
-    model: String,
-    kind: Kind,
+pub(crate) struct Head {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub kind: Kind,
 }
 
 impl Head {
@@ -658,7 +663,7 @@ impl Head {
         })
     }
 
-    fn full(&self, text: &str, lps: &[TokenLogprob], s: &Summary) -> Value {
+    pub(crate) fn full(&self, text: &str, lps: &[TokenLogprob], s: &Summary) -> Value {
         let mut choice = match self.kind {
             Kind::Chat => json!({
                 "index": 0,
@@ -685,6 +690,9 @@ impl Head {
 }
 
 async fn generate(st: AppState, c: Common, prompt: Vec<u32>, kind: Kind, t0: Instant) -> Response {
+    if c.n.is_some_and(|n| n > 1) {
+        return crate::choices::generate_n(st, c, prompt, kind, t0).await;
+    }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let job = match job(&st, &c, prompt, kind, tx) {
         Ok(j) => j,

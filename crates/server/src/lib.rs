@@ -36,6 +36,7 @@
 //! ```
 
 mod api;
+mod choices;
 mod http;
 mod metrics;
 mod native;

@@ -30,7 +30,7 @@ impl LazyGrammars {
 }
 
 /// The request fields this module reads (flattened into `api::Common`).
-#[derive(Debug, Default, serde::Deserialize)]
+#[derive(Clone, Debug, Default, serde::Deserialize)]
 pub(crate) struct Fields {
     pub response_format: Option<Value>,
     pub json_schema: Option<Value>,

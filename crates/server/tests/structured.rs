@@ -326,6 +326,52 @@ fn constrained_requests_still_speculate_and_report_the_mask_cost() {
 }
 
 #[test]
+fn n_choices_each_follow_the_schema_and_differ_by_seed() {
+    let s = server(cfg(), Draft::Ngram);
+    let schema = &schemas()[0];
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200, "temperature": 1, "seed": 9, "n": 3,
+        "response_format": {"type": "json_schema", "json_schema": {"schema": schema}}});
+    let v = post(s.addr(), "/v1/chat/completions", &body).json();
+    let choices = v["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{v}");
+    let mut texts = Vec::new();
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i);
+        let t = c["message"]["content"].as_str().unwrap();
+        check(t, schema, &format!("choice {i}"));
+        texts.push(t.to_owned());
+    }
+    assert!(texts[0] != texts[1] || texts[1] != texts[2], "{texts:?}");
+    // Choice i is the n = 1 answer with seed 9 + i.
+    let mut one = body.clone();
+    one["n"] = json!(1);
+    one["seed"] = json!(10);
+    let v1 = post(s.addr(), "/v1/chat/completions", &one).json();
+    assert_eq!(v1["choices"][0]["message"]["content"], texts[1].as_str());
+    let completion: u64 = choices.len() as u64;
+    assert!(
+        v["usage"]["completion_tokens"].as_u64().unwrap() >= completion,
+        "{v}"
+    );
+    // Text completions too; streaming several choices and n on /completion are refused.
+    let v = post(
+        s.addr(),
+        "/v1/completions",
+        &json!({"prompt": "a", "n": 2, "max_tokens": 3}),
+    )
+    .json();
+    assert_eq!(v["choices"].as_array().unwrap().len(), 2, "{v}");
+    let r = post(
+        s.addr(),
+        "/v1/completions",
+        &json!({"prompt": "a", "n": 2, "stream": true}),
+    );
+    assert_eq!(r.status, 400);
+    let r = post(s.addr(), "/completion", &json!({"prompt": "a", "n": 2}));
+    assert_eq!(r.status, 400);
+}
+
+#[test]
 fn json_object_gives_an_object_and_composes_with_logit_bias() {
     let s = server(cfg(), Draft::Ngram);
     // Favouring `"` and `}` makes the random model's strings and objects end; without the
