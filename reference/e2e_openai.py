@@ -8,11 +8,14 @@ never part of `cargo xtask ci`. Checks, against a server on the default model:
 - a streamed chat completion yields text deltas, ends with a finish reason, and its text equals
   the non-streamed answer to the same greedy request (the client parses both shapes);
 - a text completion returns `usage` that adds up;
+- structured output: a `response_format` JSON schema (strict) with `n=2` gives two choices whose
+  content parses and has the schema's keys and types;
 - a wrong API key is refused with 401 when the server requires one (--api-key).
 Exits non-zero with a message on the first failure.
 """
 
 import argparse
+import json
 import sys
 
 import openai
@@ -70,6 +73,24 @@ def main() -> None:
     print(f"e2e: completion {comp.choices[0].text!r}, usage {comp.usage}")
     if comp.usage.completion_tokens == 0:
         fail("the completion generated nothing")
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer", "minimum": 0,
+                                                              "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}
+    structured = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "The largest city of France, as JSON."}],
+        max_tokens=64, temperature=0, n=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema, "strict": True}},
+    )
+    for choice in structured.choices:
+        try:
+            obj = json.loads(choice.message.content)
+        except json.JSONDecodeError as e:
+            fail(f"structured output is not JSON: {choice.message.content!r} ({e})")
+        if set(obj) != {"city", "population"} or not isinstance(obj["population"], int):
+            fail(f"structured output does not follow the schema: {obj}")
+    print(f"e2e: structured output {structured.choices[0].message.content} ({len(structured.choices)} choices)")
 
     if args.api_key != "none":
         bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")
