@@ -8,6 +8,9 @@ never part of `cargo xtask ci`. Checks, against a server on the default model:
 - a streamed chat completion yields text deltas, ends with a finish reason, and its text equals
   the non-streamed answer to the same greedy request (the client parses both shapes);
 - a text completion returns `usage` that adds up;
+- the Responses API (`client.responses.create`): a greedy answer with `output_text` and
+  `usage`, and its streamed events (`response.output_text.delta` … `response.completed`)
+  giving the same text;
 - a wrong API key is refused with 401 when the server requires one (--api-key).
 Exits non-zero with a message on the first failure.
 """
@@ -70,6 +73,32 @@ def main() -> None:
     print(f"e2e: completion {comp.choices[0].text!r}, usage {comp.usage}")
     if comp.usage.completion_tokens == 0:
         fail("the completion generated nothing")
+
+    resp = client.responses.create(
+        model=model, instructions="Answer briefly.", input="Name a primary colour.",
+        max_output_tokens=16, temperature=0,
+    )
+    print(f"e2e: response {resp.id} {resp.status}: {resp.output_text!r}, usage {resp.usage}")
+    if resp.object != "response" or resp.status != "completed" or not resp.output_text:
+        fail(f"the response is not a completed text answer: {resp}")
+    if resp.usage.total_tokens != resp.usage.input_tokens + resp.usage.output_tokens:
+        fail(f"response usage does not add up: {resp.usage}")
+    kinds, deltas, completed = [], [], None
+    events = client.responses.create(
+        model=model, instructions="Answer briefly.", input="Name a primary colour.",
+        max_output_tokens=16, temperature=0, stream=True,
+    )
+    for ev in events:
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        elif ev.type == "response.completed":
+            completed = ev.response
+    print(f"e2e: response stream: {len(kinds)} events, {kinds[:4]} ... {kinds[-1:]}")
+    if kinds[:1] != ["response.created"] or completed is None:
+        fail(f"the response stream is not created ... completed: {kinds}")
+    if "".join(deltas) != resp.output_text:
+        fail(f"streamed response text differs: {''.join(deltas)!r} vs {resp.output_text!r}")
 
     if args.api_key != "none":
         bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")

@@ -201,7 +201,6 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
     for flag in [
         "-ngl",
         "--kv-unified",
-        "--slot-save-path",
         "--cors-origins",
         "--mlock",
         "--no-mmap",
@@ -230,6 +229,11 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
     assert_eq!(status, 200, "{body}");
     let (status, body) = http(&addr, "GET", "/metrics", Some("cli-key"), "");
     assert_eq!(status, 200, "{body}");
+    // --slot-save-path turns the slot actions on.
+    let save = r#"{"filename":"cli-slot.bin"}"#;
+    let (status, body) = http(&addr, "POST", "/slots/0?action=save", Some("cli-key"), save);
+    assert_eq!(status, 200, "{body}");
+    assert!(dir.path().join("cli-slot.bin").is_file(), "{body}");
     child.kill().unwrap();
     child.wait().unwrap();
 }

@@ -37,6 +37,8 @@ pub(crate) struct Limits {
     pub timeout: Duration,
     pub body_limit: usize,
     pub model_name: String,
+    pub model_aliases: Vec<String>,
+    pub n_embd: usize,
     pub model_path: String,
     pub n_vocab: usize,
     pub n_ctx_train: usize,
@@ -52,6 +54,10 @@ pub(crate) struct Limits {
     pub metrics: bool,
     /// `/slots` served (`--slots`).
     pub slots: bool,
+    /// Where slot files go (`--slot-save-path`); `None`: slot actions answer 501.
+    pub slot_save_path: Option<std::path::PathBuf>,
+    /// The logical batch (`-b`), which `/infill` budgets its prompt with.
+    pub n_batch: usize,
 }
 
 /// What every handler shares.
@@ -81,6 +87,9 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .merge(crate::native::routes())
+        .merge(crate::slots::routes())
+        .merge(crate::infill::routes())
+        .merge(crate::responses::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -208,18 +217,50 @@ async fn health() -> axum::Json<Value> {
     axum::Json(json!({"status": "ok"}))
 }
 
+/// `GET /v1/models` as llama-server's `get_res_models`: the OpenAI list (`object`, `data`)
+/// and the Ollama-style `models` list beside it.
 async fn models(State(st): State<AppState>) -> axum::Json<Value> {
     let l = &st.limits;
+    // llama.cpp's `llama_vocab_type`: 1 SPM, 2 BPE.
+    let vocab_type = match st.tokenizer.kind() {
+        specula_tokenizer::VocabKind::Spm => 1,
+        specula_tokenizer::VocabKind::Bpe => 2,
+    };
     axum::Json(json!({
+        "models": [{
+            "name": l.model_name,
+            "model": l.model_name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }],
         "object": "list",
         "data": [{
             "id": l.model_name,
+            "aliases": l.model_aliases,
+            "tags": [],
             "object": "model",
             "created": st.started,
             "owned_by": "specula",
             "meta": {
+                "vocab_type": vocab_type,
                 "n_vocab": l.n_vocab,
+                "n_ctx": l.n_ctx_slot,
                 "n_ctx_train": l.n_ctx_train,
+                "n_embd": l.n_embd,
                 "n_ctx_slot": l.n_ctx_slot,
             },
         }],
@@ -636,7 +677,7 @@ impl Head {
     fn role_chunk(&self) -> Value {
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}],
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}],
         })
     }
 
