@@ -375,3 +375,64 @@ fn an_action_on_a_busy_slot_waits_for_it() {
         );
     });
 }
+
+/// Gemma-3 270m with forwards of 16 rows: its sliding-window layers keep a ring of 528 cells
+/// that a 650-token prompt wraps. The ring's bookkeeping travels in the file: a second server
+/// restores it and continues the saved history from its cache (`cache_n` = the saved tokens)
+/// with the greedy tokens of the server that saved it.
+#[test]
+fn gemma3_a_wrapped_ring_restores_into_a_fresh_server() {
+    fn gemma(dir: &Path) -> Option<ServerHandle> {
+        let path = specula_testkit::real_model("gemma3-270m")?;
+        let file = Arc::new(Gguf::open(&path).unwrap());
+        let be = CpuBackend::new(2);
+        let model = Model::load(&be, Arc::clone(&file)).unwrap();
+        let mut engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
+        engine.n_batch = 16;
+        assert_eq!(engine.swa_ring(), Some(528));
+        let tok = Tokenizer::from_gguf(&file).unwrap();
+        let cfg = ServerConfig {
+            port: 0,
+            n_parallel: 1,
+            n_ctx: 1024,
+            slot_save_path: Some(dir.to_path_buf()),
+            ..ServerConfig::default()
+        };
+        Some(specula_server::start(cfg, engine, tok, None).unwrap())
+    }
+    let dir = TempDir::new();
+    let Some(a) = gemma(dir.path()) else { return };
+    let prompt: String = (0..45)
+        .map(|i| format!("row {i}: acc = acc * 3 + data[{}]\n", i % 5))
+        .collect();
+    let body = |p: Value, n: u64| json!({"prompt": p, "n_predict": n, "temperature": 0, "return_tokens": true, "ignore_eos": true});
+    let cold = post(a.addr(), "/completion", &body(json!(prompt), 12)).json();
+    let n_prompt = cold["tokens_evaluated"].as_u64().unwrap();
+    assert!(n_prompt > 600, "{cold}");
+    let (status, saved) = action(&a, "0", "save", Some("ring.bin"));
+    assert_eq!(status, 200, "{saved}");
+    assert_eq!(saved["n_saved"], n_prompt + 11);
+    // The saved history continued: the prompt's ids and all 12 generated tokens.
+    let r = post(
+        a.addr(),
+        "/tokenize",
+        &json!({"content": prompt, "add_special": true}),
+    );
+    let mut ids: Vec<Value> = r.json()["tokens"].as_array().unwrap().clone();
+    ids.extend(cold["tokens"].as_array().unwrap().iter().cloned());
+    let cont_a = post(a.addr(), "/completion", &body(json!(ids), 8)).json();
+    assert_eq!(cont_a["timings"]["cache_n"], n_prompt + 11, "{cont_a}");
+    drop(a);
+
+    let b = gemma(dir.path()).unwrap();
+    let (status, restored) = action(&b, "0", "restore", Some("ring.bin"));
+    assert_eq!(status, 200, "{restored}");
+    let cont_b = post(b.addr(), "/completion", &body(json!(ids), 8)).json();
+    assert_eq!(cont_b["timings"]["cache_n"], n_prompt + 11, "{cont_b}");
+    assert_eq!(cont_b["tokens"], cont_a["tokens"]);
+    // And cold, after an erase: the same tokens with nothing reused.
+    action(&b, "0", "erase", None);
+    let cont_cold = post(b.addr(), "/completion", &body(json!(ids), 8)).json();
+    assert_eq!(cont_cold["timings"]["cache_n"], 0, "{cont_cold}");
+    assert_eq!(cont_cold["tokens"], cont_a["tokens"]);
+}
