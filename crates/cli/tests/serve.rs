@@ -140,7 +140,16 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
     let key_file = keys.to_str().unwrap();
     let mut child = specula()
         .args(["serve", "-m", m, "--host", "127.0.0.1", "--port", "0"])
-        .args(["-a", "tiny-alias", "-c", "1024", "-np", "2", "-t", "2"])
+        .args([
+            "-a",
+            "tiny-alias, second ,",
+            "-c",
+            "1024",
+            "-np",
+            "2",
+            "-t",
+            "2",
+        ])
         .args([
             "--temp",
             "0.8",
@@ -222,13 +231,21 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
         let (status, body) = http(&addr, "POST", "/v1/completions", Some(key), prompt);
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("\"completion_tokens\":6"), "{body}");
-        assert!(body.contains("\"model\":\"tiny-alias\""), "{body}");
+        assert!(body.contains("\"model\":\"second\""), "{body}");
     }
     let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
     let (status, body) = http(&addr, "POST", "/v1/chat/completions", Some("cli-key"), chat);
     assert_eq!(status, 200, "{body}");
     let (status, body) = http(&addr, "GET", "/metrics", Some("cli-key"), "");
     assert_eq!(status, 200, "{body}");
+    // -a: comma-separated names, sorted; the first names the model.
+    let (status, body) = http(&addr, "GET", "/v1/models", None, "");
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains(r#""aliases":["second","tiny-alias"]"#),
+        "{body}"
+    );
+    assert!(body.contains(r#""id":"second""#), "{body}");
     // --slot-save-path turns the slot actions on.
     let save = r#"{"filename":"cli-slot.bin"}"#;
     let (status, body) = http(&addr, "POST", "/slots/0?action=save", Some("cli-key"), save);

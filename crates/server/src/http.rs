@@ -183,7 +183,7 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::new(
         404,
         format!(
-            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /completion, /apply-template, /v1/models, /health, /metrics, /slots, /props, /tokenize, /detokenize",
+            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /v1/responses, /completion, /infill, /apply-template, /v1/models, /health, /metrics, /slots, /slots/{{id}}?action=, /props, /tokenize, /detokenize",
             req.method(),
             req.uri().path()
         ),
