@@ -436,3 +436,50 @@ fn gemma3_a_wrapped_ring_restores_into_a_fresh_server() {
     assert_eq!(cont_cold["timings"]["cache_n"], 0, "{cont_cold}");
     assert_eq!(cont_cold["tokens"], cont_a["tokens"]);
 }
+
+/// A file saved with one cache format does not load into a slot of another (`-ctk q8_0` vs
+/// f16): the session state's layout signature names both; the slot is left empty.
+#[test]
+fn another_cache_format_is_refused_by_its_layout() {
+    let dir = TempDir::new();
+    let bytes = common::tiny_heads(3, 1, false, 32);
+    let cfg = |k_type| ServerConfig {
+        n_ctx: 512,
+        k_type,
+        slot_save_path: Some(dir.path().to_path_buf()),
+        ..ServerConfig::default()
+    };
+    let f16 = common::server_on(
+        bytes.clone(),
+        cfg(specula_quant::QType::F16),
+        Draft::None,
+        512,
+    );
+    let cold = tiny_completion(&f16, 0);
+    let (status, v) = action(&f16, "0", "save", Some("f16.bin"));
+    assert_eq!(status, 200, "{v}");
+    let q8 = common::server_on(bytes, cfg(specula_quant::QType::Q8_0), Draft::None, 512);
+    let (status, v) = action(&q8, "0", "restore", Some("f16.bin"));
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains("another layout") && msg.contains("q8_0"),
+        "{msg}"
+    );
+    // The same file restores into the f16 server, and a q8_0 file into the q8_0 one.
+    let (status, _) = action(&f16, "0", "restore", Some("f16.bin"));
+    assert_eq!(status, 200);
+    let warm = tiny_completion(&f16, 0);
+    assert!(warm["timings"]["cache_n"].as_u64().unwrap() > 0, "{warm}");
+    assert_eq!(warm["tokens"], cold["tokens"]);
+    let q8_cold = tiny_completion(&q8, 0);
+    assert_eq!(action(&q8, "0", "save", Some("q8.bin")).0, 200);
+    action(&q8, "0", "erase", None);
+    assert_eq!(action(&q8, "0", "restore", Some("q8.bin")).0, 200);
+    let q8_warm = tiny_completion(&q8, 0);
+    assert!(
+        q8_warm["timings"]["cache_n"].as_u64().unwrap() > 0,
+        "{q8_warm}"
+    );
+    assert_eq!(q8_warm["tokens"], q8_cold["tokens"]);
+}
