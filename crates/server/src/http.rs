@@ -628,6 +628,9 @@ pub(crate) fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// The `system_fingerprint` of OpenAI responses (llama-server's build: `b<N>-<commit>`).
+const SYSTEM_FINGERPRINT: &str = concat!("specula-", env!("CARGO_PKG_VERSION"));
+
 /// What a response is named and stamped with.
 #[derive(Clone)]
 struct Head {
@@ -666,7 +669,7 @@ impl Head {
         }
         let mut v = json!({
             "id": self.id, "object": self.object(true), "created": self.created,
-            "model": self.model, "choices": [choice],
+            "model": self.model, "choices": [choice], "system_fingerprint": SYSTEM_FINGERPRINT,
         });
         if let Some(t) = token {
             v["tokens"] = json!([t]);
@@ -677,6 +680,7 @@ impl Head {
     fn role_chunk(&self) -> Value {
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}],
         })
     }
@@ -688,6 +692,7 @@ impl Head {
         };
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice], "usage": usage(s), "timings": timings(s),
         })
     }
@@ -712,7 +717,7 @@ impl Head {
         }
         json!({
             "id": self.id, "object": self.object(false), "created": self.created,
-            "model": self.model, "choices": [choice],
+            "model": self.model, "choices": [choice], "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": usage(s), "timings": timings(s), "id_slot": s.slot,
         })
     }

@@ -219,8 +219,9 @@ pub(crate) struct SlotParts<'a, B: Backend> {
 }
 
 /// Runs `action` on a free slot and returns llama-server's answer.
+/// `id_slot` is the id as asked (llama-server answers with it, wrapped or not).
 pub(crate) fn perform<B: Backend>(
-    id_slot: usize,
+    id_slot: i64,
     action: Action,
     p: SlotParts<'_, B>,
 ) -> Result<Value, ApiError> {

@@ -459,12 +459,14 @@ impl<B: Backend> Worker<B> {
     }
 
     /// Runs the slot actions whose slot is free, in arrival order (the others wait, as
-    /// llama-server defers them); an unknown slot is answered at once.
+    /// llama-server defers them). As llama-server's `get_slot_by_id`, an id past the slots
+    /// wraps around (`id % n_slots`); a negative one is answered "Invalid slot ID" at once.
     fn slot_actions_run(&mut self) {
         let mut i = 0;
         while i < self.slot_actions.len() {
             let id = self.slot_actions[i].id;
-            let slot = usize::try_from(id).ok().filter(|&s| s < self.slots.len());
+            let n = i64::try_from(self.slots.len()).unwrap_or(i64::MAX);
+            let slot = usize::try_from(id % n).ok();
             if slot.is_some_and(|s| self.slots[s].task.is_some())
                 && !self.slot_actions[i].reply.is_closed()
             {
@@ -486,7 +488,7 @@ impl<B: Backend> Worker<B> {
                 .get_or_insert_with(|| crate::slots::fingerprint(&self.engine));
             let slot = &mut self.slots[s];
             let r = crate::slots::perform(
-                s,
+                id,
                 req.action,
                 crate::slots::SlotParts {
                     engine: &self.engine,

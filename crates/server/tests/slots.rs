@@ -162,6 +162,22 @@ fn smollm2_save_erase_restore_reuses_the_prefix_and_keeps_greedy_tokens() {
     let warm = post(s.addr(), "/completion", &greedy(TEXT, 16)).json();
     assert_eq!(warm["timings"]["cache_n"], n_prompt - 1, "{warm}");
     assert_eq!(warm["timings"]["prompt_n"], 1, "{warm}");
+    // llama-server reuses the restored prefix alike, and its cold and restored runs give the
+    // tokens ours give.
+    let (g_cold, g_warm) = (
+        golden("slot_completion")["response"].clone(),
+        golden("slot_restored_completion")["response"].clone(),
+    );
+    for k in ["cache_n", "prompt_n"] {
+        assert_eq!(warm["timings"][k], g_warm["timings"][k], "timings.{k}");
+        assert_eq!(cold["timings"][k], g_cold["timings"][k], "timings.{k}");
+    }
+    assert_eq!(cold["tokens_evaluated"], g_cold["tokens_evaluated"]);
+    assert_eq!(cold["tokens"], g_cold["tokens"]);
+    assert_eq!(warm["tokens"], g_warm["tokens"]);
+    let (status, v) = action(&s, "1", "restore", Some("missing.bin"));
+    assert_eq!(status, golden("slot_restore_missing")["status"], "{v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
     assert_eq!(warm["tokens"], cold["tokens"]);
     assert_eq!(warm["content"], cold["content"]);
 
@@ -225,7 +241,6 @@ fn bad_ids_actions_and_filenames_are_llama_servers_400s() {
     for (name, id, what, file) in [
         ("slot_bad_filename", "0", "save", Some("../escape.bin")),
         ("slot_bad_action", "0", "explode", None),
-        ("slot_bad_id", "99", "erase", None),
         ("slot_bad_id_text", "abc", "erase", None),
     ] {
         let (status, v) = action(&s, id, what, file);
@@ -237,6 +252,15 @@ fn bad_ids_actions_and_filenames_are_llama_servers_400s() {
             "{name}"
         );
     }
+    // An id past the slots wraps around, as llama-server's `get_slot_by_id` (99 of 2 slots:
+    // slot 1), and the answer names the id as asked; a negative one is refused.
+    let (status, v) = action(&s, "99", "erase", None);
+    let g = golden("slot_bad_id");
+    assert_eq!(status, g["status"], "{v}");
+    assert_eq!(v, g["response"]);
+    let (status, v) = action(&s, "-1", "erase", None);
+    assert_eq!(status, 400, "{v}");
+    assert_eq!(v["error"]["message"], "Invalid slot ID");
     for bad in ["a/b.bin", "..", "x.", " x", "c:d", "nul\u{1}"] {
         let (status, v) = action(&s, "0", "save", Some(bad));
         assert_eq!(status, 400, "{bad:?}: {v}");
