@@ -7,9 +7,16 @@
 //! - the answers' keys and values as llama-server's fixtures (golden/llama_server_endpoints/),
 //!   but for the byte counts `n_written` / `n_read` (the size of a file in our format, not
 //!   llama.cpp's state format) and `timings` (speeds);
-//! - without `--slot-save-path` llama-server's 501; a bad slot id, action or filename its 400s;
-//!   a corrupt, truncated, foreign or other-version file a precise 400, and the slot left
-//!   empty; a save never leaves a half-written file.
+//! - without `--slot-save-path` llama-server's 501; a bad slot id, action or filename its 400s
+//!   (an id past the slots wraps around, as llama-server's `get_slot_by_id`); a corrupt,
+//!   truncated, foreign or other-version file a precise 400, and the slot left empty; a save
+//!   never leaves a half-written file.
+//!
+//! Deliberate differences: `n_written` / `n_read` are the size of our file format (llama.cpp
+//! writes its own state format: 784672 bytes for the fixture's 34 tokens); `timings` are
+//! speeds; a missing `filename` is a 400 naming it (llama-server: a 500 from its JSON
+//! library); a failed restore says why (llama-server: "No available space in KV cache or
+//! invalid slot save file" whatever the cause), with llama-server's prefix and type.
 
 mod common;
 
