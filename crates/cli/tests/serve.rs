@@ -22,6 +22,23 @@ fn bad_flags_fail_before_listening() {
     let out = specula().args(["serve", "-np", "0"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("-np"));
+    // As llama-server: --slot-save-path names a directory.
+    let out = specula()
+        .args([
+            "serve",
+            "-m",
+            "/nonexistent.gguf",
+            "--slot-save-path",
+            "/nonexistent-dir",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--slot-save-path /nonexistent-dir: not a directory"),
+        "{err}"
+    );
 }
 
 #[cfg(unix)]
