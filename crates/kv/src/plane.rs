@@ -333,12 +333,13 @@ impl Plane {
     }
 
     /// Reads what [`Plane::export_prefix`] wrote for `n` cells from the front of `bytes` into
-    /// cells `0..n` (and the offset), and returns the bytes it read. The cells past `n` are
-    /// left as they are (they hold no position).
+    /// cells `0..n` (and the offset, for a plane not yet calibrated), and returns the bytes it
+    /// read. The cells past `n` are left as they are (they hold no position).
     ///
     /// # Errors
-    /// [`KvError::Shape`] when `n` is past the plane's cells, or `bytes` is shorter than the
-    /// state of `n` cells of this plane or holds a bad flag (not written by this plane's shape).
+    /// [`KvError::Shape`] when `n` is past the plane's cells, `bytes` is shorter than the
+    /// state of `n` cells of this plane or holds a bad flag (not written by this plane's
+    /// shape), or the plane is calibrated with another offset than the saved one.
     pub fn import_prefix(&mut self, n: usize, bytes: &[u8]) -> Result<usize> {
         if n > self.n_cells {
             return Err(KvError::Shape(format!(
@@ -358,7 +359,7 @@ impl Plane {
                         bytes.len() - 1
                     ))
                 })?;
-                let c = raw
+                let c: Vec<f32> = raw
                     .chunks_exact(4)
                     .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                     .collect();
@@ -371,6 +372,19 @@ impl Plane {
             }
             None => return Err(KvError::Shape("a saved plane is empty".into())),
         };
+        // The cells were quantized around the saved offset; a plane calibrated otherwise (the
+        // same formats with another context: `specula_engine` calibrates per session) would
+        // read them right but write the next rows differently from a plane that wrote them.
+        if let (Some(have), Some(saved)) = (&self.center, &center)
+            && have
+                .iter()
+                .map(|x| x.to_bits())
+                .ne(saved.iter().map(|x| x.to_bits()))
+        {
+            return Err(KvError::Shape(
+                "the saved plane was calibrated with another offset (saved from a cache of another context size?)".into(),
+            ));
+        }
         let rb = self.row_bytes();
         let len = n * rb;
         let cells = bytes.get(off..off + len).ok_or_else(|| {
@@ -380,7 +394,9 @@ impl Plane {
             ))
         })?;
         bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len].copy_from_slice(cells);
-        self.center = center;
+        if self.center.is_none() {
+            self.center = center;
+        }
         off += len;
         Ok(off)
     }

@@ -469,7 +469,8 @@ fn gemma3_a_wrapped_ring_restores_into_a_fresh_server() {
 }
 
 /// A file saved with one cache format does not load into a slot of another (`-ctk q8_0` vs
-/// f16): the session state's layout signature names both; the slot is left empty.
+/// f16): the session state's layout signature names both; the slot is left empty. Nor into a
+/// quantized cache calibrated with other offsets.
 #[test]
 fn another_cache_format_is_refused_by_its_layout() {
     let dir = TempDir::new();
@@ -504,6 +505,28 @@ fn another_cache_format_is_refused_by_its_layout() {
     assert!(warm["timings"]["cache_n"].as_u64().unwrap() > 0, "{warm}");
     assert_eq!(warm["tokens"], cold["tokens"]);
     let q8_cold = tiny_completion(&q8, 0);
+    // A q8_0 cache of a 64-position context is calibrated on fewer tokens
+    // (`KV_CALIBRATION_TOKENS` is 128): its offsets differ, and the file is refused rather
+    // than mixing two calibrations in one slot.
+    assert_eq!(action(&q8, "0", "save", Some("q8-512.bin")).0, 200);
+    let small = common::server_on(
+        common::tiny_heads(3, 1, false, 32),
+        ServerConfig {
+            n_ctx: 64,
+            ..cfg(specula_quant::QType::Q8_0)
+        },
+        Draft::None,
+        512,
+    );
+    let (status, v) = action(&small, "0", "restore", Some("q8-512.bin"));
+    assert_eq!(status, 400, "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("another offset"),
+        "{v}"
+    );
     assert_eq!(action(&q8, "0", "save", Some("q8.bin")).0, 200);
     action(&q8, "0", "erase", None);
     assert_eq!(action(&q8, "0", "restore", Some("q8.bin")).0, 200);
