@@ -10,7 +10,7 @@ never part of `cargo xtask ci`. Checks, against a server on the default model:
 - a text completion returns `usage` that adds up;
 - the Responses API (`client.responses.create`): a greedy answer with `output_text` and
   `usage`, and its streamed events (`response.output_text.delta` … `response.completed`)
-  giving the same text;
+  giving the same text, raw and through the client's stream helper (`responses.stream`);
 - a wrong API key is refused with 401 when the server requires one (--api-key).
 Exits non-zero with a message on the first failure.
 """
@@ -99,6 +99,13 @@ def main() -> None:
         fail(f"the response stream is not created ... completed: {kinds}")
     if "".join(deltas) != resp.output_text:
         fail(f"streamed response text differs: {''.join(deltas)!r} vs {resp.output_text!r}")
+    with client.responses.stream(
+        model=model, instructions="Answer briefly.", input="Name a primary colour.",
+        max_output_tokens=16, temperature=0,
+    ) as helper:
+        final = helper.get_final_response()
+    if final.output_text != resp.output_text:
+        fail(f"the stream helper's text differs: {final.output_text!r} vs {resp.output_text!r}")
 
     if args.api_key != "none":
         bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")

@@ -12,7 +12,10 @@
 //!   `response.in_progress`, `response.output_item.added`, `response.content_part.added`, one
 //!   `response.output_text.delta` per piece of text, then `response.output_text.done`,
 //!   `response.content_part.done`, `response.output_item.done` and `response.completed` with
-//!   the whole response; no `[DONE]`.
+//!   the whole response; no `[DONE]`. Beside llama-server's fields each event carries
+//!   OpenAI's `sequence_number` (and `output_index` / `content_index` where OpenAI has them),
+//!   and the in-progress response its `created_at`, `model` and empty `output`, which the
+//!   official clients' stream helpers (`client.responses.stream`) read.
 //!
 //! `previous_response_id` (stored conversations), tools and reasoning items are not served:
 //! they answer 400 naming what is missing.
@@ -275,9 +278,23 @@ async fn responses(State(st): State<AppState>, body: Result<Bytes, BytesRejectio
     ApiError::new(500, "the engine dropped the request").into_response()
 }
 
-/// One typed event: `event: TYPE` and its data.
-fn typed(data: &Value) -> SseEvent {
-    let kind = data["type"].as_str().unwrap_or("error");
+/// One typed event: `event: TYPE` and its data, numbered (`sequence_number`) and placed
+/// (`output_index`, `content_index`: one message of one text part) as OpenAI's events are, so
+/// that the official clients' stream helpers can accumulate them; llama-server's events are
+/// the same without those three fields.
+fn typed(mut data: Value, seq: &mut u64) -> SseEvent {
+    let kind = data["type"].as_str().unwrap_or("error").to_owned();
+    if let Some(m) = data.as_object_mut() {
+        m.insert("sequence_number".into(), json!(*seq));
+        if kind.starts_with("response.output_item.") {
+            m.insert("output_index".into(), json!(0));
+        }
+        if kind.starts_with("response.content_part.") || kind.starts_with("response.output_text.") {
+            m.insert("output_index".into(), json!(0));
+            m.insert("content_index".into(), json!(0));
+        }
+    }
+    *seq += 1;
     SseEvent::default().event(kind).data(data.to_string())
 }
 
@@ -290,7 +307,8 @@ fn stream(
 ) -> Sse<impl futures_util::Stream<Item = Result<SseEvent, Infallible>>> {
     struct S {
         rx: mpsc::UnboundedReceiver<Event>,
-        pending: std::collections::VecDeque<SseEvent>,
+        pending: std::collections::VecDeque<Value>,
+        seq: u64,
         created: bool,
         text_started: bool,
         text: String,
@@ -300,6 +318,7 @@ fn stream(
     let init = S {
         rx,
         pending: std::collections::VecDeque::new(),
+        seq: 0,
         created: false,
         text_started: false,
         text: String::new(),
@@ -310,19 +329,24 @@ fn stream(
         let ids = ids.clone();
         async move {
             loop {
-                if let Some(e) = s.pending.pop_front() {
+                if let Some(v) = s.pending.pop_front() {
+                    let e = typed(v, &mut s.seq);
                     return Some((Ok(e), s));
                 }
                 if s.done {
                     return None;
                 }
-                let in_progress = |kind: &str| json!({"type": kind, "response": {"id": ids.resp, "object": "response", "status": "in_progress"}});
+                let in_progress = |kind: &str| {
+                    json!({"type": kind, "response": {
+                        "id": ids.resp, "object": "response", "status": "in_progress",
+                        "created_at": now_secs(), "model": ids.model, "output": [],
+                    }})
+                };
                 let ev = s.rx.recv().await?;
                 if !s.created && matches!(ev, Event::Delta(_) | Event::Done(_)) {
                     s.created = true;
-                    s.pending.push_back(typed(&in_progress("response.created")));
-                    s.pending
-                        .push_back(typed(&in_progress("response.in_progress")));
+                    s.pending.push_back(in_progress("response.created"));
+                    s.pending.push_back(in_progress("response.in_progress"));
                 }
                 let delta = |s: &mut S, text: &str| {
                     if text.is_empty() {
@@ -330,20 +354,20 @@ fn stream(
                     }
                     if !s.text_started {
                         s.text_started = true;
-                        s.pending.push_back(typed(&json!({
+                        s.pending.push_back(json!({
                             "type": "response.output_item.added",
                             "item": {"content": [], "id": ids.msg, "role": "assistant", "status": "in_progress", "type": "message"},
-                        })));
-                        s.pending.push_back(typed(&json!({
+                        }));
+                        s.pending.push_back(json!({
                             "type": "response.content_part.added",
                             "item_id": ids.msg,
                             "part": {"type": "output_text", "text": ""},
-                        })));
+                        }));
                     }
                     s.text.push_str(text);
-                    s.pending.push_back(typed(&json!({
+                    s.pending.push_back(json!({
                         "type": "response.output_text.delta", "item_id": ids.msg, "delta": text,
-                    })));
+                    }));
                 };
                 match ev {
                     Event::Delta(d) => delta(&mut s, &d.text),
@@ -354,17 +378,17 @@ fn stream(
                             .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
                         let out = output(&ids, &s.text);
                         if !s.text.is_empty() {
-                            s.pending.push_back(typed(&json!({
+                            s.pending.push_back(json!({
                                 "type": "response.output_text.done", "item_id": ids.msg, "text": s.text,
-                            })));
-                            s.pending.push_back(typed(&json!({
+                            }));
+                            s.pending.push_back(json!({
                                 "type": "response.content_part.done", "item_id": ids.msg, "part": text_part(&s.text),
-                            })));
-                            s.pending.push_back(typed(&json!({
+                            }));
+                            s.pending.push_back(json!({
                                 "type": "response.output_item.done", "item": out[0],
-                            })));
+                            }));
                         }
-                        s.pending.push_back(typed(&json!({
+                        s.pending.push_back(json!({
                             "type": "response.completed",
                             "response": {
                                 "id": ids.resp, "object": "response", "created_at": now_secs(),
@@ -372,7 +396,7 @@ fn stream(
                                 "usage": usage(&sum),
                             },
                             "timings": timings(&sum),
-                        })));
+                        }));
                     }
                     Event::Error(status, msg) => {
                         s.done = true;
@@ -382,7 +406,7 @@ fn stream(
                         }
                         let mut e = error_body(status, &msg);
                         e["type"] = json!("error");
-                        s.pending.push_back(typed(&e));
+                        s.pending.push_back(e);
                     }
                 }
             }

@@ -231,10 +231,25 @@ fn smollm2_models_props_chat_stream_and_responses_match_llama_server() {
         .map(|n| n.as_str().unwrap().to_owned())
         .collect();
     assert_eq!(names, their_names, "event names");
+    // llama-server's keys, plus OpenAI's `sequence_number`, `output_index` and
+    // `content_index` (which the official clients' stream helpers read), and OpenAI's
+    // `created_at`, `model`, `output` in the in-progress response.
+    let extra = ["sequence_number", "output_index", "content_index"];
     for (i, (o, t)) in ours.iter().zip(theirs).enumerate() {
         assert_eq!(o["type"], t["type"], "event {i}");
-        assert_eq!(keys(o), keys(t), "event {i} ({}) keys", t["type"]);
+        assert_eq!(o["sequence_number"], i, "event {i}");
+        let ko: Vec<String> = keys(o)
+            .into_iter()
+            .filter(|k| !extra.contains(&k.as_str()))
+            .collect();
+        assert_eq!(ko, keys(t), "event {i} ({}) keys", t["type"]);
+        if let Some(r) = t.get("response") {
+            for k in keys(r) {
+                assert!(o["response"].get(&k).is_some(), "event {i}: response.{k}");
+            }
+        }
     }
+    assert_eq!(ours.len(), theirs.len(), "events");
     let deltas = |evs: &[Value]| -> String {
         evs.iter()
             .filter(|e| e["type"] == "response.output_text.delta")
