@@ -10,6 +10,9 @@ never part of `cargo xtask ci`. Checks, against a server on the default model:
 - a text completion returns `usage` that adds up;
 - structured output: a `response_format` JSON schema (strict) with `n=2` gives two choices whose
   content parses and has the schema's keys and types;
+- the Responses API (`client.responses.create`): a greedy answer with `output_text` and
+  `usage`, and its streamed events (`response.output_text.delta` … `response.completed`)
+  giving the same text, raw and through the client's stream helper (`responses.stream`);
 - a wrong API key is refused with 401 when the server requires one (--api-key).
 Exits non-zero with a message on the first failure.
 """
@@ -91,6 +94,38 @@ def main() -> None:
         if set(obj) != {"city", "population"} or not isinstance(obj["population"], int):
             fail(f"structured output does not follow the schema: {obj}")
     print(f"e2e: structured output {structured.choices[0].message.content} ({len(structured.choices)} choices)")
+    resp = client.responses.create(
+        model=model, instructions="Answer briefly.", input="Name a primary colour.",
+        max_output_tokens=16, temperature=0,
+    )
+    print(f"e2e: response {resp.id} {resp.status}: {resp.output_text!r}, usage {resp.usage}")
+    if resp.object != "response" or resp.status != "completed" or not resp.output_text:
+        fail(f"the response is not a completed text answer: {resp}")
+    if resp.usage.total_tokens != resp.usage.input_tokens + resp.usage.output_tokens:
+        fail(f"response usage does not add up: {resp.usage}")
+    kinds, deltas, completed = [], [], None
+    events = client.responses.create(
+        model=model, instructions="Answer briefly.", input="Name a primary colour.",
+        max_output_tokens=16, temperature=0, stream=True,
+    )
+    for ev in events:
+        kinds.append(ev.type)
+        if ev.type == "response.output_text.delta":
+            deltas.append(ev.delta)
+        elif ev.type == "response.completed":
+            completed = ev.response
+    print(f"e2e: response stream: {len(kinds)} events, {kinds[:4]} ... {kinds[-1:]}")
+    if kinds[:1] != ["response.created"] or completed is None:
+        fail(f"the response stream is not created ... completed: {kinds}")
+    if "".join(deltas) != resp.output_text:
+        fail(f"streamed response text differs: {''.join(deltas)!r} vs {resp.output_text!r}")
+    with client.responses.stream(
+        model=model, instructions="Answer briefly.", input="Name a primary colour.",
+        max_output_tokens=16, temperature=0,
+    ) as helper:
+        final = helper.get_final_response()
+    if final.output_text != resp.output_text:
+        fail(f"the stream helper's text differs: {final.output_text!r} vs {resp.output_text!r}")
 
     if args.api_key != "none":
         bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")

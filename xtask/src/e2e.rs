@@ -3,7 +3,8 @@
 //! Builds the release `specula`, makes (or reuses) a venv in `reference/.venv-e2e` with
 //! `openai` installed from PyPI, starts `specula serve` on the default model with an API key,
 //! and runs `reference/e2e_openai.py` (a streamed chat, a plain chat, a completion, structured
-//! output with two choices, a wrong key). Needs Python 3 and network access to PyPI the first time; never part of `ci`.
+//! output with two choices, the Responses API plain and streamed, a wrong key). Needs Python 3 and
+//! network access to PyPI the first time; never part of `ci`.
 
 use std::net::SocketAddr;
 use std::process::{Command, Stdio};

@@ -21,7 +21,8 @@ pub struct Args {
     /// GGUF file or manifest model name; default: the default model (fetched on first use).
     #[arg(short = 'm', long = "model")]
     pub model: Option<String>,
-    /// Model name in responses and /v1/models (default: the file name).
+    /// Model names in responses and /v1/models, comma-separated (the first in sorted order names
+    /// the model; default: the file name).
     #[arg(short = 'a', long = "alias")]
     pub alias: Option<String>,
     /// Address to listen on (llama-server's comma-separated list: one address here).
@@ -193,7 +194,8 @@ pub struct LlamaFlags {
     /// GET /slots answers 501.
     #[arg(long = "no-slots")]
     pub no_slots: bool,
-    /// Where slot saves go (ignored with a notice: slot save / restore is not served).
+    /// Directory of slot files: enables POST /slots/{id}?action=save|restore (a slot's tokens and
+    /// KV cache); without it slot actions answer 501.
     #[arg(long = "slot-save-path")]
     pub slot_save_path: Option<std::path::PathBuf>,
     /// Jinja chat templates (always).
@@ -347,11 +349,6 @@ fn notices(args: &Args) -> Result<Vec<String>> {
         "no context shift; a request stops at the slot's context",
     );
     ignored(
-        f.slot_save_path.is_some(),
-        "--slot-save-path",
-        "slot save / restore is not served",
-    );
-    ignored(
         f.no_jinja,
         "--no-jinja",
         "chat templates are always rendered with Jinja",
@@ -393,6 +390,19 @@ fn sampling(f: &LlamaFlags, n_ctx_slot: usize) -> Result<specula_sampling::Sampl
     Ok(p)
 }
 
+/// The names of `--alias` as llama-server reads them: comma-separated, trimmed, empty ones
+/// dropped, sorted and deduplicated (a `std::set`); the first names the model.
+fn model_aliases(alias: Option<&str>) -> Vec<String> {
+    let set: std::collections::BTreeSet<String> = alias
+        .unwrap_or("")
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(str::to_owned)
+        .collect();
+    set.into_iter().collect()
+}
+
 /// Runs the server until SIGTERM / Ctrl-C.
 pub fn run(args: &Args) -> Result<String> {
     let level = if args.log_disable {
@@ -413,6 +423,11 @@ pub fn run(args: &Args) -> Result<String> {
     }
     for line in notices(args)? {
         eprintln!("specula serve: {line}");
+    }
+    if let Some(dir) = &args.llama.slot_save_path
+        && !dir.is_dir()
+    {
+        bail!("--slot-save-path {}: not a directory", dir.display());
     }
     let template = chat_template(&args.llama)?;
     let keys = api_keys(args)?;
@@ -436,7 +451,8 @@ pub fn run(args: &Args) -> Result<String> {
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
     let spec = speculative(args, spec_kind, &engine, n_ctx_slot)?;
-    let name = args.alias.clone().unwrap_or_else(|| {
+    let aliases = model_aliases(args.alias.as_deref());
+    let name = aliases.first().cloned().unwrap_or_else(|| {
         path.file_name()
             .map_or_else(|| "specula".into(), |n| n.to_string_lossy().into_owned())
     });
@@ -458,6 +474,7 @@ pub fn run(args: &Args) -> Result<String> {
         timeout: Duration::from_secs(args.timeout.max(1)),
         body_limit: args.body_limit,
         model_name: name,
+        model_aliases: aliases,
         model_path: path.display().to_string(),
         http_threads: args.threads_http,
         handle_signals: true,
@@ -468,6 +485,8 @@ pub fn run(args: &Args) -> Result<String> {
         metrics: args.llama.metrics,
         slots: !args.llama.no_slots,
         chat_template: template,
+        slot_save_path: args.llama.slot_save_path.clone(),
+        n_batch: args.batch_size,
     };
     let server = specula_server::start(cfg, engine, tokenizer, spec)?;
     eprintln!("specula serve: listening on http://{}", server.addr());

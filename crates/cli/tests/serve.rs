@@ -22,6 +22,23 @@ fn bad_flags_fail_before_listening() {
     let out = specula().args(["serve", "-np", "0"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("-np"));
+    // As llama-server: --slot-save-path names a directory.
+    let out = specula()
+        .args([
+            "serve",
+            "-m",
+            "/nonexistent.gguf",
+            "--slot-save-path",
+            "/nonexistent-dir",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--slot-save-path /nonexistent-dir: not a directory"),
+        "{err}"
+    );
 }
 
 #[cfg(unix)]
@@ -140,7 +157,16 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
     let key_file = keys.to_str().unwrap();
     let mut child = specula()
         .args(["serve", "-m", m, "--host", "127.0.0.1", "--port", "0"])
-        .args(["-a", "tiny-alias", "-c", "1024", "-np", "2", "-t", "2"])
+        .args([
+            "-a",
+            "tiny-alias, second ,",
+            "-c",
+            "1024",
+            "-np",
+            "2",
+            "-t",
+            "2",
+        ])
         .args([
             "--temp",
             "0.8",
@@ -201,7 +227,6 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
     for flag in [
         "-ngl",
         "--kv-unified",
-        "--slot-save-path",
         "--cors-origins",
         "--mlock",
         "--no-mmap",
@@ -223,13 +248,26 @@ fn a_llama_server_command_line_starts_a_healthy_server() {
         let (status, body) = http(&addr, "POST", "/v1/completions", Some(key), prompt);
         assert_eq!(status, 200, "{body}");
         assert!(body.contains("\"completion_tokens\":6"), "{body}");
-        assert!(body.contains("\"model\":\"tiny-alias\""), "{body}");
+        assert!(body.contains("\"model\":\"second\""), "{body}");
     }
     let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
     let (status, body) = http(&addr, "POST", "/v1/chat/completions", Some("cli-key"), chat);
     assert_eq!(status, 200, "{body}");
     let (status, body) = http(&addr, "GET", "/metrics", Some("cli-key"), "");
     assert_eq!(status, 200, "{body}");
+    // -a: comma-separated names, sorted; the first names the model.
+    let (status, body) = http(&addr, "GET", "/v1/models", None, "");
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body.contains(r#""aliases":["second","tiny-alias"]"#),
+        "{body}"
+    );
+    assert!(body.contains(r#""id":"second""#), "{body}");
+    // --slot-save-path turns the slot actions on.
+    let save = r#"{"filename":"cli-slot.bin"}"#;
+    let (status, body) = http(&addr, "POST", "/slots/0?action=save", Some("cli-key"), save);
+    assert_eq!(status, 200, "{body}");
+    assert!(dir.path().join("cli-slot.bin").is_file(), "{body}");
     child.kill().unwrap();
     child.wait().unwrap();
 }

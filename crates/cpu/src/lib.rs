@@ -296,6 +296,14 @@ impl Backend for CpuBackend {
         attention::kv_write(self, kv, layer, cells, k, v);
     }
 
+    fn kv_export(&self, kv: &CpuKv, n: usize, out: &mut Vec<u8>) -> Result<()> {
+        kv.export_prefix(n, out).map_err(Into::into)
+    }
+
+    fn kv_import(&self, kv: &mut CpuKv, n: usize, bytes: &[u8]) -> Result<()> {
+        kv.import_prefix(n, bytes).map_err(Into::into)
+    }
+
     fn attention(
         &self,
         q: &CpuTensor,

@@ -26,6 +26,7 @@ pub mod drafters;
 mod rollback;
 mod round;
 mod spec;
+mod state;
 
 use std::time::Instant;
 
@@ -101,6 +102,10 @@ pub enum EngineError {
     /// KV cache formats the model's heads cannot be stored in.
     #[error(transparent)]
     Kv(#[from] specula_kv::KvError),
+    /// Saved session state that does not fit the session it is loaded into
+    /// ([`Engine::load_session`]).
+    #[error("saved session state: {0}")]
+    SessionState(String),
     /// A forward panicked (a bug), caught by [`Engine::decode_multi_isolated`].
     #[error("the forward panicked: {message}")]
     Panicked {

@@ -306,6 +306,101 @@ impl Plane {
         Ok(())
     }
 
+    /// Appends the state of cells `0..n` to `out`, for [`Plane::import_prefix`] into a plane of
+    /// the same shape (a slot saved to a file): a flag byte and the per-head offset of
+    /// [`Plane::calibrate`] when there is one (little-endian f32s), then the cells' bytes.
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `n` is past the plane's cells.
+    pub fn export_prefix(&self, n: usize, out: &mut Vec<u8>) -> Result<()> {
+        if n > self.n_cells {
+            return Err(KvError::Shape(format!(
+                "exporting {n} cells of a {}-cell plane",
+                self.n_cells
+            )));
+        }
+        match &self.center {
+            Some(c) => {
+                out.push(1);
+                for x in c {
+                    out.extend_from_slice(&x.to_le_bytes());
+                }
+            }
+            None => out.push(0),
+        }
+        out.extend_from_slice(&self.bytes()[..n * self.row_bytes()]);
+        Ok(())
+    }
+
+    /// Reads what [`Plane::export_prefix`] wrote for `n` cells from the front of `bytes` into
+    /// cells `0..n` (and the offset, for a plane not yet calibrated), and returns the bytes it
+    /// read. The cells past `n` are left as they are (they hold no position).
+    ///
+    /// # Errors
+    /// [`KvError::Shape`] when `n` is past the plane's cells, `bytes` is shorter than the
+    /// state of `n` cells of this plane or holds a bad flag (not written by this plane's
+    /// shape), or the plane is calibrated with another offset than the saved one.
+    pub fn import_prefix(&mut self, n: usize, bytes: &[u8]) -> Result<usize> {
+        if n > self.n_cells {
+            return Err(KvError::Shape(format!(
+                "importing {n} cells into a {}-cell plane",
+                self.n_cells
+            )));
+        }
+        let w = self.n_head * self.head_dim;
+        let (center, mut off) = match bytes.first() {
+            Some(0) => (None, 1),
+            Some(1) => {
+                let end = 1 + 4 * w;
+                let raw = bytes.get(1..end).ok_or_else(|| {
+                    KvError::Shape(format!(
+                        "a saved plane offset needs {} bytes, {} are left",
+                        4 * w,
+                        bytes.len() - 1
+                    ))
+                })?;
+                let c: Vec<f32> = raw
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
+                (Some(c), end)
+            }
+            Some(f) => {
+                return Err(KvError::Shape(format!(
+                    "a saved plane starts with flag {f}, expected 0 or 1"
+                )));
+            }
+            None => return Err(KvError::Shape("a saved plane is empty".into())),
+        };
+        // The cells were quantized around the saved offset; a plane calibrated otherwise (the
+        // same formats with another context: `specula_engine` calibrates per session) would
+        // read them right but write the next rows differently from a plane that wrote them.
+        if let (Some(have), Some(saved)) = (&self.center, &center)
+            && have
+                .iter()
+                .map(|x| x.to_bits())
+                .ne(saved.iter().map(|x| x.to_bits()))
+        {
+            return Err(KvError::Shape(
+                "the saved plane was calibrated with another offset (saved from a cache of another context size?)".into(),
+            ));
+        }
+        let rb = self.row_bytes();
+        let len = n * rb;
+        let cells = bytes.get(off..off + len).ok_or_else(|| {
+            KvError::Shape(format!(
+                "{n} saved cells need {len} bytes, {} are left",
+                bytes.len() - off
+            ))
+        })?;
+        bytemuck::cast_slice_mut::<u64, u8>(&mut self.words)[..len].copy_from_slice(cells);
+        if self.center.is_none() {
+            self.center = center;
+        }
+        off += len;
+        Ok(off)
+    }
+
     /// Dequantizes head `head` of `cell` into `out` (`dim` values, still in the rotated domain
     /// of [`Plane::rotation`]).
     ///

@@ -37,6 +37,8 @@ pub(crate) struct Limits {
     pub timeout: Duration,
     pub body_limit: usize,
     pub model_name: String,
+    pub model_aliases: Vec<String>,
+    pub n_embd: usize,
     pub model_path: String,
     pub n_vocab: usize,
     pub n_ctx_train: usize,
@@ -52,6 +54,10 @@ pub(crate) struct Limits {
     pub metrics: bool,
     /// `/slots` served (`--slots`).
     pub slots: bool,
+    /// Where slot files go (`--slot-save-path`); `None`: slot actions answer 501.
+    pub slot_save_path: Option<std::path::PathBuf>,
+    /// The logical batch (`-b`), which `/infill` budgets its prompt with.
+    pub n_batch: usize,
 }
 
 /// What every handler shares.
@@ -83,6 +89,9 @@ pub(crate) fn router(state: AppState) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .merge(crate::native::routes())
+        .merge(crate::slots::routes())
+        .merge(crate::infill::routes())
+        .merge(crate::responses::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -176,7 +185,7 @@ async fn not_found(req: Request) -> ApiError {
     ApiError::new(
         404,
         format!(
-            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /completion, /apply-template, /v1/models, /health, /metrics, /slots, /props, /tokenize, /detokenize",
+            "no endpoint {} {}; the server answers /v1/chat/completions, /v1/completions, /v1/responses, /completion, /infill, /apply-template, /v1/models, /health, /metrics, /slots, /slots/{{id}}?action=, /props, /tokenize, /detokenize",
             req.method(),
             req.uri().path()
         ),
@@ -210,18 +219,50 @@ async fn health() -> axum::Json<Value> {
     axum::Json(json!({"status": "ok"}))
 }
 
+/// `GET /v1/models` as llama-server's `get_res_models`: the OpenAI list (`object`, `data`)
+/// and the Ollama-style `models` list beside it.
 async fn models(State(st): State<AppState>) -> axum::Json<Value> {
     let l = &st.limits;
+    // llama.cpp's `llama_vocab_type`: 1 SPM, 2 BPE.
+    let vocab_type = match st.tokenizer.kind() {
+        specula_tokenizer::VocabKind::Spm => 1,
+        specula_tokenizer::VocabKind::Bpe => 2,
+    };
     axum::Json(json!({
+        "models": [{
+            "name": l.model_name,
+            "model": l.model_name,
+            "modified_at": "",
+            "size": "",
+            "digest": "",
+            "type": "model",
+            "description": "",
+            "tags": [""],
+            "capabilities": ["completion"],
+            "parameters": "",
+            "details": {
+                "parent_model": "",
+                "format": "gguf",
+                "family": "",
+                "families": [""],
+                "parameter_size": "",
+                "quantization_level": "",
+            },
+        }],
         "object": "list",
         "data": [{
             "id": l.model_name,
+            "aliases": l.model_aliases,
+            "tags": [],
             "object": "model",
             "created": st.started,
             "owned_by": "specula",
             "meta": {
+                "vocab_type": vocab_type,
                 "n_vocab": l.n_vocab,
+                "n_ctx": l.n_ctx_slot,
                 "n_ctx_train": l.n_ctx_train,
+                "n_embd": l.n_embd,
                 "n_ctx_slot": l.n_ctx_slot,
             },
         }],
@@ -599,6 +640,9 @@ pub(crate) fn now_secs() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// The `system_fingerprint` of OpenAI responses (llama-server's build: `b<N>-<commit>`).
+const SYSTEM_FINGERPRINT: &str = concat!("specula-", env!("CARGO_PKG_VERSION"));
+
 /// What a response is named and stamped with.
 #[derive(Clone)]
 pub(crate) struct Head {
@@ -637,7 +681,7 @@ impl Head {
         }
         let mut v = json!({
             "id": self.id, "object": self.object(true), "created": self.created,
-            "model": self.model, "choices": [choice],
+            "model": self.model, "choices": [choice], "system_fingerprint": SYSTEM_FINGERPRINT,
         });
         if let Some(t) = token {
             v["tokens"] = json!([t]);
@@ -648,7 +692,8 @@ impl Head {
     fn role_chunk(&self) -> Value {
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}],
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": null}, "finish_reason": null}],
         })
     }
 
@@ -659,6 +704,7 @@ impl Head {
         };
         json!({
             "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
             "choices": [choice], "usage": usage(s), "timings": timings(s),
         })
     }
@@ -683,7 +729,7 @@ impl Head {
         }
         json!({
             "id": self.id, "object": self.object(false), "created": self.created,
-            "model": self.model, "choices": [choice],
+            "model": self.model, "choices": [choice], "system_fingerprint": SYSTEM_FINGERPRINT,
             "usage": usage(s), "timings": timings(s), "id_slot": s.slot,
         })
     }

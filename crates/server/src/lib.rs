@@ -38,8 +38,11 @@
 mod api;
 mod choices;
 mod http;
+mod infill;
 mod metrics;
 mod native;
+mod responses;
+mod slots;
 mod structured;
 mod text;
 mod worker;
@@ -214,8 +217,11 @@ pub struct ServerConfig {
     pub timeout: Duration,
     /// Largest request body in bytes.
     pub body_limit: usize,
-    /// The model's name in responses and `/v1/models` (`--alias`).
+    /// The model's name in responses and `/v1/models` (`--alias`: the first of its names).
     pub model_name: String,
+    /// Every name of `--alias` (llama-server's comma-separated list, sorted), listed as the
+    /// model's `aliases` in `/v1/models`.
+    pub model_aliases: Vec<String>,
     /// The model file, as `/props` reports it (`model_path`); empty when not from a file.
     pub model_path: String,
     /// Threads of the HTTP runtime.
@@ -243,6 +249,12 @@ pub struct ServerConfig {
     /// A chat template (Jinja source) used instead of the model's
     /// (`--chat-template`, `--chat-template-file`).
     pub chat_template: Option<String>,
+    /// The directory of `POST /slots/{id}?action=save|restore` (`--slot-save-path`); `None`:
+    /// slot actions answer 501, as llama-server's without the flag.
+    pub slot_save_path: Option<std::path::PathBuf>,
+    /// The logical batch (`-b`): only the budgets of `/infill`'s prompt read it, as
+    /// llama-server's `format_prompt_infill` (the engine's forward size is its own `n_batch`).
+    pub n_batch: usize,
 }
 
 impl Default for ServerConfig {
@@ -259,6 +271,7 @@ impl Default for ServerConfig {
             timeout: Duration::from_secs(600),
             body_limit: 8 << 20,
             model_name: "specula".into(),
+            model_aliases: Vec::new(),
             model_path: String::new(),
             http_threads: 2,
             handle_signals: false,
@@ -269,6 +282,8 @@ impl Default for ServerConfig {
             metrics: true,
             slots: true,
             chat_template: None,
+            slot_save_path: None,
+            n_batch: 2048,
         }
     }
 }
@@ -447,6 +462,8 @@ where
             timeout: cfg.timeout,
             body_limit: cfg.body_limit,
             model_name: cfg.model_name.clone(),
+            model_aliases: cfg.model_aliases.clone(),
+            n_embd: hp.n_embd,
             model_path: cfg.model_path.clone(),
             n_vocab: hp.n_vocab,
             n_ctx_train: hp.n_ctx_train,
@@ -457,6 +474,8 @@ where
             n_predict: cfg.n_predict,
             metrics: cfg.metrics,
             slots: cfg.slots,
+            slot_save_path: cfg.slot_save_path.clone(),
+            n_batch: cfg.n_batch,
         }),
         grammars: Arc::default(),
         started: std::time::SystemTime::now()

@@ -221,8 +221,17 @@ impl Final {
 
 async fn completion(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
+    match body_bytes(&st, body).and_then(|b| parse::<Value>(&b)) {
+        Ok(v) => complete(st, v, t0).await,
+        Err(e) => fail(&st, t0, e),
+    }
+}
+
+/// `/completion` of a parsed body (also what `/infill` runs, its prompt built).
+pub(crate) async fn complete(st: AppState, body: Value, t0: Instant) -> Response {
     let prepared = (|| {
-        let req: NativeRequest = parse(&body_bytes(&st, body)?)?;
+        let req: NativeRequest = serde_json::from_value(body)
+            .map_err(|e| ApiError::bad(format!("invalid request: {e}")))?;
         let prompt = req
             .prompt
             .as_ref()

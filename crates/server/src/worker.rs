@@ -39,6 +39,8 @@ pub(crate) enum Command {
     Generate(Box<Job>),
     /// The state of every slot, as JSON.
     Slots(oneshot::Sender<serde_json::Value>),
+    /// Save, restore or erase a slot (run when the slot is free).
+    Slot(Box<crate::slots::SlotRequest>),
     /// Cancel what runs and stop.
     Shutdown,
 }
@@ -190,6 +192,10 @@ pub(crate) struct Worker<B: Backend> {
     drafts: Vec<Result<Vec<u32>, SpecError>>,
     fed: Vec<Result<(), SpecError>>,
     clock: u64,
+    /// Slot actions waiting for their slot to be free.
+    slot_actions: Vec<crate::slots::SlotRequest>,
+    /// The model's fingerprint in slot files (computed at the first slot action).
+    fingerprint: Option<u64>,
 }
 
 /// Settings of the slots.
@@ -304,6 +310,8 @@ impl<B: Backend> Worker<B> {
             drafts: Vec::new(),
             fed: Vec::new(),
             clock: 0,
+            slot_actions: Vec::new(),
+            fingerprint: None,
         })
     }
 
@@ -313,7 +321,9 @@ impl<B: Backend> Worker<B> {
     }
 
     fn busy(&self) -> bool {
-        !self.queue.is_empty() || self.slots.iter().any(|s| s.task.is_some())
+        !self.queue.is_empty()
+            || !self.slot_actions.is_empty()
+            || self.slots.iter().any(|s| s.task.is_some())
     }
 
     /// Handles a command; false to stop.
@@ -325,6 +335,11 @@ impl<B: Backend> Worker<B> {
             }
             Command::Slots(reply) => {
                 let _ = reply.send(self.slots_json());
+                true
+            }
+            Command::Slot(req) => {
+                self.slot_actions.push(*req);
+                self.slot_actions_run();
                 true
             }
             Command::Shutdown => false,
@@ -366,6 +381,7 @@ impl<B: Backend> Worker<B> {
             // Faults of one slot are caught where they happen and fail that slot; a panic
             // anywhere else in a step fails every busy slot, and the engine goes on.
             let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.slot_actions_run();
                 self.assign();
                 self.reap();
                 self.plan_prefill();
@@ -448,6 +464,49 @@ impl<B: Backend> Worker<B> {
             })
             .collect();
         serde_json::Value::Array(slots)
+    }
+
+    /// Runs the slot actions whose slot is free, in arrival order (the others wait, as
+    /// llama-server defers them). As llama-server's `get_slot_by_id`, an id past the slots
+    /// wraps around (`id % n_slots`); a negative one is answered "Invalid slot ID" at once.
+    fn slot_actions_run(&mut self) {
+        let mut i = 0;
+        while i < self.slot_actions.len() {
+            let id = self.slot_actions[i].id;
+            let n = i64::try_from(self.slots.len()).unwrap_or(i64::MAX);
+            let slot = usize::try_from(id % n).ok();
+            if slot.is_some_and(|s| self.slots[s].task.is_some())
+                && !self.slot_actions[i].reply.is_closed()
+            {
+                i += 1;
+                continue;
+            }
+            let req = self.slot_actions.remove(i);
+            let Some(s) = slot else {
+                let _ = req
+                    .reply
+                    .send(Err(crate::http::ApiError::bad("Invalid slot ID")));
+                continue;
+            };
+            if req.reply.is_closed() {
+                continue;
+            }
+            let fingerprint = *self
+                .fingerprint
+                .get_or_insert_with(|| crate::slots::fingerprint(&self.engine));
+            let slot = &mut self.slots[s];
+            let r = crate::slots::perform(
+                id,
+                req.action,
+                crate::slots::SlotParts {
+                    engine: &self.engine,
+                    session: &mut slot.session,
+                    cached: &mut slot.cached,
+                    fingerprint,
+                },
+            );
+            let _ = req.reply.send(r);
+        }
     }
 
     /// Gives queued requests to free slots, in arrival order.

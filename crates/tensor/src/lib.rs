@@ -394,6 +394,35 @@ pub trait Backend: Send + Sync {
         k: &Self::Tensor,
         v: &Self::Tensor,
     );
+    /// Appends the stored state of cells `0..n` of every layer (`0..min(n, cells)` in a layer of
+    /// fewer cells, [`KvShape::layer_cells`]) to `out`, in a layout of the backend's choosing
+    /// that [`Backend::kv_import`] reads back into a cache of the same shape: a slot saved to a
+    /// file. A backend that cannot read its cache back answers an error (the default).
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `n` is past the cache's cells, or the backend cannot export.
+    fn kv_export(&self, kv: &Self::Kv, n: usize, out: &mut Vec<u8>) -> Result<()> {
+        let _ = (kv, n, out);
+        Err(TensorError::Shape {
+            op: "kv_export",
+            detail: format!("the {} backend cannot export its KV cache", self.name()),
+        })
+    }
+
+    /// Writes back what [`Backend::kv_export`] wrote for `n` cells (all of `bytes`); the cells
+    /// past `n` keep what they hold.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `bytes` is not the export of `n` cells of a cache of this
+    /// shape, or the backend cannot import.
+    fn kv_import(&self, kv: &mut Self::Kv, n: usize, bytes: &[u8]) -> Result<()> {
+        let _ = (kv, n, bytes);
+        Err(TensorError::Shape {
+            op: "kv_import",
+            detail: format!("the {} backend cannot import a KV cache", self.name()),
+        })
+    }
+
     /// Attention of `q` (`[n_q, n_head · head_dim_k]`) over cells `0..kv_pos.len()` of the
     /// layer; writes `[n_q, n_head · head_dim_v]`. In a layer of fewer cells than `kv_pos`
     /// (a sliding-window ring, [`KvShape::layer_cells`]) entry `j` is cell `j % cells`: the

@@ -118,6 +118,60 @@ impl CpuKv {
         &self.layout
     }
 
+    /// Appends cells `0..n` of every layer's K and V planes (`0..min(n, cells)` of a ring
+    /// layer), layer by layer, K before V ([`specula_kv::Plane::export_prefix`]).
+    ///
+    /// # Errors
+    /// When `n` is past the cache's context.
+    pub(crate) fn export_prefix(
+        &self,
+        n: usize,
+        out: &mut Vec<u8>,
+    ) -> Result<(), specula_kv::KvError> {
+        if n > self.layout.shape.n_ctx {
+            return Err(specula_kv::KvError::Shape(format!(
+                "exporting {n} positions of a {}-position cache",
+                self.layout.shape.n_ctx
+            )));
+        }
+        for l in &self.layers {
+            l.k.export_prefix(n.min(l.k.n_cells()), out)?;
+            l.v.export_prefix(n.min(l.v.n_cells()), out)?;
+        }
+        Ok(())
+    }
+
+    /// Reads back what [`CpuKv::export_prefix`] wrote for `n` positions (all of `bytes`).
+    ///
+    /// # Errors
+    /// When `bytes` is not the export of `n` positions of a cache of this shape.
+    pub(crate) fn import_prefix(
+        &mut self,
+        n: usize,
+        bytes: &[u8],
+    ) -> Result<(), specula_kv::KvError> {
+        if n > self.layout.shape.n_ctx {
+            return Err(specula_kv::KvError::Shape(format!(
+                "importing {n} positions into a {}-position cache",
+                self.layout.shape.n_ctx
+            )));
+        }
+        let mut off = 0;
+        for l in &mut self.layers {
+            let nk = n.min(l.k.n_cells());
+            off += l.k.import_prefix(nk, &bytes[off..])?;
+            let nv = n.min(l.v.n_cells());
+            off += l.v.import_prefix(nv, &bytes[off..])?;
+        }
+        if off != bytes.len() {
+            return Err(specula_kv::KvError::Shape(format!(
+                "{} bytes past the saved cache's {off}",
+                bytes.len() - off
+            )));
+        }
+        Ok(())
+    }
+
     /// The stored bytes of the K (`v = false`) or V plane of `layer`.
     ///
     /// # Panics
