@@ -35,11 +35,13 @@
 //! # }
 //! ```
 
+mod anthropic;
 mod api;
 mod http;
 mod metrics;
 mod native;
 mod text;
+mod tools;
 mod worker;
 
 use std::net::SocketAddr;
@@ -51,6 +53,8 @@ use specula_quant::QType;
 use specula_spec::Drafter;
 use specula_tensor::Backend;
 use specula_tokenizer::Tokenizer;
+
+pub use tools::ReasoningFormat;
 
 /// Errors starting or running the server.
 #[derive(Debug, thiserror::Error)]
@@ -241,6 +245,9 @@ pub struct ServerConfig {
     /// A chat template (Jinja source) used instead of the model's
     /// (`--chat-template`, `--chat-template-file`).
     pub chat_template: Option<String>,
+    /// What becomes of `<think>…</think>` in chat answers (`--reasoning-format`); a request's
+    /// `reasoning_format` overrides it.
+    pub reasoning_format: ReasoningFormat,
 }
 
 impl Default for ServerConfig {
@@ -267,6 +274,7 @@ impl Default for ServerConfig {
             metrics: true,
             slots: true,
             chat_template: None,
+            reasoning_format: ReasoningFormat::Auto,
         }
     }
 }
@@ -381,6 +389,11 @@ where
             }
         },
     };
+    let template_thinks = cfg
+        .chat_template
+        .as_deref()
+        .or_else(|| tokenizer.chat_template_source())
+        .is_some_and(|t| t.contains("<think>"));
     let hp = engine.model.hparams().clone();
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::channel();
@@ -455,6 +468,8 @@ where
             n_predict: cfg.n_predict,
             metrics: cfg.metrics,
             slots: cfg.slots,
+            reasoning_format: cfg.reasoning_format,
+            template_thinks,
         }),
         started: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
