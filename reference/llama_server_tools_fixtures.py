@@ -95,6 +95,8 @@ def requests():
         ("messages_stop", "/v1/messages", {**msg, "stop_sequences": [" 4"]}),
         ("messages_tools", "/v1/messages", a_tools),
         ("messages_tools_stream", "/v1/messages", {**a_tools, "stream": True}),
+        ("messages_tools_any", "/v1/messages", {**a_tools, "tool_choice": {"type": "any"}}),
+        ("messages_tools_any_stream", "/v1/messages", {**a_tools, "tool_choice": {"type": "any"}, "stream": True}),
         ("messages_tool_result", "/v1/messages",
          {"model": "qwen", "max_tokens": 32, **g, "tools": [ANTHROPIC_WEATHER], "messages": ANTHROPIC_HISTORY}),
         ("count_tokens", "/v1/messages/count_tokens", {"model": "qwen", **system}),
@@ -106,12 +108,20 @@ def requests():
          {"model": "qwen", "max_tokens": 8, "messages": [{"role": "user", "content": "hello " * 5000}]}),
         ("chat_tools", "/v1/chat/completions", chat_tools),
         ("chat_tools_stream", "/v1/chat/completions", {**chat_tools, "stream": True}),
+        ("chat_tools_required", "/v1/chat/completions", {**chat_tools, "tool_choice": "required"}),
+        ("chat_tools_required_stream", "/v1/chat/completions",
+         {**chat_tools, "tool_choice": "required", "stream": True}),
         ("chat_tool_result", "/v1/chat/completions",
          {"messages": HISTORY, "tools": [WEATHER], "max_tokens": 32, **g}),
         ("chat_tools_none", "/v1/chat/completions", {**chat_tools, "tool_choice": "none"}),
         ("chat_error_tool_choice", "/v1/chat/completions", {**chat_tools, "tool_choice": "sometimes"}),
         ("apply_template_tools", "/apply-template", {"messages": HISTORY, "tools": [WEATHER]}),
     ]
+
+
+def raw(body):
+    """The exact request text: key order matters (tool schemas are printed in it)."""
+    return json.dumps(body, ensure_ascii=False)
 
 
 def sha256_file(path):
@@ -129,7 +139,7 @@ def free_port():
 
 
 def call(port, method, path, body):
-    data = None if body is None else json.dumps(body).encode()
+    data = None if body is None else raw(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
@@ -189,7 +199,8 @@ def main():
             return 1
         for name, path, body in requests():
             status, got = call(port, "POST", path, body)
-            rec = {"request": {"method": "POST", "path": path, "body": body}, "status": status, **got}
+            rec = {"request": {"method": "POST", "path": path, "body": body, "raw": raw(body)},
+                   "status": status, **got}
             (out / f"{name}.json").write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
             names.append(name)
             print(f"llama_server_tools_fixtures: {name}: {status}")
@@ -211,7 +222,8 @@ against specula by `crates/server/tests/anthropic_tools_golden.rs`.
 | date | {time.strftime('%Y-%m-%d', time.gmtime())} |
 | command | `python reference/llama_server_tools_fixtures.py --out golden --llama-dest /work/llama` |
 
-Files: {', '.join(f'`{n}.json`' for n in names)}. Each holds the request (method, path, body),
+Files: {', '.join(f'`{n}.json`' for n in names)}. Each holds the request (method, path, body,
+and `raw`: the exact text sent, whose key order the chat template's `tojson` keeps),
 the HTTP status and the JSON answer (`response`; `events` for a stream: each SSE event's
 `event:` name, or null, and its `data:` payload).
 """)

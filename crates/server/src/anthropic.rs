@@ -218,10 +218,13 @@ fn conversation(body: &JValue) -> Result<Conversation, ApiError> {
     })
 }
 
-/// The request read: sampling fields, the prompt's tokens and how to read the answer.
+/// The request read: sampling fields, the prompt's tokens and how to read the answer;
+/// `generate`: with what the answer starts from (a required call's opening), which
+/// llama-server's token count leaves out.
 fn prepare(
     st: &AppState,
     bytes: &[u8],
+    generate: bool,
 ) -> Result<(MessagesRequest, Vec<u32>, OutputFormat), ApiError> {
     let req: MessagesRequest = parse(bytes)?;
     let template = st
@@ -229,8 +232,11 @@ fn prepare(
         .as_ref()
         .ok_or_else(|| ApiError::bad("this model has no usable chat template"))?;
     let conv = conversation(&ordered(bytes)?)?;
-    let text = conv.render(template)?;
+    let mut text = conv.render(template)?;
     let format = conv.output_format(st.limits.reasoning_format, st.limits.template_thinks, &text);
+    if generate {
+        text.push_str(format.prefill());
+    }
     let prompt = encode(&st.tokenizer, &text)?;
     Ok((req, prompt, format))
 }
@@ -238,7 +244,7 @@ fn prepare(
 /// `POST /v1/messages/count_tokens`: the prompt's length, `{"input_tokens": n}`.
 async fn count_tokens(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
-    match body_bytes(&st, body).and_then(|b| prepare(&st, &b)) {
+    match body_bytes(&st, body).and_then(|b| prepare(&st, &b, false)) {
         Ok((_, prompt, _)) => axum::Json(json!({"input_tokens": prompt.len()})).into_response(),
         Err(e) => fail(&st, t0, &e),
     }
@@ -304,7 +310,7 @@ struct Head {
 
 async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
-    let (req, prompt, format) = match body_bytes(&st, body).and_then(|b| prepare(&st, &b)) {
+    let (req, prompt, format) = match body_bytes(&st, body).and_then(|b| prepare(&st, &b, true)) {
         Ok(p) => p,
         Err(e) => return fail(&st, t0, &e),
     };

@@ -56,10 +56,11 @@ fn start(path: &Path) -> ServerHandle {
     specula_server::start(cfg, engine, tok, None).unwrap()
 }
 
-/// Replays a fixture's request: (status, body text).
+/// Replays a fixture's request (its exact text: tool schemas keep their key order in the
+/// prompt): (status, body text).
 fn replay(s: &ServerHandle, g: &Value) -> (u16, String) {
     let req = &g["request"];
-    let body = req["body"].to_string().into_bytes();
+    let body = req["raw"].as_str().unwrap().as_bytes().to_vec();
     let r = request(
         s.addr(),
         "POST",
