@@ -119,7 +119,7 @@ def requests():
     ]
 
 
-def raw(body):
+def request_text(body):
     """The exact request text: key order matters (tool schemas are printed in it)."""
     return json.dumps(body, ensure_ascii=False)
 
@@ -139,7 +139,7 @@ def free_port():
 
 
 def call(port, method, path, body):
-    data = None if body is None else raw(body).encode()
+    data = None if body is None else request_text(body).encode()
     req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
                                  headers={"Content-Type": "application/json"})
     try:
@@ -199,7 +199,7 @@ def main():
             return 1
         for name, path, body in requests():
             status, got = call(port, "POST", path, body)
-            rec = {"request": {"method": "POST", "path": path, "body": body, "raw": raw(body)},
+            rec = {"request": {"method": "POST", "path": path, "body": body, "raw": request_text(body)},
                    "status": status, **got}
             (out / f"{name}.json").write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
             names.append(name)

@@ -85,7 +85,13 @@ impl MessagesRequest {
 /// An error as the Messages API answers it: llama-server's body with `"type": "error"`.
 fn error_response(e: &ApiError) -> Response {
     let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    (status, axum::Json(error_value(e.status, &e.msg))).into_response()
+    let mut body = error_value(e.status, &e.msg);
+    if let Some((n_prompt, n_ctx)) = e.exceed {
+        body["error"]["type"] = json!("exceed_context_size_error");
+        body["error"]["n_prompt_tokens"] = json!(n_prompt);
+        body["error"]["n_ctx"] = json!(n_ctx);
+    }
+    (status, axum::Json(body)).into_response()
 }
 
 fn error_value(status: u16, msg: &str) -> Value {
@@ -218,13 +224,10 @@ fn conversation(body: &JValue) -> Result<Conversation, ApiError> {
     })
 }
 
-/// The request read: sampling fields, the prompt's tokens and how to read the answer;
-/// `generate`: with what the answer starts from (a required call's opening), which
-/// llama-server's token count leaves out.
+/// The request read: sampling fields, the prompt's tokens and how to read the answer.
 fn prepare(
     st: &AppState,
     bytes: &[u8],
-    generate: bool,
 ) -> Result<(MessagesRequest, Vec<u32>, OutputFormat), ApiError> {
     let req: MessagesRequest = parse(bytes)?;
     let template = st
@@ -232,11 +235,8 @@ fn prepare(
         .as_ref()
         .ok_or_else(|| ApiError::bad("this model has no usable chat template"))?;
     let conv = conversation(&ordered(bytes)?)?;
-    let mut text = conv.render(template)?;
+    let text = conv.render(template)?;
     let format = conv.output_format(st.limits.reasoning_format, st.limits.template_thinks, &text);
-    if generate {
-        text.push_str(format.prefill());
-    }
     let prompt = encode(&st.tokenizer, &text)?;
     Ok((req, prompt, format))
 }
@@ -244,7 +244,7 @@ fn prepare(
 /// `POST /v1/messages/count_tokens`: the prompt's length, `{"input_tokens": n}`.
 async fn count_tokens(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
-    match body_bytes(&st, body).and_then(|b| prepare(&st, &b, false)) {
+    match body_bytes(&st, body).and_then(|b| prepare(&st, &b)) {
         Ok((_, prompt, _)) => axum::Json(json!({"input_tokens": prompt.len()})).into_response(),
         Err(e) => fail(&st, t0, &e),
     }
@@ -310,7 +310,7 @@ struct Head {
 
 async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
-    let (req, prompt, format) = match body_bytes(&st, body).and_then(|b| prepare(&st, &b, true)) {
+    let (req, prompt, format) = match body_bytes(&st, body).and_then(|b| prepare(&st, &b)) {
         Ok(p) => p,
         Err(e) => return fail(&st, t0, &e),
     };

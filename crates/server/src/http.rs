@@ -361,11 +361,9 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
         }
         // Messages, tools and their JSON key order as llama.cpp hands them to the template.
         let conv = Conversation::from_openai(&crate::tools::ordered(&bytes)?)?;
-        let mut text = conv.render(template)?;
+        let text = conv.render(template)?;
         let format =
             conv.output_format(st.limits.reasoning_format, st.limits.template_thinks, &text);
-        // A required call: the answer starts inside an opened call.
-        text.push_str(format.prefill());
         let prompt = encode(&st.tokenizer, &text)?;
         Ok((req.common, prompt, format))
     })();

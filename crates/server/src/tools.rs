@@ -331,13 +331,11 @@ impl Conversation {
             ReasoningFormat::Deepseek => true,
             ReasoningFormat::Auto => template_thinks,
         };
-        let tools = !self.tools.is_empty() && self.tool_choice != ToolChoice::None;
         OutputFormat {
-            tools,
+            tools: !self.tools.is_empty() && self.tool_choice != ToolChoice::None,
             parallel: self.parallel_tool_calls,
             think,
             think_open: think && prompt.trim_end().ends_with("<think>"),
-            force_call: tools && self.tool_choice == ToolChoice::Required,
         }
     }
 }
@@ -358,25 +356,12 @@ pub(crate) struct OutputFormat {
     /// The prompt opened the thought (`<think>` ends the generation prompt), so the answer
     /// starts inside it.
     pub think_open: bool,
-    /// `tool_choice: required`: the answer must be a call. llama-server forces it with a
-    /// grammar; here the call is opened after the prompt ([`OutputFormat::prefill`]) and
-    /// the model writes it on from its name (no grammar holds it to the schema).
-    pub force_call: bool,
 }
-
-/// The opening of a Hermes / Qwen call, as the template renders one, up to the name.
-const CALL_PREFILL: &str = "<tool_call>\n{\"name\": \"";
 
 impl OutputFormat {
     /// Whether the text needs reading at all (else it is all content).
     pub(crate) fn parses(self) -> bool {
         self.tools || self.think
-    }
-
-    /// Text appended to the prompt and read as the beginning of the answer: the opening of
-    /// a call when one is required, else nothing.
-    pub(crate) fn prefill(self) -> &'static str {
-        if self.force_call { CALL_PREFILL } else { "" }
     }
 }
 
@@ -655,7 +640,7 @@ impl StreamParser {
     pub(crate) fn new(format: OutputFormat) -> Self {
         Self {
             format,
-            text: format.prefill().to_owned(),
+            text: String::new(),
             prev: ParsedMessage::default(),
             ids: Vec::new(),
         }
@@ -761,8 +746,7 @@ pub(crate) fn openai_message(m: &ParsedMessage) -> Value {
 
 /// A whole answer read at once, with fresh tool-call ids.
 pub(crate) fn parse_final(text: &str, f: OutputFormat) -> ParsedMessage {
-    let text = format!("{}{text}", f.prefill());
-    let mut m = parse_output(&text, f, false);
+    let mut m = parse_output(text, f, false);
     for c in &mut m.tool_calls {
         c.id = tool_call_id();
     }
@@ -778,14 +762,12 @@ mod tests {
         parallel: true,
         think: false,
         think_open: false,
-        force_call: false,
     };
     const THINK: OutputFormat = OutputFormat {
         tools: false,
         parallel: true,
         think: true,
         think_open: false,
-        force_call: false,
     };
 
     #[test]
@@ -946,33 +928,6 @@ mod tests {
         .openai_delta();
         assert_eq!(d["tool_calls"][0]["type"], "function");
         assert_eq!(d["tool_calls"][0]["function"]["name"], "get_weather");
-    }
-
-    /// `tool_choice: required`: the prompt ends in an opened call, the answer is read from
-    /// inside it (closed or cut at the end), streamed or not.
-    #[test]
-    fn a_required_call_is_read_from_inside_the_opened_call() {
-        let f = OutputFormat {
-            force_call: true,
-            ..TOOLS
-        };
-        assert_eq!(f.prefill(), "<tool_call>\n{\"name\": \"");
-        assert_eq!(TOOLS.prefill(), "");
-        for answer in [
-            "a\", \"arguments\": {\"x\": 1}}\n</tool_call>",
-            "a\", \"arguments\": {\"x\": 1}}",
-        ] {
-            let m = parse_final(answer, f);
-            assert_eq!(
-                (m.tool_calls.len(), m.content.as_str()),
-                (1, ""),
-                "{answer}"
-            );
-            let (diffs, msg) = stream(&[answer], f);
-            assert_eq!(msg.tool_calls[0].name, "a");
-            assert_eq!(msg.tool_calls[0].arguments, "{\"x\": 1}");
-            assert!(diffs.iter().all(|d| d.content.is_empty()));
-        }
     }
 
     #[test]
