@@ -47,7 +47,9 @@ def main() -> None:
     client = anthropic.Anthropic(base_url=args.base_url, api_key=args.api_key)
     model = args.model
 
-    kw = dict(model=model, max_tokens=32, temperature=0, system="You answer briefly.",
+    # Greedy: `temperature` goes in the body (newer clients no longer take it as an argument).
+    greedy = {"extra_body": {"temperature": 0}}
+    kw = dict(model=model, max_tokens=32, system="You answer briefly.", **greedy,
               messages=[{"role": "user", "content": "Name three colours of the rainbow."}])
     msg = client.messages.create(**kw)
     if msg.type != "message" or msg.role != "assistant":
@@ -72,21 +74,22 @@ def main() -> None:
     if streamed != text:
         fail(f"streamed text differs: {streamed!r}")
 
-    short = client.messages.count_tokens(model=model, messages=[{"role": "user", "content": "Hi"}])
+    short = client.messages.count_tokens(model=model, system="You answer briefly.",
+                                         messages=[{"role": "user", "content": "Hi"}])
     long = client.messages.count_tokens(model=model, system="You answer briefly.",
                                         messages=[{"role": "user", "content": "Hi there, how are you today?"}])
     print(f"e2e_anthropic: count_tokens {short.input_tokens} < {long.input_tokens}")
     if not 0 < short.input_tokens < long.input_tokens:
         fail("count_tokens does not grow with the prompt")
 
-    tools = client.messages.create(model=model, max_tokens=64, temperature=0, tools=[WEATHER],
+    tools = client.messages.create(model=model, max_tokens=64, tools=[WEATHER], **greedy,
                                    messages=[{"role": "user", "content": "What is the weather like in Paris today?"}])
     uses = [b for b in tools.content if b.type == "tool_use"]
     print(f"e2e_anthropic: with tools: {tools.stop_reason}, {[(u.name, u.input) for u in uses]}")
     if uses and (tools.stop_reason != "tool_use" or not all(isinstance(u.input, dict) for u in uses)):
         fail("tool_use blocks without stop_reason tool_use or with a non-object input")
     if uses:
-        follow = client.messages.create(model=model, max_tokens=32, temperature=0, tools=[WEATHER], messages=[
+        follow = client.messages.create(model=model, max_tokens=32, tools=[WEATHER], **greedy, messages=[
             {"role": "user", "content": "What is the weather like in Paris today?"},
             {"role": "assistant", "content": [{"type": "tool_use", "id": uses[0].id, "name": uses[0].name,
                                                "input": uses[0].input}]},
