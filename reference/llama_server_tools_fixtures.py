@@ -116,7 +116,22 @@ def requests():
         ("chat_tools_none", "/v1/chat/completions", {**chat_tools, "tool_choice": "none"}),
         ("chat_error_tool_choice", "/v1/chat/completions", {**chat_tools, "tool_choice": "sometimes"}),
         ("apply_template_tools", "/apply-template", {"messages": HISTORY, "tools": [WEATHER]}),
+    ] + [
+        # llama-server's tool-call parser on given text: the answer continues an assistant
+        # message that already holds the calls (the model adds nothing: it ends at once).
+        (f"parser_{name}", "/v1/chat/completions",
+         {"messages": [{"role": "user", "content": ASK}, {"role": "assistant", "content": text}],
+          "tools": [WEATHER], "max_tokens": 4, **g})
+        for name, text in PARSER_CASES
     ]
+
+
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}\n</tool_call>'
+PARSER_CASES = [
+    ("one", CALL),
+    ("text_before", "Let me check.\n" + CALL),
+    ("two", CALL + '\n<tool_call>\n{"name": "get_weather", "arguments": {"city":"Rome"}}\n</tool_call>'),
+]
 
 
 def request_text(body):

@@ -11,7 +11,10 @@
 //! - The model's output is parsed back: a leading `<think>…</think>` becomes
 //!   `reasoning_content` (`reasoning_format` `deepseek`, or `auto` for templates that think),
 //!   Hermes / Qwen-style `<tool_call>{"name": …, "arguments": …}</tool_call>` blocks become
-//!   `tool_calls` (a block whose JSON does not parse stays in the content).
+//!   `tool_calls`, their `arguments` the JSON text as written; the text before the first
+//!   call is the content as written, whitespace between and after calls is dropped (a block
+//!   whose JSON does not parse stays in the content: llama-server answers such output with a
+//!   500).
 //! - Streamed, the output so far is parsed after every token and the difference to the
 //!   previous parse is sent, as llama-server's `compute_diffs` does: reasoning and content
 //!   deltas, a tool call's first delta with its `index`, `id`, `type` and `name`, then its
@@ -521,7 +524,8 @@ pub(crate) fn parse_output(text: &str, f: OutputFormat, partial: bool) -> Parsed
                 Some(call) => {
                     content.push_str(&rest[..open]);
                     out.tool_calls.push(call);
-                    rest = &body[close + CALL_CLOSE.len()..];
+                    // Whitespace between and after calls is not content (llama-server).
+                    rest = body[close + CALL_CLOSE.len()..].trim_start();
                 }
                 None => {
                     // Not a call: the block stays text.
@@ -554,9 +558,6 @@ pub(crate) fn parse_output(text: &str, f: OutputFormat, partial: bool) -> Parsed
     if partial {
         let held = hold_tag(&content, CALL_OPEN).len();
         content.truncate(held);
-        let trimmed = content.trim_end().len();
-        content.truncate(trimmed);
-    } else if !out.tool_calls.is_empty() {
         let trimmed = content.trim_end().len();
         content.truncate(trimmed);
     }
@@ -718,17 +719,14 @@ impl StreamParser {
     }
 }
 
-/// The OpenAI `message` of a parsed answer (`content` null when empty and there are tool
-/// calls, as llama-server writes it).
+/// The OpenAI `message` of a parsed answer as llama-server writes it (`content` a string,
+/// empty beside tool calls when there is no text).
 pub(crate) fn openai_message(m: &ParsedMessage) -> Value {
     let mut msg = json!({"role": "assistant", "content": m.content});
     if !m.reasoning.is_empty() {
         msg["reasoning_content"] = json!(m.reasoning);
     }
     if !m.tool_calls.is_empty() {
-        if m.content.is_empty() {
-            msg["content"] = Value::Null;
-        }
         msg["tool_calls"] = m
             .tool_calls
             .iter()
@@ -796,7 +794,9 @@ mod tests {
         let names: Vec<&str> = m.tool_calls.iter().map(|c| c.name.as_str()).collect();
         assert_eq!(names, ["a", "b"]);
         assert_eq!(m.tool_calls[1].arguments, "{}");
-        assert_eq!(m.content, "Let me check.\n\n\nDone.");
+        // Text before the calls stays as written; whitespace between and after them is not
+        // content (llama-server keeps "Let me check.\n" and drops the rest).
+        assert_eq!(m.content, "Let me check.\nDone.");
         // Without parallel calls the second block stays text.
         let one = parse_output(
             "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call><tool_call>{\"name\": \"b\", \"arguments\": {}}</tool_call>",
@@ -905,7 +905,7 @@ mod tests {
         ];
         let (diffs, msg) = stream(&pieces, TOOLS);
         let content: String = diffs.iter().map(|d| d.content.as_str()).collect();
-        assert_eq!(content, "Sure.");
+        assert_eq!(content, "Sure.\n", "the text before the call as written");
         let calls: Vec<&(usize, ToolCall)> =
             diffs.iter().filter_map(|d| d.tool_call.as_ref()).collect();
         assert_eq!(calls[0].1.name, "get_weather", "{calls:?}");
@@ -930,14 +930,54 @@ mod tests {
         assert_eq!(d["tool_calls"][0]["function"]["name"], "get_weather");
     }
 
+    /// llama-server's own parse of the same text (golden/llama_server_tools/parser_*.json:
+    /// an assistant message holding the calls, continued by llama-server, which parsed it):
+    /// the same content, names, arguments and finish reason.
     #[test]
-    fn the_message_has_null_content_beside_tool_calls() {
+    fn calls_are_read_as_llama_server_reads_them() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../../golden/llama_server_tools");
+        for name in ["one", "text_before", "two"] {
+            let path = dir.join(format!("parser_{name}.json"));
+            let g: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+            let text = g["request"]["body"]["messages"][1]["content"]
+                .as_str()
+                .unwrap();
+            let choice = &g["response"]["choices"][0];
+            let blank = |mut v: Value| {
+                for c in v["tool_calls"].as_array_mut().into_iter().flatten() {
+                    assert_eq!(c["id"].as_str().map(str::len), Some(32), "{name}: id");
+                    c["id"] = Value::Null;
+                }
+                v
+            };
+            let ours = parse_final(text, TOOLS);
+            assert_eq!(
+                blank(openai_message(&ours)),
+                blank(choice["message"].clone()),
+                "{name}"
+            );
+            assert_eq!(choice["finish_reason"], "tool_calls", "{name}");
+            // Streamed token by token, the same message.
+            let pieces: Vec<String> = text.chars().map(String::from).collect();
+            let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+            let (_, streamed) = stream(&refs, TOOLS);
+            assert_eq!(
+                blank(openai_message(&streamed)),
+                blank(choice["message"].clone()),
+                "{name}: streamed"
+            );
+        }
+    }
+
+    #[test]
+    fn the_message_has_empty_content_beside_tool_calls() {
         let m = parse_final(
-            "<tool_call>{\"name\": \"a\", \"arguments\": {}}</tool_call>",
+            "<tool_call>\n{\"name\": \"a\", \"arguments\": {}}\n</tool_call>\n",
             TOOLS,
         );
         let v = openai_message(&m);
-        assert!(v["content"].is_null());
+        assert_eq!(v["content"], "");
         assert_eq!(v["tool_calls"][0]["function"]["arguments"], "{}");
         assert_eq!(v["tool_calls"][0]["id"].as_str().unwrap().len(), 32);
     }
