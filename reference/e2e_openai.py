@@ -13,6 +13,8 @@ never part of `cargo xtask ci`. Checks, against a server on the default model:
 - the Responses API (`client.responses.create`): a greedy answer with `output_text` and
   `usage`, and its streamed events (`response.output_text.delta` … `response.completed`)
   giving the same text, raw and through the client's stream helper (`responses.stream`);
+- a chat with `tools` is accepted and answers text or `tool_calls` (each a function with a name
+  and JSON arguments, `finish_reason` `tool_calls`), streamed the same way as not;
 - a wrong API key is refused with 401 when the server requires one (--api-key).
 Exits non-zero with a message on the first failure.
 """
@@ -126,6 +128,35 @@ def main() -> None:
         final = helper.get_final_response()
     if final.output_text != resp.output_text:
         fail(f"the stream helper's text differs: {final.output_text!r} vs {resp.output_text!r}")
+    weather = {"type": "function", "function": {
+        "name": "get_weather", "description": "Get the current weather in a given city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    }}
+    ask = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+    tc = client.chat.completions.create(model=model, messages=ask, tools=[weather], max_tokens=64, temperature=0)
+    choice = tc.choices[0]
+    calls = choice.message.tool_calls or []
+    print(f"e2e: with tools: {choice.finish_reason}, {[(c.function.name, c.function.arguments) for c in calls]}")
+    for c in calls:
+        if c.type != "function" or not c.id or not isinstance(json.loads(c.function.arguments), dict):
+            fail(f"a malformed tool call: {c}")
+    if calls and choice.finish_reason != "tool_calls":
+        fail(f"tool calls with finish_reason {choice.finish_reason}")
+    names, args_text, stream_finish = {}, {}, None
+    for chunk in client.chat.completions.create(model=model, messages=ask, tools=[weather], max_tokens=64,
+                                                temperature=0, stream=True):
+        if not chunk.choices:
+            continue
+        for d in chunk.choices[0].delta.tool_calls or []:
+            if d.function and d.function.name:
+                names[d.index] = d.function.name
+            if d.function and d.function.arguments:
+                args_text[d.index] = args_text.get(d.index, "") + d.function.arguments
+        stream_finish = chunk.choices[0].finish_reason or stream_finish
+    if [names.get(i) for i in range(len(calls))] != [c.function.name for c in calls] or stream_finish != choice.finish_reason:
+        fail(f"streamed tool calls differ: {names} {args_text} {stream_finish}")
+    if [json.loads(args_text[i]) for i in range(len(calls))] != [json.loads(c.function.arguments) for c in calls]:
+        fail(f"streamed tool-call arguments differ: {args_text}")
 
     if args.api_key != "none":
         bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")

@@ -1,9 +1,12 @@
-//! `cargo xtask e2e`: the official `openai` Python client against `specula serve`.
+//! `cargo xtask e2e`: the official `openai` and `anthropic` Python clients against
+//! `specula serve`.
 //!
 //! Builds the release `specula`, makes (or reuses) a venv in `reference/.venv-e2e` with
-//! `openai` installed from PyPI, starts `specula serve` on the default model with an API key,
-//! and runs `reference/e2e_openai.py` (a streamed chat, a plain chat, a completion, structured
-//! output with two choices, the Responses API plain and streamed, a wrong key). Needs Python 3 and
+//! `openai` and `anthropic` installed from PyPI, starts `specula serve` on the default model
+//! with an API key, and runs `reference/e2e_openai.py` (a streamed chat, a plain chat, a
+//! completion, a chat with tools, structured output with two choices, the Responses API plain
+//! and streamed, a wrong key) and `reference/e2e_anthropic.py` (Messages with a system prompt,
+//! streamed and not, count_tokens, tools, a wrong key, a bad request). Needs Python 3 and
 //! network access to PyPI the first time; never part of `ci`.
 
 use std::net::SocketAddr;
@@ -24,13 +27,20 @@ pub fn run(args: &E2eArgs) -> Result<()> {
     if !python.exists() {
         run_cmd(Command::new("python3").args(["-m", "venv"]).arg(&venv))?;
     }
-    let has_openai = Command::new(&python)
-        .args(["-c", "import openai"])
+    let has_clients = Command::new(&python)
+        .args(["-c", "import openai, anthropic"])
         .stderr(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if !has_openai {
-        run_cmd(Command::new(&python).args(["-m", "pip", "install", "--quiet", "openai>=1.40"]))?;
+    if !has_clients {
+        run_cmd(Command::new(&python).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "openai>=1.40",
+            "anthropic>=0.40",
+        ]))?;
     }
     let port = free_port()?;
     let addr: SocketAddr = format!("127.0.0.1:{port}").parse()?;
@@ -49,12 +59,21 @@ pub fn run(args: &E2eArgs) -> Result<()> {
                 .arg(root.join("reference/e2e_openai.py"))
                 .args(["--base-url", &format!("http://{addr}/v1"), "--api-key", key]),
         )
+        .and_then(|()| {
+            run_cmd(
+                Command::new(&python)
+                    .arg(root.join("reference/e2e_anthropic.py"))
+                    .args(["--base-url", &format!("http://{addr}"), "--api-key", key]),
+            )
+        })
     });
     let stopped = terminate(&mut child);
     result?;
     stopped?;
     if !args.quiet {
-        println!("e2e: the openai client completed a streamed chat against specula serve");
+        println!(
+            "e2e: the openai and anthropic clients completed their calls against specula serve"
+        );
     }
     Ok(())
 }

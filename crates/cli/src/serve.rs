@@ -210,8 +210,9 @@ pub struct LlamaFlags {
     /// Chat template from a Jinja file (the later of this and --chat-template wins).
     #[arg(long = "chat-template-file", overrides_with = "chat_template")]
     pub chat_template_file: Option<std::path::PathBuf>,
-    /// Reasoning format: none, deepseek, deepseek-legacy or auto (thoughts stay in the
-    /// content: `none`; the others are accepted with a notice).
+    /// Reasoning format: none, deepseek, deepseek-legacy or auto (`<think>` stays in the
+    /// content: `none`; split into `reasoning_content`: `deepseek`, or `auto` for thinking
+    /// templates).
     #[arg(long = "reasoning-format", default_value = "auto", value_parser = ["none", "deepseek", "deepseek-legacy", "auto"])]
     pub reasoning_format: String,
     /// CORS origins (accepted with a notice: no CORS headers are sent).
@@ -354,11 +355,6 @@ fn notices(args: &Args) -> Result<Vec<String>> {
         "chat templates are always rendered with Jinja",
     );
     ignored(
-        !matches!(f.reasoning_format.as_str(), "none" | "auto"),
-        "--reasoning-format",
-        "thoughts stay in the content",
-    );
-    ignored(
         f.cors_origins.is_some(),
         "--cors-origins",
         "no CORS headers are sent",
@@ -487,6 +483,8 @@ pub fn run(args: &Args) -> Result<String> {
         chat_template: template,
         slot_save_path: args.llama.slot_save_path.clone(),
         n_batch: args.batch_size,
+        reasoning_format: specula_server::ReasoningFormat::from_name(&args.llama.reasoning_format)
+            .unwrap_or_default(),
     };
     let server = specula_server::start(cfg, engine, tokenizer, spec)?;
     eprintln!("specula serve: listening on http://{}", server.addr());

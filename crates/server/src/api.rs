@@ -62,33 +62,11 @@ pub(crate) struct Common {
     pub structured: crate::structured::Fields,
 }
 
-/// Message content: a string or a list of parts (only text parts are read).
-#[derive(Debug, Deserialize)]
-#[serde(untagged)]
-pub(crate) enum Content {
-    Text(String),
-    Parts(Vec<Part>),
-}
-
-/// One content part.
-#[derive(Debug, Deserialize)]
-pub(crate) struct Part {
-    #[serde(rename = "type")]
-    pub kind: String,
-    pub text: Option<String>,
-}
-
-/// A chat message.
-#[derive(Debug, Deserialize)]
-pub(crate) struct Message {
-    pub role: String,
-    pub content: Option<Content>,
-}
-
 /// `POST /v1/chat/completions`.
 #[derive(Debug, Deserialize)]
 pub(crate) struct ChatRequest {
-    pub messages: Vec<Message>,
+    /// Read (with `tools`, in their key order) by `tools::Conversation::from_openai`.
+    pub messages: Vec<Value>,
     #[serde(flatten)]
     pub common: Common,
 }

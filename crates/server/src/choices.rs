@@ -14,6 +14,7 @@ use tokio::sync::mpsc;
 use crate::api::{Common, Kind};
 use crate::http::{ApiError, AppState, Head, fail, job, now_secs};
 use crate::metrics::Outcome;
+use crate::tools::OutputFormat;
 use crate::worker::{Command, Event};
 
 /// The most choices one request may ask for.
@@ -24,6 +25,7 @@ pub(crate) async fn generate_n(
     c: Common,
     prompt: Vec<u32>,
     kind: Kind,
+    format: OutputFormat,
     t0: Instant,
 ) -> Response {
     let n = c.n.unwrap_or(1);
@@ -75,6 +77,7 @@ pub(crate) async fn generate_n(
             .clone()
             .unwrap_or_else(|| st.limits.model_name.clone()),
         kind,
+        format,
     };
     let mut answer: Option<Value> = None;
     let mut choices = Vec::new();

@@ -17,14 +17,15 @@ use axum::routing::{get, post};
 use serde_json::{Value, json};
 use specula_engine::SpecOptions;
 use specula_sampling::SamplerParams;
-use specula_tokenizer::{ChatMessage, ChatTemplate, DecodeOptions, EncodeOptions, Tokenizer};
+use specula_tokenizer::{ChatTemplate, DecodeOptions, EncodeOptions, Tokenizer};
 use tokio::sync::mpsc;
 
 use crate::api::{
-    ChatRequest, Common, CompletionRequest, Content, DetokenizeRequest, Kind, Prompt, SpecField,
-    Stop, TokenizeRequest, chat_logprob, completion_logprobs, error_body, timings, usage,
+    ChatRequest, Common, CompletionRequest, DetokenizeRequest, Kind, Prompt, SpecField, Stop,
+    TokenizeRequest, chat_logprob, completion_logprobs, error_body, timings, usage,
 };
 use crate::metrics::{Metrics, Outcome};
+use crate::tools::{Conversation, Diff, OutputFormat, StreamParser};
 use crate::worker::{Command, Event, Job, SpecRequest, Summary, TokenLogprob};
 
 /// Fixed facts and limits the handlers check requests against.
@@ -58,6 +59,10 @@ pub(crate) struct Limits {
     pub slot_save_path: Option<std::path::PathBuf>,
     /// The logical batch (`-b`), which `/infill` budgets its prompt with.
     pub n_batch: usize,
+    /// `--reasoning-format`.
+    pub reasoning_format: crate::tools::ReasoningFormat,
+    /// The chat template thinks (holds `<think>`): `auto` splits thoughts.
+    pub template_thinks: bool,
 }
 
 /// What every handler shares.
@@ -92,6 +97,7 @@ pub(crate) fn router(state: AppState) -> Router {
         .merge(crate::slots::routes())
         .merge(crate::infill::routes())
         .merge(crate::responses::routes())
+        .merge(crate::anthropic::routes())
         .fallback(not_found)
         .method_not_allowed_fallback(not_found)
         .layer(middleware::from_fn_with_state(state.clone(), auth))
@@ -386,7 +392,8 @@ pub(crate) fn encode(tok: &Tokenizer, text: &str) -> Result<Vec<u32>, ApiError> 
 async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
     let prepared = (|| {
-        let req: ChatRequest = parse(&body_bytes(&st, body)?)?;
+        let bytes = body_bytes(&st, body)?;
+        let req: ChatRequest = parse(&bytes)?;
         let template = st.template.as_ref().ok_or_else(|| {
             ApiError::bad("this model has no usable chat template; use /v1/completions with a formatted prompt")
         })?;
@@ -395,31 +402,16 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
                 "`messages` is empty: send at least one message",
             ));
         }
-        let messages: Vec<ChatMessage> = req
-            .messages
-            .iter()
-            .map(|m| {
-                let content = match &m.content {
-                    None => String::new(),
-                    Some(Content::Text(t)) => t.clone(),
-                    Some(Content::Parts(parts)) => parts
-                        .iter()
-                        .filter(|p| p.kind == "text")
-                        .filter_map(|p| p.text.as_deref())
-                        .collect::<Vec<_>>()
-                        .join("\n"),
-                };
-                ChatMessage::new(m.role.clone(), content)
-            })
-            .collect();
-        let text = template.render(&messages, true).map_err(|e| {
-            ApiError::bad(format!("the chat template failed on these messages: {e}"))
-        })?;
+        // Messages, tools and their JSON key order as llama.cpp hands them to the template.
+        let conv = Conversation::from_openai(&crate::tools::ordered(&bytes)?)?;
+        let text = conv.render(template)?;
+        let format =
+            conv.output_format(st.limits.reasoning_format, st.limits.template_thinks, &text);
         let prompt = encode(&st.tokenizer, &text)?;
-        Ok((req.common, prompt))
+        Ok((req.common, prompt, format))
     })();
     match prepared {
-        Ok((common, prompt)) => generate(st, common, prompt, Kind::Chat, t0).await,
+        Ok((common, prompt, format)) => generate(st, common, prompt, Kind::Chat, format, t0).await,
         Err(e) => fail(&st, t0, e),
     }
 }
@@ -453,7 +445,17 @@ async fn completions(State(st): State<AppState>, body: Result<Bytes, BytesReject
         Ok((req.common, prompt))
     })();
     match prepared {
-        Ok((common, prompt)) => generate(st, common, prompt, Kind::Completion, t0).await,
+        Ok((common, prompt)) => {
+            generate(
+                st,
+                common,
+                prompt,
+                Kind::Completion,
+                OutputFormat::default(),
+                t0,
+            )
+            .await
+        }
         Err(e) => fail(&st, t0, e),
     }
 }
@@ -650,6 +652,8 @@ pub(crate) struct Head {
     pub created: u64,
     pub model: String,
     pub kind: Kind,
+    /// How a chat answer is read back (tool calls, thoughts).
+    pub format: OutputFormat,
 }
 
 impl Head {
@@ -697,9 +701,19 @@ impl Head {
         })
     }
 
-    fn final_chunk(&self, s: &Summary) -> Value {
+    /// A streamed chunk carrying one difference of the parsed answer.
+    fn diff_chunk(&self, d: &Diff) -> Value {
+        json!({
+            "id": self.id, "object": self.object(true), "created": self.created, "model": self.model,
+            "choices": [{"index": 0, "delta": d.openai_delta(), "finish_reason": null}],
+        })
+    }
+
+    /// `tool_calls`: the answer held tool calls (a natural end then reports `tool_calls`).
+    fn final_chunk(&self, s: &Summary, tool_calls: bool) -> Value {
+        let finish = finish_reason(s, tool_calls);
         let choice = match self.kind {
-            Kind::Chat => json!({"index": 0, "delta": {}, "finish_reason": s.finish_reason}),
+            Kind::Chat => json!({"index": 0, "delta": {}, "finish_reason": finish}),
             Kind::Completion => json!({"index": 0, "text": "", "finish_reason": s.finish_reason}),
         };
         json!({
@@ -711,6 +725,15 @@ impl Head {
 
     pub(crate) fn full(&self, text: &str, lps: &[TokenLogprob], s: &Summary) -> Value {
         let mut choice = match self.kind {
+            Kind::Chat if self.format.parses() => {
+                let m = crate::tools::parse_final(text, self.format);
+                json!({
+                    "index": 0,
+                    "message": crate::tools::openai_message(&m),
+                    "finish_reason": finish_reason(s, !m.tool_calls.is_empty()),
+                    "logprobs": null,
+                })
+            }
             Kind::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
@@ -735,9 +758,26 @@ impl Head {
     }
 }
 
-async fn generate(st: AppState, c: Common, prompt: Vec<u32>, kind: Kind, t0: Instant) -> Response {
+/// llama-server's `finish_reason`: `tool_calls` for an answer with tool calls that ended by
+/// itself (not by `max_tokens`).
+fn finish_reason(s: &Summary, tool_calls: bool) -> &'static str {
+    if tool_calls && s.finish_reason == "stop" {
+        "tool_calls"
+    } else {
+        s.finish_reason
+    }
+}
+
+async fn generate(
+    st: AppState,
+    c: Common,
+    prompt: Vec<u32>,
+    kind: Kind,
+    format: OutputFormat,
+    t0: Instant,
+) -> Response {
     if c.n.is_some_and(|n| n > 1) {
-        return crate::choices::generate_n(st, c, prompt, kind, t0).await;
+        return crate::choices::generate_n(st, c, prompt, kind, format, t0).await;
     }
     let (tx, mut rx) = mpsc::unbounded_channel();
     let job = match job(&st, &c, prompt, kind, tx) {
@@ -752,6 +792,7 @@ async fn generate(st: AppState, c: Common, prompt: Vec<u32>, kind: Kind, t0: Ins
             .clone()
             .unwrap_or_else(|| st.limits.model_name.clone()),
         kind,
+        format,
     };
     let with_logprobs = job.logprobs.is_some();
     if st.tx.send(Command::Generate(Box::new(job))).is_err() {
@@ -804,6 +845,9 @@ fn stream(
         pending: std::collections::VecDeque<SseEvent>,
         done: bool,
         offset: usize,
+        /// The chat answer parsed as it streams (when tools or thoughts are read).
+        parser: Option<StreamParser>,
+        tool_calls: bool,
     }
     let data = |v: &Value| SseEvent::default().data(v.to_string());
     let mut first = std::collections::VecDeque::new();
@@ -815,6 +859,9 @@ fn stream(
         pending: first,
         done: false,
         offset: 0,
+        parser: (head.kind == Kind::Chat && head.format.parses())
+            .then(|| StreamParser::new(head.format)),
+        tool_calls: false,
     };
     let s = futures_util::stream::unfold(init, move |mut s| {
         let head = head.clone();
@@ -828,17 +875,44 @@ fn stream(
                     return None;
                 }
                 match s.rx.recv().await {
+                    Some(Event::Delta(d)) if s.parser.is_some() => {
+                        let diffs = s
+                            .parser
+                            .as_mut()
+                            .map(|p| p.push(&d.text))
+                            .unwrap_or_default();
+                        for diff in diffs {
+                            s.tool_calls |= diff.tool_call.is_some();
+                            s.pending.push_back(data(&head.diff_chunk(&diff)));
+                        }
+                    }
                     Some(Event::Delta(d)) => {
                         let v = head.chunk(&d.text, Some(d.token), d.logprob.as_ref(), s.offset);
                         s.offset += d.text.len();
                         s.pending.push_back(data(&v));
+                    }
+                    Some(Event::Done(sum)) if s.parser.is_some() => {
+                        let (diffs, msg) = s
+                            .parser
+                            .as_mut()
+                            .map(|p| p.finish(&sum.tail))
+                            .unwrap_or_default();
+                        for diff in diffs {
+                            s.pending.push_back(data(&head.diff_chunk(&diff)));
+                        }
+                        let calls = s.tool_calls || !msg.tool_calls.is_empty();
+                        s.pending.push_back(data(&head.final_chunk(&sum, calls)));
+                        s.pending.push_back(SseEvent::default().data("[DONE]"));
+                        s.done = true;
+                        st.metrics
+                            .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
                     }
                     Some(Event::Done(sum)) => {
                         if !sum.tail.is_empty() {
                             s.pending
                                 .push_back(data(&head.chunk(&sum.tail, None, None, s.offset)));
                         }
-                        s.pending.push_back(data(&head.final_chunk(&sum)));
+                        s.pending.push_back(data(&head.final_chunk(&sum, false)));
                         s.pending.push_back(SseEvent::default().data("[DONE]"));
                         s.done = true;
                         st.metrics

@@ -35,6 +35,7 @@
 //! # }
 //! ```
 
+mod anthropic;
 mod api;
 mod choices;
 mod http;
@@ -45,6 +46,7 @@ mod responses;
 mod slots;
 mod structured;
 mod text;
+mod tools;
 mod worker;
 
 use std::net::SocketAddr;
@@ -56,6 +58,8 @@ use specula_quant::QType;
 use specula_spec::Drafter;
 use specula_tensor::Backend;
 use specula_tokenizer::Tokenizer;
+
+pub use tools::ReasoningFormat;
 
 /// Errors starting or running the server.
 #[derive(Debug, thiserror::Error)]
@@ -255,6 +259,9 @@ pub struct ServerConfig {
     /// The logical batch (`-b`): only the budgets of `/infill`'s prompt read it, as
     /// llama-server's `format_prompt_infill` (the engine's forward size is its own `n_batch`).
     pub n_batch: usize,
+    /// What becomes of `<think>…</think>` in chat answers (`--reasoning-format`); a request's
+    /// `reasoning_format` overrides it.
+    pub reasoning_format: ReasoningFormat,
 }
 
 impl Default for ServerConfig {
@@ -284,6 +291,7 @@ impl Default for ServerConfig {
             chat_template: None,
             slot_save_path: None,
             n_batch: 2048,
+            reasoning_format: ReasoningFormat::Auto,
         }
     }
 }
@@ -398,6 +406,11 @@ where
             }
         },
     };
+    let template_thinks = cfg
+        .chat_template
+        .as_deref()
+        .or_else(|| tokenizer.chat_template_source())
+        .is_some_and(|t| t.contains("<think>"));
     let hp = engine.model.hparams().clone();
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::channel();
@@ -476,6 +489,8 @@ where
             slots: cfg.slots,
             slot_save_path: cfg.slot_save_path.clone(),
             n_batch: cfg.n_batch,
+            reasoning_format: cfg.reasoning_format,
+            template_thinks,
         }),
         grammars: Arc::default(),
         started: std::time::SystemTime::now()

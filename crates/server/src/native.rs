@@ -450,18 +450,18 @@ async fn apply_template(
     State(st): State<AppState>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<axum::Json<Value>, ApiError> {
-    let v: Value = parse(&body_bytes(&st, body)?)?;
-    let messages = v
-        .get("messages")
-        .filter(|m| m.is_array())
-        .ok_or_else(|| ApiError::bad("'messages' is required and must be an array"))?;
+    let bytes = body_bytes(&st, body)?;
+    let v: Value = parse(&bytes)?;
+    if !v.get("messages").is_some_and(Value::is_array) {
+        return Err(ApiError::bad("'messages' is required and must be an array"));
+    }
     let template = st
         .template
         .as_ref()
         .ok_or_else(|| ApiError::bad("this model has no usable chat template"))?;
-    let prompt = template
-        .render_json(&messages.to_string(), true, None)
-        .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}")))?;
+    // The same conversation (tools, tool calls, key order) as a chat completion renders.
+    let prompt = crate::tools::Conversation::from_openai(&crate::tools::ordered(&bytes)?)?
+        .render(template)?;
     Ok(axum::Json(json!({"prompt": prompt})))
 }
 
