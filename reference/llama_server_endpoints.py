@@ -26,21 +26,17 @@ files alone.
 """
 
 import argparse
-import hashlib
 import json
-import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_server_common import UPSTREAM, LlamaServer, add_args, http, inputs, sha256_file, sse  # noqa: E402
 
 SMOL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CODER = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-UPSTREAM = "0c1e57098"  # llama.cpp vendored by llama-cpp-python 0.3.36 (see build_llama_cpp.sh)
 ALIAS = "smollm2-alias"
 SMOL_ARGS = ["-t", "2", "-c", "4096", "-np", "2"]
 CODER_ARGS = ["-t", "2", "-c", "4096", "-np", "1"]
@@ -91,39 +87,17 @@ def coder_requests():
     ]
 
 
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def call(port, method, path, body):
     data = None
     if body is not None:
         data = json.dumps(body).encode()
     elif method == "POST":
         data = b"{}"
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    text = raw.decode()
+    status, text = http(port, method, path, data)
     if isinstance(body, dict) and body.get("stream"):
-        lines = text.split("\n")
-        events = [line[len("data: "):] for line in lines if line.startswith("data: ")]
-        names = [line[len("event: "):] for line in lines if line.startswith("event: ")]
-        out = {"events": [json.loads(e) if e != "[DONE]" else e for e in events]}
+        events = sse(text)
+        names = [n for n, _ in events if n is not None]
+        out = {"events": [json.loads(e) if e != "[DONE]" else e for _, e in events]}
         if names:
             out["event_names"] = names
         return status, out
@@ -133,39 +107,14 @@ def call(port, method, path, body):
         return status, {"response_text": text}
 
 
-def serve(binary, model, args, work):
-    """Starts llama-server; returns (process, port) once healthy."""
-    port = free_port()
-    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log, cwd=work)
-    for _ in range(900):
-        try:
-            if call(port, "GET", "/health", None)[0] == 200:
-                return proc, port
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        time.sleep(0.2)
-    proc.terminate()
-    raise SystemExit("llama_server_endpoints: llama-server did not become healthy")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the golden/ directory")
-    ap.add_argument("--models-dir", type=Path, default=Path.home() / ".cache/specula/models")
-    ap.add_argument("--llama-dest", type=Path, default=os.environ.get("SPECULA_LLAMA_DEST", "/work/llama"),
-                    help="DEST of reference/build_llama_cpp.sh (llama-server in DEST/build/bin)")
+    add_args(ap)
     args = ap.parse_args()
-    binary = Path(args.llama_dest) / "build/bin/llama-server"
-    smol, coder = args.models_dir / SMOL, args.models_dir / CODER
-    if not binary.exists():
-        print(f"llama_server_endpoints: skipped, no {binary} (build the llama-server target)")
+    found = inputs("llama_server_endpoints", args, [SMOL, CODER])
+    if found is None:
         return 0
-    for m in (smol, coder):
-        if not m.exists():
-            print(f"llama_server_endpoints: skipped, no {m} (cargo xtask fetch-models)")
-            return 0
+    binary, (smol, coder) = found
     out = args.out / "llama_server_endpoints"
     out.mkdir(parents=True, exist_ok=True)
     names = []
@@ -185,14 +134,10 @@ def main():
             (coder, CODER_ARGS, coder_requests()),
         ]
         for model, extra, reqs in runs:
-            proc, port = serve(binary, model, extra, work)
-            try:
+            with LlamaServer("llama_server_endpoints", binary, model, extra, cwd=work) as port:
                 for name, method, path, body in reqs:
                     status, got = call(port, method, path, body)
                     record(name, method, path, body, status, got)
-            finally:
-                proc.terminate()
-                proc.wait(timeout=30)
     (out / "MANIFEST.md").write_text(f"""# golden/llama_server_endpoints/
 
 Answers of the reference llama-server to fixed requests on slot actions, /infill, /v1/models

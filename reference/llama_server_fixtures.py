@@ -18,19 +18,15 @@ files alone.
 """
 
 import argparse
-import hashlib
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_server_common import UPSTREAM, LlamaServer, add_args, http, inputs, sha256_file, sse  # noqa: E402
+
 MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
-UPSTREAM = "0c1e57098"  # llama.cpp vendored by llama-cpp-python 0.3.36 (see build_llama_cpp.sh)
 ARGS = ["-t", "2", "-c", "2048", "-np", "1"]
 
 TEXT = "The capital of France is"
@@ -72,34 +68,13 @@ def key_requests():
     ]
 
 
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def call(port, method, path, body, headers=None):
     data = None
     if body is not None:
         data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json", **(headers or {})})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    text = raw.decode()
+    status, text = http(port, method, path, data, headers, timeout=120)
     if isinstance(body, dict) and body.get("stream"):
-        events = [line[len("data: "):] for line in text.split("\n") if line.startswith("data: ")]
+        events = [e for _, e in sse(text)]
         return status, {"events": [json.loads(e) if e != "[DONE]" else e for e in events]}
     try:
         return status, {"response": json.loads(text)}
@@ -109,19 +84,12 @@ def call(port, method, path, body, headers=None):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the golden/ directory")
-    ap.add_argument("--models-dir", type=Path, default=Path.home() / ".cache/specula/models")
-    ap.add_argument("--llama-dest", type=Path, default=os.environ.get("SPECULA_LLAMA_DEST", "/work/llama"),
-                    help="DEST of reference/build_llama_cpp.sh (llama-server in DEST/build/bin)")
+    add_args(ap)
     args = ap.parse_args()
-    binary = Path(args.llama_dest) / "build/bin/llama-server"
-    model = args.models_dir / MODEL
-    if not binary.exists():
-        print(f"llama_server_fixtures: skipped, no {binary} (build the llama-server target)")
+    found = inputs("llama_server_fixtures", args, [MODEL])
+    if found is None:
         return 0
-    if not model.exists():
-        print(f"llama_server_fixtures: skipped, no {model} (cargo xtask fetch-models smollm2-135m)")
-        return 0
+    binary, (model,) = found
     out = args.out / "llama_server"
     out.mkdir(parents=True, exist_ok=True)
     names = []
@@ -135,21 +103,7 @@ def main():
         print(f"llama_server_fixtures: {name}: {status}")
 
     for extra in ([], ["--api-key", API_KEY]):
-        port = free_port()
-        cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *ARGS, *extra]
-        log = open(os.devnull, "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-        try:
-            for _ in range(600):
-                try:
-                    if call(port, "GET", "/health", None)[0] == 200:
-                        break
-                except (urllib.error.URLError, ConnectionError):
-                    pass
-                time.sleep(0.2)
-            else:
-                print("llama_server_fixtures: llama-server did not become healthy", file=sys.stderr)
-                return 1
+        with LlamaServer("llama_server_fixtures", binary, model, [*ARGS, *extra]) as port:
             if extra:
                 for name, method, path, body, headers in key_requests():
                     status, got = call(port, method, path, body, headers)
@@ -161,9 +115,6 @@ def main():
             for name, method, path, body in requests(ids):
                 status, got = call(port, method, path, body)
                 record(name, method, path, body, status, got)
-        finally:
-            proc.terminate()
-            proc.wait(timeout=30)
     shown = ["llama-server", "-m", MODEL, *ARGS]
     (out / "MANIFEST.md").write_text(f"""# golden/llama_server/
 

@@ -10,21 +10,20 @@ against specula (llguidance through the GBNF bridge) and compares `content` and 
 
   reference/llama_server_grammar_fixtures.py --out golden [--models-dir DIR] [--llama-dest DEST]
 
-Standard library only; the server and HTTP helpers are llama_server_fixtures.py's. Without the
+Standard library only; the server and HTTP helpers are llama_server_common.py's
+(requests sent as llama_server_fixtures.py sends them). Without the
 binary or the model it prints why and leaves the committed files alone.
 """
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
-import urllib.error
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama_server_fixtures import ARGS, MODEL, UPSTREAM, call, free_port, sha256_file  # noqa: E402
+from llama_server_common import UPSTREAM, LlamaServer, add_args, inputs, sha256_file  # noqa: E402
+from llama_server_fixtures import ARGS, MODEL, call  # noqa: E402
 
 ARITH = r'''root   ::= expr
 expr   ::= term (("+" | "-") term){0,3}
@@ -63,46 +62,22 @@ def requests():
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the golden/ directory")
-    ap.add_argument("--models-dir", type=Path, default=Path.home() / ".cache/specula/models")
-    ap.add_argument("--llama-dest", type=Path, default=os.environ.get("SPECULA_LLAMA_DEST", "/work/llama"),
-                    help="DEST of reference/build_llama_cpp.sh (llama-server in DEST/build/bin)")
+    add_args(ap)
     args = ap.parse_args()
-    binary = Path(args.llama_dest) / "build/bin/llama-server"
-    model = args.models_dir / MODEL
-    if not binary.exists():
-        print(f"llama_server_grammar_fixtures: skipped, no {binary} (build the llama-server target)")
+    found = inputs("llama_server_grammar_fixtures", args, [MODEL])
+    if found is None:
         return 0
-    if not model.exists():
-        print(f"llama_server_grammar_fixtures: skipped, no {model} (cargo xtask fetch-models smollm2-135m)")
-        return 0
+    binary, (model,) = found
     out = args.out / "llama_server_grammar"
     out.mkdir(parents=True, exist_ok=True)
     names = []
-    port = free_port()
-    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *ARGS]
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    try:
-        for _ in range(600):
-            try:
-                if call(port, "GET", "/health", None)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.2)
-        else:
-            print("llama_server_grammar_fixtures: llama-server did not become healthy", file=sys.stderr)
-            return 1
+    with LlamaServer("llama_server_grammar_fixtures", binary, model, ARGS) as port:
         for name, body in requests():
             status, got = call(port, "POST", "/completion", body)
             rec = {"request": {"method": "POST", "path": "/completion", "body": body}, "status": status, **got}
             (out / f"{name}.json").write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
             names.append(name)
             print(f"llama_server_grammar_fixtures: {name}: {status} {got.get('response', {}).get('content')!r}")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     shown = ["llama-server", "-m", MODEL, *ARGS]
     (out / "MANIFEST.md").write_text(f"""# golden/llama_server_grammar/
 

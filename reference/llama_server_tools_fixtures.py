@@ -18,19 +18,15 @@ files alone.
 """
 
 import argparse
-import hashlib
 import json
-import os
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama_server_common import UPSTREAM, LlamaServer, add_args, http, inputs, sha256_file, sse  # noqa: E402
+
 MODEL = "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
-UPSTREAM = "0c1e57098"  # llama.cpp vendored by llama-cpp-python 0.3.36 (see build_llama_cpp.sh)
 ARGS = ["--jinja", "-t", "2", "-c", "4096", "-np", "1"]
 
 WEATHER = {
@@ -139,39 +135,12 @@ def request_text(body):
     return json.dumps(body, ensure_ascii=False)
 
 
-def sha256_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def call(port, method, path, body):
     data = None if body is None else request_text(body).encode()
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    text = raw.decode()
+    status, text = http(port, method, path, data)
     if isinstance(body, dict) and body.get("stream") and status == 200:
-        events, name = [], None
-        for line in text.split("\n"):
-            if line.startswith("event: "):
-                name = line[len("event: "):]
-            elif line.startswith("data: "):
-                payload = line[len("data: "):]
-                events.append({"event": name, "data": payload if payload == "[DONE]" else json.loads(payload)})
-                name = None
+        events = [{"event": name, "data": payload if payload == "[DONE]" else json.loads(payload)}
+                  for name, payload in sse(text)]
         return status, {"events": events}
     try:
         return status, {"response": json.loads(text)}
@@ -181,37 +150,16 @@ def call(port, method, path, body):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="the golden/ directory")
-    ap.add_argument("--models-dir", type=Path, default=Path.home() / ".cache/specula/models")
-    ap.add_argument("--llama-dest", type=Path, default=os.environ.get("SPECULA_LLAMA_DEST", "/work/llama"),
-                    help="DEST of reference/build_llama_cpp.sh (llama-server in DEST/build/bin)")
+    add_args(ap)
     args = ap.parse_args()
-    binary = Path(args.llama_dest) / "build/bin/llama-server"
-    model = args.models_dir / MODEL
-    if not binary.exists():
-        print(f"llama_server_tools_fixtures: skipped, no {binary} (build the llama-server target)")
+    found = inputs("llama_server_tools_fixtures", args, [MODEL])
+    if found is None:
         return 0
-    if not model.exists():
-        print(f"llama_server_tools_fixtures: skipped, no {model} (cargo xtask fetch-models)")
-        return 0
+    binary, (model,) = found
     out = args.out / "llama_server_tools"
     out.mkdir(parents=True, exist_ok=True)
     names = []
-    port = free_port()
-    cmd = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), *ARGS]
-    log = open(os.devnull, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    try:
-        for _ in range(900):
-            try:
-                if call(port, "GET", "/health", None)[0] == 200:
-                    break
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.2)
-        else:
-            print("llama_server_tools_fixtures: llama-server did not become healthy", file=sys.stderr)
-            return 1
+    with LlamaServer("llama_server_tools_fixtures", binary, model, ARGS) as port:
         for name, path, body in requests():
             status, got = call(port, "POST", path, body)
             rec = {"request": {"method": "POST", "path": path, "body": body, "raw": request_text(body)},
@@ -219,9 +167,6 @@ def main():
             (out / f"{name}.json").write_text(json.dumps(rec, indent=1, ensure_ascii=False) + "\n")
             names.append(name)
             print(f"llama_server_tools_fixtures: {name}: {status}")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
     shown = ["llama-server", "-m", MODEL, *ARGS]
     (out / "MANIFEST.md").write_text(f"""# golden/llama_server_tools/
 
