@@ -6,43 +6,23 @@
 //! near tie of the two best logits, as the golden test of `/completion` allows). A model
 //! without FIM tokens (the tiny llama) answers llama-server's 501. Skips without the model.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 mod common;
 
 use common::{Draft, post, server};
 use serde_json::{Value, json};
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server_endpoints")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server_endpoints", name)
 }
 
 fn coder() -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("qwen2.5-coder-0.5b")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 1,
         n_ctx: 4096,
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, None).unwrap())
+    common::real("qwen2.5-coder-0.5b", cfg, None)
 }
 
 /// The greedy tokens agree with llama-server's: equal, or equal up to a step where specula's

@@ -22,37 +22,20 @@
 //!   adds `n_ctx`, `rollback` and `speculative`.
 //! - `timings` values (speeds) differ by nature; its keys are the same.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 mod common;
 
-use common::{get, post, request};
+use common::{get, keys, post, request};
 use serde_json::Value;
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server", name)
 }
 
 fn start(path: &Path, api_key: Option<&str>) -> ServerHandle {
-    let file = Arc::new(Gguf::open(path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 1,
         n_ctx: 2048,
         model_name: path.file_name().unwrap().to_string_lossy().into_owned(),
@@ -60,7 +43,7 @@ fn start(path: &Path, api_key: Option<&str>) -> ServerHandle {
         api_key: api_key.map(str::to_owned),
         ..ServerConfig::default()
     };
-    specula_server::start(cfg, engine, tok, None).unwrap()
+    common::real_server(path, cfg, None)
 }
 
 /// Replays a fixture's request; returns (status, body).
@@ -87,17 +70,6 @@ fn replay(s: &ServerHandle, g: &Value) -> (u16, Vec<u8>) {
         request(s.addr(), method, path, &headers, &body)
     };
     (r.status, r.body)
-}
-
-fn keys(v: &Value) -> Vec<String> {
-    let mut k: Vec<String> = v
-        .as_object()
-        .unwrap_or_else(|| panic!("not an object: {v}"))
-        .keys()
-        .cloned()
-        .collect();
-    k.sort();
-    k
 }
 
 /// Every key specula gives in `ours` is one llama-server gives, with the same value.

@@ -21,16 +21,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use common::{Draft, post, server};
 use serde_json::{Value, json};
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 /// A fresh directory under the system's temporary one, removed when dropped.
 struct TempDir(PathBuf);
@@ -57,29 +51,17 @@ impl Drop for TempDir {
 }
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server_endpoints")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server_endpoints", name)
 }
 
 fn smollm(dir: &Path) -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("smollm2-135m")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 2,
         n_ctx: 4096,
         slot_save_path: Some(dir.to_path_buf()),
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, None).unwrap())
+    common::real("smollm2-135m", cfg, None)
 }
 
 const TEXT: &str =
@@ -415,21 +397,16 @@ fn an_action_on_a_busy_slot_waits_for_it() {
 fn gemma3_a_wrapped_ring_restores_into_a_fresh_server() {
     fn gemma(dir: &Path) -> Option<ServerHandle> {
         let path = specula_testkit::real_model("gemma3-270m")?;
-        let file = Arc::new(Gguf::open(&path).unwrap());
-        let be = CpuBackend::new(2);
-        let model = Model::load(&be, Arc::clone(&file)).unwrap();
-        let mut engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-        engine.n_batch = 16;
-        assert_eq!(engine.swa_ring(), Some(528));
-        let tok = Tokenizer::from_gguf(&file).unwrap();
         let cfg = ServerConfig {
-            port: 0,
             n_parallel: 1,
             n_ctx: 1024,
             slot_save_path: Some(dir.to_path_buf()),
             ..ServerConfig::default()
         };
-        Some(specula_server::start(cfg, engine, tok, None).unwrap())
+        Some(common::real_server_tuned(&path, cfg, None, |engine| {
+            engine.n_batch = 16;
+            assert_eq!(engine.swa_ring(), Some(528));
+        }))
     }
     let dir = TempDir::new();
     let Some(a) = gemma(dir.path()) else { return };
