@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::{Draft, post, server};
+use common::{Draft, greedy_agrees, post, server};
 use serde_json::{Value, json};
 use specula_server::{ServerConfig, ServerHandle};
 
@@ -23,37 +23,6 @@ fn coder() -> Option<ServerHandle> {
         ..ServerConfig::default()
     };
     common::real("qwen2.5-coder-0.5b", cfg, None)
-}
-
-/// The greedy tokens agree with llama-server's: equal, or equal up to a step where specula's
-/// two best tokens are within 0.05 nats and llama-server took the runner-up (the kernels'
-/// rounding differs, as in the golden test of `/completion`). Returns that step.
-fn agree(
-    s: &ServerHandle,
-    name: &str,
-    body: &Value,
-    ours: &[Value],
-    theirs: &[Value],
-) -> Option<usize> {
-    const TIE: f64 = 0.05;
-    let Some(d) = ours.iter().zip(theirs).position(|(a, b)| a != b) else {
-        assert_eq!(ours.len(), theirs.len(), "{name}: number of tokens");
-        return None;
-    };
-    let mut probe = body.clone();
-    probe["n_probs"] = 2.into();
-    let v = post(s.addr(), "/infill", &probe).json();
-    let step = &v["completion_probabilities"][d];
-    let top = step["top_logprobs"].as_array().unwrap();
-    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
-    let gap = lp(0) - lp(1);
-    assert!(
-        gap < TIE && step["id"] == ours[d],
-        "{name}: greedy tokens differ at step {d} ({} here, {} in llama-server), top two {gap} nats apart: {step}",
-        ours[d],
-        theirs[d]
-    );
-    Some(d)
 }
 
 #[test]
@@ -74,7 +43,7 @@ fn qwen_coder_infill_matches_llama_server() {
         );
         let ours = v["tokens"].as_array().unwrap();
         let theirs = want["tokens"].as_array().unwrap();
-        match agree(&s, name, &g["request"]["body"], ours, theirs) {
+        match greedy_agrees(&s, "/infill", name, &g["request"]["body"], ours, theirs) {
             None => {
                 assert_eq!(v["content"], want["content"], "{name}: content");
                 assert_eq!(v["stop_type"], want["stop_type"], "{name}");

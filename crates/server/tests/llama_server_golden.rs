@@ -26,7 +26,7 @@ use std::path::Path;
 
 mod common;
 
-use common::{get, keys, post, request};
+use common::{get, keys, request};
 use serde_json::Value;
 use specula_server::{ServerConfig, ServerHandle};
 
@@ -85,10 +85,7 @@ fn subset_equal(what: &str, ours: &Value, theirs: &Value) {
     }
 }
 
-/// Greedy tokens of specula (`ours`) and llama-server (`theirs`) for `body`: equal, or equal
-/// up to a step where the two best logits are a near tie (the kernels' rounding differs:
-/// llama.cpp's Q4_1 dot products quantize activations to Q8_1), where llama-server's pick is
-/// specula's runner-up within `TIE` nats. Returns that step, `None` when equal throughout.
+/// [`common::greedy_agrees`] on `/completion`, for token arrays.
 fn greedy_agrees(
     s: &ServerHandle,
     name: &str,
@@ -96,29 +93,8 @@ fn greedy_agrees(
     ours: &Value,
     theirs: &Value,
 ) -> Option<usize> {
-    /// The widest log-probability gap between the two best tokens still taken as a tie.
-    const TIE: f64 = 0.05;
     let (o, t) = (ours.as_array().unwrap(), theirs.as_array().unwrap());
-    let Some(d) = o.iter().zip(t).position(|(a, b)| a != b) else {
-        assert_eq!(o.len(), t.len(), "{name}: number of tokens");
-        return None;
-    };
-    let mut probe = body.clone();
-    probe["n_probs"] = 2.into();
-    probe["stream"] = false.into();
-    let v = post(s.addr(), "/completion", &probe).json();
-    let step = &v["completion_probabilities"][d];
-    let top = step["top_logprobs"].as_array().unwrap();
-    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
-    let gap = lp(0) - lp(1);
-    assert!(
-        gap < TIE && step["id"] == o[d],
-        "{name}: greedy tokens differ at step {d} ({} here, {} in llama-server) and the top two logprobs are {gap} nats apart: {step}",
-        o[d],
-        t[d]
-    );
-    eprintln!("{name}: greedy output equal for {d} tokens, then a near tie ({gap:.4} nats)");
-    Some(d)
+    common::greedy_agrees(s, "/completion", name, body, o, t)
 }
 
 fn check_completion(name: &str, ours: &Value, theirs: &Value, same_text: bool) {

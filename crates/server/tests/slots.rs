@@ -77,6 +77,17 @@ fn action(s: &ServerHandle, id: &str, what: &str, filename: Option<&str>) -> (u1
     (r.status, r.json())
 }
 
+/// A restore of `file` into slot 0 of `s` is refused (400) with a message naming each of
+/// `wants`.
+fn restore_refused(s: &ServerHandle, file: &str, wants: &[&str]) {
+    let (status, v) = action(s, "0", "restore", Some(file));
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    for want in wants {
+        assert!(msg.contains(want), "{want:?} not in {v}");
+    }
+}
+
 /// The keys of `ours` are llama-server's (`theirs`), and so are the values but for those
 /// named in `differ`.
 fn same_shape(what: &str, ours: &Value, theirs: &Value, differ: &[&str]) {
@@ -318,14 +329,7 @@ fn bad_files_are_precise_400s_and_leave_the_slot_empty() {
         assert_eq!(again["timings"]["cache_n"], 0, "{name}: the slot is empty");
         assert_eq!(again["tokens"], cold["tokens"], "{name}");
     }
-    let (status, v) = action(&s, "0", "restore", Some("missing.bin"));
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("missing.bin")
-    );
+    restore_refused(&s, "missing.bin", &["missing.bin"]);
 
     // Another model (the tiny llama of another seed with a renamed token: the same shapes)
     // refuses the file by its fingerprint, its checksum being valid.
@@ -339,15 +343,7 @@ fn bad_files_are_precise_400s_and_leave_the_slot_empty() {
         Draft::None,
         512,
     );
-    let (status, v) = action(&other, "0", "restore", Some("good.bin"));
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("another model"),
-        "{v}"
-    );
+    restore_refused(&other, "good.bin", &["another model"]);
 
     // The good file still restores, and the slot then reuses it.
     let (status, _) = action(&s, "0", "restore", Some("good.bin"));
@@ -468,13 +464,7 @@ fn another_cache_format_is_refused_by_its_layout() {
     let (status, v) = action(&f16, "0", "save", Some("f16.bin"));
     assert_eq!(status, 200, "{v}");
     let q8 = common::server_on(bytes, cfg(specula_quant::QType::Q8_0), Draft::None, 512);
-    let (status, v) = action(&q8, "0", "restore", Some("f16.bin"));
-    assert_eq!(status, 400, "{v}");
-    let msg = v["error"]["message"].as_str().unwrap();
-    assert!(
-        msg.contains("another layout") && msg.contains("q8_0"),
-        "{msg}"
-    );
+    restore_refused(&q8, "f16.bin", &["another layout", "q8_0"]);
     // The same file restores into the f16 server, and a q8_0 file into the q8_0 one.
     let (status, _) = action(&f16, "0", "restore", Some("f16.bin"));
     assert_eq!(status, 200);
@@ -495,15 +485,7 @@ fn another_cache_format_is_refused_by_its_layout() {
         Draft::None,
         512,
     );
-    let (status, v) = action(&small, "0", "restore", Some("q8-512.bin"));
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("another offset"),
-        "{v}"
-    );
+    restore_refused(&small, "q8-512.bin", &["another offset"]);
     assert_eq!(action(&q8, "0", "save", Some("q8.bin")).0, 200);
     action(&q8, "0", "erase", None);
     assert_eq!(action(&q8, "0", "restore", Some("q8.bin")).0, 200);

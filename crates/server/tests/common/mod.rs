@@ -709,3 +709,42 @@ pub fn keys(v: &Value) -> Vec<String> {
     k.sort();
     k
 }
+
+/// Greedy tokens of specula (`ours`) and llama-server (`theirs`) for `body` sent to `path`:
+/// equal, or equal up to a step where the two best logits are a near tie (the kernels'
+/// rounding differs: llama.cpp's quantized dot products quantize activations to Q8_1), where
+/// llama-server's pick is specula's runner-up within `TIE` nats (asked again of `path` with
+/// `n_probs` 2, not streamed). Returns that step, `None` when equal throughout.
+pub fn greedy_agrees(
+    s: &ServerHandle,
+    path: &str,
+    name: &str,
+    body: &Value,
+    ours: &[Value],
+    theirs: &[Value],
+) -> Option<usize> {
+    /// The widest log-probability gap between the two best tokens still taken as a tie.
+    const TIE: f64 = 0.05;
+    let Some(d) = ours.iter().zip(theirs).position(|(a, b)| a != b) else {
+        assert_eq!(ours.len(), theirs.len(), "{name}: number of tokens");
+        return None;
+    };
+    let mut probe = body.clone();
+    probe["n_probs"] = 2.into();
+    if probe.get("stream").is_some() {
+        probe["stream"] = false.into();
+    }
+    let v = post(s.addr(), path, &probe).json();
+    let step = &v["completion_probabilities"][d];
+    let top = step["top_logprobs"].as_array().unwrap();
+    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
+    let gap = lp(0) - lp(1);
+    assert!(
+        gap < TIE && step["id"] == ours[d],
+        "{name}: greedy tokens differ at step {d} ({} here, {} in llama-server) and the top two logprobs are {gap} nats apart: {step}",
+        ours[d],
+        theirs[d]
+    );
+    eprintln!("{name}: greedy output equal for {d} tokens, then a near tie ({gap:.4} nats)");
+    Some(d)
+}
