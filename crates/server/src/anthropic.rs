@@ -37,14 +37,16 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::api::{Common, Kind, Stop, error_body};
-use crate::http::{ApiError, AppState, body_bytes, encode, job, parse};
+use crate::http::{
+    ApiError, AppState, body_bytes, collect, encode, job, model_name, parse, submit,
+};
 use crate::metrics::Outcome;
 use crate::tools::{
     Conversation, Diff, OutputFormat, ParsedMessage, StreamParser, TmplMessage, TmplTool,
     TmplToolCall, ToolChoice, field, items, join_text_parts, ordered, parse_final, str_field,
     to_json_text,
 };
-use crate::worker::{Command, Event, Summary};
+use crate::worker::{Event, Summary};
 
 /// The Anthropic routes (merged into the application by `http::router`).
 pub(crate) fn routes() -> Router<AppState> {
@@ -323,54 +325,35 @@ async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection
     };
     let head = Head {
         id: job.id.clone(),
-        model: req
-            .model
-            .clone()
-            .unwrap_or_else(|| st.limits.model_name.clone()),
+        model: model_name(&st, req.model.as_ref()),
         format,
         n_prompt,
     };
-    if st.tx.send(Command::Generate(Box::new(job))).is_err() {
-        return fail(
-            &st,
-            t0,
-            &ApiError::new(503, "the engine has stopped; the server is shutting down"),
-        );
+    if let Err(e) = submit(&st, job) {
+        return fail(&st, t0, &e);
     }
     if req.stream {
         return stream(st, head, rx, t0).into_response();
     }
-    let mut text = String::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Delta(d) => text.push_str(&d.text),
-            Event::Done(s) => {
-                text.push_str(&s.tail);
-                st.metrics
-                    .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
-                let m = parse_final(&text, head.format);
-                return axum::Json(json!({
-                    "id": head.id,
-                    "type": "message",
-                    "role": "assistant",
-                    "content": content_blocks(&m),
-                    "model": head.model,
-                    "stop_reason": stop_reason(&s, !m.tool_calls.is_empty()),
-                    "stop_sequence": stop_sequence(&s),
-                    "usage": usage(&s),
-                }))
-                .into_response();
-            }
-            Event::Error(status, msg) => {
-                if status != 504 {
-                    st.metrics
-                        .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
-                }
-                return error_response(&ApiError::new(status, msg));
-            }
+    match collect(&st, &mut rx, t0, |_| {}).await {
+        Ok((text, s)) => {
+            st.metrics
+                .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
+            let m = parse_final(&text, head.format);
+            axum::Json(json!({
+                "id": head.id,
+                "type": "message",
+                "role": "assistant",
+                "content": content_blocks(&m),
+                "model": head.model,
+                "stop_reason": stop_reason(&s, !m.tool_calls.is_empty()),
+                "stop_sequence": stop_sequence(&s),
+                "usage": usage(&s),
+            }))
+            .into_response()
         }
+        Err(e) => error_response(&e),
     }
-    error_response(&ApiError::new(500, "the engine dropped the request"))
 }
 
 /// Which content blocks a stream has opened, and where they are.

@@ -12,10 +12,10 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 
 use crate::api::{Common, Kind};
-use crate::http::{ApiError, AppState, Head, fail, job, now_secs};
+use crate::http::{ApiError, AppState, Head, collect, fail, job, model_name, now_secs, submit};
 use crate::metrics::Outcome;
 use crate::tools::OutputFormat;
-use crate::worker::{Command, Event};
+use crate::worker::Delta;
 
 /// The most choices one request may ask for.
 pub(crate) const MAX_CHOICES: i64 = 16;
@@ -60,22 +60,15 @@ pub(crate) async fn generate_n(
         };
         first_id.get_or_insert_with(|| j.id.clone());
         let with_logprobs = j.logprobs.is_some();
-        if st.tx.send(Command::Generate(Box::new(j))).is_err() {
-            return fail(
-                &st,
-                t0,
-                ApiError::new(503, "the engine has stopped; the server is shutting down"),
-            );
+        if let Err(e) = submit(&st, j) {
+            return fail(&st, t0, e);
         }
         rxs.push((rx, with_logprobs));
     }
     let head = Head {
         id: first_id.unwrap_or_default(),
         created: now_secs(),
-        model: c
-            .model
-            .clone()
-            .unwrap_or_else(|| st.limits.model_name.clone()),
+        model: model_name(&st, c.model.as_ref()),
         kind,
         format,
     };
@@ -83,30 +76,16 @@ pub(crate) async fn generate_n(
     let mut choices = Vec::new();
     let mut completion_tokens = 0;
     for (i, (mut rx, with_logprobs)) in rxs.into_iter().enumerate() {
-        let mut text = String::new();
         let mut lps = Vec::new();
-        let summary = loop {
-            match rx.recv().await {
-                Some(Event::Delta(d)) => {
-                    text.push_str(&d.text);
-                    if with_logprobs && let Some(l) = d.logprob {
-                        lps.push(l);
-                    }
-                }
-                Some(Event::Done(s)) => break s,
-                Some(Event::Error(status, msg)) => {
-                    if status != 504 {
-                        st.metrics
-                            .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
-                    }
-                    return ApiError::new(status, msg).into_response();
-                }
-                None => {
-                    return ApiError::new(500, "the engine dropped the request").into_response();
-                }
+        let on_delta = |d: Delta| {
+            if with_logprobs && let Some(l) = d.logprob {
+                lps.push(l);
             }
         };
-        text.push_str(&summary.tail);
+        let (text, summary) = match collect(&st, &mut rx, t0, on_delta).await {
+            Ok(a) => a,
+            Err(e) => return e.into_response(),
+        };
         completion_tokens += summary.completion_tokens;
         let mut full = head.full(&text, &lps, &summary);
         let mut choice = full["choices"][0].take();

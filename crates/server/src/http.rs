@@ -26,7 +26,7 @@ use crate::api::{
 };
 use crate::metrics::{Metrics, Outcome};
 use crate::tools::{Conversation, Diff, OutputFormat, StreamParser};
-use crate::worker::{Command, Event, Job, SpecRequest, Summary, TokenLogprob};
+use crate::worker::{Command, Delta, Event, Job, SpecRequest, Summary, TokenLogprob};
 
 /// Fixed facts and limits the handlers check requests against.
 #[derive(Debug)]
@@ -467,6 +467,52 @@ pub(crate) fn fail(st: &AppState, t0: Instant, e: ApiError) -> Response {
     e.into_response()
 }
 
+/// The model name an answer carries: the one the request asked for, or the server's.
+pub(crate) fn model_name(st: &AppState, asked: Option<&String>) -> String {
+    asked
+        .cloned()
+        .unwrap_or_else(|| st.limits.model_name.clone())
+}
+
+/// Hands a job to the engine; refused (503) when the engine has stopped.
+pub(crate) fn submit(st: &AppState, job: Job) -> Result<(), ApiError> {
+    st.tx
+        .send(Command::Generate(Box::new(job)))
+        .map_err(|_| ApiError::new(503, "the engine has stopped; the server is shutting down"))
+}
+
+/// A non-streamed answer as the engine sends it: each token's delta goes to `on_delta`, the
+/// text (held-back tail included) and summary come back. An engine error is counted (a 504
+/// timeout the worker has counted already) and returned; success is for the caller to count.
+pub(crate) async fn collect(
+    st: &AppState,
+    rx: &mut mpsc::UnboundedReceiver<Event>,
+    t0: Instant,
+    mut on_delta: impl FnMut(Delta),
+) -> Result<(String, Box<Summary>), ApiError> {
+    let mut text = String::new();
+    while let Some(ev) = rx.recv().await {
+        match ev {
+            Event::Delta(d) => {
+                text.push_str(&d.text);
+                on_delta(d);
+            }
+            Event::Done(s) => {
+                text.push_str(&s.tail);
+                return Ok((text, s));
+            }
+            Event::Error(status, msg) => {
+                if status != 504 {
+                    st.metrics
+                        .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
+                }
+                return Err(ApiError::new(status, msg));
+            }
+        }
+    }
+    Err(ApiError::new(500, "the engine dropped the request"))
+}
+
 /// The job of a request: limits checked, sampling and speculative settings resolved.
 pub(crate) fn job(
     st: &AppState,
@@ -787,50 +833,31 @@ async fn generate(
     let head = Head {
         id: job.id.clone(),
         created: now_secs(),
-        model: c
-            .model
-            .clone()
-            .unwrap_or_else(|| st.limits.model_name.clone()),
+        model: model_name(&st, c.model.as_ref()),
         kind,
         format,
     };
     let with_logprobs = job.logprobs.is_some();
-    if st.tx.send(Command::Generate(Box::new(job))).is_err() {
-        return fail(
-            &st,
-            t0,
-            ApiError::new(503, "the engine has stopped; the server is shutting down"),
-        );
+    if let Err(e) = submit(&st, job) {
+        return fail(&st, t0, e);
     }
     if c.stream {
         return stream(st, head, rx, t0).into_response();
     }
-    let mut text = String::new();
     let mut lps = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Delta(d) => {
-                text.push_str(&d.text);
-                if with_logprobs && let Some(l) = d.logprob {
-                    lps.push(l);
-                }
-            }
-            Event::Done(s) => {
-                text.push_str(&s.tail);
-                st.metrics
-                    .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
-                return axum::Json(head.full(&text, &lps, &s)).into_response();
-            }
-            Event::Error(status, msg) => {
-                if status != 504 {
-                    st.metrics
-                        .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
-                }
-                return ApiError::new(status, msg).into_response();
-            }
+    let on_delta = |d: Delta| {
+        if with_logprobs && let Some(l) = d.logprob {
+            lps.push(l);
         }
+    };
+    match collect(&st, &mut rx, t0, on_delta).await {
+        Ok((text, s)) => {
+            st.metrics
+                .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
+            axum::Json(head.full(&text, &lps, &s)).into_response()
+        }
+        Err(e) => e.into_response(),
     }
-    ApiError::new(500, "the engine dropped the request").into_response()
 }
 
 /// The SSE answer: one event per token, a final event with `usage` and `timings`, `[DONE]`.

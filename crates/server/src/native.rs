@@ -21,9 +21,11 @@ use specula_tokenizer::{DecodeOptions, EncodeOptions};
 use tokio::sync::mpsc;
 
 use crate::api::{Common, Kind, Stop, error_body, timings};
-use crate::http::{ApiError, AppState, body_bytes, encode, fail, job, parse};
+use crate::http::{
+    self, ApiError, AppState, body_bytes, encode, fail, job, model_name, parse, submit,
+};
 use crate::metrics::Outcome;
-use crate::worker::{Command, Event, Summary, TokenLogprob};
+use crate::worker::{Delta, Event, Summary, TokenLogprob};
 
 /// The native routes (merged into the application by `http::router`).
 pub(crate) fn routes() -> Router<AppState> {
@@ -301,21 +303,14 @@ pub(crate) async fn complete(st: AppState, body: Value, t0: Instant) -> Response
         Some(Stop::Many(v)) => v.clone(),
     };
     let fin = Final {
-        model: c
-            .model
-            .clone()
-            .unwrap_or_else(|| st.limits.model_name.clone()),
+        model: model_name(&st, c.model.as_ref()),
         prompt_text,
         settings: generation_settings(&job.sampler, asked.unwrap_or(-1), &stop, &c, req.n_probs),
         room: to_room.then_some(room),
     };
     let n_prompt = job.prompt.len();
-    if st.tx.send(Command::Generate(Box::new(job))).is_err() {
-        return fail(
-            &st,
-            t0,
-            ApiError::new(503, "the engine has stopped; the server is shutting down"),
-        );
+    if let Err(e) = submit(&st, job) {
+        return fail(&st, t0, e);
     }
     if c.stream {
         return stream(st, fin, rx, t0, req.return_tokens, n_prompt, slot).into_response();
@@ -330,40 +325,28 @@ async fn collect(
     t0: Instant,
     return_tokens: bool,
 ) -> Response {
-    let mut text = String::new();
     let mut tokens = Vec::new();
     let mut probs = Vec::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Delta(d) => {
-                text.push_str(&d.text);
-                if return_tokens {
-                    tokens.push(d.token);
-                }
-                if let Some(l) = &d.logprob {
-                    probs.push(probability(d.token, l));
-                }
-            }
-            Event::Done(s) => {
-                text.push_str(&s.tail);
-                st.metrics
-                    .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
-                let mut v = fin.body(&text, &tokens, &s, text.contains('\n'));
-                if !probs.is_empty() {
-                    v["completion_probabilities"] = Value::Array(probs);
-                }
-                return axum::Json(v).into_response();
-            }
-            Event::Error(status, msg) => {
-                if status != 504 {
-                    st.metrics
-                        .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
-                }
-                return ApiError::new(status, msg).into_response();
-            }
+    let on_delta = |d: Delta| {
+        if return_tokens {
+            tokens.push(d.token);
         }
+        if let Some(l) = &d.logprob {
+            probs.push(probability(d.token, l));
+        }
+    };
+    match http::collect(&st, &mut rx, t0, on_delta).await {
+        Ok((text, s)) => {
+            st.metrics
+                .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
+            let mut v = fin.body(&text, &tokens, &s, text.contains('\n'));
+            if !probs.is_empty() {
+                v["completion_probabilities"] = Value::Array(probs);
+            }
+            axum::Json(v).into_response()
+        }
+        Err(e) => e.into_response(),
     }
-    ApiError::new(500, "the engine dropped the request").into_response()
 }
 
 /// llama-server's native stream: a `data:` event per token (`content`, `tokens`, `stop:

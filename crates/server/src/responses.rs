@@ -35,9 +35,11 @@ use specula_tokenizer::ChatMessage;
 use tokio::sync::mpsc;
 
 use crate::api::{Common, Kind, error_body, timings};
-use crate::http::{ApiError, AppState, body_bytes, encode, fail, job, now_secs, parse};
+use crate::http::{
+    ApiError, AppState, body_bytes, collect, encode, fail, job, model_name, now_secs, parse, submit,
+};
 use crate::metrics::Outcome;
-use crate::worker::{Command, Event, Summary};
+use crate::worker::{Event, Summary};
 
 /// The routes (merged into the application by `http::router`).
 pub(crate) fn routes() -> Router<AppState> {
@@ -230,52 +232,33 @@ async fn responses(State(st): State<AppState>, body: Result<Bytes, BytesRejectio
     let ids = Ids {
         resp: new_id("resp_"),
         msg: new_id("msg_"),
-        model: c
-            .model
-            .clone()
-            .unwrap_or_else(|| st.limits.model_name.clone()),
+        model: model_name(&st, c.model.as_ref()),
     };
-    if st.tx.send(Command::Generate(Box::new(job))).is_err() {
-        return fail(
-            &st,
-            t0,
-            ApiError::new(503, "the engine has stopped; the server is shutting down"),
-        );
+    if let Err(e) = submit(&st, job) {
+        return fail(&st, t0, e);
     }
     if c.stream {
         return stream(st, ids, rx, t0).into_response();
     }
-    let mut text = String::new();
-    while let Some(ev) = rx.recv().await {
-        match ev {
-            Event::Delta(d) => text.push_str(&d.text),
-            Event::Done(s) => {
-                text.push_str(&s.tail);
-                st.metrics
-                    .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
-                let t = now_secs();
-                return axum::Json(json!({
-                    "completed_at": t,
-                    "created_at": t,
-                    "id": ids.resp,
-                    "model": ids.model,
-                    "object": "response",
-                    "output": output(&ids, &text),
-                    "status": "completed",
-                    "usage": usage(&s),
-                }))
-                .into_response();
-            }
-            Event::Error(status, msg) => {
-                if status != 504 {
-                    st.metrics
-                        .request_done(Outcome::Error, t0.elapsed().as_secs_f64());
-                }
-                return ApiError::new(status, msg).into_response();
-            }
+    match collect(&st, &mut rx, t0, |_| {}).await {
+        Ok((text, s)) => {
+            st.metrics
+                .request_done(Outcome::Success, t0.elapsed().as_secs_f64());
+            let t = now_secs();
+            axum::Json(json!({
+                "completed_at": t,
+                "created_at": t,
+                "id": ids.resp,
+                "model": ids.model,
+                "object": "response",
+                "output": output(&ids, &text),
+                "status": "completed",
+                "usage": usage(&s),
+            }))
+            .into_response()
         }
+        Err(e) => e.into_response(),
     }
-    ApiError::new(500, "the engine dropped the request").into_response()
 }
 
 /// One typed event: `event: TYPE` and its data, numbered (`sequence_number`) and placed

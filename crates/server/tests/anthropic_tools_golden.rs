@@ -27,44 +27,27 @@
 //!   ending before a call, so it writes on to `max_tokens`; specula does not constrain the
 //!   answer, which is the same text up to where the model ends it.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 mod common;
 
-use common::request;
+use common::{keys, request};
 use serde_json::Value;
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server_tools")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server_tools", name)
 }
 
 fn start(path: &Path) -> ServerHandle {
-    let file = Arc::new(Gguf::open(path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 1,
         n_ctx: 4096,
         model_name: path.file_name().unwrap().to_string_lossy().into_owned(),
         model_path: path.display().to_string(),
         ..ServerConfig::default()
     };
-    specula_server::start(cfg, engine, tok, None).unwrap()
+    common::real_server(path, cfg, None)
 }
 
 /// Replays a fixture's request (its exact text: tool schemas keep their key order in the
@@ -113,17 +96,6 @@ fn golden_events(g: &Value) -> Vec<(Option<String>, Value)> {
         .iter()
         .map(|e| (e["event"].as_str().map(str::to_owned), e["data"].clone()))
         .collect()
-}
-
-fn keys(v: &Value) -> Vec<String> {
-    let mut k: Vec<String> = v
-        .as_object()
-        .unwrap_or_else(|| panic!("not an object: {v}"))
-        .keys()
-        .cloned()
-        .collect();
-    k.sort();
-    k
 }
 
 /// A Messages answer equal to llama-server's: blocks (tool-use ids aside), stop reason and

@@ -6,74 +6,23 @@
 //! near tie of the two best logits, as the golden test of `/completion` allows). A model
 //! without FIM tokens (the tiny llama) answers llama-server's 501. Skips without the model.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 mod common;
 
-use common::{Draft, post, server};
+use common::{Draft, greedy_agrees, post, server};
 use serde_json::{Value, json};
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server_endpoints")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server_endpoints", name)
 }
 
 fn coder() -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("qwen2.5-coder-0.5b")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 1,
         n_ctx: 4096,
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, None).unwrap())
-}
-
-/// The greedy tokens agree with llama-server's: equal, or equal up to a step where specula's
-/// two best tokens are within 0.05 nats and llama-server took the runner-up (the kernels'
-/// rounding differs, as in the golden test of `/completion`). Returns that step.
-fn agree(
-    s: &ServerHandle,
-    name: &str,
-    body: &Value,
-    ours: &[Value],
-    theirs: &[Value],
-) -> Option<usize> {
-    const TIE: f64 = 0.05;
-    let Some(d) = ours.iter().zip(theirs).position(|(a, b)| a != b) else {
-        assert_eq!(ours.len(), theirs.len(), "{name}: number of tokens");
-        return None;
-    };
-    let mut probe = body.clone();
-    probe["n_probs"] = 2.into();
-    let v = post(s.addr(), "/infill", &probe).json();
-    let step = &v["completion_probabilities"][d];
-    let top = step["top_logprobs"].as_array().unwrap();
-    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
-    let gap = lp(0) - lp(1);
-    assert!(
-        gap < TIE && step["id"] == ours[d],
-        "{name}: greedy tokens differ at step {d} ({} here, {} in llama-server), top two {gap} nats apart: {step}",
-        ours[d],
-        theirs[d]
-    );
-    Some(d)
+    common::real("qwen2.5-coder-0.5b", cfg, None)
 }
 
 #[test]
@@ -94,7 +43,7 @@ fn qwen_coder_infill_matches_llama_server() {
         );
         let ours = v["tokens"].as_array().unwrap();
         let theirs = want["tokens"].as_array().unwrap();
-        match agree(&s, name, &g["request"]["body"], ours, theirs) {
+        match greedy_agrees(&s, "/infill", name, &g["request"]["body"], ours, theirs) {
             None => {
                 assert_eq!(v["content"], want["content"], "{name}: content");
                 assert_eq!(v["stop_type"], want["stop_type"], "{name}");

@@ -22,37 +22,20 @@
 //!   adds `n_ctx`, `rollback` and `speculative`.
 //! - `timings` values (speeds) differ by nature; its keys are the same.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::path::Path;
 
 mod common;
 
-use common::{get, post, request};
+use common::{get, keys, request};
 use serde_json::Value;
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server", name)
 }
 
 fn start(path: &Path, api_key: Option<&str>) -> ServerHandle {
-    let file = Arc::new(Gguf::open(path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 1,
         n_ctx: 2048,
         model_name: path.file_name().unwrap().to_string_lossy().into_owned(),
@@ -60,7 +43,7 @@ fn start(path: &Path, api_key: Option<&str>) -> ServerHandle {
         api_key: api_key.map(str::to_owned),
         ..ServerConfig::default()
     };
-    specula_server::start(cfg, engine, tok, None).unwrap()
+    common::real_server(path, cfg, None)
 }
 
 /// Replays a fixture's request; returns (status, body).
@@ -89,17 +72,6 @@ fn replay(s: &ServerHandle, g: &Value) -> (u16, Vec<u8>) {
     (r.status, r.body)
 }
 
-fn keys(v: &Value) -> Vec<String> {
-    let mut k: Vec<String> = v
-        .as_object()
-        .unwrap_or_else(|| panic!("not an object: {v}"))
-        .keys()
-        .cloned()
-        .collect();
-    k.sort();
-    k
-}
-
 /// Every key specula gives in `ours` is one llama-server gives, with the same value.
 fn subset_equal(what: &str, ours: &Value, theirs: &Value) {
     for (k, v) in ours.as_object().unwrap() {
@@ -113,10 +85,7 @@ fn subset_equal(what: &str, ours: &Value, theirs: &Value) {
     }
 }
 
-/// Greedy tokens of specula (`ours`) and llama-server (`theirs`) for `body`: equal, or equal
-/// up to a step where the two best logits are a near tie (the kernels' rounding differs:
-/// llama.cpp's Q4_1 dot products quantize activations to Q8_1), where llama-server's pick is
-/// specula's runner-up within `TIE` nats. Returns that step, `None` when equal throughout.
+/// [`common::greedy_agrees`] on `/completion`, for token arrays.
 fn greedy_agrees(
     s: &ServerHandle,
     name: &str,
@@ -124,29 +93,8 @@ fn greedy_agrees(
     ours: &Value,
     theirs: &Value,
 ) -> Option<usize> {
-    /// The widest log-probability gap between the two best tokens still taken as a tie.
-    const TIE: f64 = 0.05;
     let (o, t) = (ours.as_array().unwrap(), theirs.as_array().unwrap());
-    let Some(d) = o.iter().zip(t).position(|(a, b)| a != b) else {
-        assert_eq!(o.len(), t.len(), "{name}: number of tokens");
-        return None;
-    };
-    let mut probe = body.clone();
-    probe["n_probs"] = 2.into();
-    probe["stream"] = false.into();
-    let v = post(s.addr(), "/completion", &probe).json();
-    let step = &v["completion_probabilities"][d];
-    let top = step["top_logprobs"].as_array().unwrap();
-    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
-    let gap = lp(0) - lp(1);
-    assert!(
-        gap < TIE && step["id"] == o[d],
-        "{name}: greedy tokens differ at step {d} ({} here, {} in llama-server) and the top two logprobs are {gap} nats apart: {step}",
-        o[d],
-        t[d]
-    );
-    eprintln!("{name}: greedy output equal for {d} tokens, then a near tie ({gap:.4} nats)");
-    Some(d)
+    common::greedy_agrees(s, "/completion", name, body, o, t)
 }
 
 fn check_completion(name: &str, ours: &Value, theirs: &Value, same_text: bool) {

@@ -19,16 +19,12 @@
 //!   parsed JSON values are compared.
 
 use std::path::PathBuf;
-use std::sync::Arc;
 
 mod common;
 
 use common::post;
 use serde_json::Value;
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
 use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::ServerConfig;
 use specula_tokenizer::Tokenizer;
 
@@ -56,19 +52,13 @@ fn grammars_and_schemas_constrain_greedy_output_as_llama_server_does() {
     let Some(path) = specula_testkit::real_model("smollm2-135m") else {
         return;
     };
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    let tok2 = Tokenizer::from_gguf(&file).unwrap();
+    let tok2 = Tokenizer::from_gguf(&Gguf::open(&path).unwrap()).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 1,
         n_ctx: 2048,
         ..ServerConfig::default()
     };
-    let s = specula_server::start(cfg, engine, tok, None).unwrap();
+    let s = common::real_server(&path, cfg, None);
     let fx = fixtures();
     assert!(
         fx.len() >= 6,

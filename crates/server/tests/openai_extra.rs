@@ -8,56 +8,25 @@
 //! llama-server's `n_params`, `size` and `ftype` (llama.cpp's file accounting) and adds
 //! `n_ctx_slot`; `owned_by` is `specula`.
 
-use std::path::PathBuf;
-use std::sync::Arc;
-
 mod common;
 
-use common::{get, post};
+use common::{get, keys, post};
 use serde_json::Value;
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server_endpoints")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server_endpoints", name)
 }
 
 fn smollm() -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("smollm2-135m")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 2,
         n_ctx: 4096,
         model_name: "smollm2-alias".into(),
         model_aliases: vec!["smollm2-alias".into()],
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, None).unwrap())
-}
-
-fn keys(v: &Value) -> Vec<String> {
-    let mut k: Vec<String> = v
-        .as_object()
-        .unwrap_or_else(|| panic!("not an object: {v}"))
-        .keys()
-        .cloned()
-        .collect();
-    k.sort();
-    k
+    common::real("smollm2-135m", cfg, None)
 }
 
 /// The `data:` payloads and `event:` names of a streamed answer.

@@ -6,37 +6,17 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use common::{post, streamed};
 use serde_json::{Value, json};
-use specula_cpu::CpuBackend;
-use specula_engine::{Engine, SpecOptions};
-use specula_gguf::Gguf;
-use specula_models::Model;
-use specula_server::{ServerConfig, ServerHandle, Speculative};
-use specula_spec::ngram::NgramSimple;
-use specula_tokenizer::Tokenizer;
+use specula_server::{ServerConfig, ServerHandle};
 
 fn smollm(n_parallel: usize, ngram: bool) -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("smollm2-135m")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    let spec = ngram.then(|| Speculative {
-        kind: "ngram-simple".into(),
-        options: SpecOptions::default(),
-        factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
-    });
     let cfg = ServerConfig {
-        port: 0,
         n_parallel,
         n_ctx: 1024 * n_parallel,
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, spec).unwrap())
+    common::real("smollm2-135m", cfg, ngram.then(common::ngram))
 }
 
 fn chat(q: &str) -> Value {
@@ -88,25 +68,16 @@ fn smollm2_batched_slots_and_ngram_drafts_keep_greedy_answers() {
 /// 512 + 16 cells of a 1024-cell slot.
 fn gemma(n_parallel: usize, ngram: bool) -> Option<ServerHandle> {
     let path = specula_testkit::real_model("gemma3-270m")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let mut engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    engine.n_batch = 16;
-    assert_eq!(engine.swa_ring(), Some(528));
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    let spec = ngram.then(|| Speculative {
-        kind: "ngram-simple".into(),
-        options: SpecOptions::default(),
-        factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
-    });
     let cfg = ServerConfig {
-        port: 0,
         n_parallel,
         n_ctx: 1024 * n_parallel,
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, spec).unwrap())
+    let spec = ngram.then(common::ngram);
+    Some(common::real_server_tuned(&path, cfg, spec, |engine| {
+        engine.n_batch = 16;
+        assert_eq!(engine.swa_ring(), Some(528));
+    }))
 }
 
 /// Slots whose sliding-window layers wrap their ring: prompts of over 600 tokens decoded

@@ -21,16 +21,10 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 
 use common::{Draft, post, server};
 use serde_json::{Value, json};
-use specula_cpu::CpuBackend;
-use specula_engine::Engine;
-use specula_gguf::Gguf;
-use specula_models::Model;
 use specula_server::{ServerConfig, ServerHandle};
-use specula_tokenizer::Tokenizer;
 
 /// A fresh directory under the system's temporary one, removed when dropped.
 struct TempDir(PathBuf);
@@ -57,29 +51,17 @@ impl Drop for TempDir {
 }
 
 fn golden(name: &str) -> Value {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/llama_server_endpoints")
-        .join(format!("{name}.json"));
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap()
+    common::golden("llama_server_endpoints", name)
 }
 
 fn smollm(dir: &Path) -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("smollm2-135m")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
     let cfg = ServerConfig {
-        port: 0,
         n_parallel: 2,
         n_ctx: 4096,
         slot_save_path: Some(dir.to_path_buf()),
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, None).unwrap())
+    common::real("smollm2-135m", cfg, None)
 }
 
 const TEXT: &str =
@@ -93,6 +75,17 @@ fn action(s: &ServerHandle, id: &str, what: &str, filename: Option<&str>) -> (u1
     let body = filename.map_or(json!({}), |f| json!({"filename": f}));
     let r = post(s.addr(), &format!("/slots/{id}?action={what}"), &body);
     (r.status, r.json())
+}
+
+/// A restore of `file` into slot 0 of `s` is refused (400) with a message naming each of
+/// `wants`.
+fn restore_refused(s: &ServerHandle, file: &str, wants: &[&str]) {
+    let (status, v) = action(s, "0", "restore", Some(file));
+    assert_eq!(status, 400, "{v}");
+    let msg = v["error"]["message"].as_str().unwrap();
+    for want in wants {
+        assert!(msg.contains(want), "{want:?} not in {v}");
+    }
 }
 
 /// The keys of `ours` are llama-server's (`theirs`), and so are the values but for those
@@ -336,14 +329,7 @@ fn bad_files_are_precise_400s_and_leave_the_slot_empty() {
         assert_eq!(again["timings"]["cache_n"], 0, "{name}: the slot is empty");
         assert_eq!(again["tokens"], cold["tokens"], "{name}");
     }
-    let (status, v) = action(&s, "0", "restore", Some("missing.bin"));
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("missing.bin")
-    );
+    restore_refused(&s, "missing.bin", &["missing.bin"]);
 
     // Another model (the tiny llama of another seed with a renamed token: the same shapes)
     // refuses the file by its fingerprint, its checksum being valid.
@@ -357,15 +343,7 @@ fn bad_files_are_precise_400s_and_leave_the_slot_empty() {
         Draft::None,
         512,
     );
-    let (status, v) = action(&other, "0", "restore", Some("good.bin"));
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("another model"),
-        "{v}"
-    );
+    restore_refused(&other, "good.bin", &["another model"]);
 
     // The good file still restores, and the slot then reuses it.
     let (status, _) = action(&s, "0", "restore", Some("good.bin"));
@@ -415,21 +393,16 @@ fn an_action_on_a_busy_slot_waits_for_it() {
 fn gemma3_a_wrapped_ring_restores_into_a_fresh_server() {
     fn gemma(dir: &Path) -> Option<ServerHandle> {
         let path = specula_testkit::real_model("gemma3-270m")?;
-        let file = Arc::new(Gguf::open(&path).unwrap());
-        let be = CpuBackend::new(2);
-        let model = Model::load(&be, Arc::clone(&file)).unwrap();
-        let mut engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-        engine.n_batch = 16;
-        assert_eq!(engine.swa_ring(), Some(528));
-        let tok = Tokenizer::from_gguf(&file).unwrap();
         let cfg = ServerConfig {
-            port: 0,
             n_parallel: 1,
             n_ctx: 1024,
             slot_save_path: Some(dir.to_path_buf()),
             ..ServerConfig::default()
         };
-        Some(specula_server::start(cfg, engine, tok, None).unwrap())
+        Some(common::real_server_tuned(&path, cfg, None, |engine| {
+            engine.n_batch = 16;
+            assert_eq!(engine.swa_ring(), Some(528));
+        }))
     }
     let dir = TempDir::new();
     let Some(a) = gemma(dir.path()) else { return };
@@ -491,13 +464,7 @@ fn another_cache_format_is_refused_by_its_layout() {
     let (status, v) = action(&f16, "0", "save", Some("f16.bin"));
     assert_eq!(status, 200, "{v}");
     let q8 = common::server_on(bytes, cfg(specula_quant::QType::Q8_0), Draft::None, 512);
-    let (status, v) = action(&q8, "0", "restore", Some("f16.bin"));
-    assert_eq!(status, 400, "{v}");
-    let msg = v["error"]["message"].as_str().unwrap();
-    assert!(
-        msg.contains("another layout") && msg.contains("q8_0"),
-        "{msg}"
-    );
+    restore_refused(&q8, "f16.bin", &["another layout", "q8_0"]);
     // The same file restores into the f16 server, and a q8_0 file into the q8_0 one.
     let (status, _) = action(&f16, "0", "restore", Some("f16.bin"));
     assert_eq!(status, 200);
@@ -518,15 +485,7 @@ fn another_cache_format_is_refused_by_its_layout() {
         Draft::None,
         512,
     );
-    let (status, v) = action(&small, "0", "restore", Some("q8-512.bin"));
-    assert_eq!(status, 400, "{v}");
-    assert!(
-        v["error"]["message"]
-            .as_str()
-            .unwrap()
-            .contains("another offset"),
-        "{v}"
-    );
+    restore_refused(&small, "q8-512.bin", &["another offset"]);
     assert_eq!(action(&q8, "0", "save", Some("q8.bin")).0, 200);
     action(&q8, "0", "erase", None);
     assert_eq!(action(&q8, "0", "restore", Some("q8.bin")).0, 200);

@@ -13,17 +13,10 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
 use common::{Draft, post, server};
 use serde_json::{Value, json};
-use specula_cpu::CpuBackend;
-use specula_engine::{Engine, SpecOptions};
-use specula_gguf::Gguf;
-use specula_models::Model;
-use specula_server::{ServerConfig, ServerHandle, Speculative};
-use specula_spec::ngram::NgramSimple;
-use specula_tokenizer::Tokenizer;
+use specula_server::{ServerConfig, ServerHandle};
 
 /// The schemas; each is bounded (string lengths, item counts, number ranges) so that every
 /// output can finish inside the token budget even when the model rambles.
@@ -608,23 +601,11 @@ fn bad_schemas_grammars_and_biases_are_a_400_naming_the_problem() {
 }
 
 fn smollm(ngram: bool) -> Option<ServerHandle> {
-    let path = specula_testkit::real_model("smollm2-135m")?;
-    let file = Arc::new(Gguf::open(&path).unwrap());
-    let be = CpuBackend::new(2);
-    let model = Model::load(&be, Arc::clone(&file)).unwrap();
-    let engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
-    let tok = Tokenizer::from_gguf(&file).unwrap();
-    let spec = ngram.then(|| Speculative {
-        kind: "ngram-simple".into(),
-        options: SpecOptions::default(),
-        factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
-    });
     let cfg = ServerConfig {
-        port: 0,
         n_ctx: 1024,
         ..ServerConfig::default()
     };
-    Some(specula_server::start(cfg, engine, tok, spec).unwrap())
+    common::real("smollm2-135m", cfg, ngram.then(common::ngram))
 }
 
 #[test]

@@ -10,6 +10,7 @@
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::Value;
@@ -380,11 +381,7 @@ pub fn server_on(bytes: Vec<u8>, cfg: ServerConfig, draft: Draft, n_batch: usize
     let n_ctx_slot = cfg.n_ctx / cfg.n_parallel;
     let spec = match draft {
         Draft::None => None,
-        Draft::Ngram => Some(Speculative {
-            kind: "ngram-simple".into(),
-            options: SpecOptions::default(),
-            factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
-        }),
+        Draft::Ngram => Some(ngram()),
         Draft::SelfModel => {
             let d = Arc::new(engine(bytes.clone()));
             let target = Tokenizer::from_gguf(&Gguf::from_bytes(bytes).unwrap()).unwrap();
@@ -649,4 +646,105 @@ pub fn metric(text: &str, name: &str) -> f64 {
         .unwrap_or_else(|| panic!("no metric {name} in\n{text}"))
         .parse()
         .unwrap()
+}
+
+/// A server on the real model file `path` (two CPU threads) with `tune` applied to its engine
+/// first; `cfg`'s port is taken as 0 (any free one).
+pub fn real_server_tuned(
+    path: &Path,
+    cfg: ServerConfig,
+    spec: Option<Speculative>,
+    tune: impl FnOnce(&mut Engine<CpuBackend>),
+) -> ServerHandle {
+    let file = Arc::new(Gguf::open(path).unwrap());
+    let be = CpuBackend::new(2);
+    let model = Model::load(&be, Arc::clone(&file)).unwrap();
+    let mut engine = Engine::new(be, model, Tokenizer::from_gguf(&file).unwrap());
+    tune(&mut engine);
+    let tok = Tokenizer::from_gguf(&file).unwrap();
+    let cfg = ServerConfig { port: 0, ..cfg };
+    specula_server::start(cfg, engine, tok, spec).unwrap()
+}
+
+/// [`real_server_tuned`] with the engine as loaded.
+pub fn real_server(path: &Path, cfg: ServerConfig, spec: Option<Speculative>) -> ServerHandle {
+    real_server_tuned(path, cfg, spec, |_| {})
+}
+
+/// [`real_server`] on the fetched real model `name` (`specula_testkit::real_model`); `None`
+/// when it has not been fetched (the test skips).
+pub fn real(name: &str, cfg: ServerConfig, spec: Option<Speculative>) -> Option<ServerHandle> {
+    let path = specula_testkit::real_model(name)?;
+    Some(real_server(&path, cfg, spec))
+}
+
+/// An `ngram-simple` drafter with the default options.
+pub fn ngram() -> Speculative {
+    Speculative {
+        kind: "ngram-simple".into(),
+        options: SpecOptions::default(),
+        factory: Box::new(|| Ok(Box::new(NgramSimple::default()) as _)),
+    }
+}
+
+/// The fixture `golden/<dir>/<name>.json` of the repository.
+pub fn golden(dir: &str, name: &str) -> Value {
+    let path = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../golden")
+        .join(dir)
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path)
+        .unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap()
+}
+
+/// The keys of a JSON object, sorted.
+pub fn keys(v: &Value) -> Vec<String> {
+    let mut k: Vec<String> = v
+        .as_object()
+        .unwrap_or_else(|| panic!("not an object: {v}"))
+        .keys()
+        .cloned()
+        .collect();
+    k.sort();
+    k
+}
+
+/// Greedy tokens of specula (`ours`) and llama-server (`theirs`) for `body` sent to `path`:
+/// equal, or equal up to a step where the two best logits are a near tie (the kernels'
+/// rounding differs: llama.cpp's quantized dot products quantize activations to Q8_1), where
+/// llama-server's pick is specula's runner-up within `TIE` nats (asked again of `path` with
+/// `n_probs` 2, not streamed). Returns that step, `None` when equal throughout.
+pub fn greedy_agrees(
+    s: &ServerHandle,
+    path: &str,
+    name: &str,
+    body: &Value,
+    ours: &[Value],
+    theirs: &[Value],
+) -> Option<usize> {
+    /// The widest log-probability gap between the two best tokens still taken as a tie.
+    const TIE: f64 = 0.05;
+    let Some(d) = ours.iter().zip(theirs).position(|(a, b)| a != b) else {
+        assert_eq!(ours.len(), theirs.len(), "{name}: number of tokens");
+        return None;
+    };
+    let mut probe = body.clone();
+    probe["n_probs"] = 2.into();
+    if probe.get("stream").is_some() {
+        probe["stream"] = false.into();
+    }
+    let v = post(s.addr(), path, &probe).json();
+    let step = &v["completion_probabilities"][d];
+    let top = step["top_logprobs"].as_array().unwrap();
+    let lp = |i: usize| top[i]["logprob"].as_f64().unwrap();
+    let gap = lp(0) - lp(1);
+    assert!(
+        gap < TIE && step["id"] == ours[d],
+        "{name}: greedy tokens differ at step {d} ({} here, {} in llama-server) and the top two logprobs are {gap} nats apart: {step}",
+        ours[d],
+        theirs[d]
+    );
+    eprintln!("{name}: greedy output equal for {d} tokens, then a near tie ({gap:.4} nats)");
+    Some(d)
 }
