@@ -63,7 +63,31 @@ pub enum Spec {
     Lark(String),
     /// A grammar in llama.cpp's GBNF (llama-server's `grammar`).
     Gbnf(String),
+    /// The answer must call a tool (`tool_choice: "required"`, Anthropic's `any` / `tool`).
+    ToolCalls(ToolCalls),
 }
+
+/// A required tool call in the Hermes / Qwen layout, as llama-server's grammar for such
+/// templates asks for it (`common/chat-auto-parser-generator.cpp`, `standard_json_tools`):
+/// any text that does not hold `<tool_call>` (thoughts, a preamble), then one or more blocks
+/// `<tool_call>` ␣ `{"name": "<tool>", "arguments": <its parameters>}` ␣ `</tool_call>`
+/// (␣: llama.cpp's `space`, nothing, a space, or one or two newlines and up to 20 spaces or
+/// tabs), then the end. Names and arguments follow the tools' schemas; a model that never
+/// writes the block writes on to its budget, as under llama-server. With `parallel`, blocks
+/// may follow one another and a block may hold several calls, `,`-separated, as there;
+/// without, the answer holds exactly one call (llama-server still allows more blocks, which
+/// its parser then leaves as text).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ToolCalls {
+    /// Each tool's name and parameter schema (a non-object schema counts as any object).
+    pub tools: Vec<(String, Value)>,
+    /// More than one call (`parallel_tool_calls`).
+    pub parallel: bool,
+}
+
+/// The tags of a Hermes / Qwen tool-call block.
+const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
 
 /// The tokenizer as llguidance sees it.
 struct Env {
@@ -107,6 +131,7 @@ pub struct Grammars {
     factory: ParserFactory,
     n_vocab: usize,
     eog: Arc<[u32]>,
+    tokenizer: Arc<Tokenizer>,
 }
 
 impl std::fmt::Debug for Grammars {
@@ -151,7 +176,10 @@ impl Grammars {
         eos_set.extend(eog.iter().copied().filter(|&e| e != eos));
         let trie = TokTrie::from(&info, &words).with_eos_tokens(&eos_set);
         let eog: Arc<[u32]> = eos_set.into();
-        let env: TokEnv = Arc::new(Env { trie, tokenizer });
+        let env: TokEnv = Arc::new(Env {
+            trie,
+            tokenizer: Arc::clone(&tokenizer),
+        });
         let mut factory =
             ParserFactory::new_simple(&env).map_err(|e| GrammarError::Tokenizer(e.to_string()))?;
         factory.quiet();
@@ -159,6 +187,7 @@ impl Grammars {
             factory,
             n_vocab: n,
             eog,
+            tokenizer,
         })
     }
 
@@ -200,12 +229,13 @@ impl Grammars {
             Spec::Gbnf(g) => {
                 TopLevelGrammar::from_lark(gbnf::to_lark(g).map_err(GrammarError::Grammar)?)
             }
+            Spec::ToolCalls(t) => TopLevelGrammar::from_lark(self.tool_calls_lark(t)?),
         };
         let parser = self.factory.create_parser(grammar).map_err(|e| {
             let msg = e.to_string();
             match spec {
                 Spec::JsonObject | Spec::JsonSchema(_) => GrammarError::Schema(msg),
-                Spec::Lark(_) | Spec::Gbnf(_) => GrammarError::Grammar(msg),
+                Spec::Lark(_) | Spec::Gbnf(_) | Spec::ToolCalls(_) => GrammarError::Grammar(msg),
             }
         })?;
         let matcher = Matcher::new(Ok(parser));
@@ -218,6 +248,96 @@ impl Grammars {
             mask_s: Vec::new(),
         })
     }
+}
+
+impl Grammars {
+    /// A tag as a grammar atom: the token that spells it when the vocabulary has one as a
+    /// control token (no text matches those), else its text.
+    fn tag(&self, text: &str) -> (String, bool) {
+        match self.tokenizer.token_id(text) {
+            Some(id) if self.tokenizer.token_attr(id).intersects(TokenAttr::CONTROL) => {
+                (format!("<[{id}]>"), true)
+            }
+            _ => (lark_string(text), false),
+        }
+    }
+
+    /// The Lark grammar of [`ToolCalls`].
+    fn tool_calls_lark(&self, t: &ToolCalls) -> Result<String, GrammarError> {
+        if t.tools.is_empty() {
+            return Err(GrammarError::Grammar(
+                "a required tool call needs at least one tool".into(),
+            ));
+        }
+        let mut calls: Vec<Value> = t
+            .tools
+            .iter()
+            .map(|(name, params)| {
+                let args = if params.is_object() {
+                    params.clone()
+                } else {
+                    json!({"type": "object"})
+                };
+                json!({
+                    "type": "object",
+                    "properties": {"name": {"const": name}, "arguments": args},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": false,
+                })
+            })
+            .collect();
+        let mut schema = if calls.len() == 1 {
+            calls.pop().unwrap_or_default()
+        } else {
+            json!({"anyOf": calls})
+        };
+        schema["x-guidance"] = json_layout();
+        let (open, open_token) = self.tag(CALL_OPEN);
+        let (close, _) = self.tag(CALL_CLOSE);
+        // What comes before the first block: text up to the first opening tag (a lazy
+        // lexeme ends at its first match), or, when the tag is a control token that no
+        // text matches, any text.
+        let head = if open_token {
+            format!("start: TEXT? {open} block more\nTEXT: /(?s:.+)/\n")
+        } else {
+            format!(
+                "start: head block more\nhead[lazy]: /(?s:.*){}/\n",
+                regex_escape(CALL_OPEN)
+            )
+        };
+        let (more, calls) = if t.parallel {
+            (
+                format!("(SP? {open} block)* SP?"),
+                "call (SP? \",\" SP? call)*",
+            )
+        } else {
+            ("SP?".to_owned(), "call")
+        };
+        Ok(format!(
+            "{head}\
+             more: {more}\n\
+             block: SP? {calls} SP? {close}\n\
+             call: %json {schema}\n\
+             SP: / |\\n{{1,2}}[ \\t]{{0,20}}/\n"
+        ))
+    }
+}
+
+/// `s` as a Lark string literal.
+fn lark_string(s: &str) -> String {
+    serde_json::to_string(s).unwrap_or_default()
+}
+
+/// `s` as a regex matching itself.
+fn regex_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if "\\.+*?()|[]{}^$/".contains(c) {
+            out.push('\\');
+        }
+        out.push(c);
+    }
+    out
 }
 
 /// One request's grammar state: the matcher after the tokens accepted so far.

@@ -210,27 +210,49 @@ fn conversation(body: &JValue) -> Result<Conversation, ApiError> {
                 .unwrap_or_else(|| JValue::from_iter(std::iter::empty::<(String, JValue)>())),
         ));
     }
-    let tool_choice = match field(body, "tool_choice")
-        .and_then(|c| str_field(&c, "type"))
+    let choice = field(body, "tool_choice");
+    let (tool_choice, forced) = match choice
+        .as_ref()
+        .and_then(|c| str_field(c, "type"))
         .as_deref()
     {
-        Some("any" | "tool") => ToolChoice::Required,
-        _ => ToolChoice::Auto,
+        Some("any") => (ToolChoice::Required, None),
+        Some("tool") => (
+            ToolChoice::Required,
+            choice.as_ref().and_then(|c| str_field(c, "name")),
+        ),
+        Some("none") => (ToolChoice::None, None),
+        _ => (ToolChoice::Auto, None),
     };
+    if let Some(name) = &forced
+        && !tools.iter().any(|t| t.name() == name)
+    {
+        return Err(ApiError::bad(format!(
+            "tool_choice names the tool `{name}`, which is not among the request's tools"
+        )));
+    }
+    // Anthropic's `disable_parallel_tool_use`.
+    let parallel_tool_calls = !choice
+        .as_ref()
+        .and_then(|c| field(c, "disable_parallel_tool_use"))
+        .is_some_and(|v| v.is_true());
     Ok(Conversation {
         messages,
         tools,
         tool_choice,
-        parallel_tool_calls: true,
+        forced,
+        parallel_tool_calls,
         reasoning: None,
     })
 }
 
-/// The request read: sampling fields, the prompt's tokens and how to read the answer.
-fn prepare(
-    st: &AppState,
-    bytes: &[u8],
-) -> Result<(MessagesRequest, Vec<u32>, OutputFormat), ApiError> {
+/// A request read: its fields as the other endpoints', the prompt's tokens and how to read
+/// the answer.
+type Prepared = (Common, Vec<u32>, OutputFormat);
+
+/// The request read: sampling fields (and the call a `tool_choice` requires), the prompt's
+/// tokens and how to read the answer.
+fn prepare(st: &AppState, bytes: &[u8]) -> Result<Prepared, ApiError> {
     let req: MessagesRequest = parse(bytes)?;
     let template = st
         .template
@@ -240,7 +262,9 @@ fn prepare(
     let text = conv.render(template)?;
     let format = conv.output_format(st.limits.reasoning_format, st.limits.template_thinks, &text);
     let prompt = encode(&st.tokenizer, &text)?;
-    Ok((req, prompt, format))
+    let mut common = req.common();
+    common.structured.tools = conv.required_call();
+    Ok((common, prompt, format))
 }
 
 /// `POST /v1/messages/count_tokens`: the prompt's length, `{"input_tokens": n}`.
@@ -312,11 +336,10 @@ struct Head {
 
 async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let t0 = Instant::now();
-    let (req, prompt, format) = match body_bytes(&st, body).and_then(|b| prepare(&st, &b)) {
+    let (common, prompt, format) = match body_bytes(&st, body).and_then(|b| prepare(&st, &b)) {
         Ok(p) => p,
         Err(e) => return fail(&st, t0, &e),
     };
-    let common = req.common();
     let (tx, mut rx) = mpsc::unbounded_channel();
     let n_prompt = prompt.len();
     let job = match job(&st, &common, prompt, Kind::Chat, tx) {
@@ -325,14 +348,14 @@ async fn messages(State(st): State<AppState>, body: Result<Bytes, BytesRejection
     };
     let head = Head {
         id: job.id.clone(),
-        model: model_name(&st, req.model.as_ref()),
+        model: model_name(&st, common.model.as_ref()),
         format,
         n_prompt,
     };
     if let Err(e) = submit(&st, job) {
         return fail(&st, t0, &e);
     }
-    if req.stream {
+    if common.stream {
         return stream(st, head, rx, t0).into_response();
     }
     match collect(&st, &mut rx, t0, |_| {}).await {
@@ -629,6 +652,39 @@ mod tests {
         assert_eq!(c.messages[4].tool_call_id.as_deref(), Some("t1"));
         assert_eq!(c.tools.len(), 1);
         assert_eq!(c.tool_choice, ToolChoice::Required);
+    }
+
+    #[test]
+    fn tool_choice_any_tool_and_none_become_the_required_call() {
+        let body = |choice: &str| {
+            format!(
+                r#"{{"messages": [{{"role": "user", "content": "hi"}}],
+                    "tools": [{{"name": "a", "input_schema": {{"type": "object"}}}},
+                              {{"name": "b", "input_schema": {{"type": "object"}}}}],
+                    "tool_choice": {choice}}}"#
+            )
+        };
+        let names = |c: &Conversation| match c.required_call() {
+            Some(specula_grammar::Spec::ToolCalls(t)) => Some((
+                t.tools.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>(),
+                t.parallel,
+            )),
+            _ => None,
+        };
+        let any = conv(&body(r#"{"type": "any"}"#));
+        assert_eq!(names(&any), Some((vec!["a".into(), "b".into()], true)));
+        let one = conv(&body(
+            r#"{"type": "tool", "name": "b", "disable_parallel_tool_use": true}"#,
+        ));
+        assert_eq!(names(&one), Some((vec!["b".into()], false)));
+        assert_eq!(names(&conv(&body(r#"{"type": "auto"}"#))), None);
+        let none = conv(&body(r#"{"type": "none"}"#));
+        assert_eq!((none.tool_choice, names(&none)), (ToolChoice::None, None));
+        let e =
+            conversation(&ordered(body(r#"{"type": "tool", "name": "c"}"#).as_bytes()).unwrap())
+                .unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.msg.contains("`c`"), "{}", e.msg);
     }
 
     #[test]

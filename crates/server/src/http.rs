@@ -408,7 +408,9 @@ async fn chat(State(st): State<AppState>, body: Result<Bytes, BytesRejection>) -
         let format =
             conv.output_format(st.limits.reasoning_format, st.limits.template_thinks, &text);
         let prompt = encode(&st.tokenizer, &text)?;
-        Ok((req.common, prompt, format))
+        let mut common = req.common;
+        common.structured.tools = conv.required_call();
+        Ok((common, prompt, format))
     })();
     match prepared {
         Ok((common, prompt, format)) => generate(st, common, prompt, Kind::Chat, format, t0).await,

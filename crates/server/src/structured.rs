@@ -36,6 +36,11 @@ pub(crate) struct Fields {
     pub json_schema: Option<Value>,
     pub grammar: Option<Value>,
     pub logit_bias: Option<Value>,
+    /// A tool call the conversation requires (`tool_choice` `required`, Anthropic's `any` /
+    /// `tool`), set from the chat request's tools; a response format or grammar of the
+    /// request takes precedence, as in llama-server.
+    #[serde(skip)]
+    pub tools: Option<Spec>,
 }
 
 /// What the fields ask for.
@@ -100,7 +105,7 @@ fn is_any_object(s: &Value) -> bool {
 
 /// Compiles the request's constraint, if it has one.
 pub(crate) fn constraint(st: &AppState, f: &Fields) -> Result<Option<Box<Constraint>>, ApiError> {
-    let Some(spec) = spec(f)? else {
+    let Some(spec) = spec(f)?.or_else(|| f.tools.clone()) else {
         return Ok(None);
     };
     let grammars = st.grammars.get(&st.tokenizer)?;

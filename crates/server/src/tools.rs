@@ -134,6 +134,11 @@ impl TmplTool {
             },
         }
     }
+
+    /// The function's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.function.name
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -155,6 +160,9 @@ pub(crate) struct Conversation {
     pub messages: Vec<TmplMessage>,
     pub tools: Vec<TmplTool>,
     pub tool_choice: ToolChoice,
+    /// The one tool a required call must be (OpenAI's `{"type": "function", "function":
+    /// {"name": …}}`, Anthropic's `{"type": "tool", "name": …}`); `None`: any of them.
+    pub forced: Option<String>,
     pub parallel_tool_calls: bool,
     /// The request's `reasoning_format`, if it set one.
     pub reasoning: Option<ReasoningFormat>,
@@ -283,6 +291,7 @@ impl Conversation {
                 field(&f, "parameters").unwrap_or_else(empty_object),
             ));
         }
+        let mut forced = None;
         let tool_choice = match field(body, "tool_choice") {
             Some(c) if c.kind() == ValueKind::String => match c.as_str().unwrap_or("") {
                 "auto" => ToolChoice::Auto,
@@ -290,6 +299,22 @@ impl Conversation {
                 "required" => ToolChoice::Required,
                 other => return Err(ApiError::bad(format!("Invalid tool_choice: {other}"))),
             },
+            // OpenAI's named function: that call is required (llama-server reads any object
+            // as `auto`).
+            Some(c) if c.kind() == ValueKind::Map => {
+                match field(&c, "function").and_then(|f| str_field(&f, "name")) {
+                    Some(name) => {
+                        if !tools.iter().any(|t| t.name() == name) {
+                            return Err(ApiError::bad(format!(
+                                "tool_choice names the function `{name}`, which is not among the request's tools"
+                            )));
+                        }
+                        forced = Some(name);
+                        ToolChoice::Required
+                    }
+                    None => ToolChoice::Auto,
+                }
+            }
             _ => ToolChoice::Auto,
         };
         let parallel_tool_calls = field(body, "parallel_tool_calls").is_none_or(|v| v.is_true());
@@ -305,6 +330,7 @@ impl Conversation {
             messages,
             tools,
             tool_choice,
+            forced,
             parallel_tool_calls,
             reasoning,
         })
@@ -318,6 +344,30 @@ impl Conversation {
         template
             .render_with(&self.messages, true, extra)
             .map_err(|e| ApiError::bad(format!("the chat template failed on these messages: {e}")))
+    }
+
+    /// The grammar of the call the conversation requires: `tool_choice` `required` with
+    /// tools (llama-server constrains such an answer to end in a call of one of them, with
+    /// arguments that follow its parameter schema).
+    pub(crate) fn required_call(&self) -> Option<specula_grammar::Spec> {
+        if self.tool_choice != ToolChoice::Required || self.tools.is_empty() {
+            return None;
+        }
+        let tools = self
+            .tools
+            .iter()
+            .filter(|t| self.forced.as_ref().is_none_or(|f| *f == t.function.name))
+            .map(|t| {
+                let params = serde_json::to_value(&t.function.parameters).unwrap_or(Value::Null);
+                (t.function.name.clone(), params)
+            })
+            .collect();
+        Some(specula_grammar::Spec::ToolCalls(
+            specula_grammar::ToolCalls {
+                tools,
+                parallel: self.parallel_tool_calls,
+            },
+        ))
     }
 
     /// How the answer to this conversation is read: tool calls parsed when tools were given
@@ -933,6 +983,44 @@ mod tests {
     /// llama-server's own parse of the same text (golden/llama_server_tools/parser_*.json:
     /// an assistant message holding the calls, continued by llama-server, which parsed it):
     /// the same content, names, arguments and finish reason.
+    #[test]
+    fn a_required_or_named_tool_choice_becomes_the_grammar_of_its_call() {
+        let conv = |choice: &str, parallel: bool| {
+            let body = format!(
+                r#"{{"messages": [{{"role": "user", "content": "hi"}}],
+                    "tools": [{{"type": "function", "function": {{"name": "a", "parameters": {{"type": "object", "properties": {{"x": {{"type": "integer"}}}}}}}}}},
+                              {{"type": "function", "function": {{"name": "b"}}}}],
+                    "parallel_tool_calls": {parallel}, "tool_choice": {choice}}}"#
+            );
+            Conversation::from_openai(&ordered(body.as_bytes()).unwrap())
+        };
+        let spec = |c: &Conversation| match c.required_call() {
+            Some(specula_grammar::Spec::ToolCalls(t)) => Some(t),
+            _ => None,
+        };
+        let all = spec(&conv(r#""required""#, true).unwrap()).unwrap();
+        assert!(all.parallel);
+        assert_eq!(all.tools[0].0, "a");
+        // The parameters as sent; a tool without them is any object.
+        assert_eq!(
+            all.tools[0].1,
+            json!({"type": "object", "properties": {"x": {"type": "integer"}}})
+        );
+        assert_eq!(all.tools[1], ("b".into(), json!({})));
+        let named = conv(r#"{"type": "function", "function": {"name": "b"}}"#, false).unwrap();
+        let b = spec(&named).unwrap();
+        assert_eq!(
+            (b.tools.len(), b.tools[0].0.as_str(), b.parallel),
+            (1, "b", false)
+        );
+        for c in [r#""auto""#, r#""none""#, r#"{"type": "function"}"#] {
+            assert!(spec(&conv(c, true).unwrap()).is_none(), "{c}");
+        }
+        let e = conv(r#"{"type": "function", "function": {"name": "zz"}}"#, true).unwrap_err();
+        assert_eq!(e.status, 400);
+        assert!(e.msg.contains("`zz`"), "{}", e.msg);
+    }
+
     #[test]
     fn calls_are_read_as_llama_server_reads_them() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
