@@ -42,7 +42,7 @@ enum Command {
     /// Show a GGUF file's architecture, hyperparameters, tokenizer, tensors and size.
     Inspect(inspect::Args),
     /// Generate text from a prompt (greedy or sampled), like llama-cli.
-    Run(run::Args),
+    Run(Box<run::Args>),
     /// OpenAI-compatible HTTP server with parallel slots and speculative decoding, like
     /// llama-server.
     Serve(Box<serve::Args>),
@@ -74,6 +74,7 @@ const LLAMA_SHORT: &[(&str, &str)] = &[
     ("-nocb", "--no-cont-batching"),
     ("-kvu", "--kv-unified"),
     ("-no-kvu", "--no-kv-unified"),
+    ("-jf", "--json-schema-file"),
 ];
 
 /// The arguments with llama.cpp's multi-letter single-dash flags (`-md FILE`, `-ctk q8_0`,

@@ -8,6 +8,7 @@ use serde::Serialize;
 use specula_engine::{
     DflashDrafter, DraftModel, Eagle3Drafter, GenerateOptions, Injection, SpecOptions, Timings,
 };
+use specula_grammar::{Grammars, Spec};
 use specula_sampling::SamplerParams;
 use specula_spec::ngram::{NgramCache, NgramSimple};
 use specula_spec::{Drafter, SpecStats};
@@ -89,6 +90,18 @@ pub struct Args {
     /// Do not stop at end-of-generation tokens.
     #[arg(long = "ignore-eos")]
     pub ignore_eos: bool,
+    /// Constrain the output to this GBNF grammar (llama.cpp's `--grammar`).
+    #[arg(long, group = "structured")]
+    pub grammar: Option<String>,
+    /// Constrain the output to the GBNF grammar in this file.
+    #[arg(long = "grammar-file", group = "structured")]
+    pub grammar_file: Option<std::path::PathBuf>,
+    /// Constrain the output to JSON that follows this JSON schema (`{}`: any JSON object).
+    #[arg(short = 'j', long = "json-schema", group = "structured")]
+    pub json_schema: Option<String>,
+    /// Constrain the output to JSON that follows the JSON schema in this file (`-jf`).
+    #[arg(long = "json-schema-file", group = "structured")]
+    pub json_schema_file: Option<std::path::PathBuf>,
     /// Draft model (GGUF file or manifest name) for speculative decoding.
     #[arg(long = "model-draft", visible_alias = "md")]
     pub model_draft: Option<String>,
@@ -217,6 +230,7 @@ pub fn run(args: &Args) -> Result<String> {
         .kind
         .resolve(args.spec_type, args.model_draft.as_deref())?
         .unwrap_or(SpecType::NgramSimple);
+    let structured = structured_spec(args)?;
     let path = load::model_path(args.model.as_deref())?;
     let mut engine = load::cpu_engine(&path, args.threads)?;
     engine.n_batch = args.batch_size;
@@ -303,11 +317,24 @@ pub fn run(args: &Args) -> Result<String> {
             pending.drain(..valid);
         }
     };
+    let mut constraint = match &structured {
+        Some(st) => Some(compile(&path, st)?),
+        None => None,
+    };
+    let mask = constraint
+        .as_mut()
+        .map(|c| c as &mut dyn specula_sampling::LogitsMask);
     let out = match drafter.as_deref_mut() {
-        Some(d) => {
-            engine.generate_speculative(&mut session, &prompt_ids, &opts, d, &spec, on_token)?
-        }
-        None => engine.generate(&mut session, &prompt_ids, &opts, on_token)?,
+        Some(d) => engine.generate_speculative_masked(
+            &mut session,
+            &prompt_ids,
+            &opts,
+            d,
+            &spec,
+            mask,
+            on_token,
+        )?,
+        None => engine.generate_masked(&mut session, &prompt_ids, &opts, mask, on_token)?,
     };
     if stream {
         let t = out.timings;
@@ -371,6 +398,55 @@ pub fn run(args: &Args) -> Result<String> {
     let mut s = serde_json::to_string(&json)?;
     s.push('\n');
     Ok(s)
+}
+
+/// The output constraint the flags ask for (`--grammar`, `--grammar-file`, `-j`, `-jf`),
+/// read before the model loads so a bad flag fails at once.
+fn structured_spec(args: &Args) -> Result<Option<Spec>> {
+    let read = |p: &std::path::Path, what: &str| {
+        std::fs::read_to_string(p)
+            .with_context(|| format!("cannot read the {what} file {}", p.display()))
+    };
+    let schema = |text: &str, from: &str| -> Result<Spec> {
+        let v: serde_json::Value =
+            serde_json::from_str(text).with_context(|| format!("{from} is not JSON"))?;
+        // As llama.cpp: `{}` is any JSON object.
+        Ok(if v.as_object().is_some_and(serde_json::Map::is_empty) {
+            Spec::JsonObject
+        } else {
+            Spec::JsonSchema(v)
+        })
+    };
+    let spec = match (
+        &args.grammar,
+        &args.grammar_file,
+        &args.json_schema,
+        &args.json_schema_file,
+    ) {
+        (Some(g), ..) => Some(Spec::Gbnf(g.clone())),
+        (_, Some(f), ..) => Some(Spec::Gbnf(read(f, "grammar")?)),
+        (_, _, Some(j), _) => Some(schema(j, "the --json-schema value")?),
+        (.., Some(f)) => Some(schema(
+            &read(f, "JSON schema")?,
+            &format!("the JSON schema file {}", f.display()),
+        )?),
+        _ => None,
+    };
+    if spec.is_some() && args.force_ids.is_some() {
+        bail!(
+            "--force-ids feeds fixed tokens: it cannot be combined with a grammar or JSON schema"
+        );
+    }
+    Ok(spec)
+}
+
+/// The constraint of `spec` over the vocabulary of the model at `path`.
+fn compile(path: &std::path::Path, spec: &Spec) -> Result<specula_grammar::Constraint> {
+    let file = specula_gguf::Gguf::open(path)
+        .with_context(|| format!("cannot open {}", path.display()))?;
+    let tok = Arc::new(specula_tokenizer::Tokenizer::from_gguf(&file)?);
+    let grammars = Grammars::new(tok)?;
+    Ok(grammars.compile(spec)?)
 }
 
 /// A drafter chosen by the flags: its `--spec-type` name, the drafter (`None`: no speculation)

@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use specula_models::{Model, ModelError, Scratch, SeqRows};
 use specula_quant::QType;
-use specula_sampling::{Sampler, SamplerParams, SamplingError};
+use specula_sampling::{LogitsMask, Sampler, SamplerParams, SamplingError};
 use specula_tensor::Backend;
 use specula_tokenizer::{DecodeOptions, Tokenizer};
 
@@ -71,6 +71,9 @@ pub enum EngineError {
     /// Sampler error.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// The generation's logits mask (a grammar) failed.
+    #[error("the output constraint failed: {0}")]
+    Mask(String),
     /// A drafter or verifier failed.
     #[error(transparent)]
     Spec(specula_spec::SpecError),
@@ -959,6 +962,23 @@ impl<B: Backend> Engine<B> {
         s: &mut Session<B>,
         prompt: &[u32],
         opts: &GenerateOptions,
+        on_token: impl FnMut(u32),
+    ) -> Result<Generation> {
+        self.generate_masked(s, prompt, opts, None, on_token)
+    }
+
+    /// [`Engine::generate`] with each sampled row through `mask` first (a grammar: the
+    /// tokens it rejects cannot be sampled), its state advanced by every generated token.
+    /// Teacher forcing (`force_ids`) does not consult it.
+    ///
+    /// # Errors
+    /// As [`Engine::generate`], and [`EngineError::Mask`].
+    pub fn generate_masked(
+        &self,
+        s: &mut Session<B>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        mut mask: Option<&mut dyn LogitsMask>,
         mut on_token: impl FnMut(u32),
     ) -> Result<Generation> {
         if prompt.is_empty() {
@@ -987,13 +1007,24 @@ impl<B: Backend> Engine<B> {
         out.timings.prompt_ms = ms(t0);
 
         let t1 = Instant::now();
+        let mut masked = Vec::new();
         for i in 0..n_predict {
             if opts.top_logits > 0 {
                 out.top_logits.push(top_k_logits(&logits, opts.top_logits));
             }
-            let id = match &opts.force_ids {
-                Some(f) => f[i],
-                None => sampler.sample(&logits)?,
+            let id = match (&opts.force_ids, mask.as_deref_mut()) {
+                (Some(f), _) => f[i],
+                (None, None) => sampler.sample(&logits)?,
+                (None, Some(m)) => {
+                    masked.clear();
+                    masked.extend_from_slice(&logits);
+                    let n_vocab = masked.len();
+                    m.mask_rows(&mut masked, n_vocab, &[])
+                        .map_err(EngineError::Mask)?;
+                    let id = sampler.sample(&masked)?;
+                    m.accept(&[id]).map_err(EngineError::Mask)?;
+                    id
+                }
             };
             sampler.accept(id)?;
             out.generated_ids.push(id);

@@ -19,6 +19,7 @@
 
 use std::time::Instant;
 
+use specula_sampling::LogitsMask;
 use specula_spec::verify::sample_and_match;
 use specula_spec::{Drafter, One, SpecStats};
 use specula_tensor::Backend;
@@ -68,6 +69,30 @@ impl<B: Backend> Engine<B> {
         opts: &GenerateOptions,
         drafter: &mut dyn Drafter,
         spec: &SpecOptions,
+        on_token: impl FnMut(u32),
+    ) -> Result<Generation> {
+        self.generate_speculative_masked(s, prompt, opts, drafter, spec, None, on_token)
+    }
+
+    /// [`Engine::generate_speculative`] under `mask` (a grammar), as
+    /// [`Engine::generate_masked`]: each round's draft is cut before its first token the mask
+    /// rejects, and verify row `i` is masked with the state after the first `i` drafts, so
+    /// the output is that of masked plain decoding.
+    ///
+    /// # Errors
+    /// As [`Engine::generate_speculative`], and [`EngineError::Mask`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "generate_speculative's arguments and the mask"
+    )]
+    pub fn generate_speculative_masked(
+        &self,
+        s: &mut Session<B>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        drafter: &mut dyn Drafter,
+        spec: &SpecOptions,
+        mut mask: Option<&mut dyn LogitsMask>,
         mut on_token: impl FnMut(u32),
     ) -> Result<Generation> {
         if opts.force_ids.is_some() {
@@ -88,7 +113,7 @@ impl<B: Backend> Engine<B> {
         }
         if n_predict == 0 {
             // Nothing to draft for: the prompt is evaluated as plain decoding does.
-            let mut out = self.generate(s, prompt, opts, on_token)?;
+            let mut out = self.generate_masked(s, prompt, opts, mask, on_token)?;
             out.spec = Some(SpecStats::default());
             return Ok(out);
         }
@@ -134,6 +159,7 @@ impl<B: Backend> Engine<B> {
         let mut t1 = Instant::now();
         let mut seq = SpecSeq::new(0, *spec, Some(&drafter), prompt);
         let mut drafts = Vec::with_capacity(1);
+        let mut masked = Vec::new();
         'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let lead = std::mem::take(&mut lead);
             let failed = plan(
@@ -149,6 +175,12 @@ impl<B: Backend> Engine<B> {
             );
             if let Some((_, e)) = failed.into_iter().next() {
                 return Err(EngineError::Spec(e));
+            }
+            if let Some(m) = mask.as_deref_mut()
+                && !seq.draft().is_empty()
+            {
+                let n = m.valid_prefix(seq.draft());
+                seq.cut_draft(n);
             }
             let tv = Instant::now();
             let in_drafter_s = self.run_for(
@@ -169,17 +201,26 @@ impl<B: Backend> Engine<B> {
                 out.timings.prompt_ms = ms(t0);
                 t1 = Instant::now();
             }
+            if let Some(m) = mask.as_deref_mut() {
+                masked.clear();
+                masked.extend_from_slice(&logits);
+                m.mask_rows(&mut masked, n_vocab, seq.draft())
+                    .map_err(EngineError::Mask)?;
+            }
             let verdict = seq.commit(
                 self,
                 s,
                 Some(&mut drafter),
-                &logits,
+                if mask.is_some() { &masked } else { &logits },
                 |rows, draft| sample_and_match(&mut sampler, rows, n_vocab, draft),
                 RoundCost {
                     verify_s,
                     in_drafter_s,
                 },
             )?;
+            if let Some(m) = mask.as_deref_mut() {
+                m.accept(&verdict.tokens).map_err(EngineError::Mask)?;
+            }
             for (i, &id) in verdict.tokens.iter().enumerate() {
                 if opts.top_logits > 0 {
                     let row = &logits[i * n_vocab..(i + 1) * n_vocab];

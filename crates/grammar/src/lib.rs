@@ -462,3 +462,17 @@ impl Constraint {
         &self.mask_s
     }
 }
+
+impl specula_sampling::LogitsMask for Constraint {
+    fn valid_prefix(&mut self, draft: &[u32]) -> usize {
+        Constraint::valid_prefix(self, draft)
+    }
+
+    fn mask_rows(&mut self, rows: &mut [f32], n_vocab: usize, draft: &[u32]) -> Result<(), String> {
+        Constraint::mask_rows(self, rows, n_vocab, draft).map_err(|e| e.to_string())
+    }
+
+    fn accept(&mut self, tokens: &[u32]) -> Result<(), String> {
+        Constraint::accept(self, tokens).map_err(|e| e.to_string())
+    }
+}

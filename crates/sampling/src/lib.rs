@@ -51,6 +51,7 @@
 mod candidates;
 mod error;
 mod history;
+mod mask;
 mod params;
 mod rng;
 mod sampler;
@@ -58,6 +59,7 @@ pub mod steps;
 
 pub use candidates::{Candidate, Candidates};
 pub use error::SamplingError;
+pub use mask::LogitsMask;
 pub use params::{DEFAULT_SEED, SamplerParams};
 pub use rng::{Rng, SplitMix64, entropy_seed};
 pub use sampler::{Sampler, SamplerState};
