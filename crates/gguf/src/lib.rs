@@ -33,12 +33,14 @@
 //! ```
 
 mod error;
+mod ftype;
 mod reader;
 mod types;
 mod value;
 mod writer;
 
 pub use error::{GgufError, Result};
+pub use ftype::ftype_name;
 pub use reader::{
     ALIGNMENT_KEY, DEFAULT_ALIGNMENT, Gguf, Header, MAGIC, MAX_ARRAY_DEPTH, MAX_DIMS, Metadata,
     TensorInfo,

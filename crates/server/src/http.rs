@@ -43,6 +43,11 @@ pub(crate) struct Limits {
     pub model_path: String,
     pub n_vocab: usize,
     pub n_ctx_train: usize,
+    /// The model file's values, tensor bytes and type name, as llama.cpp counts them
+    /// (`n_params`, `size`, `ftype` of `/v1/models`).
+    pub n_params: u64,
+    pub model_size: u64,
+    pub ftype: String,
     pub spec: Option<(String, SpecOptions)>,
     pub rollback: &'static str,
     /// Sampling defaults (`--temp` …; the seed is `seed`).
@@ -269,6 +274,9 @@ async fn models(State(st): State<AppState>) -> axum::Json<Value> {
                 "n_ctx": l.n_ctx_slot,
                 "n_ctx_train": l.n_ctx_train,
                 "n_embd": l.n_embd,
+                "n_params": l.n_params,
+                "size": l.model_size,
+                "ftype": l.ftype,
                 "n_ctx_slot": l.n_ctx_slot,
             },
         }],

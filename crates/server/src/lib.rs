@@ -412,6 +412,7 @@ where
         .or_else(|| tokenizer.chat_template_source())
         .is_some_and(|t| t.contains("<think>"));
     let hp = engine.model.hparams().clone();
+    let file = Arc::clone(engine.model.file());
     let metrics = Arc::new(metrics::Metrics::default());
     let (tx, rx) = std::sync::mpsc::channel();
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
@@ -480,6 +481,9 @@ where
             model_path: cfg.model_path.clone(),
             n_vocab: hp.n_vocab,
             n_ctx_train: hp.n_ctx_train,
+            n_params: file.n_params(),
+            model_size: file.tensor_bytes(),
+            ftype: file.file_type_name(),
             spec: spec_kind,
             rollback: rollback.name(),
             sampling: cfg.sampling,

@@ -4,8 +4,7 @@
 //! --alias smollm2-alias`). Skips without the model.
 //!
 //! Compared: every key of llama-server's answers and the values that do not depend on the
-//! moment or on llama.cpp's internals (ids, `created`, timings); `/v1/models`' `meta` lacks
-//! llama-server's `n_params`, `size` and `ftype` (llama.cpp's file accounting) and adds
+//! moment or on llama.cpp's internals (ids, `created`, timings); `/v1/models`' `meta` adds
 //! `n_ctx_slot`; `owned_by` is `specula`.
 
 mod common;
@@ -110,7 +109,16 @@ fn smollm2_models_props_chat_stream_and_responses_match_llama_server() {
     for k in ["id", "aliases", "tags", "object"] {
         assert_eq!(o[k], t[k], "data[0].{k}");
     }
-    for k in ["vocab_type", "n_vocab", "n_ctx", "n_ctx_train", "n_embd"] {
+    for k in [
+        "vocab_type",
+        "n_vocab",
+        "n_ctx",
+        "n_ctx_train",
+        "n_embd",
+        "n_params",
+        "size",
+        "ftype",
+    ] {
         assert_eq!(o["meta"][k], t["meta"][k], "data[0].meta.{k}");
     }
     // /props names the model by its alias too.
