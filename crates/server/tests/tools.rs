@@ -183,3 +183,183 @@ fn messages_answer_with_anthropic_blocks_and_events() {
     assert_eq!(last["usage"]["output_tokens"], v["usage"]["output_tokens"]);
     s.shutdown().unwrap();
 }
+
+/// A Responses request with function tools and the items of an earlier call (`function_call`,
+/// `function_call_output`): the template sees the same conversation as the chat request it
+/// converts to, and an answer holding a `<tool_call>` block (forced here by a GBNF grammar,
+/// so the tiny model writes it) comes back as a `message` item and a `function_call` item —
+/// the same call as chat completions reads from the same text — and, streamed, as
+/// llama-server's events: the call's `output_item.added` with its name, its arguments in
+/// `function_call_arguments.delta` pieces, each item's `…done`, every event placed by its
+/// item's `output_index`.
+#[test]
+fn responses_take_function_tools_and_answer_function_call_items() {
+    let s = server(cfg(), Draft::None);
+    let call = "Sure.<tool_call>\n{\"name\": \"get\", \"arguments\": {\"z\": 1}}\n</tool_call>";
+    let grammar = format!("root ::= {}", serde_json::to_string(call).unwrap());
+    let tools_resp = json!([
+        {"type": "function", "name": "get", "description": "d",
+         "parameters": {"type": "object", "properties": {"z": {"type": "integer"}}}},
+        {"type": "web_search"}
+    ]);
+    let resp = json!({
+        "instructions": "be brief",
+        "input": [
+            {"role": "user", "content": "weather?"},
+            {"type": "function_call", "call_id": "c0", "name": "get", "arguments": "{\"z\": 0}"},
+            {"type": "function_call_output", "call_id": "c0", "output": "sunny"},
+            {"role": "user", "content": [{"type": "input_text", "text": "again"}]}
+        ],
+        "tools": tools_resp, "grammar": grammar, "max_output_tokens": 160, "temperature": 0
+    });
+    let chat = json!({
+        "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "tool_calls": [{"function": {"arguments": "{\"z\": 0}", "name": "get"}, "id": "c0", "type": "function"}]},
+            {"role": "tool", "tool_call_id": "c0", "content": "sunny"},
+            {"role": "user", "content": [{"type": "text", "text": "again"}]}
+        ],
+        "tools": [{"type": "function", "function": {"name": "get", "description": "d",
+            "parameters": {"type": "object", "properties": {"z": {"type": "integer"}}}, "strict": true}}],
+        "grammar": grammar, "max_tokens": 160, "temperature": 0
+    });
+    let c = post(s.addr(), "/v1/chat/completions", &chat).json();
+    let msg = &c["choices"][0]["message"];
+    assert_eq!(c["choices"][0]["finish_reason"], "tool_calls", "{c}");
+    assert_eq!(msg["tool_calls"][0]["function"]["name"], "get");
+    let r = post(s.addr(), "/v1/responses", &resp);
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(
+        v["usage"]["input_tokens"], c["usage"]["prompt_tokens"],
+        "the same prompt as the chat request"
+    );
+    let out = v["output"].as_array().unwrap();
+    assert_eq!(out.len(), 2, "{v}");
+    assert_eq!(out[0]["type"], "message");
+    assert_eq!(out[0]["content"][0]["text"], msg["content"]);
+    assert_eq!(out[0]["content"][0]["text"], "Sure.");
+    let fc = &out[1];
+    assert_eq!(
+        (
+            fc["type"].as_str(),
+            fc["status"].as_str(),
+            fc["name"].as_str()
+        ),
+        (Some("function_call"), Some("completed"), Some("get"))
+    );
+    assert_eq!(
+        fc["arguments"],
+        msg["tool_calls"][0]["function"]["arguments"]
+    );
+    assert_eq!(fc["arguments"], "{\"z\": 1}");
+    let id = fc["id"].as_str().unwrap().strip_prefix("fc_").unwrap();
+    assert_eq!(fc["call_id"], format!("call_{id}"));
+
+    let mut streamed = resp.clone();
+    streamed["stream"] = json!(true);
+    let r = post(s.addr(), "/v1/responses", &streamed);
+    let events: Vec<Value> = r
+        .sse()
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let kinds: Vec<&str> = events.iter().map(|e| e["type"].as_str().unwrap()).collect();
+    let first = |k: &str| kinds.iter().position(|&x| x == k).unwrap_or(usize::MAX);
+    assert_eq!(
+        kinds[..2],
+        ["response.created", "response.in_progress"],
+        "{kinds:?}"
+    );
+    assert_eq!(kinds.last(), Some(&"response.completed"));
+    for (i, e) in events.iter().enumerate() {
+        assert_eq!(e["sequence_number"], i, "{e}");
+    }
+    let added: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_item.added")
+        .collect();
+    assert_eq!(added.len(), 2, "{kinds:?}");
+    assert_eq!(
+        (
+            added[0]["output_index"].as_u64(),
+            added[0]["item"]["type"].as_str()
+        ),
+        (Some(0), Some("message"))
+    );
+    let call = &added[1];
+    assert_eq!(
+        (
+            call["output_index"].as_u64(),
+            call["item"]["name"].as_str(),
+            call["item"]["arguments"].as_str()
+        ),
+        (Some(1), Some("get"), Some(""))
+    );
+    let fc_id = call["item"]["id"].as_str().unwrap();
+    let text: String = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_text.delta")
+        .map(|e| e["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(text, "Sure.");
+    let args: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.function_call_arguments.delta")
+        .collect();
+    assert!(!args.is_empty(), "{kinds:?}");
+    assert!(
+        args.iter()
+            .all(|e| e["item_id"] == fc_id && e["output_index"] == 1)
+    );
+    let joined: String = args.iter().map(|e| e["delta"].as_str().unwrap()).collect();
+    assert_eq!(joined, "{\"z\": 1}");
+    assert!(first("response.output_item.added") < first("response.output_text.delta"));
+    let done: Vec<&Value> = events
+        .iter()
+        .filter(|e| e["type"] == "response.output_item.done")
+        .collect();
+    assert_eq!(done.len(), 2);
+    assert_eq!(done[1]["item"]["arguments"], "{\"z\": 1}");
+    assert_eq!(done[1]["item"]["status"], "completed");
+    let completed = &events.last().unwrap()["response"];
+    let strip = |items: &Value| -> Vec<Value> {
+        items
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                let mut i = i.clone();
+                for k in ["id", "call_id"] {
+                    if i.get(k).is_some() {
+                        i[k] = Value::Null;
+                    }
+                }
+                i
+            })
+            .collect()
+    };
+    assert_eq!(strip(&completed["output"]), strip(&v["output"]));
+
+    // What llama-server refuses, refused alike.
+    for (bad, want) in [
+        (
+            json!({"input": [{"type": "function_call", "name": "get"}]}),
+            "'function_call' item needs",
+        ),
+        (
+            json!({"input": "hi", "tools": {"a": 1}}),
+            "'tools' must be an array",
+        ),
+        (
+            json!({"input": "hi", "previous_response_id": "resp_1"}),
+            "previous_response_id",
+        ),
+    ] {
+        let r = post(s.addr(), "/v1/responses", &bad);
+        assert_eq!(r.status, 400, "{bad}: {}", r.text());
+        assert!(r.text().contains(want), "{bad}: {}", r.text());
+    }
+    s.shutdown().unwrap();
+}
