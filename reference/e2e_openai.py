@@ -13,6 +13,8 @@ never part of `cargo xtask ci`. Checks, against a server on the default model:
 - the Responses API (`client.responses.create`): a greedy answer with `output_text` and
   `usage`, and its streamed events (`response.output_text.delta` … `response.completed`)
   giving the same text, raw and through the client's stream helper (`responses.stream`);
+- the Responses API with a function tool: a function_call output item (the call forced by a
+  GBNF grammar), streamed too, and the call's result sent back as a function_call_output item;
 - a chat with `tools` is accepted and answers text or `tool_calls` (each a function with a name
   and JSON arguments, `finish_reason` `tool_calls`), streamed the same way as not;
 - a wrong API key is refused with 401 when the server requires one (--api-key).
@@ -157,6 +159,36 @@ def main() -> None:
         fail(f"streamed tool calls differ: {names} {args_text} {stream_finish}")
     if [json.loads(args_text[i]) for i in range(len(calls))] != [json.loads(c.function.arguments) for c in calls]:
         fail(f"streamed tool-call arguments differ: {args_text}")
+
+    # The Responses API with a function tool: the answer forced (a GBNF grammar, which
+    # llama-server also takes) to hold a Hermes call, so the client must read a function_call
+    # item, streamed and not; then the call's result goes back as a function_call_output item.
+    forced = 'root ::= "<tool_call>\\n{\\"name\\": \\"get_weather\\", \\"arguments\\": {\\"city\\": \\"Paris\\"}}\\n</tool_call>"'
+    rtool = {"type": "function", **weather["function"]}
+    r = client.responses.create(model=model, input="What is the weather like in Paris today?", tools=[rtool],
+                                max_output_tokens=64, temperature=0, extra_body={"grammar": forced})
+    fcs = [o for o in r.output if o.type == "function_call"]
+    print(f"e2e: response with tools: {[(f.name, f.arguments, f.call_id) for f in fcs]}")
+    if len(fcs) != 1 or fcs[0].name != "get_weather" or json.loads(fcs[0].arguments) != {"city": "Paris"}:
+        fail(f"the response does not hold the function call: {r.output}")
+    streamed_args, done_items = "", []
+    for ev in client.responses.create(model=model, input="What is the weather like in Paris today?", tools=[rtool],
+                                      max_output_tokens=64, temperature=0, stream=True, extra_body={"grammar": forced}):
+        if ev.type == "response.function_call_arguments.delta":
+            streamed_args += ev.delta
+        elif ev.type == "response.output_item.done":
+            done_items.append(ev.item)
+    if streamed_args != fcs[0].arguments or [i.type for i in done_items] != ["function_call"]:
+        fail(f"the streamed function call differs: {streamed_args!r} {done_items}")
+    follow = client.responses.create(
+        model=model, tools=[rtool], max_output_tokens=16, temperature=0,
+        input=[{"role": "user", "content": "What is the weather like in Paris today?"},
+               {"type": "function_call", "call_id": fcs[0].call_id, "name": fcs[0].name, "arguments": fcs[0].arguments},
+               {"type": "function_call_output", "call_id": fcs[0].call_id, "output": "sunny, 22 C"}],
+    )
+    print(f"e2e: after the tool result: {follow.output_text!r}")
+    if follow.status != "completed":
+        fail(f"the follow-up response did not complete: {follow}")
 
     if args.api_key != "none":
         bad = openai.OpenAI(base_url=args.base_url, api_key=args.api_key + "x")

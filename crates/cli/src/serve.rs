@@ -40,8 +40,9 @@ pub struct Args {
     /// Threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
-    /// Logical batch: tokens per prompt chunk.
-    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    /// Logical batch (llama-server's default 2048): the `/infill` budgets read it; a prompt
+    /// chunk is min(-b, -ub).
+    #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
     pub batch_size: usize,
     /// Physical batch: at most this many tokens per forward (a chunk is min(-b, -ub)).
     #[arg(long = "ubatch-size", visible_alias = "ub", default_value_t = 512)]
@@ -50,6 +51,10 @@ pub struct Args {
     /// instead of a ring of window + batch-size cells (llama.cpp's `--swa-full`).
     #[arg(long = "swa-full")]
     pub swa_full: bool,
+    /// `/infill` prompts in Suffix/Prefix/Middle order instead of Prefix/Suffix/Middle (some
+    /// models are trained that way).
+    #[arg(long = "spm-infill")]
+    pub spm_infill: bool,
     /// K cache type.
     #[arg(long = "cache-type-k", visible_alias = "ctk", default_value = "f16")]
     pub cache_type_k: String,
@@ -483,6 +488,7 @@ pub fn run(args: &Args) -> Result<String> {
         chat_template: template,
         slot_save_path: args.llama.slot_save_path.clone(),
         n_batch: args.batch_size,
+        spm_infill: args.spm_infill,
         reasoning_format: specula_server::ReasoningFormat::from_name(&args.llama.reasoning_format)
             .unwrap_or_default(),
     };
@@ -562,7 +568,7 @@ fn speculative(
             let path = load::model_path(args.model_draft.as_deref())?;
             let threads = args.draft.threads(args.threads);
             let mut draft = load::cpu_engine(&path, threads)?;
-            draft.n_batch = args.batch_size;
+            draft.n_batch = args.batch_size.min(args.ubatch_size);
             draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {
                 tracing::info!("{msg}");

@@ -64,6 +64,8 @@ pub(crate) struct Limits {
     pub slot_save_path: Option<std::path::PathBuf>,
     /// The logical batch (`-b`), which `/infill` budgets its prompt with.
     pub n_batch: usize,
+    /// `/infill` in Suffix/Prefix/Middle order (`--spm-infill`).
+    pub spm_infill: bool,
     /// `--reasoning-format`.
     pub reasoning_format: crate::tools::ReasoningFormat,
     /// The chat template thinks (holds `<think>`): `auto` splits thoughts.

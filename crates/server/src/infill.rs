@@ -210,11 +210,17 @@ fn prepare(st: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, 
     {
         ids.push(bos);
     }
-    ids.push(pre);
-    ids.extend(prefix);
-    ids.extend(prompt);
-    ids.push(suf);
-    ids.extend(suffix);
+    // Prefix/Suffix/Middle, or with `--spm-infill` Suffix/Prefix/Middle.
+    let mut head = vec![pre];
+    head.extend(prefix);
+    head.extend(prompt);
+    let mut tail = vec![suf];
+    tail.extend(suffix);
+    if l.spm_infill {
+        std::mem::swap(&mut head, &mut tail);
+    }
+    ids.extend(head);
+    ids.extend(tail);
     ids.push(mid);
 
     for k in ["input_prefix", "input_suffix", "input_extra"] {

@@ -259,6 +259,9 @@ pub struct ServerConfig {
     /// The logical batch (`-b`): only the budgets of `/infill`'s prompt read it, as
     /// llama-server's `format_prompt_infill` (the engine's forward size is its own `n_batch`).
     pub n_batch: usize,
+    /// `/infill` builds Suffix/Prefix/Middle prompts instead of Prefix/Suffix/Middle
+    /// (llama-server's `--spm-infill`, for models trained that way).
+    pub spm_infill: bool,
     /// What becomes of `<think>…</think>` in chat answers (`--reasoning-format`); a request's
     /// `reasoning_format` overrides it.
     pub reasoning_format: ReasoningFormat,
@@ -291,6 +294,7 @@ impl Default for ServerConfig {
             chat_template: None,
             slot_save_path: None,
             n_batch: 2048,
+            spm_infill: false,
             reasoning_format: ReasoningFormat::Auto,
         }
     }
@@ -493,6 +497,7 @@ where
             slots: cfg.slots,
             slot_save_path: cfg.slot_save_path.clone(),
             n_batch: cfg.n_batch,
+            spm_infill: cfg.spm_infill,
             reasoning_format: cfg.reasoning_format,
             template_thinks,
         }),

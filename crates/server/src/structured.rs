@@ -108,11 +108,16 @@ pub(crate) fn constraint(st: &AppState, f: &Fields) -> Result<Option<Box<Constra
     let Some(spec) = spec(f)?.or_else(|| f.tools.clone()) else {
         return Ok(None);
     };
-    let grammars = st.grammars.get(&st.tokenizer)?;
-    grammars
-        .compile(&spec)
-        .map(|c| Some(Box::new(c)))
-        .map_err(|e| ApiError::bad(e.to_string()))
+    // Building the token trie (the first time) and compiling a large schema take from
+    // milliseconds to seconds: the worker thread hands its other tasks on meanwhile, so the
+    // requests it serves are not held up.
+    tokio::task::block_in_place(|| {
+        let grammars = st.grammars.get(&st.tokenizer)?;
+        grammars
+            .compile(&spec)
+            .map(|c| Some(Box::new(c)))
+            .map_err(|e| ApiError::bad(e.to_string()))
+    })
 }
 
 /// The request's `logit_bias` as `(token, bias)` pairs (`false`: −∞, the token banned):

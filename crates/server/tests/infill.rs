@@ -121,3 +121,33 @@ fn qwen_coder_infill_errors_are_llama_servers() {
         assert_eq!(e["message"], msg);
     }
 }
+
+/// `--spm-infill` (`ServerConfig::spm_infill`): llama-server's prompt of `infill_plain` with
+/// its suffix part (`<|fim_suffix|>` and the suffix) moved in front of the prefix part
+/// (`<|fim_prefix|>`, the prefix and the prompt), the extra context still first and
+/// `<|fim_middle|>` last, as `format_prompt_infill` orders them.
+#[test]
+fn spm_infill_puts_the_suffix_first() {
+    let cfg = ServerConfig {
+        n_parallel: 1,
+        n_ctx: 4096,
+        spm_infill: true,
+        ..ServerConfig::default()
+    };
+    let Some(s) = common::real("qwen2.5-coder-0.5b", cfg, None) else {
+        return;
+    };
+    let g = golden("infill_plain");
+    let psm = g["response"]["prompt"].as_str().unwrap();
+    let (extra, rest) = psm.split_at(psm.find("<|fim_prefix|>").unwrap());
+    let (prefix, rest) = rest.split_at(rest.find("<|fim_suffix|>").unwrap());
+    let suffix = rest.strip_suffix("<|fim_middle|>").unwrap();
+    let mut body = g["request"]["body"].clone();
+    body["n_predict"] = 1.into();
+    let r = post(s.addr(), "/infill", &body);
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["prompt"],
+        format!("{extra}{suffix}{prefix}<|fim_middle|>")
+    );
+}
