@@ -6,11 +6,14 @@
 //! both drafters, auto-detected, with the answers of `specula run`.
 
 use std::path::Path;
-use std::process::{Command, Output};
+use std::process::Command;
 
 use serde_json::Value as Json;
 use specula_gguf::{Array, GgmlType, GgufWriter, Value};
 use specula_testkit::{byte_symbols, values};
+
+mod common;
+use common::specula;
 
 const N_VOCAB: usize = 256;
 const E: usize = 64;
@@ -18,13 +21,6 @@ const N_FF: usize = 128;
 const N_HEAD: usize = 4;
 const N_HEAD_KV: usize = 2;
 const HD: usize = 16;
-
-fn specula(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(args)
-        .output()
-        .expect("the specula binary runs")
-}
 
 fn u(v: usize) -> Value {
     Value::U32(u32::try_from(v).unwrap())

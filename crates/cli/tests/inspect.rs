@@ -3,21 +3,16 @@
 //! always and on the real models when they are in the cache.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 
 use serde_json::Value as Json;
+
+mod common;
+use common::specula;
 
 fn golden(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../../golden/gguf")
         .join(name)
-}
-
-fn specula(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(args)
-        .output()
-        .expect("the specula binary runs")
 }
 
 fn inspect_json(path: &Path) -> Json {

@@ -9,13 +9,15 @@
 //! - Thread-count independence and the error cases.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
 use std::sync::OnceLock;
 
 use serde_json::Value as Json;
 use sha2::{Digest, Sha256};
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_testkit::splitmix64;
+
+mod common;
+use common::specula;
 
 fn golden(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -25,13 +27,6 @@ fn golden(name: &str) -> PathBuf {
 
 fn load(name: &str) -> Json {
     serde_json::from_str(&std::fs::read_to_string(golden(name)).unwrap()).unwrap()
-}
-
-fn specula(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(args)
-        .output()
-        .expect("the specula binary runs")
 }
 
 fn sha256(path: &Path) -> String {

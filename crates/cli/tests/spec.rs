@@ -11,16 +11,10 @@
 //! - The pair of issue 6: Qwen2.5-Coder-1.5B target, 0.5B draft, the quicksort prompt in the
 //!   chat template, `--spec-draft-n-max 16`, 128 tokens.
 
-use std::process::{Command, Output};
-
 use serde_json::Value as Json;
 
-fn specula(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(args)
-        .output()
-        .expect("the specula binary runs")
-}
+mod common;
+use common::json_of;
 
 /// `specula run … --chat --json` with greedy sampling; the parsed JSON.
 fn run_json(model: &str, prompt: &str, n: &str, extra: &[&str]) -> Json {
@@ -36,13 +30,7 @@ fn run_json_with(how: &[&str], model: &str, prompt: &str, n: &str, extra: &[&str
         "-p", prompt, "-n", n, "--temp", "0", "--top-k", "1", "--seed", "42", "-t", "2", "--json",
     ]);
     args.extend_from_slice(extra);
-    let out = specula(&args);
-    assert!(
-        out.status.success(),
-        "specula {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
+    json_of(&args)
 }
 
 fn ids(j: &Json) -> Vec<u64> {

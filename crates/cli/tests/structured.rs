@@ -13,16 +13,11 @@
 //!   constraint with `--force-ids` fail with one line naming the problem.
 
 use std::path::PathBuf;
-use std::process::{Command, Output};
 
 use serde_json::Value;
 
-fn specula(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(args)
-        .output()
-        .expect("the specula binary runs")
-}
+mod common;
+use common::{json_of, specula};
 
 /// `specula run -m model -p prompt --json` greedy with `extra`; the parsed JSON.
 fn run(model: &str, prompt: &str, extra: &[&str]) -> Value {
@@ -36,13 +31,7 @@ fn run_at(sampling: (&str, &str), model: &str, prompt: &str, extra: &[&str]) -> 
         "-t", "2", "-c", "2048", "--json",
     ];
     args.extend_from_slice(extra);
-    let out = specula(&args);
-    assert!(
-        out.status.success(),
-        "specula {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON object")
+    json_of(&args)
 }
 
 fn ids(v: &Value) -> Vec<u64> {

@@ -2,17 +2,13 @@
 //! (when cached) against llama.cpp's ids in `golden/tokenizer/<model>.json`.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 
 use serde_json::Value as Json;
 use specula_gguf::{Array, GgufWriter, Value};
 
-fn specula(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_specula"))
-        .args(args)
-        .output()
-        .expect("the specula binary runs")
-}
+mod common;
+use common::specula;
 
 fn stdout(out: &Output) -> String {
     assert!(
