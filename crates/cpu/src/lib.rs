@@ -281,6 +281,10 @@ impl Backend for CpuBackend {
         ops::scale(self, a, s);
     }
 
+    fn add_rows_scaled(&self, dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor, w: &[f32]) {
+        ops::add_rows_scaled(dst, rows, src, w);
+    }
+
     fn kv_new(&self, shape: KvShape) -> Result<CpuKv> {
         CpuKv::new(shape)
     }

@@ -18,6 +18,9 @@ pub enum Arch {
     /// post-attention and post-FFN norms, GELU-gated FFN, sliding-window layers with their own
     /// RoPE base (llama.cpp `src/models/gemma3.cpp`).
     Gemma3,
+    /// qwen3moe (Qwen3-30B-A3B, 235B-A22B): qwen3's attention, a mixture of experts in every
+    /// layer (softmax router, top-k renormalized; llama.cpp `src/models/qwen3moe.cpp`).
+    Qwen3Moe,
 }
 
 impl Arch {
@@ -29,6 +32,7 @@ impl Arch {
             Self::Qwen2 => "qwen2",
             Self::Qwen3 => "qwen3",
             Self::Gemma3 => "gemma3",
+            Self::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -38,6 +42,7 @@ impl Arch {
             "qwen2" => Some(Self::Qwen2),
             "qwen3" => Some(Self::Qwen3),
             "gemma3" => Some(Self::Gemma3),
+            "qwen3moe" => Some(Self::Qwen3Moe),
             _ => None,
         }
     }
@@ -47,7 +52,7 @@ impl Arch {
     pub fn rope_kind(self) -> RopeKind {
         match self {
             Self::Llama => RopeKind::Normal,
-            Self::Qwen2 | Self::Qwen3 | Self::Gemma3 => RopeKind::Neox,
+            Self::Qwen2 | Self::Qwen3 | Self::Gemma3 | Self::Qwen3Moe => RopeKind::Neox,
         }
     }
 }
@@ -61,7 +66,8 @@ pub struct Hparams {
     pub n_layer: usize,
     /// Hidden size.
     pub n_embd: usize,
-    /// Feed-forward size.
+    /// Feed-forward size of the dense layers (`feed_forward_length`; 0 in a model whose every
+    /// layer is a mixture of experts and that does not give it).
     pub n_ff: usize,
     /// Query heads.
     pub n_head: usize,
@@ -90,6 +96,8 @@ pub struct Hparams {
     pub embd_scale: Option<f32>,
     /// Sliding-window attention: the window and which layers use it.
     pub swa: Option<SlidingWindow>,
+    /// What each layer computes (`arch/<arch>.rs` reads it from the metadata).
+    pub layers: Vec<crate::spec::LayerSpec>,
 }
 
 /// The sliding-window layers of a model and their attention window (llama.cpp
@@ -352,6 +360,51 @@ pub(crate) fn rope_angles_finite(
     ))
 }
 
+/// A count given once for every layer or as an array of one per layer (llama.cpp
+/// `get_key_or_arr`): `None` when absent.
+pub(crate) fn per_layer(
+    md: &Metadata,
+    key: &str,
+    n_layer: usize,
+) -> Result<Option<Vec<usize>>, ModelError> {
+    use specula_gguf::{Array, Value};
+    let Some(Value::Array(a)) = md.get(key) else {
+        return Ok(opt_usize(md, key)?.map(|n| vec![n; n_layer]));
+    };
+    let bad = |detail: String| ModelError::BadValue {
+        key: key.to_owned(),
+        detail,
+    };
+    let wide: Option<Vec<u64>> = match a {
+        Array::U8(v) => Some(v.iter().map(|&x| u64::from(x)).collect()),
+        Array::U16(v) => Some(v.iter().map(|&x| u64::from(x)).collect()),
+        Array::U32(v) => Some(v.iter().map(|&x| u64::from(x)).collect()),
+        Array::U64(v) => Some(v.clone()),
+        Array::I8(v) => v.iter().map(|&x| u64::try_from(x).ok()).collect(),
+        Array::I16(v) => v.iter().map(|&x| u64::try_from(x).ok()).collect(),
+        Array::I32(v) => v.iter().map(|&x| u64::try_from(x).ok()).collect(),
+        Array::I64(v) => v.iter().map(|&x| u64::try_from(x).ok()).collect(),
+        _ => {
+            return Err(bad(format!(
+                "an array of {:?}, expected unsigned integers",
+                a.element_type()
+            )));
+        }
+    };
+    let v = wide
+        .ok_or_else(|| bad("a negative entry, expected unsigned integers".into()))?
+        .into_iter()
+        .map(|x| usize::try_from(x).map_err(|_| bad(format!("{x} does not fit in usize"))))
+        .collect::<Result<Vec<usize>, _>>()?;
+    if v.len() != n_layer {
+        return Err(bad(format!(
+            "{} entries for a model of {n_layer} layers",
+            v.len()
+        )));
+    }
+    Ok(Some(v))
+}
+
 /// A required layer or width count that must be at least 1.
 pub(crate) fn count(md: &Metadata, key: &str) -> Result<usize, ModelError> {
     match get_usize(md, key)? {
@@ -412,11 +465,16 @@ impl Hparams {
             Arch::Gemma3 => sliding_window(md, a, n_layer, 6)?,
             _ => None,
         };
-        Ok(Self {
+        let n_ff = match arch {
+            // Every layer is MoE: the dense width is optional (it sizes no tensor).
+            Arch::Qwen3Moe => opt_usize(md, &k("feed_forward_length"))?.unwrap_or(0),
+            _ => count(md, &k("feed_forward_length"))?,
+        };
+        let mut hp = Self {
             arch,
             n_layer,
             n_embd,
-            n_ff: count(md, &k("feed_forward_length"))?,
+            n_ff,
             n_head,
             n_head_kv: at.n_head_kv,
             head_dim_k,
@@ -430,7 +488,10 @@ impl Hparams {
             attn_scale,
             embd_scale,
             swa,
-        })
+            layers: Vec::new(),
+        };
+        hp.layers = crate::arch::layers(&hp, md)?;
+        Ok(hp)
     }
 }
 

@@ -28,18 +28,21 @@
 //! # Ok(()) }
 //! ```
 
+mod arch;
 pub mod dflash;
 pub mod eagle3;
 mod hparams;
 mod linear;
+mod moe;
+pub mod spec;
 
 use std::sync::Arc;
 
 use specula_gguf::Gguf;
 use specula_quant::QType;
-use specula_tensor::{
-    AttentionParams, Backend, ByteSource, KvShape, Mask, RopeConfig, TensorError, WeightDesc,
-};
+use specula_tensor::{AttentionParams, Backend, ByteSource, KvShape, TensorError, WeightDesc};
+
+use spec::{Act, AttnSpec, FfnSpec, LayerSpec, MixerSpec};
 
 /// The bytes of an open GGUF file, lent to the backend's weights.
 struct FileBytes(Arc<Gguf>);
@@ -65,7 +68,7 @@ pub use linear::Linear;
 #[non_exhaustive]
 pub enum ModelError {
     /// `general.architecture` names an architecture this crate does not run.
-    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3)")]
+    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe)")]
     UnsupportedArch {
         /// The name found.
         arch: String,
@@ -309,10 +312,28 @@ pub enum ModelError {
 /// Result alias.
 pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 
-/// The weights of one transformer block.
+/// The weights of one layer, as its [`LayerSpec`] names them.
 #[derive(Debug)]
 struct Layer<W> {
     attn_norm: W,
+    mixer: Mixer<W>,
+    /// Gemma's sandwich norms: on the mixer output before the residual add, and on the FFN
+    /// output before its residual add.
+    post_attn_norm: Option<W>,
+    ffn_norm: W,
+    ffn: Ffn<W>,
+    post_ffw_norm: Option<W>,
+}
+
+/// The weights of a layer's mixer.
+#[derive(Debug)]
+enum Mixer<W> {
+    Attention(AttnWeights<W>),
+}
+
+/// The projections (and optional biases and QK-norms) of an attention mixer.
+#[derive(Debug)]
+struct AttnWeights<W> {
     wq: Linear<W>,
     wk: Linear<W>,
     wv: Linear<W>,
@@ -322,14 +343,17 @@ struct Layer<W> {
     bv: Option<W>,
     q_norm: Option<W>,
     k_norm: Option<W>,
-    /// Gemma's sandwich norms: on the attention output before the residual add, and on the
-    /// FFN output before its residual add.
-    post_attn_norm: Option<W>,
-    ffn_norm: W,
-    ffn_gate: Linear<W>,
-    ffn_up: Linear<W>,
-    ffn_down: Linear<W>,
-    post_ffw_norm: Option<W>,
+}
+
+/// The weights of a layer's FFN.
+#[derive(Debug)]
+enum Ffn<W> {
+    Dense {
+        gate: Linear<W>,
+        up: Linear<W>,
+        down: Linear<W>,
+    },
+    Moe(moe::MoeWeights<W>),
 }
 
 /// Hidden-state capture: which layer inputs to keep, and what was kept by the last forward
@@ -379,6 +403,8 @@ pub struct Scratch<B: Backend> {
     seq_host: Vec<f32>,
     /// One sequence's rows of a tapped hidden state ([`Model::forward_multi`]).
     tap_rows: B::Tensor,
+    /// The buffers of a mixture-of-experts FFN.
+    moe: moe::MoeScratch<B>,
 }
 
 /// One sequence's rows in a [`Model::forward_multi`] batch: its own cache, its tokens at their
@@ -530,6 +556,152 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(w)
     }
 
+    /// The tensors of layer `il` that `spec` names (`blk.<il>.…`).
+    fn layer(&self, arch: &str, il: usize, e: usize, spec: &LayerSpec) -> Result<Layer<B::Weight>> {
+        let n = |s: &str| format!("blk.{il}.{s}");
+        let post = |name: &str| -> Result<Option<B::Weight>> {
+            if spec.post_norms {
+                self.req(&n(name), &[e]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let mixer = match &spec.mixer {
+            MixerSpec::Attention(a) => Mixer::Attention(self.attention(arch, il, e, a)?),
+        };
+        let ffn = match &spec.ffn {
+            FfnSpec::Dense { n_ff, .. } => Ffn::Dense {
+                gate: self.linear(&n("ffn_gate"), &[e, *n_ff])?,
+                up: self.linear(&n("ffn_up"), &[e, *n_ff])?,
+                down: self.linear(&n("ffn_down"), &[*n_ff, e])?,
+            },
+            FfnSpec::Moe(m) => {
+                let gate = self.experts(&n("ffn_gate_exps"), e, m.n_ff, m.n_expert)?;
+                let up = self.experts(&n("ffn_up_exps"), e, m.n_ff, m.n_expert)?;
+                let down = self.experts(&n("ffn_down_exps"), m.n_ff, e, m.n_expert)?;
+                Ffn::Moe(moe::MoeWeights {
+                    router: self.linear(&n("ffn_gate_inp"), &[e, m.n_expert])?,
+                    experts: gate
+                        .into_iter()
+                        .zip(up)
+                        .zip(down)
+                        .map(|((gate, up), down)| moe::Expert { gate, up, down })
+                        .collect(),
+                })
+            }
+        };
+        Ok(Layer {
+            attn_norm: self.req(&n("attn_norm.weight"), &[e])?,
+            mixer,
+            post_attn_norm: post("post_attention_norm.weight")?,
+            ffn_norm: self.req(&n("ffn_norm.weight"), &[e])?,
+            ffn,
+            post_ffw_norm: post("post_ffw_norm.weight")?,
+        })
+    }
+
+    /// An attention mixer's tensors. Biases are read when the file has them (llama.cpp's
+    /// `llama` graph takes optional ones) and required where the spec says so.
+    fn attention(
+        &self,
+        arch: &str,
+        il: usize,
+        e: usize,
+        a: &AttnSpec,
+    ) -> Result<AttnWeights<B::Weight>> {
+        let n = |s: &str| format!("blk.{il}.{s}");
+        let heads = format!("{arch}.attention.head_count");
+        let kv_heads = format!("{arch}.attention.head_count_kv");
+        let qd = mul(&heads, a.n_head, a.head_dim_k)?;
+        let kd = mul(&kv_heads, a.n_head_kv, a.head_dim_k)?;
+        let vd = mul(&kv_heads, a.n_head_kv, a.head_dim_v)?;
+        let od = mul(&heads, a.n_head, a.head_dim_v)?;
+        let bias = |name: &str, d: usize| -> Result<Option<B::Weight>> {
+            if a.qkv_bias {
+                self.req(&n(name), &[d]).map(Some)
+            } else {
+                self.get(&n(name), &[d])
+            }
+        };
+        let qk_norm = |name: &str| -> Result<Option<B::Weight>> {
+            if a.qk_norm {
+                self.req(&n(name), &[a.head_dim_k]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(AttnWeights {
+            wq: self.linear(&n("attn_q"), &[e, qd])?,
+            wk: self.linear(&n("attn_k"), &[e, kd])?,
+            wv: self.linear(&n("attn_v"), &[e, vd])?,
+            wo: self.linear(&n("attn_output"), &[od, e])?,
+            bq: bias("attn_q.bias", qd)?,
+            bk: bias("attn_k.bias", kd)?,
+            bv: bias("attn_v.bias", vd)?,
+            q_norm: qk_norm("attn_q_norm.weight")?,
+            k_norm: qk_norm("attn_k_norm.weight")?,
+        })
+    }
+
+    /// The `n_expert` matrices `[n_in] → [n_out]` stacked in `<base>.weight` (ggml dims
+    /// `[n_in, n_out, n_expert]`), each a weight of its own over its slice of the file, with
+    /// the per-expert scales `<base>.scale` (`[n_expert]`) when the file has them.
+    fn experts(
+        &self,
+        base: &str,
+        n_in: usize,
+        n_out: usize,
+        n_expert: usize,
+    ) -> Result<Vec<Linear<B::Weight>>> {
+        let name = format!("{base}.weight");
+        let idx = self
+            .file
+            .tensors()
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
+        let info = &self.file.tensors()[idx];
+        let got: Vec<usize> = info
+            .dims
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        if got != [n_in, n_out, n_expert] {
+            return Err(ModelError::BadShape {
+                name,
+                expected: vec![n_in, n_out, n_expert],
+                got,
+            });
+        }
+        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
+            name: name.clone(),
+            ty: info.ty.name().to_owned(),
+        })?;
+        let per = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
+            name: name.clone(),
+            source,
+        })? * n_out;
+        let scales = self.scales.read_per_expert(self.file, base, n_expert)?;
+        let data = self.file.tensor_data(idx);
+        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
+        (0..n_expert)
+            .map(|x| {
+                let mut w = self.backend.weight(WeightDesc {
+                    name: &name,
+                    ty,
+                    dims: &[n_in, n_out],
+                    data: &data[x * per..(x + 1) * per],
+                    owner: Arc::clone(&owner),
+                })?;
+                self.backend.prepare_matmul(&mut w);
+                Ok(Linear {
+                    w,
+                    scale: scales.as_ref().map(|s| s[x]),
+                })
+            })
+            .collect()
+    }
+
     fn req(&self, name: &str, dims: &[usize]) -> Result<B::Weight> {
         self.get(name, dims)?
             .ok_or_else(|| ModelError::MissingTensor {
@@ -629,30 +801,7 @@ impl<B: Backend> Model<B> {
             hp.n_layer,
         )?;
         let l = Loader::new(backend, &file);
-        let (e, f) = (hp.n_embd, hp.n_ff);
-        let a = hp.arch.name();
-        let (qd, kd, vd) = (
-            mul(
-                &format!("{a}.attention.head_count"),
-                hp.n_head,
-                hp.head_dim_k,
-            )?,
-            mul(
-                &format!("{a}.attention.head_count_kv"),
-                hp.n_head_kv,
-                hp.head_dim_k,
-            )?,
-            mul(
-                &format!("{a}.attention.head_count_kv"),
-                hp.n_head_kv,
-                hp.head_dim_v,
-            )?,
-        );
-        let od = mul(
-            &format!("{a}.attention.head_count"),
-            hp.n_head,
-            hp.head_dim_v,
-        )?;
+        let e = hp.n_embd;
         let mut tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;
         let output_norm = l.req("output_norm.weight", &[e])?;
         let output = l.linear_opt("output", &[e, n_vocab])?;
@@ -663,43 +812,8 @@ impl<B: Backend> Model<B> {
         // The layers' tensors were counted above: a huge `block_count` is a missing tensor,
         // not an allocation.
         let mut layers = Vec::with_capacity(hp.n_layer.min(file.tensors().len()));
-        for i in 0..hp.n_layer {
-            let n = |s: &str| format!("blk.{i}.{s}");
-            let qk_norm = matches!(hp.arch, Arch::Qwen3 | Arch::Gemma3);
-            let post_norms = hp.arch == Arch::Gemma3;
-            let opt = |name: &str, want: bool| -> Result<Option<B::Weight>> {
-                if want {
-                    l.req(&n(name), &[e]).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            layers.push(Layer {
-                attn_norm: l.req(&n("attn_norm.weight"), &[e])?,
-                wq: l.linear(&n("attn_q"), &[e, qd])?,
-                wk: l.linear(&n("attn_k"), &[e, kd])?,
-                wv: l.linear(&n("attn_v"), &[e, vd])?,
-                wo: l.linear(&n("attn_output"), &[od, e])?,
-                bq: l.get(&n("attn_q.bias"), &[qd])?,
-                bk: l.get(&n("attn_k.bias"), &[kd])?,
-                bv: l.get(&n("attn_v.bias"), &[vd])?,
-                q_norm: if qk_norm {
-                    Some(l.req(&n("attn_q_norm.weight"), &[hp.head_dim_k])?)
-                } else {
-                    None
-                },
-                k_norm: if qk_norm {
-                    Some(l.req(&n("attn_k_norm.weight"), &[hp.head_dim_k])?)
-                } else {
-                    None
-                },
-                post_attn_norm: opt("post_attention_norm.weight", post_norms)?,
-                ffn_norm: l.req(&n("ffn_norm.weight"), &[e])?,
-                ffn_gate: l.linear(&n("ffn_gate"), &[e, f])?,
-                ffn_up: l.linear(&n("ffn_up"), &[e, f])?,
-                ffn_down: l.linear(&n("ffn_down"), &[f, e])?,
-                post_ffw_norm: opt("post_ffw_norm.weight", post_norms)?,
-            });
+        for (il, spec) in hp.layers.iter().enumerate() {
+            layers.push(l.layer(hp.arch.name(), il, e, spec)?);
         }
         l.scales.check(&file)?;
         let output_scale = output.as_ref().and_then(|o| o.scale);
@@ -901,33 +1015,35 @@ impl<B: Backend> Model<B> {
             attn_host: Vec::new(),
             seq_host: Vec::new(),
             tap_rows: z(),
+            moe: moe::MoeScratch::new(backend),
         }
     }
 
-    /// RoPE of layer `il`: sliding-window layers have their own base and no frequency
-    /// scaling (llama.cpp `get_rope_freq_base` / `get_rope_freq_scale`:
-    /// `rope_freq_scale_train_swa` is 1).
-    fn rope(&self, il: usize) -> RopeConfig {
-        let hp = &self.hp;
-        match &hp.swa {
-            Some(w) if hp.is_swa(il) => {
-                RopeConfig::new(hp.arch.rope_kind(), hp.n_rot, w.rope_freq_base)
-            }
-            _ => {
-                let mut r = RopeConfig::new(hp.arch.rope_kind(), hp.n_rot, hp.rope_freq_base);
-                r.freq_scale = hp.rope_freq_scale;
-                r
-            }
+    /// The attention spec of layer `il` (every layer of these architectures attends).
+    fn attn_spec(&self, il: usize) -> &AttnSpec {
+        match &self.hp.layers[il].mixer {
+            MixerSpec::Attention(a) => a,
         }
     }
 
-    /// The attention mask of layer `il`: causal, limited to the sliding window on the layers
-    /// that have one. Every forward (prefill chunks, decode, verify rows of several positions,
-    /// several sequences) masks through this, per query position, so they agree.
-    fn mask(hp: &Hparams, il: usize) -> Mask {
-        match &hp.swa {
-            Some(w) if hp.is_swa(il) => Mask::SlidingWindow(w.window),
-            _ => Mask::Causal,
+    /// The attention call of layer `il` for queries at `q_pos` over cells at `kv_pos`: the
+    /// layer's heads, scale and mask. Every forward (prefill chunks, decode, verify rows,
+    /// several sequences) attends through this, so they agree.
+    fn attn_params<'p>(
+        &self,
+        il: usize,
+        q_pos: &'p [u32],
+        kv_pos: &'p [u32],
+    ) -> AttentionParams<'p> {
+        let a = self.attn_spec(il);
+        AttentionParams {
+            layer: il,
+            n_head: a.n_head,
+            q_pos,
+            kv_pos,
+            scale: a.scale,
+            mask: a.mask,
+            softcap: None,
         }
     }
 
@@ -1019,20 +1135,7 @@ impl<B: Backend> Model<B> {
                 _ => (&s.cells[..], &s.kv_pos[..]),
             };
             be.kv_write(kv, il, cells, &s.k, &s.v);
-            be.attention(
-                &s.q,
-                kv,
-                &AttentionParams {
-                    layer: il,
-                    n_head: self.hp.n_head,
-                    q_pos: pos,
-                    kv_pos,
-                    scale: self.hp.attn_scale,
-                    mask: Self::mask(&self.hp, il),
-                    softcap: None,
-                },
-                &mut s.attn,
-            );
+            be.attention(&s.q, kv, &self.attn_params(il, pos, kv_pos), &mut s.attn);
         })?;
         Ok(&s.host)
     }
@@ -1156,15 +1259,7 @@ impl<B: Backend> Model<B> {
                     be.attention(
                         &s.seq_q,
                         q.kv,
-                        &AttentionParams {
-                            layer: il,
-                            n_head: hp.n_head,
-                            q_pos: q.pos,
-                            kv_pos,
-                            scale: hp.attn_scale,
-                            mask: Self::mask(hp, il),
-                            softcap: None,
-                        },
+                        &self.attn_params(il, q.pos, kv_pos),
                         &mut s.seq_attn,
                     );
                     be.to_host(&s.seq_attn, &mut s.seq_host);
@@ -1197,6 +1292,46 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Q, K and V of an attention mixer from `s.cur` into `s.q`, `s.k`, `s.v`: projections,
+    /// biases, QK-norm, RoPE at `pos`.
+    fn qkv(
+        be: &B,
+        s: &mut Scratch<B>,
+        w: &AttnWeights<B::Weight>,
+        a: &AttnSpec,
+        eps: f32,
+        pos: &[u32],
+    ) {
+        w.wq.matmul(be, &s.cur, &mut s.q);
+        w.wk.matmul(be, &s.cur, &mut s.k);
+        w.wv.matmul(be, &s.cur, &mut s.v);
+        if let Some(b) = &w.bq {
+            be.add_vector(&mut s.q, b);
+        }
+        if let Some(b) = &w.bk {
+            be.add_vector(&mut s.k, b);
+        }
+        if let Some(b) = &w.bv {
+            be.add_vector(&mut s.v, b);
+        }
+        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
+            be.rms_norm_groups(&mut s.q, a.head_dim_k, qn, eps);
+            be.rms_norm_groups(&mut s.k, a.head_dim_k, kn, eps);
+        }
+        be.rope(&mut s.q, a.head_dim_k, pos, &a.rope);
+        be.rope(&mut s.k, a.head_dim_k, pos, &a.rope);
+    }
+
+    /// `x += proj`, through the sandwich norm `post` when the layer has one.
+    fn residual(be: &B, s: &mut Scratch<B>, post: Option<&B::Weight>, eps: f32) {
+        if let Some(w) = post {
+            be.rms_norm(&s.proj, Some(w), eps, &mut s.cur);
+            be.add(&mut s.x, &s.cur);
+        } else {
+            be.add(&mut s.x, &s.proj);
+        }
+    }
+
     /// Every layer around the attention `attend` computes (from `s.q/k/v` into `s.attn`,
     /// writing the cache), then the output head for `logits_rows` into `s.host`.
     #[allow(
@@ -1224,54 +1359,37 @@ impl<B: Backend> Model<B> {
         if let Some(f) = hp.embd_scale {
             be.scale(&mut s.x, f);
         }
-        for (il, layer) in self.layers.iter().enumerate() {
-            let rope = self.rope(il);
+        for (il, (layer, spec)) in self.layers.iter().zip(&hp.layers).enumerate() {
             if let Some(f) = tap.as_deref_mut() {
                 f(be, s, il);
             }
             be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
-            layer.wq.matmul(be, &s.cur, &mut s.q);
-            layer.wk.matmul(be, &s.cur, &mut s.k);
-            layer.wv.matmul(be, &s.cur, &mut s.v);
-            if let Some(b) = &layer.bq {
-                be.add_vector(&mut s.q, b);
+            match (&layer.mixer, &spec.mixer) {
+                (Mixer::Attention(w), MixerSpec::Attention(a)) => {
+                    Self::qkv(be, s, w, a, hp.rms_eps, pos);
+                    attend(be, s, il);
+                    w.wo.matmul(be, &s.attn, &mut s.proj);
+                }
             }
-            if let Some(b) = &layer.bk {
-                be.add_vector(&mut s.k, b);
-            }
-            if let Some(b) = &layer.bv {
-                be.add_vector(&mut s.v, b);
-            }
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                be.rms_norm_groups(&mut s.q, hp.head_dim_k, qn, hp.rms_eps);
-                be.rms_norm_groups(&mut s.k, hp.head_dim_k, kn, hp.rms_eps);
-            }
-            be.rope(&mut s.q, hp.head_dim_k, pos, &rope);
-            be.rope(&mut s.k, hp.head_dim_k, pos, &rope);
-            attend(be, s, il);
-            layer.wo.matmul(be, &s.attn, &mut s.proj);
-            if let Some(w) = &layer.post_attn_norm {
-                be.rms_norm(&s.proj, Some(w), hp.rms_eps, &mut s.cur);
-                be.add(&mut s.x, &s.cur);
-            } else {
-                be.add(&mut s.x, &s.proj);
-            }
+            Self::residual(be, s, layer.post_attn_norm.as_ref(), hp.rms_eps);
 
             be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
-            layer.ffn_gate.matmul(be, &s.cur, &mut s.gate);
-            layer.ffn_up.matmul(be, &s.cur, &mut s.up);
-            if hp.arch == Arch::Gemma3 {
-                be.geglu(&s.gate, &s.up, &mut s.act);
-            } else {
-                be.swiglu(&s.gate, &s.up, &mut s.act);
+            match (&layer.ffn, &spec.ffn) {
+                (Ffn::Dense { gate, up, down }, FfnSpec::Dense { act, .. }) => {
+                    gate.matmul(be, &s.cur, &mut s.gate);
+                    up.matmul(be, &s.cur, &mut s.up);
+                    match act {
+                        Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
+                        Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
+                    }
+                    down.matmul(be, &s.act, &mut s.proj);
+                }
+                (Ffn::Moe(w), FfnSpec::Moe(m)) => {
+                    moe::forward(be, m, w, &s.cur, &mut s.moe, &mut s.proj);
+                }
+                _ => unreachable!("layer {il}: the weights were loaded from this spec"),
             }
-            layer.ffn_down.matmul(be, &s.act, &mut s.proj);
-            if let Some(w) = &layer.post_ffw_norm {
-                be.rms_norm(&s.proj, Some(w), hp.rms_eps, &mut s.cur);
-                be.add(&mut s.x, &s.cur);
-            } else {
-                be.add(&mut s.x, &s.proj);
-            }
+            Self::residual(be, s, layer.post_ffw_norm.as_ref(), hp.rms_eps);
         }
         if let Some(f) = tap {
             f(be, s, hp.n_layer);

@@ -85,6 +85,49 @@ impl Scales {
         tensor_scale(file, base)
     }
 
+    /// The per-expert scales of the stacked expert matrices `<base>.weight` (`<base>.scale`,
+    /// F32 `[n_expert]`, llama.cpp's `ffn_*_exps_s`), recorded as applied.
+    ///
+    /// # Errors
+    /// [`ModelError::BadShape`] when it is not `n_expert` F32 values, [`ModelError::BadScale`]
+    /// for a value that is not finite.
+    pub(crate) fn read_per_expert(
+        &self,
+        file: &Gguf,
+        base: &str,
+        n_expert: usize,
+    ) -> Result<Option<Vec<f32>>> {
+        self.applied.borrow_mut().push(base.to_owned());
+        let name = format!("{base}.scale");
+        let Some(info) = file.tensor(&name) else {
+            return Ok(None);
+        };
+        let data = file.tensor_data_by_name(&name).unwrap_or(&[]);
+        let dims: Vec<usize> = info
+            .dims
+            .iter()
+            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+            .collect();
+        if info.ty != specula_gguf::GgmlType::F32
+            || dims != [n_expert]
+            || data.len() != 4 * n_expert
+        {
+            return Err(ModelError::BadShape {
+                name,
+                expected: vec![n_expert],
+                got: dims,
+            });
+        }
+        let v: Vec<f32> = data
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        if let Some(&bad) = v.iter().find(|s| !s.is_finite()) {
+            return Err(ModelError::BadScale { name, value: bad });
+        }
+        Ok(Some(v))
+    }
+
     /// Refuses every `<name>.input_scale` (an activation scale: specula does not quantize
     /// activations with it) and every `<name>.scale` of a matrix no [`Linear`] of the model
     /// applies.

@@ -378,6 +378,16 @@ pub trait Backend: Send + Sync {
     fn add(&self, a: &mut Self::Tensor, b: &Self::Tensor);
     /// `a *= s`.
     fn scale(&self, a: &mut Self::Tensor, s: f32);
+    /// `dst[rows[i]] += w[i] · src[i]` for each row `i` of `src`, in order: a mixture of
+    /// experts adds each expert's output rows, weighted, to the tokens that chose it. Rows of
+    /// `rows` may repeat (each addition then happens in the order given).
+    fn add_rows_scaled(
+        &self,
+        dst: &mut Self::Tensor,
+        rows: &[usize],
+        src: &Self::Tensor,
+        w: &[f32],
+    );
 
     /// Allocates the cache.
     ///

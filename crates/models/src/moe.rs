@@ -1,0 +1,267 @@
+//! Mixture-of-experts FFN: the router, top-k selection, and the experts run grouped by expert.
+//!
+//! For a batch of `n` rows, the router's logits `[n, n_expert]` come to the host, where each
+//! row's scores (softmax), its top `n_used` experts and their weights (renormalized, scaled)
+//! are computed in f32. The rows are then grouped by expert: each expert with at least one row
+//! gathers its rows ([`Backend::copy_rows`]), runs its gated MLP over them as one matmul per
+//! projection, and adds its output, weighted, to those rows ([`Backend::add_rows_scaled`]).
+//! A prefill batch thus costs one matmul per used expert and projection, not one per token.
+//!
+//! A row's result depends only on the row: its scores, its experts and their weights are its
+//! own, the matmul kernels give a row the bits it would have alone, and its expert outputs are
+//! added in expert order whatever else is in the batch (batch invariance, so speculation and
+//! continuous batching stay lossless).
+
+use specula_gguf::Metadata;
+use specula_tensor::Backend;
+
+use crate::hparams::per_layer;
+use crate::spec::{Act, Gating, MoeSpec};
+use crate::{Hparams, Linear, ModelError, Result, count, int_bound, scale_f32};
+
+/// llama.cpp's `LLAMA_MAX_EXPERTS`.
+const MAX_EXPERTS: usize = 1024;
+
+/// The expert keys of `<arch>.*`: `expert_count`, `expert_used_count` and
+/// `expert_feed_forward_length` (each of the last two one value or one per layer, as
+/// llama.cpp's `get_key_or_arr` reads them), `expert_weights_scale`.
+pub(crate) struct ExpertKeys {
+    n_expert: usize,
+    n_used: Vec<usize>,
+    n_ff: Vec<usize>,
+    weights_scale: f32,
+}
+
+impl ExpertKeys {
+    pub(crate) fn read(md: &Metadata, hp: &Hparams) -> Result<Self> {
+        let a = hp.arch.name();
+        let k = |s: &str| format!("{a}.{s}");
+        let n_expert = count(md, &k("expert_count"))?;
+        if n_expert > MAX_EXPERTS {
+            return Err(int_bound(
+                &k("expert_count"),
+                n_expert,
+                format!("at most {MAX_EXPERTS} (llama.cpp's LLAMA_MAX_EXPERTS)"),
+            ));
+        }
+        let n_used = per_layer(md, &k("expert_used_count"), hp.n_layer)?.ok_or_else(|| {
+            ModelError::MissingKey {
+                key: k("expert_used_count"),
+            }
+        })?;
+        if let Some(&bad) = n_used.iter().find(|&&u| u == 0 || u > n_expert) {
+            return Err(int_bound(
+                &k("expert_used_count"),
+                bad,
+                format!("in 1..={n_expert} (`{}`)", k("expert_count")),
+            ));
+        }
+        // Without the key, llama.cpp sizes an expert as `feed_forward_length / n_used`.
+        let n_ff = match per_layer(md, &k("expert_feed_forward_length"), hp.n_layer)? {
+            Some(v) => v,
+            None => n_used.iter().map(|&u| hp.n_ff / u).collect(),
+        };
+        if let Some(&bad) = n_ff.iter().find(|&&f| f == 0) {
+            return Err(int_bound(
+                &k("expert_feed_forward_length"),
+                bad,
+                "at least 1",
+            ));
+        }
+        let weights_scale = match scale_f32(md, &k("expert_weights_scale"))? {
+            // 0 (and absent) mean no scaling, as in `build_moe_ffn`.
+            None => 1.0,
+            Some(0.0) => 1.0,
+            Some(s) => s,
+        };
+        Ok(Self {
+            n_expert,
+            n_used,
+            n_ff,
+            weights_scale,
+        })
+    }
+
+    /// The MoE of layer `il`.
+    pub(crate) fn spec(&self, il: usize, gating: Gating, norm_weights: bool, act: Act) -> MoeSpec {
+        MoeSpec {
+            n_expert: self.n_expert,
+            n_used: self.n_used[il],
+            n_ff: self.n_ff[il],
+            gating,
+            norm_weights,
+            weights_scale: self.weights_scale,
+            act,
+        }
+    }
+}
+
+/// One expert's gated MLP.
+#[derive(Debug)]
+pub(crate) struct Expert<W> {
+    pub(crate) gate: Linear<W>,
+    pub(crate) up: Linear<W>,
+    pub(crate) down: Linear<W>,
+}
+
+/// The weights of a mixture-of-experts FFN.
+#[derive(Debug)]
+pub(crate) struct MoeWeights<W> {
+    /// `ffn_gate_inp`: `[n_embd] → [n_expert]` router logits.
+    pub(crate) router: Linear<W>,
+    pub(crate) experts: Vec<Expert<W>>,
+}
+
+/// The routing of one batch: for each expert, the rows that chose it and their weights, rows in
+/// increasing order.
+#[derive(Debug, Default)]
+pub(crate) struct Routing {
+    rows: Vec<Vec<usize>>,
+    weights: Vec<Vec<f32>>,
+    /// One row's scores, and its experts by decreasing score.
+    probs: Vec<f32>,
+    order: Vec<usize>,
+}
+
+impl Routing {
+    /// Routes the `n = logits.len() / n_expert` rows of `logits` (row-major router logits).
+    pub(crate) fn route(&mut self, spec: &MoeSpec, logits: &[f32]) {
+        let ne = spec.n_expert;
+        self.rows.resize_with(ne, Vec::new);
+        self.weights.resize_with(ne, Vec::new);
+        for (r, w) in self.rows.iter_mut().zip(&mut self.weights) {
+            r.clear();
+            w.clear();
+        }
+        for (row, x) in logits.chunks_exact(ne).enumerate() {
+            self.probs.clear();
+            match spec.gating {
+                Gating::Softmax => {
+                    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    self.probs.extend(x.iter().map(|&v| (v - m).exp()));
+                    let sum: f32 = self.probs.iter().sum();
+                    let inv = 1.0 / sum;
+                    for p in &mut self.probs {
+                        *p *= inv;
+                    }
+                }
+            }
+            self.order.clear();
+            self.order.extend(0..ne);
+            // Decreasing score; equal scores keep the lower expert first.
+            let probs = &self.probs;
+            self.order
+                .sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+            let chosen = &self.order[..spec.n_used];
+            let mut sum = 0.0f32;
+            for &e in chosen {
+                sum += probs[e];
+            }
+            for &e in chosen {
+                let mut w = probs[e];
+                if spec.norm_weights {
+                    w /= sum;
+                }
+                w *= spec.weights_scale;
+                self.rows[e].push(row);
+                self.weights[e].push(w);
+            }
+        }
+    }
+}
+
+/// Buffers of one MoE FFN call.
+#[derive(Debug)]
+pub(crate) struct MoeScratch<B: Backend> {
+    logits: B::Tensor,
+    host: Vec<f32>,
+    x: B::Tensor,
+    gate: B::Tensor,
+    up: B::Tensor,
+    act: B::Tensor,
+    y: B::Tensor,
+    routing: Routing,
+}
+
+impl<B: Backend> MoeScratch<B> {
+    pub(crate) fn new(be: &B) -> Self {
+        let z = || be.zeros(0, 0);
+        Self {
+            logits: z(),
+            host: Vec::new(),
+            x: z(),
+            gate: z(),
+            up: z(),
+            act: z(),
+            y: z(),
+            routing: Routing::default(),
+        }
+    }
+}
+
+/// `out = MoE(x)` for every row of `x` (`[n, n_embd]`).
+pub(crate) fn forward<B: Backend>(
+    be: &B,
+    spec: &MoeSpec,
+    w: &MoeWeights<B::Weight>,
+    x: &B::Tensor,
+    s: &mut MoeScratch<B>,
+    out: &mut B::Tensor,
+) {
+    let (n, cols) = be.shape(x);
+    w.router.matmul(be, x, &mut s.logits);
+    be.to_host(&s.logits, &mut s.host);
+    s.routing.route(spec, &s.host);
+    *out = be.zeros(n, cols);
+    for (e, expert) in w.experts.iter().enumerate() {
+        let rows = &s.routing.rows[e];
+        if rows.is_empty() {
+            continue;
+        }
+        be.copy_rows(x, rows, &mut s.x);
+        expert.gate.matmul(be, &s.x, &mut s.gate);
+        expert.up.matmul(be, &s.x, &mut s.up);
+        match spec.act {
+            Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
+            Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
+        }
+        expert.down.matmul(be, &s.act, &mut s.y);
+        be.add_rows_scaled(out, rows, &s.y, &s.routing.weights[e]);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(n_used: usize, norm: bool) -> MoeSpec {
+        MoeSpec {
+            n_expert: 4,
+            n_used,
+            n_ff: 1,
+            gating: Gating::Softmax,
+            norm_weights: norm,
+            weights_scale: 1.0,
+            act: Act::Silu,
+        }
+    }
+
+    /// Top-2 of a softmax, renormalized: the two largest logits win, their weights are their
+    /// softmax shares of the pair (`e^a / (e^a + e^b)`), and each row is routed on its own.
+    #[test]
+    fn top_k_softmax_renormalized() {
+        let mut r = Routing::default();
+        let logits = [0.0, 2.0, 1.0, -1.0, /* row 1 */ 3.0, 3.0, 0.0, 0.0];
+        r.route(&spec(2, true), &logits);
+        assert_eq!(r.rows, [vec![1], vec![0, 1], vec![0], vec![]]);
+        let w1 = 1.0 / (1.0 + (-1.0f32).exp());
+        assert!((r.weights[1][0] - w1).abs() < 1e-6);
+        assert!((r.weights[2][0] - (1.0 - w1)).abs() < 1e-6);
+        // Equal logits: equal weights, the lower expert first.
+        assert!((r.weights[0][0] - 0.5).abs() < 1e-6 && (r.weights[1][1] - 0.5).abs() < 1e-6);
+        // Without renormalization the weights are the softmax scores over all experts.
+        r.route(&spec(1, false), &logits[..4]);
+        let z: f32 = logits[..4].iter().map(|v| v.exp()).sum();
+        assert!((r.weights[1][0] - 2.0f32.exp() / z).abs() < 1e-6);
+    }
+}
