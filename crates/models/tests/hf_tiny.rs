@@ -10,16 +10,18 @@
 //! NMSE `Σ(ours − hf)² / Σhf²` ≤ 1e-6 of transformers' float32 logits, and bit-identical to
 //! each other (batch invariance).
 
-use std::path::Path;
+mod common;
+
 use std::sync::Arc;
 
 use serde_json::Value as Json;
-use sha2::{Digest, Sha256};
 use specula_cpu::CpuBackend;
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_models::{Arch, Model};
 use specula_quant::QType;
 use specula_testkit::{byte_symbols, splitmix64};
+
+use common::{base64_decode, f32_le, max_abs_diff, nmse, sha256_hex};
 
 const N_VOCAB: usize = 256;
 const N_EMBD: usize = 64;
@@ -327,74 +329,7 @@ fn rebuild(spec: &Spec) -> Rebuilt {
 // The golden files.
 
 fn golden(arch: &str) -> Json {
-    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../../golden/hf_tiny")
-        .join(format!("{arch}.json"));
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
-        panic!(
-            "{}: {e} (written by reference/hf_tiny_golden.py)",
-            path.display()
-        )
-    });
-    serde_json::from_str(&text).expect("valid JSON")
-}
-
-fn base64_decode(s: &str) -> Vec<u8> {
-    let sextet = |c: u8| -> u32 {
-        match c {
-            b'A'..=b'Z' => u32::from(c - b'A'),
-            b'a'..=b'z' => u32::from(c - b'a') + 26,
-            b'0'..=b'9' => u32::from(c - b'0') + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => panic!("not base64: {c:#04x}"),
-        }
-    };
-    let s = s.as_bytes();
-    assert_eq!(s.len() % 4, 0, "base64 length");
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    for chunk in s.chunks(4) {
-        let pad = chunk.iter().rev().take_while(|&&c| c == b'=').count();
-        let n = chunk[..4 - pad]
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (i, &c)| acc | (sextet(c) << (18 - 6 * i)));
-        let bytes = n.to_be_bytes();
-        out.extend_from_slice(&bytes[1..4 - pad]);
-    }
-    out
-}
-
-fn f32_le(bytes: &[u8]) -> Vec<f32> {
-    assert_eq!(bytes.len() % 4, 0);
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect()
-}
-
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
-/// `Σ(ours − hf)² / Σhf²`, in f64.
-fn nmse(ours: &[f32], hf: &[f32]) -> f64 {
-    assert_eq!(ours.len(), hf.len());
-    let (num, den) = ours.iter().zip(hf).fold((0.0, 0.0), |(n, d), (&o, &h)| {
-        let (o, h) = (f64::from(o), f64::from(h));
-        (n + (o - h) * (o - h), d + h * h)
-    });
-    num / den
-}
-
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
+    common::golden("hf_tiny", arch, "hf_tiny_golden.py")
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -1,0 +1,397 @@
+//! The model families beyond llama / qwen2 / qwen3 / gemma3 against Hugging Face transformers:
+//! golden logits and hidden states of tiny random models (`golden/hf_families/`, written by
+//! `reference/hf_families_golden.py`, which also ran llama.cpp's converter on the checkpoint to
+//! check the GGUF).
+//!
+//! For each model the GGUF is rebuilt here with specula's `GgufWriter` from the golden file:
+//! its metadata as listed, every tensor from the file's formula (splitmix64 of tensor and
+//! element number, by the tensor's kind); its sha256 must be that of the file gguf-py wrote, so
+//! the model is exactly the one transformers ran. On the CPU backend with an F32 cache, each
+//! sequence then runs
+//! - as one batch (logits of every row),
+//! - token by token (one-token decodes),
+//! - as a prefill followed by multi-token steps (a verify batch's shape),
+//! - next to another sequence in one multi-sequence batch ([`Model::forward_multi`]),
+//!
+//! and every run must be within NMSE `Σ(ours − hf)² / Σhf²` ≤ 1e-5 of transformers' float32
+//! logits and bit-identical to the others (batch invariance: what speculation and continuous
+//! batching rely on). The taps (the input of each layer, and the state before the final norm)
+//! are compared with transformers' hidden states the same way.
+
+mod common;
+
+use std::sync::Arc;
+
+use serde_json::Value as Json;
+use specula_cpu::CpuBackend;
+use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
+use specula_models::{Arch, Model, SeqRows, Taps};
+use specula_quant::QType;
+use specula_testkit::splitmix64;
+
+use common::{f32_base64, first_difference, max_abs_diff, nmse, sha256_hex};
+
+/// The acceptance bound on the NMSE against transformers' float32 values.
+const NMSE_MAX: f64 = 1e-5;
+const N_CTX: usize = 128;
+
+/// A metadata value as the golden file lists it (gguf-py's `GGUFValueType` names).
+fn value(ty: &str, v: &Json) -> Value {
+    let u = || v.as_u64().expect("an unsigned integer");
+    let i = || v.as_i64().expect("an integer");
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "the file holds the f32 value exactly, written as a double"
+    )]
+    match ty {
+        "UINT8" => Value::U8(u8::try_from(u()).expect("u8")),
+        "INT8" => Value::I8(i8::try_from(i()).expect("i8")),
+        "UINT16" => Value::U16(u16::try_from(u()).expect("u16")),
+        "INT16" => Value::I16(i16::try_from(i()).expect("i16")),
+        "UINT32" => Value::U32(u32::try_from(u()).expect("u32")),
+        "INT32" => Value::I32(i32::try_from(i()).expect("i32")),
+        "UINT64" => Value::U64(u()),
+        "INT64" => Value::I64(i()),
+        "FLOAT32" => Value::F32(v.as_f64().expect("a number") as f32),
+        "FLOAT64" => Value::F64(v.as_f64().expect("a number")),
+        "BOOL" => Value::Bool(v.as_bool().expect("a bool")),
+        "STRING" => Value::String(v.as_str().expect("a string").to_owned()),
+        "ARRAY" => Value::Array(array(
+            v["type"].as_str().expect("element type"),
+            v["values"].as_array().expect("values"),
+        )),
+        other => panic!("metadata type {other}"),
+    }
+}
+
+fn array(ty: &str, vs: &[Json]) -> Array {
+    let each = |f: &dyn Fn(&Json) -> Value| vs.iter().map(f).collect::<Vec<_>>();
+    let items = each(&|v| value(ty, v));
+    macro_rules! collect {
+        ($variant:ident) => {
+            Array::$variant(
+                items
+                    .into_iter()
+                    .map(|x| match x {
+                        Value::$variant(x) => x,
+                        _ => unreachable!(),
+                    })
+                    .collect(),
+            )
+        };
+    }
+    match ty {
+        "UINT8" => collect!(U8),
+        "INT8" => collect!(I8),
+        "UINT16" => collect!(U16),
+        "INT16" => collect!(I16),
+        "UINT32" => collect!(U32),
+        "INT32" => collect!(I32),
+        "UINT64" => collect!(U64),
+        "INT64" => collect!(I64),
+        "FLOAT32" => collect!(F32),
+        "FLOAT64" => collect!(F64),
+        "BOOL" => collect!(Bool),
+        "STRING" => collect!(String),
+        other => panic!("array element type {other}"),
+    }
+}
+
+/// The values of GGUF tensor number `t` (`n` elements, row-major over the reversed ggml
+/// dims) of kind `kind`, as the script's formula defines them.
+fn tensor_values(t: usize, n: usize, kind: &str, scale_log2: Option<i32>) -> Vec<f32> {
+    let t = u64::try_from(t).expect("fits");
+    (0..n)
+        .map(|i| {
+            let z = splitmix64((t << 32) | u64::try_from(i).expect("fits"));
+            let v = f64::from(i32::try_from(z >> 40).expect("24 bits") - (1 << 23));
+            let x = match kind {
+                "norm" => 1.0 + v / f64::from(1u32 << 26),
+                "uniform" => v * 2f64.powi(scale_log2.expect("a uniform tensor's scale") - 23),
+                other => panic!("tensor kind {other} (see reference/hf_families_golden.py)"),
+            };
+            // Exact in f64; one round-to-nearest-even to f32, as numpy's astype(float32).
+            #[allow(
+                clippy::cast_possible_truncation,
+                reason = "the one intended f64 → f32 rounding"
+            )]
+            let y = x as f32;
+            y
+        })
+        .collect()
+}
+
+/// The GGUF the golden file describes, written by specula's writer.
+fn rebuild(g: &Json) -> Vec<u8> {
+    let mut w = GgufWriter::new();
+    for kv in g["metadata"].as_array().expect("metadata") {
+        let key = kv[0].as_str().expect("key");
+        w.add(key.to_owned(), value(kv[1].as_str().expect("type"), &kv[2]))
+            .expect("metadata");
+    }
+    let mut data = Vec::new();
+    for (t, d) in g["tensors"].as_array().expect("tensors").iter().enumerate() {
+        assert_eq!(d["type"], "F32", "{}: F32 tensors", d["name"]);
+        let dims: Vec<u64> = d["dims"]
+            .as_array()
+            .expect("dims")
+            .iter()
+            .map(|x| x.as_u64().expect("dim"))
+            .collect();
+        let n = dims
+            .iter()
+            .map(|&x| usize::try_from(x).expect("fits"))
+            .product();
+        let scale = d["scale_log2"]
+            .as_i64()
+            .map(|s| i32::try_from(s).expect("small"));
+        let values = tensor_values(t, n, d["kind"].as_str().expect("kind"), scale);
+        w.add_tensor(d["name"].as_str().expect("name"), GgmlType::F32, &dims)
+            .expect("tensor");
+        data.push(
+            values
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect::<Vec<u8>>(),
+        );
+    }
+    let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    w.to_vec(&slices).expect("write")
+}
+
+/// One sequence of the golden file.
+struct Sequence {
+    name: String,
+    tokens: Vec<u32>,
+    /// `[n, n_vocab]`.
+    logits: Vec<f32>,
+    /// Transformers' hidden states, entry `j` the input of layer `j`, entry `n_layer` the
+    /// state before the final norm (`[n, n_embd]` each), when the file has them.
+    hidden: Option<Vec<f32>>,
+}
+
+fn sequences(g: &Json) -> Vec<Sequence> {
+    g["sequences"]
+        .as_array()
+        .expect("sequences")
+        .iter()
+        .map(|s| Sequence {
+            name: s["name"].as_str().expect("name").to_owned(),
+            tokens: s["tokens"]
+                .as_array()
+                .expect("tokens")
+                .iter()
+                .map(|t| u32::try_from(t.as_u64().expect("token")).expect("fits"))
+                .collect(),
+            logits: f32_base64(&s["logits_f32le_base64"]),
+            hidden: s.get("hidden_states_f32le_base64").map(|h| {
+                h.as_array()
+                    .expect("one base64 string per hidden state")
+                    .iter()
+                    .flat_map(f32_base64)
+                    .collect()
+            }),
+        })
+        .collect()
+}
+
+/// Runs `tokens` through `model` in forwards of `chunks` tokens each (logits of every row).
+fn run_chunked(
+    be: &CpuBackend,
+    model: &Model<CpuBackend>,
+    tokens: &[u32],
+    chunks: &[usize],
+) -> Vec<f32> {
+    assert_eq!(chunks.iter().sum::<usize>(), tokens.len());
+    let mut kv = model
+        .new_kv(be, N_CTX, QType::F32, QType::F32)
+        .expect("F32 KV cache");
+    let mut scratch = model.scratch(be);
+    let mut out = Vec::new();
+    let mut at = 0;
+    for &c in chunks {
+        let pos: Vec<u32> = (at..at + c)
+            .map(|p| u32::try_from(p).expect("fits"))
+            .collect();
+        let rows: Vec<usize> = (0..c).collect();
+        let logits = model
+            .forward(
+                be,
+                &mut kv,
+                &mut scratch,
+                &tokens[at..at + c],
+                &pos,
+                &rows,
+                None,
+            )
+            .expect("forward");
+        out.extend_from_slice(logits);
+        at += c;
+    }
+    out
+}
+
+fn assert_close(what: &str, ours: &[f32], hf: &[f32]) {
+    let e = nmse(ours, hf);
+    eprintln!(
+        "{what}: NMSE {e:.3e} (max |Δ| {:.3e})",
+        max_abs_diff(ours, hf)
+    );
+    assert!(e <= NMSE_MAX, "{what}: NMSE {e:.3e} > {NMSE_MAX:e}");
+}
+
+fn assert_same_bits(what: &str, a: &[f32], b: &[f32], width: usize) {
+    if let Some(i) = first_difference(a, b) {
+        panic!(
+            "{what}: first differs at row {}, column {} ({} vs {}; batch invariance)",
+            i / width,
+            i % width,
+            a[i],
+            b[i]
+        );
+    }
+}
+
+fn check(name: &str, arch: Arch) {
+    let g = common::golden("hf_families", name, "hf_families_golden.py");
+    let bytes = rebuild(&g["gguf"]);
+    assert_eq!(
+        u64::try_from(bytes.len()).expect("fits"),
+        g["gguf"]["size"].as_u64().expect("size"),
+        "{name}: the rebuilt GGUF has gguf-py's size"
+    );
+    assert_eq!(
+        sha256_hex(&bytes),
+        g["gguf"]["sha256"].as_str().expect("sha256"),
+        "{name}: the rebuilt GGUF is gguf-py's file byte for byte"
+    );
+    let be = CpuBackend::new(2);
+    let model = Model::load(
+        &be,
+        Arc::new(Gguf::from_bytes(bytes).expect("a valid GGUF")),
+    )
+    .expect("the model loads");
+    let hp = model.hparams();
+    assert_eq!(hp.arch, arch);
+    let (n_vocab, n_embd, n_layer) = (hp.n_vocab, hp.n_embd, hp.n_layer);
+
+    let seqs = sequences(&g);
+    let mut batches = Vec::new();
+    for s in &seqs {
+        let n = s.tokens.len();
+        let what = format!("{name} {} ({n} tokens)", s.name);
+        assert_eq!(s.logits.len(), n * n_vocab, "{what}: golden logits shape");
+        let batch = run_chunked(&be, &model, &s.tokens, &[n]);
+        assert_close(&format!("{what}, one batch"), &batch, &s.logits);
+        let decode = run_chunked(&be, &model, &s.tokens, &vec![1; n]);
+        assert_same_bits(
+            &format!("{what}: decode vs batch"),
+            &decode,
+            &batch,
+            n_vocab,
+        );
+        // A prefill, then steps of one and several tokens (as verify batches come).
+        let mut chunks = vec![n - n.min(8).max(1) + 1];
+        let mut left = n - chunks[0];
+        for step in [1, 3, 2, 1, 4] {
+            let c = step.min(left);
+            if c > 0 {
+                chunks.push(c);
+                left -= c;
+            }
+        }
+        if left > 0 {
+            chunks.push(left);
+        }
+        let stepped = run_chunked(&be, &model, &s.tokens, &chunks);
+        assert_same_bits(
+            &format!("{what}: steps {chunks:?} vs batch"),
+            &stepped,
+            &batch,
+            n_vocab,
+        );
+
+        if let Some(hidden) = &s.hidden {
+            assert_eq!(
+                hidden.len(),
+                (n_layer + 1) * n * n_embd,
+                "{what}: hidden shape"
+            );
+            let mut kv = model
+                .new_kv(&be, N_CTX, QType::F32, QType::F32)
+                .expect("F32 KV cache");
+            let mut scratch = model.scratch(&be);
+            let mut taps = Taps {
+                layers: (0..=n_layer).collect(),
+                rows: Vec::new(),
+            };
+            let pos: Vec<u32> = (0..u32::try_from(n).expect("fits")).collect();
+            model
+                .forward(
+                    &be,
+                    &mut kv,
+                    &mut scratch,
+                    &s.tokens,
+                    &pos,
+                    &[],
+                    Some(&mut taps),
+                )
+                .expect("tapped forward");
+            for (j, rows) in taps.rows.iter().enumerate() {
+                let want = &hidden[j * n * n_embd..(j + 1) * n * n_embd];
+                assert_close(&format!("{what}, tap {j}"), rows, want);
+            }
+        }
+        batches.push(batch);
+    }
+
+    // Every sequence at once, each on its own cache: each gets its own batch's bits.
+    let mut kvs: Vec<_> = seqs
+        .iter()
+        .map(|_| {
+            model
+                .new_kv(&be, N_CTX, QType::F32, QType::F32)
+                .expect("F32 KV cache")
+        })
+        .collect();
+    let pos: Vec<Vec<u32>> = seqs
+        .iter()
+        .map(|s| (0..u32::try_from(s.tokens.len()).expect("fits")).collect())
+        .collect();
+    let rows: Vec<Vec<usize>> = seqs.iter().map(|s| (0..s.tokens.len()).collect()).collect();
+    let mut multi: Vec<SeqRows<'_, CpuBackend>> = kvs
+        .iter_mut()
+        .zip(&seqs)
+        .zip(pos.iter().zip(&rows))
+        .map(|((kv, s), (p, r))| SeqRows {
+            kv,
+            tokens: &s.tokens,
+            pos: p,
+            logits_rows: r,
+            taps: None,
+            ring: None,
+        })
+        .collect();
+    let mut scratch = model.scratch(&be);
+    let all = model
+        .forward_multi(&be, &mut multi, &mut scratch)
+        .expect("multi-sequence forward")
+        .to_vec();
+    let mut at = 0;
+    for (s, batch) in seqs.iter().zip(&batches) {
+        let len = batch.len();
+        assert_same_bits(
+            &format!("{name} {}: in a multi-sequence batch vs alone", s.name),
+            &all[at..at + len],
+            batch,
+            n_vocab,
+        );
+        at += len;
+    }
+}
+
+/// qwen3moe: qwen3's attention with a softmax top-2-of-8 mixture of experts, renormalized.
+#[test]
+fn qwen3moe_matches_transformers() {
+    check("qwen3moe", Arch::Qwen3Moe);
+}
