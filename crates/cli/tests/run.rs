@@ -302,3 +302,54 @@ fn invalid_hyperparameters_are_one_line_errors_naming_the_key() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Every architecture a user can point `specula run` at generates, and speculation on it (a
+/// random DFlash drafter; the model as its own draft) keeps the greedy output: the tiny target
+/// of each of `tiny::ARCHS`, qwen3moe's mixture of experts included.
+#[test]
+fn every_architecture_runs_from_the_cli_with_and_without_a_drafter() {
+    let dir = tempfile::tempdir().unwrap();
+    let dflash = dir.path().join("dflash.gguf");
+    std::fs::write(
+        &dflash,
+        specula_testkit::tiny::dflash(false).to_bytes().unwrap(),
+    )
+    .unwrap();
+    let dflash = dflash.to_str().unwrap();
+    for arch in specula_testkit::tiny::ARCHS {
+        let path = dir.path().join(format!("{arch}.gguf"));
+        std::fs::write(
+            &path,
+            specula_testkit::tiny::target(arch).to_bytes().unwrap(),
+        )
+        .unwrap();
+        let m = path.to_str().unwrap();
+        let base = [
+            "run",
+            "-m",
+            m,
+            "-p",
+            "a b c a b c",
+            "-n",
+            "12",
+            "--temp",
+            "0",
+            "--json",
+            "-t",
+            "1",
+            "--ignore-eos",
+        ];
+        let plain = common::json_of(&base);
+        let want = &plain["generated_ids"];
+        assert_eq!(want.as_array().map(Vec::len), Some(12), "{arch}: {plain}");
+        for extra in [
+            vec!["-md", dflash, "--dflash"],
+            vec!["-md", m, "--spec-type", "draft-simple"],
+        ] {
+            let mut args = base.to_vec();
+            args.extend(&extra);
+            let got = common::json_of(&args);
+            assert_eq!(&got["generated_ids"], want, "{arch} {extra:?}");
+        }
+    }
+}

@@ -27,12 +27,13 @@ pub enum Subject {
 }
 
 impl Subject {
-    /// Every subject: the four architectures and the three drafters.
-    pub const ALL: [Self; 7] = [
+    /// Every subject: the five architectures and the three drafters.
+    pub const ALL: [Self; 8] = [
         Self::Target(0),
         Self::Target(1),
         Self::Target(2),
         Self::Target(3),
+        Self::Target(4),
         Self::Drafter(Drafter::Dflash),
         Self::Drafter(Drafter::Dflash2),
         Self::Drafter(Drafter::Eagle3),

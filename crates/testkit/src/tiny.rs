@@ -26,6 +26,12 @@ pub const HEAD_DIM: usize = 32;
 pub const N_FF: usize = 64;
 /// Target layers.
 pub const N_LAYER: usize = 2;
+/// Experts of the tiny qwen3moe.
+pub const N_EXPERT: usize = 4;
+/// Experts each token uses.
+pub const N_EXPERT_USED: usize = 2;
+/// Hidden units of each expert.
+pub const N_FF_EXP: usize = 32;
 /// The DFlash draft's MASK token.
 pub const MASK_TOKEN: u32 = 3;
 
@@ -167,11 +173,12 @@ fn tensor_bytes(t: &Tensor) -> Option<Vec<u8>> {
 }
 
 /// The four target architectures.
-pub const ARCHS: [&str; 4] = ["llama", "qwen2", "qwen3", "gemma3"];
+pub const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"];
 
 /// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
-/// names for it (Q/K/V biases for qwen2, QK-norm for qwen3 and gemma3, Gemma's sandwich
-/// norms and sliding window), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
+/// names for it (Q/K/V biases for qwen2, QK-norm for qwen3, gemma3 and qwen3moe, Gemma's
+/// sandwich norms and sliding window, qwen3moe's [`N_EXPERT`] experts of which each token uses
+/// [`N_EXPERT_USED`]), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
 ///
 /// # Panics
 /// For an architecture not in [`ARCHS`].
@@ -197,11 +204,17 @@ pub fn target(arch: &str) -> TinyGguf {
         g.set(&k("attention.sliding_window_pattern"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
     }
+    let moe = arch == "qwen3moe";
+    if moe {
+        g.set(&k("expert_count"), u(N_EXPERT));
+        g.set(&k("expert_used_count"), u(N_EXPERT_USED));
+        g.set(&k("expert_feed_forward_length"), u(N_FF_EXP));
+    }
     tokenizer(&mut g);
     let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
     g.tensor("token_embd.weight", &[e, N_VOCAB], false);
     g.tensor("output_norm.weight", &[e], true);
-    if matches!(arch, "llama" | "qwen3") {
+    if matches!(arch, "llama" | "qwen3" | "qwen3moe") {
         g.tensor("output.weight", &[e, N_VOCAB], false);
     }
     for i in 0..N_LAYER {
@@ -216,7 +229,7 @@ pub fn target(arch: &str) -> TinyGguf {
             g.tensor(&n("attn_k.bias"), &[kv], false);
             g.tensor(&n("attn_v.bias"), &[kv], false);
         }
-        if matches!(arch, "qwen3" | "gemma3") {
+        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe") {
             g.tensor(&n("attn_q_norm.weight"), &[HEAD_DIM], true);
             g.tensor(&n("attn_k_norm.weight"), &[HEAD_DIM], true);
         }
@@ -225,9 +238,16 @@ pub fn target(arch: &str) -> TinyGguf {
             g.tensor(&n("post_ffw_norm.weight"), &[e], true);
         }
         g.tensor(&n("ffn_norm.weight"), &[e], true);
-        g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
-        g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
-        g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);
+        if moe {
+            g.tensor(&n("ffn_gate_inp.weight"), &[e, N_EXPERT], false);
+            g.tensor(&n("ffn_gate_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
+            g.tensor(&n("ffn_up_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
+            g.tensor(&n("ffn_down_exps.weight"), &[N_FF_EXP, e, N_EXPERT], false);
+        } else {
+            g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
+            g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
+            g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);
+        }
     }
     g
 }

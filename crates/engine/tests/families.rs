@@ -1,0 +1,137 @@
+//! Every drafter on every architecture: on the tiny target of each of
+//! `specula_testkit::tiny::ARCHS` (dense llama / qwen2 / qwen3, gemma3's sliding window,
+//! qwen3moe's mixture of experts), greedy speculative output with a DFlash, DFlash2 or EAGLE-3
+//! drafter (random, so nearly every draft is rejected, at every position), a draft model (the
+//! target itself, so every draft is accepted) and n-gram lookup equals plain greedy output —
+//! with the target rolling back by truncation and by checkpoint and replay.
+
+use std::sync::Arc;
+
+use specula_cpu::CpuBackend;
+use specula_engine::{
+    DflashDrafter, DraftModel, Eagle3Drafter, Engine, GenerateOptions, Injection, SpecOptions,
+};
+use specula_gguf::Gguf;
+use specula_models::Model;
+use specula_quant::QType;
+use specula_sampling::SamplerParams;
+use specula_spec::Drafter;
+use specula_spec::ngram::NgramSimple;
+use specula_testkit::tiny;
+use specula_tokenizer::Tokenizer;
+
+const N_CTX: usize = 256;
+const PROMPT: &[u32] = &[1, 5, 9, 12, 5, 9, 12, 5, 9, 30, 7, 7];
+
+fn file(g: &tiny::TinyGguf) -> Arc<Gguf> {
+    Arc::new(Gguf::from_bytes(g.to_bytes().expect("a tiny model writes")).expect("valid GGUF"))
+}
+
+fn engine(g: &tiny::TinyGguf) -> Engine<CpuBackend> {
+    let f = file(g);
+    let tokenizer = Tokenizer::from_gguf(&f).expect("tokenizer");
+    let be = CpuBackend::new(1);
+    let model = Model::load(&be, f).expect("the tiny model loads");
+    Engine::new(be, model, tokenizer)
+}
+
+fn greedy(n: usize) -> GenerateOptions {
+    GenerateOptions {
+        n_predict: n,
+        sampler: SamplerParams::greedy(),
+        force_ids: None,
+        top_logits: 0,
+        stop_at_eog: false,
+    }
+}
+
+/// The drafters of one run, built for target `e`.
+fn drafters(arch: &str, e: &Engine<CpuBackend>) -> Vec<(&'static str, Box<dyn Drafter>)> {
+    let be = || CpuBackend::new(1);
+    let dflash = |two: bool| {
+        DflashDrafter::new(
+            be(),
+            file(&tiny::dflash(two)),
+            e,
+            N_CTX,
+            QType::F32,
+            QType::F32,
+            Injection::Eager,
+        )
+        .expect("a tiny DFlash drafter loads")
+    };
+    vec![
+        ("dflash", Box::new(dflash(false)) as Box<dyn Drafter>),
+        ("dflash2", Box::new(dflash(true))),
+        (
+            "eagle3",
+            Box::new(
+                Eagle3Drafter::new(
+                    be(),
+                    file(&tiny::eagle3()),
+                    e,
+                    N_CTX,
+                    QType::F32,
+                    QType::F32,
+                )
+                .expect("a tiny EAGLE-3 head loads"),
+            ),
+        ),
+        (
+            "draft model (itself)",
+            Box::new(
+                DraftModel::new(
+                    engine(&tiny::target(arch)),
+                    &e.tokenizer,
+                    N_CTX,
+                    QType::F32,
+                    QType::F32,
+                )
+                .expect("a draft model of the same vocabulary"),
+            ),
+        ),
+        ("n-gram", Box::new(NgramSimple::new(1, 3))),
+    ]
+}
+
+#[test]
+fn every_drafter_is_lossless_on_every_architecture() {
+    let opts = greedy(24);
+    let so = SpecOptions {
+        n_max: 4,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    for arch in tiny::ARCHS {
+        let e = engine(&tiny::target(arch));
+        let mut s = e.session(N_CTX, QType::F32, QType::F32).expect("session");
+        let want = e
+            .generate(&mut s, PROMPT, &opts, |_| {})
+            .expect("plain greedy")
+            .generated_ids;
+        for replay in [false, true] {
+            for (name, mut d) in drafters(arch, &e) {
+                let mut s = e.session(N_CTX, QType::F32, QType::F32).expect("session");
+                if replay {
+                    s.force_replay();
+                }
+                let got = e
+                    .generate_speculative(&mut s, PROMPT, &opts, d.as_mut(), &so, |_| {})
+                    .unwrap_or_else(|err| panic!("{arch} {name}: {err}"));
+                assert_eq!(
+                    got.generated_ids, want,
+                    "{arch}, {name}, replay {replay}: speculative output differs from plain"
+                );
+                let st = got.spec.expect("speculative stats");
+                assert!(
+                    st.drafted > 0,
+                    "{arch} {name}: nothing was drafted ({st:?})"
+                );
+                if name.starts_with("draft model") {
+                    assert_eq!(st.accepted, st.drafted, "{arch}: a self-draft is accepted");
+                }
+            }
+        }
+    }
+}
