@@ -291,7 +291,7 @@ fn check(name: &str, arch: Arch) {
             n_vocab,
         );
         // A prefill, then steps of one and several tokens (as verify batches come).
-        let mut chunks = vec![n - n.min(8).max(1) + 1];
+        let mut chunks = vec![n.saturating_sub(7).max(1)];
         let mut left = n - chunks[0];
         for step in [1, 3, 2, 1, 4] {
             let c = step.min(left);
