@@ -67,6 +67,18 @@ MoE layer and token (min_router_margin, float64 run), so that a test knows how c
 flip is. For "long" also hidden_states: n_layer + 1 entries as base64 f32 [n, 64]; entry j <
 n_layer is the input of layer j (HF output_hidden_states[j]); entry n_layer is the output of
 the last layer before the final norm (HF's own last entry is after the norm).
+
+Per file (JSON): producer, oracle, date, versions (transformers, torch, numpy, python, and which
+gguf-py wrote the file), name, arch, hf_class, config (the transformers config, to_json_string
+without diff), gguf {file, size, sha256, metadata [[key, type, value]...] in file order, tensors
+[{name, dims (ggml order), type, kind, scale_log2, values (derived only)}] in file order},
+converter_check (what the forward check compared and found), hidden_states_note, sequences
+[{name, tokens, logits_f32le_base64, nmse_f32_vs_f64, logit_std, min_router_margin (MoE),
+hidden_states_f32le_base64 (long only)}].
+
+Usage: python reference/hf_families_golden.py --out golden [--only NAME ...] [--keep-gguf DIR]
+[--progress FILE]. llama.cpp's source tree (for the converter) is taken from
+SPECULA_LLAMA_CPP_SRC, default /work/llsrc/llama.cpp; without it the script skips as well.
 """
 
 import argparse
@@ -130,7 +142,7 @@ def kind_of(name):
     base = name.split(".", 2)[2] if name.startswith("blk.") else name
     if name == "token_embd.weight":
         return "uniform", 0
-    if base.endswith("norm.weight") or base in (
+    if "norm" in base.split(".")[0] or base in (
             "layer_output_scale.weight", "ffn_gate_inp.scale", "ffn_down_exps.scale"):
         return "norm", None
     if base == "ssm_a":
@@ -489,6 +501,303 @@ def meta_qwen35(cfg, name, moe=False):
 
 
 # ----------------------------------------------------------------------------------------------
+# gemma4 (conversion/gemma.py Gemma4Model <- Gemma3Model <- TextModel)
+# ----------------------------------------------------------------------------------------------
+
+GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+
+
+def config_gemma4(tf):
+    return tf.Gemma4TextConfig(
+        vocab_size=N_VOCAB, hidden_size=N_EMBD, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
+        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
+        layer_types=list(GEMMA4_LAYERS),
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                               "rope_theta": 1e6}},
+        final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32, hidden_size_per_layer_input=0, vocab_size_per_layer_input=N_VOCAB,
+        num_kv_shared_layers=0, use_double_wide_mlp=False, tie_word_embeddings=True,
+        max_position_embeddings=N_CTX, rms_norm_eps=RMS_EPS, hidden_activation="gelu_pytorch_tanh",
+        attention_bias=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+
+
+def gemma4_layer_dims(cfg, b):
+    """(head_dim, n_kv_heads, has_v) of layer b (per_layer_config overrides on full layers)."""
+    lc = cfg.per_layer_config[b]  # transformers' per-layer view of the config
+    hd, kv = lc.head_dim, lc.num_key_value_heads
+    full = cfg.layer_types[b] == "full_attention"
+    return hd, kv, not (full and cfg.attention_k_eq_v)
+
+
+def gemma4_rope_freqs(cfg):
+    """Gemma4Model.generate_extra_tensors (conversion/gemma.py): 1.0 for the rotated frequency
+    pairs of a full-attention head, 1e30 for the others (proportional RoPE)."""
+    rp = cfg.rope_parameters["full_attention"]
+    assert rp["rope_type"] == "proportional"
+    hd = gemma4_layer_dims(cfg, cfg.layer_types.index("full_attention"))[0]
+    n_rot = int(hd * rp["partial_rotary_factor"] / 2)
+    return [1.0] * n_rot + [1e30] * (hd // 2 - n_rot)
+
+
+def layout_gemma4(cfg):
+    E, I, F = cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
+    nh = cfg.num_attention_heads
+    rf = gemma4_rope_freqs(cfg)
+    # generate_extra_tensors first, then the checkpoint tensors sorted by name (tied: no output)
+    out = [T("rope_freqs.weight", (len(rf),), "derived", None, rf),
+           T("token_embd.weight", (N_VOCAB, N_EMBD))]
+    for b in range(cfg.num_hidden_layers):
+        p = f"blk.{b}."
+        hd, kv, has_v = gemma4_layer_dims(cfg, b)
+        attn = attn_tensors(b, nh * hd, kv * hd, nh * hd, hd)
+        if not has_v:
+            attn = attn[:-1]
+        out += [
+            T(p + "ffn_down_exps.weight", (E, N_EMBD, I)),      # experts.down_proj
+            T(p + "ffn_gate_up_exps.weight", (E, 2 * I, N_EMBD)),  # experts.gate_up_proj (fused)
+            T(p + "attn_norm.weight", (N_EMBD,)),               # input_layernorm
+            T(p + "layer_output_scale.weight", (1,)),            # layer_scalar
+            T(p + "ffn_down.weight", (N_EMBD, F)),
+            T(p + "ffn_gate.weight", (F, N_EMBD)),
+            T(p + "ffn_up.weight", (F, N_EMBD)),
+            T(p + "post_attention_norm.weight", (N_EMBD,)),     # post_attention_layernorm
+            T(p + "post_ffw_norm.weight", (N_EMBD,)),           # post_feedforward_layernorm
+            T(p + "post_ffw_norm_1.weight", (N_EMBD,)),         # post_feedforward_layernorm_1
+            T(p + "post_ffw_norm_2.weight", (N_EMBD,)),         # post_feedforward_layernorm_2
+            T(p + "ffn_norm.weight", (N_EMBD,)),                # pre_feedforward_layernorm
+            T(p + "pre_ffw_norm_2.weight", (N_EMBD,)),          # pre_feedforward_layernorm_2
+            T(p + "ffn_down_exps.scale", (E,)),                 # router.per_expert_scale
+            T(p + "ffn_gate_inp.weight", (E, N_EMBD)),          # router.proj
+            T(p + "ffn_gate_inp.scale", (N_EMBD,)),             # router.scale
+            *attn,
+        ]
+    out.append(T("output_norm.weight", (N_EMBD,)))
+    return out
+
+
+GEMMA4_HF = {
+    "ffn_down_exps.weight": "experts.down_proj", "ffn_gate_up_exps.weight": "experts.gate_up_proj",
+    "attn_norm.weight": "input_layernorm.weight", "layer_output_scale.weight": "layer_scalar",
+    "ffn_down.weight": "mlp.down_proj.weight", "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+    "post_ffw_norm_1.weight": "post_feedforward_layernorm_1.weight",
+    "post_ffw_norm_2.weight": "post_feedforward_layernorm_2.weight",
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
+    "ffn_down_exps.scale": "router.per_expert_scale", "ffn_gate_inp.weight": "router.proj.weight",
+    "ffn_gate_inp.scale": "router.scale",
+    **{k + ".weight": f"self_attn.{v}.weight" for k, v in ATTN_HF.items()},
+}
+
+
+def hf_gemma4(np, cfg, g):
+    # No transform: Gemma4Model.norm_shift is 0 (plain x*w norms), the experts stay fused in
+    # the checkpoint as in the GGUF, rope_freqs is not a weight of HF (derived from the config).
+    out = {}
+    hf_common(np, g, out)
+    for name, x in g.items():
+        if name.startswith("blk."):
+            _, b, rest = name.split(".", 2)
+            out[f"model.layers.{b}.{GEMMA4_HF[rest]}"] = x
+    return out
+
+
+def meta_gemma4(cfg, name):
+    a = "gemma4"
+    rp = cfg.rope_parameters
+    swa = [t == "sliding_attention" for t in cfg.layer_types]
+    dims = [gemma4_layer_dims(cfg, b) for b in range(cfg.num_hidden_layers)]
+    hd_full = dims[cfg.layer_types.index("full_attention")][0]
+    hd_swa = dims[cfg.layer_types.index("sliding_attention")][0]  # the global head_dim
+    # Keys in the order of their first insertion: TextModel.set_gguf_parameters, then
+    # Gemma3Model and Gemma4Model overwrite some (key_length, head_count_kv) in place.
+    return head_meta(a, name) + [
+        U32(f"{a}.block_count", cfg.num_hidden_layers),
+        U32(f"{a}.context_length", N_CTX),
+        U32(f"{a}.embedding_length", N_EMBD),
+        U32(f"{a}.feed_forward_length", cfg.intermediate_size),
+        U32(f"{a}.attention.head_count", cfg.num_attention_heads),
+        ARR(f"{a}.attention.head_count_kv", "INT32", [d[1] for d in dims]),
+        F32(f"{a}.rope.freq_base", rp["full_attention"]["rope_theta"]),
+        F32(f"{a}.rope.freq_base_swa", rp["sliding_attention"]["rope_theta"]),
+        F32(f"{a}.attention.layer_norm_rms_epsilon", RMS_EPS),
+        U32(f"{a}.expert_count", cfg.num_experts),
+        U32(f"{a}.expert_used_count", cfg.top_k_experts),
+        U32(f"{a}.attention.key_length", hd_full),
+        U32(f"{a}.attention.value_length", hd_full),
+        U32("general.file_type", 0),
+        F32(f"{a}.final_logit_softcapping", cfg.final_logit_softcapping),
+        U32(f"{a}.attention.sliding_window", cfg.sliding_window),
+        U32(f"{a}.attention.shared_kv_layers", cfg.num_kv_shared_layers),
+        U32(f"{a}.embedding_length_per_layer_input", cfg.hidden_size_per_layer_input or 0),
+        ARR(f"{a}.attention.sliding_window_pattern", "BOOL", swa),
+        U32(f"{a}.attention.key_length_swa", hd_swa),
+        U32(f"{a}.attention.value_length_swa", hd_swa),
+        U32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size),
+        U32(f"{a}.rope.dimension_count", hd_full),
+        U32(f"{a}.rope.dimension_count_swa",
+            int(hd_swa * rp.get("partial_rotary_factor", 1.0))),
+    ] + tail_meta()
+
+
+# ----------------------------------------------------------------------------------------------
+# laguna (conversion/laguna.py LagunaModel <- TextModel)
+# ----------------------------------------------------------------------------------------------
+
+def config_laguna(tf, variant):
+    kw = dict(
+        vocab_size=N_VOCAB, hidden_size=N_EMBD, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        moe_routed_scaling_factor=2.5, hidden_act="silu", rms_norm_eps=RMS_EPS,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=0, eos_token_id=0)
+    if variant == "swa_perhead":
+        # XS/S-like. max_position_embeddings = factor * original (256), as transformers expects
+        kw.update(
+            num_hidden_layers=4, sliding_window=8, max_position_embeddings=32 * 256,
+            layer_types=["full_attention"] + ["sliding_attention"] * 3,
+            num_attention_heads_per_layer=[4, 8, 8, 8], mlp_layer_types=["dense"] + ["sparse"] * 3,
+            gating=True,
+            rope_parameters={
+                "full_attention": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 32.0,
+                                   "original_max_position_embeddings": 256, "beta_fast": 64.0,
+                                   "beta_slow": 1.0, "attention_factor": 1.0,
+                                   "partial_rotary_factor": 0.5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
+                                      "partial_rotary_factor": 1.0}})
+    else:
+        # M.1-like: all global, per-element gate, plain RoPE, no sliding window (0: the
+        # converter then writes no attention.sliding_window key)
+        kw.update(
+            num_hidden_layers=3, sliding_window=0, max_position_embeddings=N_CTX,
+            layer_types=["full_attention"] * 3, mlp_layer_types=["dense", "sparse", "sparse"],
+            gating="per-element",
+            rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e5,
+                                                "partial_rotary_factor": 0.5}})
+    return tf.LagunaConfig(**kw)
+
+
+def laguna_gate_rows(cfg, b):
+    nh = cfg.num_attention_heads_per_layer[b]
+    per_element = isinstance(cfg.gating, str) and cfg.gating.replace("-", "_") == "per_element"
+    return nh * cfg.head_dim if per_element else nh
+
+
+def layout_laguna(cfg):
+    E, I, Is, F = (cfg.num_experts, cfg.moe_intermediate_size,
+                   cfg.shared_expert_intermediate_size, cfg.intermediate_size)
+    hd, kv = cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    out = [T("output.weight", (N_VOCAB, N_EMBD)), T("token_embd.weight", (N_VOCAB, N_EMBD))]
+    for b in range(cfg.num_hidden_layers):
+        p = f"blk.{b}."
+        q = cfg.num_attention_heads_per_layer[b] * hd
+        out.append(T(p + "attn_norm.weight", (N_EMBD,)))
+        if cfg.mlp_layer_types[b] == "dense":
+            out += [T(p + "ffn_down.weight", (N_EMBD, F)), T(p + "ffn_gate.weight", (F, N_EMBD)),
+                    T(p + "ffn_up.weight", (F, N_EMBD))]
+        else:
+            # LagunaModel.modify_tensors stacks the experts when the last one arrives and emits
+            # gate, up, down; then experts.e_score_correction_bias, gate, shared_expert.*
+            out += [
+                T(p + "ffn_gate_exps.weight", (E, I, N_EMBD)),
+                T(p + "ffn_up_exps.weight", (E, I, N_EMBD)),
+                T(p + "ffn_down_exps.weight", (E, N_EMBD, I)),
+                T(p + "exp_probs_b.bias", (E,)),
+                T(p + "ffn_gate_inp.weight", (E, N_EMBD)),
+                T(p + "ffn_down_shexp.weight", (N_EMBD, Is)),
+                T(p + "ffn_gate_shexp.weight", (Is, N_EMBD)),
+                T(p + "ffn_up_shexp.weight", (Is, N_EMBD)),
+            ]
+        out += [
+            T(p + "ffn_norm.weight", (N_EMBD,)),                      # post_attention_layernorm
+            T(p + "attn_gate.weight", (laguna_gate_rows(cfg, b), N_EMBD)),  # self_attn.g_proj
+            *attn_tensors(b, q, kv, q, hd),
+        ]
+    out.append(T("output_norm.weight", (N_EMBD,)))
+    return out
+
+
+def hf_laguna(np, cfg, g):
+    out = {}
+    hf_common(np, g, out)
+    for b in range(cfg.num_hidden_layers):
+        p, hb = f"blk.{b}.", f"model.layers.{b}."
+        for k, v in ATTN_HF.items():
+            out[hb + f"self_attn.{v}.weight"] = g[p + k + ".weight"]
+        out[hb + "self_attn.g_proj.weight"] = g[p + "attn_gate.weight"]
+        out[hb + "input_layernorm.weight"] = g[p + "attn_norm.weight"]
+        out[hb + "post_attention_layernorm.weight"] = g[p + "ffn_norm.weight"]
+        if cfg.mlp_layer_types[b] == "dense":
+            for k in ("gate", "up", "down"):
+                out[hb + f"mlp.{k}_proj.weight"] = g[p + f"ffn_{k}.weight"]
+        else:
+            out[hb + "mlp.gate.weight"] = g[p + "ffn_gate_inp.weight"]
+            out[hb + "mlp.gate.e_score_correction_bias"] = g[p + "exp_probs_b.bias"]
+            out[hb + "mlp.experts.gate_up_proj"] = np.concatenate(
+                [g[p + "ffn_gate_exps.weight"], g[p + "ffn_up_exps.weight"]], axis=1)
+            out[hb + "mlp.experts.down_proj"] = g[p + "ffn_down_exps.weight"]
+            for k in ("gate", "up", "down"):
+                out[hb + f"mlp.shared_experts.{k}_proj.weight"] = g[p + f"ffn_{k}_shexp.weight"]
+    return out
+
+
+def meta_laguna(cfg, name):
+    a = "laguna"
+    full = cfg.rope_parameters["full_attention"]
+    swa = cfg.rope_parameters.get("sliding_attention")
+    m = head_meta(a, name) + [
+        U32(f"{a}.block_count", cfg.num_hidden_layers),
+        U32(f"{a}.context_length", cfg.max_position_embeddings),
+        U32(f"{a}.embedding_length", N_EMBD),
+        U32(f"{a}.feed_forward_length", cfg.intermediate_size),
+        ARR(f"{a}.attention.head_count", "INT32", cfg.num_attention_heads_per_layer),
+        U32(f"{a}.attention.head_count_kv", cfg.num_key_value_heads),
+    ]
+    if full["rope_type"] == "yarn":
+        m += [
+            STR(f"{a}.rope.scaling.type", "yarn"),
+            F32(f"{a}.rope.scaling.factor", full["factor"]),
+            U32(f"{a}.rope.scaling.original_context_length", full["original_max_position_embeddings"]),
+            F32(f"{a}.rope.scaling.yarn_attn_factor", full["attention_factor"]),
+            F32(f"{a}.rope.scaling.yarn_beta_fast", full["beta_fast"]),
+            F32(f"{a}.rope.scaling.yarn_beta_slow", full["beta_slow"]),
+        ]
+    m.append(F32(f"{a}.rope.freq_base", full["rope_theta"]))
+    if swa is not None:
+        m.append(F32(f"{a}.rope.freq_base_swa", swa["rope_theta"]))
+    m += [
+        F32(f"{a}.attention.layer_norm_rms_epsilon", RMS_EPS),
+        U32(f"{a}.expert_count", cfg.num_experts),
+        U32(f"{a}.expert_used_count", cfg.num_experts_per_tok),
+        U32(f"{a}.attention.key_length", cfg.head_dim),
+        U32(f"{a}.attention.value_length", cfg.head_dim),
+        U32("general.file_type", 0),
+        U32(f"{a}.vocab_size", N_VOCAB),
+    ]
+    if cfg.sliding_window:
+        m.append(U32(f"{a}.attention.sliding_window", cfg.sliding_window))
+    lead = next(i for i, t in enumerate(cfg.mlp_layer_types + ["sparse"]) if t != "dense")
+    m += [
+        U32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size),
+        U32(f"{a}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size),
+        BOOL(f"{a}.expert_weights_norm", True),
+        F32(f"{a}.expert_weights_scale", cfg.moe_routed_scaling_factor),
+        U32(f"{a}.expert_gating_func", 2),  # gguf.ExpertGatingFuncType.SIGMOID
+        U32(f"{a}.leading_dense_block_count", lead),
+        U32(f"{a}.rope.dimension_count", int(cfg.head_dim * full.get("partial_rotary_factor", 1.0))),
+    ]
+    if swa is not None:
+        m.append(U32(f"{a}.rope.dimension_count_swa",
+                     int(cfg.head_dim * swa.get("partial_rotary_factor", 1.0))))
+    return m + tail_meta()
+
+
+# ----------------------------------------------------------------------------------------------
 # The model table
 # ----------------------------------------------------------------------------------------------
 
@@ -515,6 +824,27 @@ MODELS = {
         "converter": "conversion/qwen.py Qwen3_5MoeTextModel (_LinearAttentionVReorderBase, "
                      "Qwen3NextModel / Qwen2MoeModel.modify_tensors), no_mtp",
         "router": ("mlp.gate", "softmax"),
+    },
+    "gemma4": {
+        "arch": "gemma4", "hf_class": "Gemma4ForCausalLM", "config": config_gemma4,
+        "layout": layout_gemma4, "to_hf": hf_gemma4, "meta": meta_gemma4,
+        "converter": "conversion/gemma.py Gemma4Model (Gemma3Model.modify_tensors, "
+                     "generate_extra_tensors)",
+        "router": ("router", "probs"),
+    },
+    "laguna": {
+        "arch": "laguna", "hf_class": "LagunaForCausalLM",
+        "config": lambda tf: config_laguna(tf, "swa_perhead"),
+        "layout": layout_laguna, "to_hf": hf_laguna, "meta": meta_laguna,
+        "converter": "conversion/laguna.py LagunaModel",
+        "router": ("mlp.gate", "sigmoid_bias"),
+    },
+    "laguna_perelem": {
+        "arch": "laguna", "hf_class": "LagunaForCausalLM",
+        "config": lambda tf: config_laguna(tf, "full_perelem"),
+        "layout": layout_laguna, "to_hf": hf_laguna, "meta": meta_laguna,
+        "converter": "conversion/laguna.py LagunaModel",
+        "router": ("mlp.gate", "sigmoid_bias"),
     },
 }
 
@@ -573,6 +903,17 @@ def converter_internal(hf_arch, hf_dir, out_path, model_name):
     gguf = import_gguf(True)
     from conversion import get_model_class
     cls = get_model_class(hf_arch)
+    if hasattr(cls, "_reorder_v_heads"):
+        # untile_v_heads must invert the converter's reordering also where the permutation is
+        # not an involution (the tiny config's 2 key heads x 2 values per key is one)
+        import numpy as np
+        import torch
+        for n_k, r, hd in ((2, 2, 16), (3, 2, 4), (2, 3, 5)):
+            x = np.arange(n_k * r * hd * 6, dtype=np.float32).reshape(n_k * r * hd, 6)
+            for axis in (0, 1):
+                xa = np.ascontiguousarray(x if axis == 0 else x.T)
+                fwd = cls._reorder_v_heads(torch.from_numpy(xa), axis, n_k, r, hd).numpy()
+                assert np.array_equal(untile_v_heads(np, fwd, axis, n_k, r, hd), xa)
     cls.set_vocab = lambda self: add_tokenizer(self.gguf_writer)
     cls.no_mtp = True  # the --no-mtp flag (Qwen3.5: the tiny configs have no MTP block)
     m = cls(Path(hf_dir), gguf.LlamaFileType.ALL_F32, Path(out_path), eager=True,
@@ -597,6 +938,9 @@ def converter_check(np, gguf, spec, name, model, ours_path, tmp):
     """Save the HF model, convert it with llama.cpp's converter, compare with our GGUF."""
     hf_dir = Path(tmp) / f"hf-{name}"
     model.save_pretrained(str(hf_dir))
+    # Gemma3Model.modify_tensors cuts token_embd to the tokenizer's size, read from tokenizer.json
+    (hf_dir / "tokenizer.json").write_text(json.dumps(
+        {"model": {"vocab": {s: i for i, s in enumerate(byte_symbols())}}, "added_tokens": []}))
     conv_path = Path(tmp) / f"converter-{name}.gguf"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--converter-internal",
            spec["hf_class"], str(hf_dir), str(conv_path), f"specula-hf-families-{name}"]
@@ -715,7 +1059,7 @@ def router_margin(np, torch, model, spec, ids):
     if spec["router"] is None:
         return None
     suffix, fn = spec["router"]
-    k = model.config.num_experts_per_tok
+    k = getattr(model.config, "num_experts_per_tok", None) or model.config.top_k_experts
     logs = []
     hooks = []
     for mname, mod in model.named_modules():
@@ -733,6 +1077,10 @@ def router_margin(np, torch, model, spec, ids):
     for mod, logits in logs:
         if fn == "softmax":
             s = torch.softmax(logits, dim=-1)
+        elif fn == "probs":
+            s = logits
+        elif fn == "sigmoid_bias":  # selection score of LagunaTopKRouter
+            s = torch.sigmoid(logits) + mod.e_score_correction_bias.to(torch.float64)
         else:
             raise ValueError(fn)
         top = torch.sort(s, dim=-1, descending=True).values
@@ -740,7 +1088,7 @@ def router_margin(np, torch, model, spec, ids):
     return margin
 
 
-def run_sequences(np, torch, model, model64, spec, with_f64_casts=True):
+def run_sequences(np, torch, model, model64, spec):
     seqs = []
     L = model.config.num_hidden_layers
     for name, tokens in SEQUENCES:

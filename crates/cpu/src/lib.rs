@@ -60,6 +60,7 @@ mod gemm;
 mod matmul;
 mod ops;
 mod pool;
+mod recurrent;
 mod rope;
 mod scratch;
 mod tensor;
@@ -283,6 +284,63 @@ impl Backend for CpuBackend {
 
     fn add_rows_scaled(&self, dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor, w: &[f32]) {
         ops::add_rows_scaled(dst, rows, src, w);
+    }
+
+    fn silu(&self, x: &mut CpuTensor) {
+        ops::silu_rows(self, x);
+    }
+
+    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor) {
+        ops::sigmoid_mul(self, x, gate);
+    }
+
+    fn gather_cols(
+        &self,
+        src: &CpuTensor,
+        stride: usize,
+        range: std::ops::Range<usize>,
+        out: &mut CpuTensor,
+    ) {
+        ops::gather_cols(src, stride, range, out);
+    }
+
+    fn ssm_conv(
+        &self,
+        kv: &mut CpuKv,
+        layer: usize,
+        pos0: usize,
+        x: &CpuTensor,
+        w: &CpuWeight,
+        out: &mut CpuTensor,
+    ) {
+        recurrent::ssm_conv(kv.recurrent_mut(layer, "ssm_conv"), pos0, x, w, out);
+    }
+
+    fn gated_delta_net(
+        &self,
+        kv: &mut CpuKv,
+        p: &specula_tensor::DeltaNetParams,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        alpha: &CpuTensor,
+        beta: &CpuTensor,
+        dt_bias: &CpuWeight,
+        a: &CpuWeight,
+        out: &mut CpuTensor,
+    ) {
+        let mem = kv.recurrent_mut(p.layer, "gated_delta_net");
+        let gates = recurrent::Gates {
+            alpha,
+            beta,
+            dt_bias: dt_bias.vector(alpha.cols(), "gated_delta_net"),
+            a: a.vector(alpha.cols(), "gated_delta_net"),
+        };
+        recurrent::gated_delta_net(mem, p, q, k, v, &gates, out);
+    }
+
+    fn kv_holds(&self, kv: &CpuKv, pos: usize) -> bool {
+        kv.recurrent_holds(pos)
     }
 
     fn kv_new(&self, shape: KvShape) -> Result<CpuKv> {

@@ -314,6 +314,67 @@ pub(crate) fn add_rows_scaled(dst: &mut CpuTensor, rows: &[usize], src: &CpuTens
     }
 }
 
+/// `x = silu(x)`.
+pub(crate) fn silu_rows(be: &CpuBackend, x: &mut CpuTensor) {
+    let cols = x.cols();
+    be.par_rows(x.as_mut_slice(), cols, |_, o| {
+        for v in o {
+            *v = silu(*v);
+        }
+    });
+}
+
+/// `x ⊙= σ(gate)`, `gate` of `x`'s columns or of one column per row.
+pub(crate) fn sigmoid_mul(be: &CpuBackend, x: &mut CpuTensor, gate: &CpuTensor) {
+    let cols = x.cols();
+    assert!(
+        gate.rows() == x.rows() && (gate.cols() == cols || gate.cols() == 1),
+        "sigmoid_mul: gate must be [{}, {cols} or 1]",
+        x.rows()
+    );
+    let sig = |g: f32| 1.0 / (1.0 + (-g).exp());
+    be.par_rows(x.as_mut_slice(), cols, |r, o| {
+        let g = gate.row(r);
+        if g.len() == 1 {
+            let s = sig(g[0]);
+            for v in o {
+                *v *= s;
+            }
+        } else {
+            for (v, &gv) in o.iter_mut().zip(g) {
+                *v *= sig(gv);
+            }
+        }
+    });
+}
+
+/// `out[r]` = the concatenation of `src[r][g·stride + range]` over the groups `g`.
+pub(crate) fn gather_cols(
+    src: &CpuTensor,
+    stride: usize,
+    range: std::ops::Range<usize>,
+    out: &mut CpuTensor,
+) {
+    let cols = src.cols();
+    assert!(
+        stride > 0
+            && cols.is_multiple_of(stride)
+            && range.start <= range.end
+            && range.end <= stride,
+        "gather_cols: {range:?} of groups of {stride} in rows of {cols}"
+    );
+    let groups = cols / stride;
+    let w = range.len();
+    out.resize(src.rows(), groups * w);
+    for r in 0..src.rows() {
+        let (s, o) = (src.row(r), out.row_mut(r));
+        for g in 0..groups {
+            o[g * w..(g + 1) * w]
+                .copy_from_slice(&s[g * stride + range.start..g * stride + range.end]);
+        }
+    }
+}
+
 /// `a *= s`.
 pub(crate) fn scale(be: &CpuBackend, a: &mut CpuTensor, s: f32) {
     let cols = a.cols();

@@ -28,6 +28,7 @@ fn shape(c: &Case, n_ctx: usize) -> KvShape {
         v_type: c.kv_type,
         overrides: Vec::new(),
         swa: None,
+        recurrent: None,
     }
 }
 

@@ -26,6 +26,7 @@ fn shape(k: QType, v: QType, n_ctx: usize) -> KvShape {
         v_type: v,
         overrides: Vec::new(),
         swa: None,
+        recurrent: None,
     }
 }
 

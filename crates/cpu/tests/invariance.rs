@@ -156,6 +156,7 @@ fn attention_is_batch_invariant() {
                 v_type: kv_type,
                 overrides: Vec::new(),
                 swa: None,
+                recurrent: None,
             };
             let mut kv = one.kv_new(shape).unwrap();
             let kw = n_kv_head * hd;

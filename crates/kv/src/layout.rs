@@ -335,10 +335,25 @@ impl KvLayout {
             .sum()
     }
 
-    /// Bytes of the whole cache (every layer's cells).
+    /// Bytes of the whole cache (every layer's cells), and of the recurrent layers' states:
+    /// the current one, the one before the latest forward and the snapshots, f32.
     #[must_use]
     pub fn total_bytes(&self) -> usize {
-        self.bytes_for(self.shape.n_ctx)
+        self.bytes_for(self.shape.n_ctx) + self.recurrent_bytes()
+    }
+
+    /// Bytes of the recurrent layers' states ([`KvShape::recurrent`]).
+    #[must_use]
+    pub fn recurrent_bytes(&self) -> usize {
+        self.shape.recurrent.as_ref().map_or(0, |r| {
+            let per: usize = r
+                .layers
+                .iter()
+                .flatten()
+                .map(|l| 4 * (l.conv_len() + l.state_len()))
+                .sum();
+            per * (2 + r.snapshots)
+        })
     }
 
     /// Stored bits per model value (K and V of every layer, padding included): 16 for f16,

@@ -14,6 +14,7 @@ fn shape(hd: usize, k: QType, v: QType) -> KvShape {
         v_type: v,
         overrides: Vec::new(),
         swa: None,
+        recurrent: None,
     }
 }
 

@@ -767,6 +767,7 @@ impl<B: Backend> Dflash<B> {
             v_type,
             overrides: Vec::new(),
             swa: None,
+            recurrent: None,
         }
     }
 

@@ -331,6 +331,7 @@ impl<B: Backend> Eagle3<B> {
             v_type,
             overrides: Vec::new(),
             swa: None,
+            recurrent: None,
         }
     }
 

@@ -21,6 +21,13 @@ pub enum Arch {
     /// qwen3moe (Qwen3-30B-A3B, 235B-A22B): qwen3's attention, a mixture of experts in every
     /// layer (softmax router, top-k renormalized; llama.cpp `src/models/qwen3moe.cpp`).
     Qwen3Moe,
+    /// qwen35 (Qwen3.5 / Qwen3.6 dense): gated delta-net linear attention in three layers of
+    /// four, gated full attention with partial RoPE in the fourth (llama.cpp
+    /// `src/models/qwen35.cpp`).
+    Qwen35,
+    /// qwen35moe (Qwen3.5 / Qwen3.6 MoE, e.g. 35B-A3B): qwen35 with a mixture of experts and a
+    /// sigmoid-gated shared expert in every layer (llama.cpp `src/models/qwen35moe.cpp`).
+    Qwen35Moe,
 }
 
 impl Arch {
@@ -33,6 +40,8 @@ impl Arch {
             Self::Qwen3 => "qwen3",
             Self::Gemma3 => "gemma3",
             Self::Qwen3Moe => "qwen3moe",
+            Self::Qwen35 => "qwen35",
+            Self::Qwen35Moe => "qwen35moe",
         }
     }
 
@@ -43,6 +52,8 @@ impl Arch {
             "qwen3" => Some(Self::Qwen3),
             "gemma3" => Some(Self::Gemma3),
             "qwen3moe" => Some(Self::Qwen3Moe),
+            "qwen35" => Some(Self::Qwen35),
+            "qwen35moe" => Some(Self::Qwen35Moe),
             _ => None,
         }
     }
@@ -52,7 +63,14 @@ impl Arch {
     pub fn rope_kind(self) -> RopeKind {
         match self {
             Self::Llama => RopeKind::Normal,
-            Self::Qwen2 | Self::Qwen3 | Self::Gemma3 | Self::Qwen3Moe => RopeKind::Neox,
+            // Qwen3.5's interleaved multi-section RoPE (IMROPE) is NeoX pairing when the
+            // position's sections are equal, as they are for text.
+            Self::Qwen2
+            | Self::Qwen3
+            | Self::Gemma3
+            | Self::Qwen3Moe
+            | Self::Qwen35
+            | Self::Qwen35Moe => RopeKind::Neox,
         }
     }
 }
@@ -405,6 +423,28 @@ pub(crate) fn per_layer(
     Ok(Some(v))
 }
 
+/// A flag per layer (`get_key_or_arr` of bools): an array of one bool per layer, or `None`
+/// when absent.
+pub(crate) fn per_layer_bools(
+    md: &Metadata,
+    key: &str,
+    n_layer: usize,
+) -> Result<Option<Vec<bool>>, ModelError> {
+    match md.get(key) {
+        None => Ok(None),
+        Some(specula_gguf::Value::Array(specula_gguf::Array::Bool(v))) if v.len() == n_layer => {
+            Ok(Some(v.clone()))
+        }
+        Some(v) => Err(ModelError::BadValue {
+            key: key.to_owned(),
+            detail: format!(
+                "expected an array of {n_layer} bools (one per layer), found {:?}",
+                v.value_type()
+            ),
+        }),
+    }
+}
+
 /// A required layer or width count that must be at least 1.
 pub(crate) fn count(md: &Metadata, key: &str) -> Result<usize, ModelError> {
     match get_usize(md, key)? {
@@ -467,7 +507,9 @@ impl Hparams {
         };
         let n_ff = match arch {
             // Every layer is MoE: the dense width is optional (it sizes no tensor).
-            Arch::Qwen3Moe => opt_usize(md, &k("feed_forward_length"))?.unwrap_or(0),
+            Arch::Qwen3Moe | Arch::Qwen35Moe => {
+                opt_usize(md, &k("feed_forward_length"))?.unwrap_or(0)
+            }
             _ => count(md, &k("feed_forward_length"))?,
         };
         let mut hp = Self {

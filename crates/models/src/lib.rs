@@ -42,7 +42,7 @@ use specula_gguf::Gguf;
 use specula_quant::QType;
 use specula_tensor::{AttentionParams, Backend, ByteSource, KvShape, TensorError, WeightDesc};
 
-use spec::{Act, AttnSpec, FfnSpec, LayerSpec, MixerSpec};
+use spec::{Act, AttnSpec, DeltaNetSpec, FfnSpec, LayerSpec, MixerSpec};
 
 /// The bytes of an open GGUF file, lent to the backend's weights.
 struct FileBytes(Arc<Gguf>);
@@ -68,7 +68,9 @@ pub use linear::Linear;
 #[non_exhaustive]
 pub enum ModelError {
     /// `general.architecture` names an architecture this crate does not run.
-    #[error("unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe)")]
+    #[error(
+        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe)"
+    )]
     UnsupportedArch {
         /// The name found.
         arch: String,
@@ -288,6 +290,25 @@ pub enum ModelError {
         /// Cells of the cache.
         n_ctx: usize,
     },
+    /// Positions of a sequence that do not follow each other, on a model with recurrent layers
+    /// (their state folds the rows in order).
+    #[error(
+        "sequence {seq} of the batch: a model with recurrent layers needs consecutive positions"
+    )]
+    RecurrentPositions {
+        /// Index of the sequence in the batch.
+        seq: usize,
+    },
+    /// A forward starting at a position whose recurrent state the cache did not keep.
+    #[error(
+        "sequence {seq} of the batch starts at position {pos}, whose recurrent state the cache does not hold (replay from a kept position)"
+    )]
+    RecurrentState {
+        /// Index of the sequence in the batch.
+        seq: usize,
+        /// The first position of the forward.
+        pos: u32,
+    },
     /// A scale tensor llama.cpp reads that no matrix of this model applies.
     #[error("tensor `{name}` is {what}: refusing the model rather than computing without it")]
     UnappliedScale {
@@ -329,6 +350,25 @@ struct Layer<W> {
 #[derive(Debug)]
 enum Mixer<W> {
     Attention(AttnWeights<W>),
+    DeltaNet(DeltaWeights<W>),
+}
+
+/// The tensors of a gated delta-net mixer.
+#[derive(Debug)]
+struct DeltaWeights<W> {
+    /// `attn_qkv`: Q, K and V side by side, before the convolution.
+    qkv: Linear<W>,
+    /// `attn_gate`: the output gate `z`.
+    z: Linear<W>,
+    /// `ssm_conv1d`: `[kernel, channels]`.
+    conv: W,
+    dt_bias: W,
+    a: W,
+    beta: Linear<W>,
+    alpha: Linear<W>,
+    /// `ssm_norm`: the per-head RMS norm of the output.
+    norm: W,
+    out: Linear<W>,
 }
 
 /// The projections (and optional biases and QK-norms) of an attention mixer.
@@ -405,6 +445,35 @@ pub struct Scratch<B: Backend> {
     tap_rows: B::Tensor,
     /// The buffers of a mixture-of-experts FFN.
     moe: moe::MoeScratch<B>,
+    /// A gated attention's query-and-gate projection, and its gate.
+    qg: B::Tensor,
+    attn_gate: B::Tensor,
+    /// The buffers of a gated delta-net mixer.
+    dn: DeltaBuffers<B>,
+}
+
+/// The buffers of a gated delta-net mixer over a batch: its projections, its output, one
+/// sequence's rows of them ([`Model::forward_multi`]) and the rule's own buffers.
+#[derive(Debug)]
+struct DeltaBuffers<B: Backend> {
+    mixed: B::Tensor,
+    alpha: B::Tensor,
+    beta: B::Tensor,
+    out: B::Tensor,
+    seq_mixed: B::Tensor,
+    seq_alpha: B::Tensor,
+    seq_beta: B::Tensor,
+    seq_out: B::Tensor,
+    scratch: DeltaScratch<B>,
+}
+
+/// The convolution's output and the Q, K, V cut from it.
+#[derive(Debug)]
+struct DeltaScratch<B: Backend> {
+    conv: B::Tensor,
+    q: B::Tensor,
+    k: B::Tensor,
+    v: B::Tensor,
 }
 
 /// One sequence's rows in a [`Model::forward_multi`] batch: its own cache, its tokens at their
@@ -568,6 +637,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         };
         let mixer = match &spec.mixer {
             MixerSpec::Attention(a) => Mixer::Attention(self.attention(arch, il, e, a)?),
+            MixerSpec::DeltaNet(d) => Mixer::DeltaNet(self.delta_net(il, e, d)?),
         };
         let ffn = match &spec.ffn {
             FfnSpec::Dense { n_ff, .. } => Ffn::Dense {
@@ -579,6 +649,27 @@ impl<'a, B: Backend> Loader<'a, B> {
                 let gate = self.experts(&n("ffn_gate_exps"), e, m.n_ff, m.n_expert)?;
                 let up = self.experts(&n("ffn_up_exps"), e, m.n_ff, m.n_expert)?;
                 let down = self.experts(&n("ffn_down_exps"), m.n_ff, e, m.n_expert)?;
+                let shared = match &m.shared {
+                    Some(sh) => Some(moe::SharedWeights {
+                        gate: self.linear(&n("ffn_gate_shexp"), &[e, sh.n_ff])?,
+                        up: self.linear(&n("ffn_up_shexp"), &[e, sh.n_ff])?,
+                        down: self.linear(&n("ffn_down_shexp"), &[sh.n_ff, e])?,
+                        gate_inp: if sh.gated {
+                            // One output per row: `[n_embd, 1]`, or a vector of `n_embd` (the
+                            // shape llama.cpp asks for, which drops the trailing 1).
+                            let name = n("ffn_gate_inp_shexp.weight");
+                            let vector = self.file.tensor(&name).is_some_and(|t| t.dims.len() == 1);
+                            Some(if vector {
+                                self.mat_as(&name, &[e], &[e, 1])?
+                            } else {
+                                self.mat(&name, &[e, 1])?
+                            })
+                        } else {
+                            None
+                        },
+                    }),
+                    None => None,
+                };
                 Ffn::Moe(moe::MoeWeights {
                     router: self.linear(&n("ffn_gate_inp"), &[e, m.n_expert])?,
                     experts: gate
@@ -587,6 +678,7 @@ impl<'a, B: Backend> Loader<'a, B> {
                         .zip(down)
                         .map(|((gate, up), down)| moe::Expert { gate, up, down })
                         .collect(),
+                    shared,
                 })
             }
         };
@@ -594,7 +686,7 @@ impl<'a, B: Backend> Loader<'a, B> {
             attn_norm: self.req(&n("attn_norm.weight"), &[e])?,
             mixer,
             post_attn_norm: post("post_attention_norm.weight")?,
-            ffn_norm: self.req(&n("ffn_norm.weight"), &[e])?,
+            ffn_norm: self.req(&n(&format!("{}.weight", spec.ffn_norm)), &[e])?,
             ffn,
             post_ffw_norm: post("post_ffw_norm.weight")?,
         })
@@ -630,8 +722,10 @@ impl<'a, B: Backend> Loader<'a, B> {
                 Ok(None)
             }
         };
+        // A gated attention's Q projection holds each head's query, then its gate.
+        let q_out = if a.gated { mul(&heads, qd, 2)? } else { qd };
         Ok(AttnWeights {
-            wq: self.linear(&n("attn_q"), &[e, qd])?,
+            wq: self.linear(&n("attn_q"), &[e, q_out])?,
             wk: self.linear(&n("attn_k"), &[e, kd])?,
             wv: self.linear(&n("attn_v"), &[e, vd])?,
             wo: self.linear(&n("attn_output"), &[od, e])?,
@@ -641,6 +735,54 @@ impl<'a, B: Backend> Loader<'a, B> {
             q_norm: qk_norm("attn_q_norm.weight")?,
             k_norm: qk_norm("attn_k_norm.weight")?,
         })
+    }
+
+    /// A gated delta-net mixer's tensors (llama.cpp `qwen35.cpp` `load_block_trunk`).
+    fn delta_net(&self, il: usize, e: usize, d: &DeltaNetSpec) -> Result<DeltaWeights<B::Weight>> {
+        let n = |s: &str| format!("blk.{il}.{s}");
+        let ch = d.conv_channels();
+        let vd = d.n_head_v * d.head_dim;
+        Ok(DeltaWeights {
+            qkv: self.linear(&n("attn_qkv"), &[e, ch])?,
+            z: self.linear(&n("attn_gate"), &[e, vd])?,
+            conv: self.req(&n("ssm_conv1d.weight"), &[d.conv_kernel, ch])?,
+            dt_bias: self.req(&n("ssm_dt.bias"), &[d.n_head_v])?,
+            a: self.req(&n("ssm_a"), &[d.n_head_v])?,
+            beta: self.linear(&n("ssm_beta"), &[e, d.n_head_v])?,
+            alpha: self.linear(&n("ssm_alpha"), &[e, d.n_head_v])?,
+            norm: self.req(&n("ssm_norm.weight"), &[d.head_dim])?,
+            out: self.linear(&n("ssm_out"), &[vd, e])?,
+        })
+    }
+
+    /// The tensor `name` of shape `file_dims`, multiplied by as a matrix of `dims` (the same
+    /// values: a vector used as a one-output projection).
+    fn mat_as(&self, name: &str, file_dims: &[usize], dims: &[usize]) -> Result<B::Weight> {
+        // Shape and type checked as any tensor's.
+        drop(self.req(name, file_dims)?);
+        let idx = self
+            .file
+            .tensors()
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        let info = &self.file.tensors()[idx];
+        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
+            name: name.to_owned(),
+            ty: info.ty.name().to_owned(),
+        })?;
+        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
+        let mut w = self.backend.weight(WeightDesc {
+            name,
+            ty,
+            dims,
+            data: self.file.tensor_data(idx),
+            owner,
+        })?;
+        self.backend.prepare_matmul(&mut w);
+        Ok(w)
     }
 
     /// The `n_expert` matrices `[n_in] → [n_out]` stacked in `<base>.weight` (ggml dims
@@ -937,6 +1079,10 @@ impl<B: Backend> Model<B> {
         &self.file
     }
 
+    /// Snapshots a recurrent layer keeps after the last rows of a forward: enough to take back
+    /// any part of a verify batch of the default draft length (16) without replaying.
+    pub const DEFAULT_SNAPSHOTS: usize = 16;
+
     /// Allocates a KV cache of `n_ctx` cells.
     ///
     /// # Errors
@@ -980,7 +1126,29 @@ impl<B: Backend> Model<B> {
             v_type,
             overrides: Vec::new(),
             swa,
+            recurrent: self.recurrent_layers(),
         }
+    }
+
+    /// The recurrent layers' states ([`spec::Memory::Recurrent`]), each keeping
+    /// [`Model::DEFAULT_SNAPSHOTS`] snapshots; `None` for a model that only attends.
+    fn recurrent_layers(&self) -> Option<specula_tensor::RecurrentLayers> {
+        let layers: Vec<Option<specula_tensor::RecurrentShape>> = self
+            .hp
+            .layers
+            .iter()
+            .map(|l| match l.memory() {
+                spec::Memory::Recurrent(r) => Some(r),
+                spec::Memory::Kv { .. } => None,
+            })
+            .collect();
+        layers
+            .iter()
+            .any(Option::is_some)
+            .then_some(specula_tensor::RecurrentLayers {
+                layers,
+                snapshots: Self::DEFAULT_SNAPSHOTS,
+            })
     }
 
     /// Fresh activation buffers.
@@ -1016,14 +1184,102 @@ impl<B: Backend> Model<B> {
             seq_host: Vec::new(),
             tap_rows: z(),
             moe: moe::MoeScratch::new(backend),
+            qg: z(),
+            attn_gate: z(),
+            dn: DeltaBuffers {
+                mixed: z(),
+                alpha: z(),
+                beta: z(),
+                out: z(),
+                seq_mixed: z(),
+                seq_alpha: z(),
+                seq_beta: z(),
+                seq_out: z(),
+                scratch: DeltaScratch {
+                    conv: z(),
+                    q: z(),
+                    k: z(),
+                    v: z(),
+                },
+            },
         }
     }
 
-    /// The attention spec of layer `il` (every layer of these architectures attends).
+    /// The attention spec of layer `il`, which must attend.
     fn attn_spec(&self, il: usize) -> &AttnSpec {
         match &self.hp.layers[il].mixer {
             MixerSpec::Attention(a) => a,
+            MixerSpec::DeltaNet(_) => unreachable!("layer {il} is recurrent"),
         }
+    }
+
+    /// Whether the model has recurrent layers (their memory cannot be trimmed).
+    #[must_use]
+    pub fn is_recurrent(&self) -> bool {
+        self.hp
+            .layers
+            .iter()
+            .any(|l| matches!(l.mixer, MixerSpec::DeltaNet(_)))
+    }
+
+    /// A recurrent model's sequence must continue where its memory is: consecutive positions
+    /// from one its recurrent layers kept ([`Backend::kv_holds`]).
+    fn check_recurrent(&self, be: &B, kv: &B::Kv, seq: usize, pos: &[u32]) -> Result<()> {
+        if !self.is_recurrent() {
+            return Ok(());
+        }
+        let p0 = pos[0];
+        if pos
+            .iter()
+            .enumerate()
+            .any(|(i, &p)| u32::try_from(i).ok().and_then(|i| p0.checked_add(i)) != Some(p))
+        {
+            return Err(ModelError::RecurrentPositions { seq });
+        }
+        if !be.kv_holds(kv, p0 as usize) {
+            return Err(ModelError::RecurrentState { seq, pos: p0 });
+        }
+        Ok(())
+    }
+
+    /// Layer `il`'s delta rule for one sequence's rows from `pos0`: the convolution over
+    /// `mixed` (Q, K, V side by side), SiLU, the split, the gated rule into `out`.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the rule's inputs are all needed"
+    )]
+    fn delta_rule(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        dn: &mut DeltaScratch<B>,
+        il: usize,
+        pos0: usize,
+        mixed: &B::Tensor,
+        alpha: &B::Tensor,
+        beta: &B::Tensor,
+        out: &mut B::Tensor,
+    ) {
+        let (Mixer::DeltaNet(w), MixerSpec::DeltaNet(d)) =
+            (&self.layers[il].mixer, &self.hp.layers[il].mixer)
+        else {
+            unreachable!("layer {il} is not recurrent");
+        };
+        let ch = d.conv_channels();
+        let kd = d.n_head_k * d.head_dim;
+        be.ssm_conv(kv, il, pos0, mixed, &w.conv, &mut dn.conv);
+        be.silu(&mut dn.conv);
+        be.gather_cols(&dn.conv, ch, 0..kd, &mut dn.q);
+        be.gather_cols(&dn.conv, ch, kd..2 * kd, &mut dn.k);
+        be.gather_cols(&dn.conv, ch, 2 * kd..ch, &mut dn.v);
+        let p = specula_tensor::DeltaNetParams {
+            layer: il,
+            pos0,
+            eps: self.hp.rms_eps,
+        };
+        be.gated_delta_net(
+            kv, &p, &dn.q, &dn.k, &dn.v, alpha, beta, &w.dt_bias, &w.a, out,
+        );
     }
 
     /// The attention call of layer `il` for queries at `q_pos` over cells at `kv_pos`: the
@@ -1129,7 +1385,23 @@ impl<B: Backend> Model<B> {
         };
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
 
+        self.check_recurrent(be, kv, 0, pos)?;
         self.layers_and_head(be, s, tokens, pos, logits_rows, tap, &mut |be, s, il| {
+            if let MixerSpec::DeltaNet(_) = &self.hp.layers[il].mixer {
+                let dn = &mut s.dn;
+                self.delta_rule(
+                    be,
+                    kv,
+                    &mut dn.scratch,
+                    il,
+                    pos[0] as usize,
+                    &dn.mixed,
+                    &dn.alpha,
+                    &dn.beta,
+                    &mut dn.out,
+                );
+                return;
+            }
             let (cells, kv_pos) = match &ring {
                 Some(r) if self.hp.is_swa(il) => (r.cells, r.kv_pos),
                 _ => (&s.cells[..], &s.kv_pos[..]),
@@ -1195,6 +1467,7 @@ impl<B: Backend> Model<B> {
                 });
             }
             Self::check_ring(q.ring.as_ref(), n)?;
+            self.check_recurrent(be, q.kv, i, q.pos)?;
             let off = all_tokens.len();
             all_rows.extend(q.logits_rows.iter().map(|&r| off + r));
             all_tokens.extend_from_slice(q.tokens);
@@ -1237,6 +1510,34 @@ impl<B: Backend> Model<B> {
             &mut |be, s, il| {
                 s.attn_host.clear();
                 let mut off = 0;
+                if let MixerSpec::DeltaNet(_) = &hp.layers[il].mixer {
+                    for q in seqs.iter_mut() {
+                        let n = q.tokens.len();
+                        s.seq_rows.clear();
+                        s.seq_rows.extend(off..off + n);
+                        off += n;
+                        let dn = &mut s.dn;
+                        be.copy_rows(&dn.mixed, &s.seq_rows, &mut dn.seq_mixed);
+                        be.copy_rows(&dn.alpha, &s.seq_rows, &mut dn.seq_alpha);
+                        be.copy_rows(&dn.beta, &s.seq_rows, &mut dn.seq_beta);
+                        self.delta_rule(
+                            be,
+                            q.kv,
+                            &mut dn.scratch,
+                            il,
+                            q.pos[0] as usize,
+                            &dn.seq_mixed,
+                            &dn.seq_alpha,
+                            &dn.seq_beta,
+                            &mut dn.seq_out,
+                        );
+                        be.to_host(&dn.seq_out, &mut s.seq_host);
+                        s.attn_host.extend_from_slice(&s.seq_host);
+                    }
+                    let cols = s.attn_host.len() / off.max(1);
+                    s.dn.out = be.from_host(off, cols, &s.attn_host);
+                    return;
+                }
                 for q in seqs.iter_mut() {
                     let n = q.tokens.len();
                     s.seq_rows.clear();
@@ -1302,7 +1603,15 @@ impl<B: Backend> Model<B> {
         eps: f32,
         pos: &[u32],
     ) {
-        w.wq.matmul(be, &s.cur, &mut s.q);
+        if a.gated {
+            // Each head's query, then its gate.
+            let hd = a.head_dim_k;
+            w.wq.matmul(be, &s.cur, &mut s.qg);
+            be.gather_cols(&s.qg, 2 * hd, 0..hd, &mut s.q);
+            be.gather_cols(&s.qg, 2 * hd, hd..2 * hd, &mut s.attn_gate);
+        } else {
+            w.wq.matmul(be, &s.cur, &mut s.q);
+        }
         w.wk.matmul(be, &s.cur, &mut s.k);
         w.wv.matmul(be, &s.cur, &mut s.v);
         if let Some(b) = &w.bq {
@@ -1368,8 +1677,23 @@ impl<B: Backend> Model<B> {
                 (Mixer::Attention(w), MixerSpec::Attention(a)) => {
                     Self::qkv(be, s, w, a, hp.rms_eps, pos);
                     attend(be, s, il);
+                    if a.gated {
+                        be.sigmoid_mul(&mut s.attn, &s.attn_gate);
+                    }
                     w.wo.matmul(be, &s.attn, &mut s.proj);
                 }
+                (Mixer::DeltaNet(w), MixerSpec::DeltaNet(d)) => {
+                    w.qkv.matmul(be, &s.cur, &mut s.dn.mixed);
+                    w.z.matmul(be, &s.cur, &mut s.gate);
+                    w.alpha.matmul(be, &s.cur, &mut s.dn.alpha);
+                    w.beta.matmul(be, &s.cur, &mut s.dn.beta);
+                    attend(be, s, il);
+                    // The gated norm: RMS-normed per head, times silu(z).
+                    be.rms_norm_groups(&mut s.dn.out, d.head_dim, &w.norm, hp.rms_eps);
+                    be.swiglu(&s.gate, &s.dn.out, &mut s.act);
+                    w.out.matmul(be, &s.act, &mut s.proj);
+                }
+                _ => unreachable!("layer {il}: the weights were loaded from this spec"),
             }
             Self::residual(be, s, layer.post_attn_norm.as_ref(), hp.rms_eps);
 

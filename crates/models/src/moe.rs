@@ -92,6 +92,7 @@ impl ExpertKeys {
             norm_weights,
             weights_scale: self.weights_scale,
             act,
+            shared: None,
         }
     }
 }
@@ -110,6 +111,16 @@ pub(crate) struct MoeWeights<W> {
     /// `ffn_gate_inp`: `[n_embd] → [n_expert]` router logits.
     pub(crate) router: Linear<W>,
     pub(crate) experts: Vec<Expert<W>>,
+    pub(crate) shared: Option<SharedWeights<W>>,
+}
+
+/// A shared expert and its optional gate (`ffn_gate_inp_shexp`, `[n_embd] → [1]`).
+#[derive(Debug)]
+pub(crate) struct SharedWeights<W> {
+    pub(crate) gate: Linear<W>,
+    pub(crate) up: Linear<W>,
+    pub(crate) down: Linear<W>,
+    pub(crate) gate_inp: Option<W>,
 }
 
 /// The routing of one batch: for each expert, the rows that chose it and their weights, rows in
@@ -228,6 +239,20 @@ pub(crate) fn forward<B: Backend>(
         expert.down.matmul(be, &s.act, &mut s.y);
         be.add_rows_scaled(out, rows, &s.y, &s.routing.weights[e]);
     }
+    if let Some(sh) = &w.shared {
+        sh.gate.matmul(be, x, &mut s.gate);
+        sh.up.matmul(be, x, &mut s.up);
+        match spec.act {
+            Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
+            Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
+        }
+        sh.down.matmul(be, &s.act, &mut s.y);
+        if let Some(g) = &sh.gate_inp {
+            be.matmul(x, g, &mut s.logits);
+            be.sigmoid_mul(&mut s.y, &s.logits);
+        }
+        be.add(out, &s.y);
+    }
 }
 
 #[cfg(test)]
@@ -243,6 +268,7 @@ mod tests {
             norm_weights: norm,
             weights_scale: 1.0,
             act: Act::Silu,
+            shared: None,
         }
     }
 

@@ -8,7 +8,7 @@
 //! pass runs a layer from its spec alone, so architectures differ in data, not in branches of
 //! the forward. [`LayerSpec::memory`] is what the layer keeps between forwards.
 
-use specula_tensor::{Mask, RopeConfig};
+use specula_tensor::{Mask, RecurrentShape, RopeConfig};
 
 /// One layer: mixer, then FFN, each behind a pre-norm and a residual add.
 #[derive(Clone, Debug, PartialEq)]
@@ -20,6 +20,9 @@ pub struct LayerSpec {
     /// Gemma's sandwich norms: an RMS norm on the mixer output and on the FFN output, each
     /// before its residual add (`post_attention_norm`, `post_ffw_norm`).
     pub post_norms: bool,
+    /// The tensor of the norm before the FFN (`ffn_norm`; Qwen3.5 names it
+    /// `post_attention_norm`).
+    pub ffn_norm: &'static str,
 }
 
 /// The token mixer of a layer.
@@ -27,6 +30,34 @@ pub struct LayerSpec {
 pub enum MixerSpec {
     /// Softmax attention over a KV cache.
     Attention(AttnSpec),
+    /// Gated delta-net linear attention over a recurrent state (Qwen3.5, Qwen3-Next).
+    DeltaNet(DeltaNetSpec),
+}
+
+/// A gated delta-net mixer (llama.cpp `qwen35.cpp` `build_layer_attn_linear`): `attn_qkv`
+/// projects Q, K and V side by side, a causal depthwise convolution (`ssm_conv1d`) and SiLU run
+/// over them, Q and K are L2-normalized, and the gated delta rule folds each row into a state
+/// per value head with decay `e^{ssm_a · softplus(alpha + dt_bias)}` and strength `σ(beta)`;
+/// the output is RMS-normed per head (`ssm_norm`), gated by `silu(attn_gate · x)` and projected
+/// by `ssm_out`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct DeltaNetSpec {
+    /// Key heads (`ssm.group_count`).
+    pub n_head_k: usize,
+    /// Value heads (`ssm.time_step_rank`); value head `h` reads key head `h % n_head_k`.
+    pub n_head_v: usize,
+    /// Values per key and value head (`ssm.state_size`).
+    pub head_dim: usize,
+    /// Taps of the convolution (`ssm.conv_kernel`).
+    pub conv_kernel: usize,
+}
+
+impl DeltaNetSpec {
+    /// Channels of the convolution: Q, K and V side by side.
+    #[must_use]
+    pub fn conv_channels(&self) -> usize {
+        (2 * self.n_head_k + self.n_head_v) * self.head_dim
+    }
 }
 
 /// One attention mixer.
@@ -50,6 +81,9 @@ pub struct AttnSpec {
     pub qkv_bias: bool,
     /// RMS norm per head on Q and K before RoPE (`attn_q_norm`, `attn_k_norm`).
     pub qk_norm: bool,
+    /// Gated output (Qwen3.5): `attn_q` projects each head's query followed by its gate, and
+    /// the attention output is multiplied by `σ(gate)` before `attn_output`.
+    pub gated: bool,
 }
 
 /// The activation of a gated MLP: `down(act(gate(x)) ⊙ up(x))`.
@@ -100,6 +134,18 @@ pub struct MoeSpec {
     pub weights_scale: f32,
     /// Expert activation.
     pub act: Act,
+    /// An expert every token uses besides the routed ones.
+    pub shared: Option<SharedExpert>,
+}
+
+/// A shared expert (`ffn_{gate,up,down}_shexp`): a gated MLP added to the routed experts'
+/// sum, scaled by `σ(ffn_gate_inp_shexp · x)` when gated (Qwen3.5 MoE).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SharedExpert {
+    /// Hidden units.
+    pub n_ff: usize,
+    /// Scaled by a sigmoid gate of its own.
+    pub gated: bool,
 }
 
 /// What a layer keeps between forwards.
@@ -117,6 +163,8 @@ pub enum Memory {
         /// The sliding window, when the layer has one (its cache may keep only a ring).
         window: Option<usize>,
     },
+    /// A recurrent state of fixed size.
+    Recurrent(RecurrentShape),
 }
 
 impl LayerSpec {
@@ -125,6 +173,7 @@ impl LayerSpec {
     pub fn attention(&self) -> Option<&AttnSpec> {
         match &self.mixer {
             MixerSpec::Attention(a) => Some(a),
+            MixerSpec::DeltaNet(_) => None,
         }
     }
 
@@ -141,6 +190,13 @@ impl LayerSpec {
                     Mask::Causal | Mask::None => None,
                 },
             },
+            MixerSpec::DeltaNet(d) => Memory::Recurrent(RecurrentShape {
+                conv_kernel: d.conv_kernel,
+                conv_channels: d.conv_channels(),
+                n_head_k: d.n_head_k,
+                n_head_v: d.n_head_v,
+                head_dim: d.head_dim,
+            }),
         }
     }
 }

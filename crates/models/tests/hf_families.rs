@@ -108,6 +108,8 @@ fn tensor_values(t: usize, n: usize, kind: &str, scale_log2: Option<i32>) -> Vec
             let x = match kind {
                 "norm" => 1.0 + v / f64::from(1u32 << 26),
                 "uniform" => v * 2f64.powi(scale_log2.expect("a uniform tensor's scale") - 23),
+                // A negative value (Qwen3.5's `ssm_a = −e^{A_log}`).
+                "neg" => -(1.0 + v / f64::from(1u32 << 24)),
                 other => panic!("tensor kind {other} (see reference/hf_families_golden.py)"),
             };
             // Exact in f64; one round-to-nearest-even to f32, as numpy's astype(float32).
@@ -145,7 +147,25 @@ fn rebuild(g: &Json) -> Vec<u8> {
         let scale = d["scale_log2"]
             .as_i64()
             .map(|s| i32::try_from(s).expect("small"));
-        let values = tensor_values(t, n, d["kind"].as_str().expect("kind"), scale);
+        let kind = d["kind"].as_str().expect("kind");
+        let values = if kind == "derived" {
+            // Computed from the config by the converter (Gemma 4's `rope_freqs`), listed.
+            d["values"]
+                .as_array()
+                .expect("a derived tensor's values")
+                .iter()
+                .map(|x| {
+                    #[allow(
+                        clippy::cast_possible_truncation,
+                        reason = "f32 values written as doubles"
+                    )]
+                    let v = x.as_f64().expect("a number") as f32;
+                    v
+                })
+                .collect()
+        } else {
+            tensor_values(t, n, kind, scale)
+        };
         w.add_tensor(d["name"].as_str().expect("name"), GgmlType::F32, &dims)
             .expect("tensor");
         data.push(
@@ -394,4 +414,17 @@ fn check(name: &str, arch: Arch) {
 #[test]
 fn qwen3moe_matches_transformers() {
     check("qwen3moe", Arch::Qwen3Moe);
+}
+
+/// qwen35: three gated delta-net layers (2 key heads, 4 value heads — the tiled value-head
+/// order matters — conv kernel 4) and one gated full-attention layer with partial RoPE.
+#[test]
+fn qwen35_matches_transformers() {
+    check("qwen35", Arch::Qwen35);
+}
+
+/// qwen35moe: qwen35 with a top-2-of-8 mixture of experts and a sigmoid-gated shared expert.
+#[test]
+fn qwen35moe_matches_transformers() {
+    check("qwen35moe", Arch::Qwen35Moe);
 }

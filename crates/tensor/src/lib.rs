@@ -246,6 +246,68 @@ pub struct KvShape {
     /// Layers that keep fewer cells than `n_ctx` (sliding-window layers holding a ring of the
     /// last positions, llama.cpp's SWA cache); `None`: every layer has `n_ctx` cells.
     pub swa: Option<SwaCells>,
+    /// Layers whose memory is a recurrent state rather than K/V cells (gated delta-net);
+    /// `None`: every layer attends.
+    pub recurrent: Option<RecurrentLayers>,
+}
+
+/// The recurrent layers of a cache and the snapshots each keeps.
+///
+/// A recurrent layer folds every row it sees into a fixed-size state, so dropping rows cannot
+/// give the earlier state back. Each layer therefore keeps, besides its current state, the state
+/// before the latest forward and the states after each of that forward's last `snapshots` rows:
+/// a later forward that starts at one of those positions (a verify batch whose draft tail was
+/// rejected) continues from the kept state — selecting a snapshot instead of replaying. A
+/// forward starting at position 0 starts from the zero state.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RecurrentLayers {
+    /// Per layer: its recurrent state, or `None` for a layer with K/V cells.
+    pub layers: Vec<Option<RecurrentShape>>,
+    /// States kept after the last rows of a forward (0: only the state before it).
+    pub snapshots: usize,
+}
+
+/// The state of one gated delta-net layer (Qwen3.5 / Qwen3-Next linear attention): the
+/// causal convolution's last `conv_kernel − 1` inputs of `conv_channels` values, and one
+/// `head_dim × head_dim` f32 matrix per value head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecurrentShape {
+    /// Taps of the causal depthwise convolution.
+    pub conv_kernel: usize,
+    /// Channels it convolves (Q, K and V side by side).
+    pub conv_channels: usize,
+    /// Key heads (a divisor of `n_head_v`; value head `h` reads key head `h % n_head_k`).
+    pub n_head_k: usize,
+    /// Value heads (one state matrix each).
+    pub n_head_v: usize,
+    /// Values per key and per value head.
+    pub head_dim: usize,
+}
+
+impl RecurrentShape {
+    /// f32 values of the convolution state.
+    #[must_use]
+    pub fn conv_len(&self) -> usize {
+        (self.conv_kernel - 1) * self.conv_channels
+    }
+
+    /// f32 values of the delta-rule state.
+    #[must_use]
+    pub fn state_len(&self) -> usize {
+        self.n_head_v * self.head_dim * self.head_dim
+    }
+}
+
+/// The per-row inputs of a gated delta-rule step, as [`Backend::gated_delta_net`] reads them.
+#[derive(Clone, Copy, Debug)]
+pub struct DeltaNetParams {
+    /// Layer index into the cache (a recurrent layer).
+    pub layer: usize,
+    /// Position of the batch's first row: the state continues from what the layer kept for
+    /// that position.
+    pub pos0: usize,
+    /// RMS-norm epsilon of the L2 normalization of Q and K (`x / √(Σx² + eps)`).
+    pub eps: f32,
 }
 
 /// The sliding-window layers of a cache that keep a ring of `n_cells` cells instead of
@@ -273,10 +335,21 @@ impl KvShape {
         (k, v)
     }
 
-    /// Cells of layer `l`: the ring's for a sliding-window layer of [`KvShape::swa`], else
-    /// `n_ctx`.
+    /// Whether layer `l` keeps a recurrent state ([`KvShape::recurrent`]) instead of cells.
+    #[must_use]
+    pub fn is_recurrent(&self, l: usize) -> bool {
+        self.recurrent
+            .as_ref()
+            .is_some_and(|r| r.layers.get(l).is_some_and(Option::is_some))
+    }
+
+    /// Cells of layer `l`: none for a recurrent layer, the ring's for a sliding-window layer of
+    /// [`KvShape::swa`], else `n_ctx`.
     #[must_use]
     pub fn layer_cells(&self, l: usize) -> usize {
+        if self.is_recurrent(l) {
+            return 0;
+        }
         match &self.swa {
             Some(w) if w.layers.get(l).copied().unwrap_or(false) => w.n_cells,
             _ => self.n_ctx,
@@ -378,6 +451,21 @@ pub trait Backend: Send + Sync {
     fn add(&self, a: &mut Self::Tensor, b: &Self::Tensor);
     /// `a *= s`.
     fn scale(&self, a: &mut Self::Tensor, s: f32);
+    /// `x = silu(x)` (`x · σ(x)`).
+    fn silu(&self, x: &mut Self::Tensor);
+    /// `x ⊙= σ(gate)`: `gate` has the columns of `x`, or one column that scales its whole row
+    /// (a gated attention output; a shared expert's gate).
+    fn sigmoid_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
+    /// Columns of `src` cut into groups of `stride`: `out` row `r` is the concatenation, over
+    /// the groups `g`, of `src[r][g·stride + range]` (a slice of every head, or with
+    /// `stride = cols` one column range).
+    fn gather_cols(
+        &self,
+        src: &Self::Tensor,
+        stride: usize,
+        range: std::ops::Range<usize>,
+        out: &mut Self::Tensor,
+    );
     /// `dst[rows[i]] += w[i] · src[i]` for each row `i` of `src`, in order: a mixture of
     /// experts adds each expert's output rows, weighted, to the tokens that chose it. Rows of
     /// `rows` may repeat (each addition then happens in the order given).
@@ -432,6 +520,52 @@ pub trait Backend: Send + Sync {
             detail: format!("the {} backend cannot import a KV cache", self.name()),
         })
     }
+
+    /// The causal depthwise convolution of recurrent layer `layer` over the rows of `x`
+    /// (`[n, conv_channels]`, one sequence's consecutive positions from `pos0`): row `t` of
+    /// `out` is `Σ_k w[c][k] · in[t + k][c]` over the layer's state (the `kernel − 1` inputs
+    /// before `pos0`) followed by `x`; `w` is `ssm_conv1d` (ggml dims `[kernel, channels]`).
+    /// The state becomes the last `kernel − 1` inputs, with snapshots as
+    /// [`RecurrentLayers`] says.
+    fn ssm_conv(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        pos0: usize,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+    );
+    /// The gated delta rule of recurrent layer `p.layer` over one sequence's consecutive rows
+    /// from `p.pos0`: per row and value head `h` (key head `h % n_head_k`), with `q`, `k`
+    /// L2-normalized (`x / √(Σx² + eps)`), `q` scaled by `1/√head_dim`, the decay's log
+    /// `g = a[h] · softplus(alpha[h] + dt_bias[h])`, the strength `β = σ(beta[h])` and the
+    /// state `S` (`head_dim × head_dim`): `S ← S·e^g`, `d = β·(v − Sᵀk)`, `S ← S + k dᵀ`,
+    /// `o = Sᵀq`. `q`, `k` are `[n, n_head_k · head_dim]`, `v` and `out`
+    /// `[n, n_head_v · head_dim]`, `alpha` and `beta` `[n, n_head_v]`; `dt_bias` and `a` are
+    /// vectors of `n_head_v` (`ssm_dt.bias`, `ssm_a`). The state continues from what the layer
+    /// kept for `pos0`, with snapshots as [`RecurrentLayers`] says.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the rule's inputs are all needed"
+    )]
+    fn gated_delta_net(
+        &self,
+        kv: &mut Self::Kv,
+        p: &DeltaNetParams,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        alpha: &Self::Tensor,
+        beta: &Self::Tensor,
+        dt_bias: &Self::Weight,
+        a: &Self::Weight,
+        out: &mut Self::Tensor,
+    );
+    /// Whether a forward may start at position `pos` of `kv`: always for K/V cells (a forward
+    /// writes its cells); for recurrent layers only at a position whose state they kept
+    /// ([`RecurrentLayers`]).
+    fn kv_holds(&self, kv: &Self::Kv, pos: usize) -> bool;
 
     /// Attention of `q` (`[n_q, n_head · head_dim_k]`) over cells `0..kv_pos.len()` of the
     /// layer; writes `[n_q, n_head · head_dim_v]`. In a layer of fewer cells than `kv_pos`

@@ -45,6 +45,7 @@ use specula_tensor::{AttentionParams, KvShape, Mask, Result};
 
 use crate::CpuBackend;
 use crate::pool::{Disjoint, split};
+use crate::recurrent::Recurrent;
 
 pub(crate) mod simd;
 use crate::tensor::CpuTensor;
@@ -72,6 +73,8 @@ struct Layer {
 pub struct CpuKv {
     layout: KvLayout,
     layers: Vec<Layer>,
+    /// Per layer: the recurrent memory of a recurrent layer ([`KvShape::recurrent`]).
+    recurrent: Vec<Option<Recurrent>>,
 }
 
 impl CpuKv {
@@ -103,7 +106,43 @@ impl CpuKv {
                 })
             })
             .collect::<Result<_, specula_kv::KvError>>()?;
-        Ok(Self { layout, layers })
+        let recurrent = match &shape.recurrent {
+            Some(r) => {
+                if r.layers.len() != shape.n_layer {
+                    return Err(specula_kv::KvError::Shape(format!(
+                        "recurrent layer list of {} entries for {} layers",
+                        r.layers.len(),
+                        shape.n_layer
+                    ))
+                    .into());
+                }
+                r.layers
+                    .iter()
+                    .map(|l| l.map(|sh| Recurrent::new(sh, r.snapshots)))
+                    .collect()
+            }
+            None => vec![None; shape.n_layer],
+        };
+        Ok(Self {
+            layout,
+            layers,
+            recurrent,
+        })
+    }
+
+    /// The recurrent memory of `layer`, or a panic naming the op.
+    pub(crate) fn recurrent_mut(&mut self, layer: usize, op: &str) -> &mut Recurrent {
+        match self.recurrent.get_mut(layer) {
+            Some(Some(r)) => r,
+            _ => panic!("{op}: layer {layer} of the cache is not recurrent"),
+        }
+    }
+
+    /// Whether every recurrent layer can start a forward at `pos` (always true without
+    /// recurrent layers).
+    #[must_use]
+    pub fn recurrent_holds(&self, pos: usize) -> bool {
+        self.recurrent.iter().flatten().all(|r| r.holds(pos))
     }
 
     /// The shape the cache was made with.
@@ -138,6 +177,18 @@ impl CpuKv {
             l.k.export_prefix(n.min(l.k.n_cells()), out)?;
             l.v.export_prefix(n.min(l.v.n_cells()), out)?;
         }
+        // A recurrent state is that of one position: the current one.
+        for r in self.recurrent.iter().flatten() {
+            let (seen, conv, ssm) = r.current();
+            if seen != n {
+                return Err(specula_kv::KvError::Shape(format!(
+                    "exporting {n} positions of a recurrent layer whose state is that of {seen}"
+                )));
+            }
+            for v in conv.iter().chain(ssm) {
+                out.extend_from_slice(&v.to_le_bytes());
+            }
+        }
         Ok(())
     }
 
@@ -162,6 +213,22 @@ impl CpuKv {
             off += l.k.import_prefix(nk, &bytes[off..])?;
             let nv = n.min(l.v.n_cells());
             off += l.v.import_prefix(nv, &bytes[off..])?;
+        }
+        for r in self.recurrent.iter_mut().flatten() {
+            let (nc, ns) = r.lens();
+            let need = 4 * (nc + ns);
+            let Some(b) = bytes.get(off..off + need) else {
+                return Err(specula_kv::KvError::Shape(format!(
+                    "{} bytes left for a recurrent state of {need}",
+                    bytes.len().saturating_sub(off)
+                )));
+            };
+            let vals: Vec<f32> = b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            r.set_current(n, &vals[..nc], &vals[nc..]);
+            off += need;
         }
         if off != bytes.len() {
             return Err(specula_kv::KvError::Shape(format!(

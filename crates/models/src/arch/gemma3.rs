@@ -15,6 +15,7 @@ pub(super) fn layers(hp: &Hparams) -> Vec<LayerSpec> {
             }),
             ffn: dense(hp, Act::GeluTanh),
             post_norms: true,
+            ffn_norm: "ffn_norm",
         })
         .collect()
 }

@@ -6,6 +6,7 @@ mod gemma3;
 mod llama;
 mod qwen2;
 mod qwen3;
+mod qwen35;
 mod qwen3moe;
 
 use specula_gguf::Metadata;
@@ -22,6 +23,7 @@ pub(crate) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
         Arch::Qwen3 => qwen3::layers(hp),
         Arch::Gemma3 => gemma3::layers(hp),
         Arch::Qwen3Moe => qwen3moe::layers(hp, md)?,
+        Arch::Qwen35 | Arch::Qwen35Moe => qwen35::layers(hp, md)?,
     })
 }
 
@@ -31,6 +33,7 @@ fn block(mixer: AttnSpec, ffn: FfnSpec) -> LayerSpec {
         mixer: MixerSpec::Attention(mixer),
         ffn,
         post_norms: false,
+        ffn_norm: "ffn_norm",
     }
 }
 
@@ -47,6 +50,7 @@ fn attention(hp: &Hparams, il: usize) -> AttnSpec {
         scale: hp.attn_scale,
         qkv_bias: false,
         qk_norm: false,
+        gated: false,
     }
 }
 
