@@ -161,6 +161,11 @@ pub struct Engine<B: Backend> {
     /// Sliding-window layers keep a cell per position of the context (`--swa-full`), instead
     /// of a ring of `window + n_batch` cells (llama.cpp's SWA cache; the default).
     pub swa_full: bool,
+    /// States a recurrent layer keeps after the last rows of a forward
+    /// ([`specula_tensor::RecurrentLayers::snapshots`]; [`Model::DEFAULT_SNAPSHOTS`]): a
+    /// rejected draft tail of up to this many rows is taken back by selecting one, a longer one
+    /// by replay. 0: replay always.
+    pub recurrent_snapshots: usize,
 }
 
 impl<B: Backend> std::fmt::Debug for Engine<B> {
@@ -185,6 +190,28 @@ pub struct Session<B: Backend> {
     n_ctx: usize,
     rollback: specula_kv::Rollback,
     ring: Option<SwaRing>,
+    /// Recurrent layers: where the latest forward started and ended, and the snapshots they
+    /// keep (`None` for a model that only attends).
+    recurrent: Option<RecurrentTrack>,
+}
+
+/// What a session's recurrent layers hold: the state before the latest forward (at
+/// `start`), after it (`end`), and after each of its last `snapshots` rows.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct RecurrentTrack {
+    pub(crate) start: usize,
+    pub(crate) end: usize,
+    pub(crate) snapshots: usize,
+}
+
+impl RecurrentTrack {
+    /// Whether a forward may start at `n`.
+    pub(crate) fn holds(&self, n: usize) -> bool {
+        n == 0
+            || n == self.start
+            || n == self.end
+            || (n > self.start && n < self.end && self.end - n <= self.snapshots)
+    }
 }
 
 /// The bookkeeping of a session's sliding-window ring: the position each ring cell holds
@@ -301,9 +328,19 @@ impl<B: Backend> Session<B> {
             .map_or(usize::MAX, |r| (r.pos.len() - r.window).max(1))
     }
 
+    /// Records that a forward of `rows` rows starts at the current position (what the
+    /// recurrent layers will hold after it).
+    pub(crate) fn begin_forward(&mut self, rows: usize) {
+        if let Some(r) = &mut self.recurrent {
+            r.start = self.n_past;
+            r.end = self.n_past + rows;
+        }
+    }
+
     /// Forgets everything after the first `n` positions (their cells are overwritten by the
-    /// next tokens): a trim, for a memory that can ([`Session::can_trim_to`]); otherwise
-    /// [`Engine::rewind`] takes rows back.
+    /// next tokens; recurrent layers continue from the state they kept for `n`): a trim, for a
+    /// memory that can ([`Session::can_trim_to`]); otherwise [`Engine::rewind`] takes rows
+    /// back.
     pub fn truncate(&mut self, n: usize) {
         debug_assert!(
             self.can_trim_to(n),
@@ -443,6 +480,7 @@ impl<B: Backend> Engine<B> {
             n_batch: 512,
             kv_overrides: Vec::new(),
             swa_full: false,
+            recurrent_snapshots: Model::<B>::DEFAULT_SNAPSHOTS,
         }
     }
 
@@ -463,7 +501,16 @@ impl<B: Backend> Engine<B> {
             rows: Vec::new(),
             n_past: 0,
             n_ctx,
-            rollback: specula_kv::Rollback::Trim,
+            rollback: match &shape.recurrent {
+                Some(r) if r.snapshots > 0 => specula_kv::Rollback::Snapshot,
+                Some(_) => specula_kv::Rollback::Replay,
+                None => specula_kv::Rollback::Trim,
+            },
+            recurrent: shape.recurrent.as_ref().map(|r| RecurrentTrack {
+                start: 0,
+                end: 0,
+                snapshots: r.snapshots,
+            }),
             ring: shape.swa.as_ref().map(|w| SwaRing {
                 window: self.model.hparams().swa.as_ref().map_or(1, |s| s.window),
                 pos: vec![SwaRing::EMPTY; w.n_cells],
@@ -560,6 +607,9 @@ impl<B: Backend> Engine<B> {
             .model
             .kv_shape_ring(n_ctx, self.swa_ring(), k_type, v_type);
         shape.overrides.clone_from(&self.kv_overrides);
+        if let Some(r) = &mut shape.recurrent {
+            r.snapshots = self.recurrent_snapshots;
+        }
         shape
     }
 
@@ -693,6 +743,7 @@ impl<B: Backend> Engine<B> {
             s.rows.clear();
             s.rows
                 .extend((0..chunk.len()).filter(|&r| base + r >= first));
+            s.begin_forward(chunk.len());
             let ring = place(&mut s.ring, &s.pos);
             let logits = self.model.forward_ring(
                 &self.backend,
@@ -766,6 +817,7 @@ impl<B: Backend> Engine<B> {
         }
         for e in entries.iter_mut() {
             let start = u32::try_from(e.session.n_past).unwrap_or(u32::MAX);
+            e.session.begin_forward(e.tokens.len());
             e.session.pos.clear();
             e.session.pos.extend((start..).take(e.tokens.len()));
             e.session.rows.clear();

@@ -73,7 +73,19 @@ impl<B: Backend> Session<B> {
     /// n` — not when later rows overwrote them (see the module's notes).
     #[must_use]
     pub fn can_trim_to(&self, n: usize) -> bool {
-        n >= self.n_past || (self.rollback == Rollback::Trim && self.window_intact(n))
+        n >= self.n_past
+            || match self.rollback {
+                Rollback::Trim => self.window_intact(n),
+                // A recurrent state kept for `n` (a snapshot, or the one before the latest
+                // forward); the attention layers beside it trim.
+                Rollback::Snapshot => self.recurrent_holds(n),
+                Rollback::Replay => false,
+            }
+    }
+
+    /// Whether the recurrent layers (if any) can continue from position `n`.
+    fn recurrent_holds(&self, n: usize) -> bool {
+        self.recurrent.as_ref().is_none_or(|r| r.holds(n))
     }
 
     /// Whether the sliding-window ring (if any) holds every position a query at `n` sees.
@@ -96,7 +108,10 @@ impl<B: Backend> Session<B> {
     /// checkpoint holds (it was trimmed or reset below them since, or its sliding-window ring
     /// has overwritten them).
     pub fn restore(&mut self, ck: &Checkpoint) -> Result<()> {
-        if ck.n_past > self.n_past || !self.window_intact(ck.n_past) {
+        if ck.n_past > self.n_past
+            || !self.window_intact(ck.n_past)
+            || !self.recurrent_holds(ck.n_past)
+        {
             return Err(EngineError::StaleCheckpoint {
                 checkpoint: ck.n_past,
                 n_past: self.n_past,
@@ -141,7 +156,12 @@ impl<B: Backend> Engine<B> {
         }
         let known = n.saturating_sub(tail.len());
         let ck_from = ck
-            .filter(|c| c.n_past <= n && c.n_past <= s.n_past && s.window_intact(c.n_past))
+            .filter(|c| {
+                c.n_past <= n
+                    && c.n_past <= s.n_past
+                    && s.window_intact(c.n_past)
+                    && s.recurrent_holds(c.n_past)
+            })
             .map(|c| c.n_past);
         let ring_from = if s.rollback == Rollback::Trim && s.ring.is_some() {
             (known..n).rev().find(|&f| s.window_intact(f))

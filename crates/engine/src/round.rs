@@ -231,8 +231,9 @@ impl SpecSeq {
         self.rows
             .extend_from_slice(&self.history[self.history.len() - 1 - self.lead..]);
         self.rows.extend_from_slice(&draft);
-        // A memory that cannot trim comes back to this state on a partial rejection.
-        self.ck = (s.rollback() == Rollback::Replay).then(|| s.checkpoint());
+        // A memory that cannot trim comes back to this state on a partial rejection (a
+        // recurrent one when the rejection goes past its snapshots).
+        self.ck = (s.rollback() != Rollback::Trim).then(|| s.checkpoint());
     }
 
     /// Commits the round: `logits` are the rows of the anchor and the draft (row `i` the

@@ -169,6 +169,11 @@ impl<B: Backend> Engine<B> {
             .kv_import(&mut s.kv, n_past, &bytes[rd.off..])
             .map_err(|e| EngineError::SessionState(format!("the KV cells: {e}")))?;
         s.n_past = n_past;
+        // The recurrent layers hold the state of `n_past` and nothing else.
+        if let Some(r) = &mut s.recurrent {
+            r.start = n_past;
+            r.end = n_past;
+        }
         Ok(n_past)
     }
 }

@@ -135,3 +135,105 @@ fn every_drafter_is_lossless_on_every_architecture() {
         }
     }
 }
+
+/// A drafter that knows the plain greedy continuation `want` of `prompt` and, in round `r`,
+/// drafts its next `r % (n_max + 1)` tokens right and then wrong ones up to `n_max`: over the
+/// rounds, the first rejection falls at every position `0..=n_max` of a draft, taking back
+/// every number of rows.
+struct Oracle {
+    prompt_len: usize,
+    want: Vec<u32>,
+    round: usize,
+}
+
+impl Drafter for Oracle {
+    fn name(&self) -> &'static str {
+        "oracle"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> Result<(), specula_spec::SpecError> {
+        self.round = 0;
+        Ok(())
+    }
+    fn draft(
+        &mut self,
+        p: &specula_spec::DraftParams<'_>,
+    ) -> Result<Vec<u32>, specula_spec::SpecError> {
+        let right = self.round % (p.n_max + 1);
+        self.round += 1;
+        // history = prompt + generated; the anchor (last) is generated[done - 1].
+        let done = p.history.len() - self.prompt_len;
+        let mut d: Vec<u32> = self.want[done.min(self.want.len())..]
+            .iter()
+            .take(right.min(p.n_max))
+            .copied()
+            .collect();
+        let n_vocab = u32::try_from(tiny::N_VOCAB).expect("fits");
+        while d.len() < p.n_max {
+            let next = self.want.get(done + d.len()).copied().unwrap_or(0);
+            d.push((next + 1) % n_vocab);
+        }
+        Ok(d)
+    }
+    fn state(&self) -> specula_spec::DrafterState {
+        Box::new(self.round)
+    }
+    fn restore(&mut self, s: &specula_spec::DrafterState) -> Result<(), specula_spec::SpecError> {
+        self.round = *s
+            .downcast_ref::<usize>()
+            .ok_or(specula_spec::SpecError::ForeignState("oracle"))?;
+        Ok(())
+    }
+}
+
+/// The hybrid (gated delta-net) models roll back by selecting a recurrent snapshot: a draft
+/// rejected at each position `0..=n_max` gives the plain greedy output, with snapshots (no
+/// replay at all while the draft fits them), with replay forced, and with fewer snapshots than
+/// the draft (the rejections past them replayed from the checkpoint).
+#[test]
+fn hybrid_rollback_at_every_position_keeps_the_output() {
+    let n_max = 6;
+    let opts = greedy(40);
+    let so = SpecOptions {
+        n_max,
+        n_min: 0,
+        p_min: 0.0,
+        adaptive: false,
+    };
+    for (arch, snapshots) in [("qwen35", 16), ("qwen35moe", 16), ("qwen35", 2)] {
+        let mut e = engine(&tiny::target(arch));
+        e.recurrent_snapshots = snapshots;
+        let mut s = e.session(N_CTX, QType::F32, QType::F32).expect("session");
+        assert_eq!(s.rollback(), specula_kv::Rollback::Snapshot, "{arch}");
+        let want = e
+            .generate(&mut s, PROMPT, &opts, |_| {})
+            .expect("plain greedy")
+            .generated_ids;
+        for mode in ["snapshot", "replay"] {
+            let mut d = Oracle {
+                prompt_len: PROMPT.len(),
+                want: want.clone(),
+                round: 0,
+            };
+            let mut s = e.session(N_CTX, QType::F32, QType::F32).expect("session");
+            if mode == "replay" {
+                s.force_replay();
+            }
+            let got = e
+                .generate_speculative(&mut s, PROMPT, &opts, &mut d, &so, |_| {})
+                .unwrap_or_else(|err| panic!("{arch} {mode}: {err}"));
+            assert_eq!(got.generated_ids, want, "{arch} {mode}");
+            let st = got.spec.expect("stats");
+            // Every rejection position occurred.
+            assert!(st.rounds > n_max + 1, "{arch} {mode}: {st:?}");
+            assert!(
+                st.accepted > 0 && st.accepted < st.drafted,
+                "{arch} {mode}: {st:?}"
+            );
+            if mode == "snapshot" && snapshots >= n_max {
+                assert_eq!(st.replays, 0, "{arch}: a snapshot was selected every time");
+            } else {
+                assert!(st.replays > 0, "{arch}: replay forced: {st:?}");
+            }
+        }
+    }
+}

@@ -60,15 +60,21 @@ pub enum Rollback {
     /// before the verify forward, restored on a partial rejection, and the accepted rows are
     /// run again.
     Replay,
+    /// A recurrent state keeps the state before the latest forward and snapshots after its
+    /// last rows ([`specula_tensor::RecurrentLayers`]): taking back a draft tail selects one (the
+    /// next forward starts at its position) instead of replaying; further back, or past the
+    /// snapshots kept, a checkpoint is restored and the accepted rows run again.
+    Snapshot,
 }
 
 impl Rollback {
-    /// `trim` or `replay`, as logs, `/slots` and `--spec-rollback` name it.
+    /// `trim`, `replay` or `snapshot`, as logs, `/slots` and `--spec-rollback` name it.
     #[must_use]
     pub fn name(self) -> &'static str {
         match self {
             Self::Trim => "trim",
             Self::Replay => "replay",
+            Self::Snapshot => "snapshot",
         }
     }
 }

@@ -260,6 +260,7 @@ impl<B: Backend> Worker<B> {
             match rollback {
                 Rollback::Trim => "partial suffix removal",
                 Rollback::Replay => "checkpoint before each verify, accepted rows run again",
+                Rollback::Snapshot => "recurrent snapshots selected, replay past them",
             }
         );
         let drafter = match spec {

@@ -27,13 +27,15 @@ pub enum Subject {
 }
 
 impl Subject {
-    /// Every subject: the five architectures and the three drafters.
-    pub const ALL: [Self; 8] = [
+    /// Every subject: the seven architectures and the three drafters.
+    pub const ALL: [Self; 10] = [
         Self::Target(0),
         Self::Target(1),
         Self::Target(2),
         Self::Target(3),
         Self::Target(4),
+        Self::Target(5),
+        Self::Target(6),
         Self::Drafter(Drafter::Dflash),
         Self::Drafter(Drafter::Dflash2),
         Self::Drafter(Drafter::Eagle3),

@@ -32,6 +32,14 @@ pub const N_EXPERT: usize = 4;
 pub const N_EXPERT_USED: usize = 2;
 /// Hidden units of each expert.
 pub const N_FF_EXP: usize = 32;
+/// Key heads of the tiny qwen35's delta-net layer.
+pub const SSM_HEADS_K: usize = 1;
+/// Its value heads.
+pub const SSM_HEADS_V: usize = 2;
+/// Values per key / value head of the delta-net.
+pub const SSM_HEAD_DIM: usize = 16;
+/// Taps of its convolution.
+pub const SSM_CONV: usize = 4;
 /// The DFlash draft's MASK token.
 pub const MASK_TOKEN: u32 = 3;
 
@@ -173,12 +181,22 @@ fn tensor_bytes(t: &Tensor) -> Option<Vec<u8>> {
 }
 
 /// The four target architectures.
-pub const ARCHS: [&str; 5] = ["llama", "qwen2", "qwen3", "gemma3", "qwen3moe"];
+pub const ARCHS: [&str; 7] = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma3",
+    "qwen3moe",
+    "qwen35",
+    "qwen35moe",
+];
 
 /// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
 /// names for it (Q/K/V biases for qwen2, QK-norm for qwen3, gemma3 and qwen3moe, Gemma's
 /// sandwich norms and sliding window, qwen3moe's [`N_EXPERT`] experts of which each token uses
-/// [`N_EXPERT_USED`]), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
+/// [`N_EXPERT_USED`]; qwen35 / qwen35moe: layer 0 a gated delta-net of [`SSM_HEADS_K`] key and
+/// [`SSM_HEADS_V`] value heads, layer 1 gated attention with partial RoPE, qwen35moe's experts
+/// with a gated shared expert), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
 ///
 /// # Panics
 /// For an architecture not in [`ARCHS`].
@@ -204,32 +222,62 @@ pub fn target(arch: &str) -> TinyGguf {
         g.set(&k("attention.sliding_window_pattern"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
     }
-    let moe = arch == "qwen3moe";
+    let moe = matches!(arch, "qwen3moe" | "qwen35moe");
+    let hybrid = matches!(arch, "qwen35" | "qwen35moe");
     if moe {
         g.set(&k("expert_count"), u(N_EXPERT));
         g.set(&k("expert_used_count"), u(N_EXPERT_USED));
         g.set(&k("expert_feed_forward_length"), u(N_FF_EXP));
     }
+    if arch == "qwen35moe" {
+        g.set(&k("expert_shared_feed_forward_length"), u(N_FF_EXP));
+    }
+    if hybrid {
+        g.set(&k("rope.dimension_count"), u(8));
+        g.set(&k("ssm.conv_kernel"), u(SSM_CONV));
+        g.set(&k("ssm.state_size"), u(SSM_HEAD_DIM));
+        g.set(&k("ssm.group_count"), u(SSM_HEADS_K));
+        g.set(&k("ssm.time_step_rank"), u(SSM_HEADS_V));
+        g.set(&k("ssm.inner_size"), u(SSM_HEADS_V * SSM_HEAD_DIM));
+        g.set(&k("full_attention_interval"), u(2));
+    }
     tokenizer(&mut g);
     let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
     g.tensor("token_embd.weight", &[e, N_VOCAB], false);
     g.tensor("output_norm.weight", &[e], true);
-    if matches!(arch, "llama" | "qwen3" | "qwen3moe") {
+    if matches!(arch, "llama" | "qwen3" | "qwen3moe" | "qwen35moe") {
         g.tensor("output.weight", &[e, N_VOCAB], false);
     }
     for i in 0..N_LAYER {
         let n = |s: &str| format!("blk.{i}.{s}");
         g.tensor(&n("attn_norm.weight"), &[e], true);
-        g.tensor(&n("attn_q.weight"), &[e, q], false);
-        g.tensor(&n("attn_k.weight"), &[e, kv], false);
-        g.tensor(&n("attn_v.weight"), &[e, kv], false);
-        g.tensor(&n("attn_output.weight"), &[q, e], false);
+        if hybrid && i % 2 == 0 {
+            // The gated delta-net (llama.cpp `qwen35.cpp` `load_block_trunk`).
+            let (kd, vd) = (SSM_HEADS_K * SSM_HEAD_DIM, SSM_HEADS_V * SSM_HEAD_DIM);
+            let ch = 2 * kd + vd;
+            g.tensor(&n("attn_qkv.weight"), &[e, ch], false);
+            g.tensor(&n("attn_gate.weight"), &[e, vd], false);
+            g.tensor(&n("ssm_conv1d.weight"), &[SSM_CONV, ch], false);
+            g.tensor(&n("ssm_dt.bias"), &[SSM_HEADS_V], false);
+            g.tensor(&n("ssm_a"), &[SSM_HEADS_V], false);
+            g.tensor(&n("ssm_beta.weight"), &[e, SSM_HEADS_V], false);
+            g.tensor(&n("ssm_alpha.weight"), &[e, SSM_HEADS_V], false);
+            g.tensor(&n("ssm_norm.weight"), &[SSM_HEAD_DIM], true);
+            g.tensor(&n("ssm_out.weight"), &[vd, e], false);
+        } else {
+            // A gated attention's Q projection holds each head's query and its gate.
+            let q_out = if hybrid { 2 * q } else { q };
+            g.tensor(&n("attn_q.weight"), &[e, q_out], false);
+            g.tensor(&n("attn_k.weight"), &[e, kv], false);
+            g.tensor(&n("attn_v.weight"), &[e, kv], false);
+            g.tensor(&n("attn_output.weight"), &[q, e], false);
+        }
         if arch == "qwen2" {
             g.tensor(&n("attn_q.bias"), &[q], false);
             g.tensor(&n("attn_k.bias"), &[kv], false);
             g.tensor(&n("attn_v.bias"), &[kv], false);
         }
-        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe") {
+        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe") || (hybrid && i % 2 == 1) {
             g.tensor(&n("attn_q_norm.weight"), &[HEAD_DIM], true);
             g.tensor(&n("attn_k_norm.weight"), &[HEAD_DIM], true);
         }
@@ -237,12 +285,24 @@ pub fn target(arch: &str) -> TinyGguf {
             g.tensor(&n("post_attention_norm.weight"), &[e], true);
             g.tensor(&n("post_ffw_norm.weight"), &[e], true);
         }
-        g.tensor(&n("ffn_norm.weight"), &[e], true);
+        // Qwen3.5 names the norm before its FFN `post_attention_norm`.
+        let ffn_norm = if hybrid {
+            "post_attention_norm.weight"
+        } else {
+            "ffn_norm.weight"
+        };
+        g.tensor(&n(ffn_norm), &[e], true);
         if moe {
             g.tensor(&n("ffn_gate_inp.weight"), &[e, N_EXPERT], false);
             g.tensor(&n("ffn_gate_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
             g.tensor(&n("ffn_up_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
             g.tensor(&n("ffn_down_exps.weight"), &[N_FF_EXP, e, N_EXPERT], false);
+            if arch == "qwen35moe" {
+                g.tensor(&n("ffn_gate_shexp.weight"), &[e, N_FF_EXP], false);
+                g.tensor(&n("ffn_up_shexp.weight"), &[e, N_FF_EXP], false);
+                g.tensor(&n("ffn_down_shexp.weight"), &[N_FF_EXP, e], false);
+                g.tensor(&n("ffn_gate_inp_shexp.weight"), &[e], false);
+            }
         } else {
             g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
             g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);

@@ -219,7 +219,7 @@ impl<B: Backend> DraftModel<B> {
             .prefill_into(&mut self.session, feed, feed.len() - 1, &mut self.logits)
             .map_err(Self::err)?;
         self.cached.extend_from_slice(feed);
-        if self.session.rollback() == Rollback::Replay {
+        if self.session.rollback() != Rollback::Trim {
             self.checkpoint = Some(self.session.checkpoint());
         }
         Ok(())
