@@ -290,8 +290,8 @@ impl Backend for CpuBackend {
         ops::silu_rows(self, x);
     }
 
-    fn sigmoid_mul(&self, x: &mut CpuTensor, gate: &CpuTensor) {
-        ops::sigmoid_mul(self, x, gate);
+    fn gate_mul(&self, x: &mut CpuTensor, gate: &CpuTensor, act: specula_tensor::GateAct) {
+        ops::gate_mul(self, x, gate, act);
     }
 
     fn gather_cols(

@@ -4,6 +4,8 @@
 //! can depend on the batch or the thread count. The formulas follow ggml-cpu (`ops.cpp`,
 //! `vec.h`), so results track llama.cpp's.
 
+use specula_tensor::GateAct;
+
 use crate::CpuBackend;
 use crate::tensor::{CpuTensor, CpuWeight};
 
@@ -324,25 +326,25 @@ pub(crate) fn silu_rows(be: &CpuBackend, x: &mut CpuTensor) {
     });
 }
 
-/// `x ⊙= σ(gate)`, `gate` of `x`'s columns or of one column per row.
-pub(crate) fn sigmoid_mul(be: &CpuBackend, x: &mut CpuTensor, gate: &CpuTensor) {
+/// `x ⊙= act(gate)`, gate column `j` scaling columns `j·g .. (j+1)·g` of `x`
+/// (`g = x.cols / gate.cols`).
+pub(crate) fn gate_mul(be: &CpuBackend, x: &mut CpuTensor, gate: &CpuTensor, act: GateAct) {
     let cols = x.cols();
     assert!(
-        gate.rows() == x.rows() && (gate.cols() == cols || gate.cols() == 1),
-        "sigmoid_mul: gate must be [{}, {cols} or 1]",
+        gate.rows() == x.rows() && gate.cols() > 0 && cols.is_multiple_of(gate.cols()),
+        "gate_mul: gate must be [{}, a divisor of {cols}]",
         x.rows()
     );
-    let sig = |g: f32| 1.0 / (1.0 + (-g).exp());
+    let group = cols / gate.cols();
+    let f = match act {
+        GateAct::Sigmoid => |g: f32| 1.0 / (1.0 + (-g).exp()),
+        GateAct::Softplus => |g: f32| if g > 20.0 { g } else { g.exp().ln_1p() },
+    };
     be.par_rows(x.as_mut_slice(), cols, |r, o| {
-        let g = gate.row(r);
-        if g.len() == 1 {
-            let s = sig(g[0]);
-            for v in o {
+        for (chunk, &g) in o.chunks_exact_mut(group).zip(gate.row(r)) {
+            let s = f(g);
+            for v in chunk {
                 *v *= s;
-            }
-        } else {
-            for (v, &gv) in o.iter_mut().zip(g) {
-                *v *= sig(gv);
             }
         }
     });

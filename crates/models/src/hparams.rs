@@ -28,6 +28,11 @@ pub enum Arch {
     /// qwen35moe (Qwen3.5 / Qwen3.6 MoE, e.g. 35B-A3B): qwen35 with a mixture of experts and a
     /// sigmoid-gated shared expert in every layer (llama.cpp `src/models/qwen35moe.cpp`).
     Qwen35Moe,
+    /// laguna (Poolside Laguna XS / S / M): per-layer query-head counts, a softplus attention
+    /// gate, YaRN on the global layers and plain RoPE on the sliding-window ones, a sigmoid
+    /// router with a correction bias and a shared expert after leading dense layers (llama.cpp
+    /// `src/models/laguna.cpp`).
+    Laguna,
 }
 
 impl Arch {
@@ -42,6 +47,7 @@ impl Arch {
             Self::Qwen3Moe => "qwen3moe",
             Self::Qwen35 => "qwen35",
             Self::Qwen35Moe => "qwen35moe",
+            Self::Laguna => "laguna",
         }
     }
 
@@ -54,6 +60,7 @@ impl Arch {
             "qwen3moe" => Some(Self::Qwen3Moe),
             "qwen35" => Some(Self::Qwen35),
             "qwen35moe" => Some(Self::Qwen35Moe),
+            "laguna" => Some(Self::Laguna),
             _ => None,
         }
     }
@@ -70,7 +77,8 @@ impl Arch {
             | Self::Gemma3
             | Self::Qwen3Moe
             | Self::Qwen35
-            | Self::Qwen35Moe => RopeKind::Neox,
+            | Self::Qwen35Moe
+            | Self::Laguna => RopeKind::Neox,
         }
     }
 }
@@ -284,11 +292,16 @@ impl AttnHparams {
         if n_embd == 0 {
             return Err(int_bound(&k("embedding_length"), 0, "at least 1"));
         }
-        let n_head = get_usize(md, &k("attention.head_count"))?;
+        // A per-layer array (Laguna's query heads, Gemma 4's K/V heads) gives its first
+        // layer's count here; the architecture reads the rest.
+        let n_head =
+            first_count(md, &k("attention.head_count"))?.ok_or_else(|| ModelError::MissingKey {
+                key: k("attention.head_count"),
+            })?;
         if n_head == 0 {
             return Err(int_bound(&k("attention.head_count"), 0, "at least 1"));
         }
-        let n_head_kv = opt_usize(md, &k("attention.head_count_kv"))?.unwrap_or(n_head);
+        let n_head_kv = first_count(md, &k("attention.head_count_kv"))?.unwrap_or(n_head);
         if n_head_kv == 0 || !n_head.is_multiple_of(n_head_kv) {
             return Err(int_bound(
                 &k("attention.head_count_kv"),
@@ -423,6 +436,23 @@ pub(crate) fn per_layer(
     Ok(Some(v))
 }
 
+/// A count given once or per layer: the value, or the first layer's; `None` when absent.
+fn first_count(md: &Metadata, key: &str) -> Result<Option<usize>, ModelError> {
+    match md.get(key) {
+        Some(specula_gguf::Value::Array(a)) => {
+            let v = per_layer(md, key, a.len())?.unwrap_or_default();
+            match v.first() {
+                Some(&n) => Ok(Some(n)),
+                None => Err(ModelError::BadValue {
+                    key: key.to_owned(),
+                    detail: "an empty array".into(),
+                }),
+            }
+        }
+        _ => opt_usize(md, key),
+    }
+}
+
 /// A flag per layer (`get_key_or_arr` of bools): an array of one bool per layer, or `None`
 /// when absent.
 pub(crate) fn per_layer_bools(
@@ -502,12 +532,14 @@ impl Hparams {
             _ => (1.0 / (head_dim_k as f32).sqrt(), None),
         };
         let swa = match arch {
-            Arch::Gemma3 => sliding_window(md, a, n_layer, 6)?,
+            Arch::Gemma3 => sliding_window(md, a, n_layer, 6, false)?,
+            // XS / S: a global layer, then three sliding ones.
+            Arch::Laguna => sliding_window(md, a, n_layer, 4, true)?,
             _ => None,
         };
         let n_ff = match arch {
             // Every layer is MoE: the dense width is optional (it sizes no tensor).
-            Arch::Qwen3Moe | Arch::Qwen35Moe => {
+            Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::Laguna => {
                 opt_usize(md, &k("feed_forward_length"))?.unwrap_or(0)
             }
             _ => count(md, &k("feed_forward_length"))?,
@@ -547,6 +579,7 @@ fn sliding_window(
     arch: &str,
     n_layer: usize,
     default_pattern: usize,
+    dense_first: bool,
 ) -> Result<Option<SlidingWindow>, ModelError> {
     let key = format!("{arch}.attention.sliding_window");
     let window = match opt_usize(md, &key)? {
@@ -578,9 +611,9 @@ fn sliding_window(
                         v.value_type()
                     ),
                 })?;
-            swa_pattern(n, n_layer)
+            swa_pattern(n, n_layer, dense_first)
         }
-        None => swa_pattern(default_pattern, n_layer),
+        None => swa_pattern(default_pattern, n_layer, dense_first),
     };
     let base_key = format!("{arch}.rope.freq_base_swa");
     let rope_freq_base = positive_f32(md, &base_key, 10_000.0)?;
@@ -593,10 +626,19 @@ fn sliding_window(
     }))
 }
 
-/// `llama_hparams::set_swa_pattern(n, dense_first = false)`: layer `il` slides unless it is
-/// the last of each group of `n`.
-fn swa_pattern(n: usize, n_layer: usize) -> Vec<bool> {
-    (0..n_layer).map(|il| n == 0 || il % n < n - 1).collect()
+/// `llama_hparams::set_swa_pattern(n, dense_first)`: layer `il` slides unless it is the last
+/// (or with `dense_first` the first) of each group of `n`.
+fn swa_pattern(n: usize, n_layer: usize, dense_first: bool) -> Vec<bool> {
+    (0..n_layer)
+        .map(|il| {
+            n == 0
+                || if dense_first {
+                    il % n != 0
+                } else {
+                    il % n < n - 1
+                }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -608,14 +650,19 @@ mod tests {
     /// everywhere, pattern 1 nowhere.
     #[test]
     fn pattern_n_makes_the_last_layer_of_each_group_global() {
-        let global: Vec<usize> = swa_pattern(6, 18)
+        let global: Vec<usize> = swa_pattern(6, 18, false)
             .iter()
             .enumerate()
             .filter(|(_, s)| !**s)
             .map(|(i, _)| i)
             .collect();
         assert_eq!(global, [5, 11, 17]);
-        assert!(swa_pattern(0, 4).iter().all(|&s| s));
-        assert!(swa_pattern(1, 4).iter().all(|&s| !s));
+        assert!(swa_pattern(0, 4, false).iter().all(|&s| s));
+        assert!(swa_pattern(1, 4, false).iter().all(|&s| !s));
+        // Laguna: the first layer of each group of 4 is global.
+        assert_eq!(
+            swa_pattern(4, 6, true),
+            [false, true, true, true, false, true]
+        );
     }
 }

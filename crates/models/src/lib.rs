@@ -40,9 +40,11 @@ use std::sync::Arc;
 
 use specula_gguf::Gguf;
 use specula_quant::QType;
-use specula_tensor::{AttentionParams, Backend, ByteSource, KvShape, TensorError, WeightDesc};
+use specula_tensor::{
+    AttentionParams, Backend, ByteSource, GateAct, KvShape, TensorError, WeightDesc,
+};
 
-use spec::{Act, AttnSpec, DeltaNetSpec, FfnSpec, LayerSpec, MixerSpec};
+use spec::{Act, AttnGate, AttnSpec, DeltaNetSpec, FfnSpec, Gating, LayerSpec, MixerSpec};
 
 /// The bytes of an open GGUF file, lent to the backend's weights.
 struct FileBytes(Arc<Gguf>);
@@ -69,7 +71,7 @@ pub use linear::Linear;
 pub enum ModelError {
     /// `general.architecture` names an architecture this crate does not run.
     #[error(
-        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe)"
+        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, laguna)"
     )]
     UnsupportedArch {
         /// The name found.
@@ -374,6 +376,8 @@ struct DeltaWeights<W> {
 /// The projections (and optional biases and QK-norms) of an attention mixer.
 #[derive(Debug)]
 struct AttnWeights<W> {
+    /// `attn_gate`: Laguna's softplus output gate.
+    gate: Option<Linear<W>>,
     wq: Linear<W>,
     wk: Linear<W>,
     wv: Linear<W>,
@@ -670,8 +674,15 @@ impl<'a, B: Backend> Loader<'a, B> {
                     }),
                     None => None,
                 };
+                let bias = match m.gating {
+                    Gating::Sigmoid { bias: true } => {
+                        Some(self.host_vector(&n("exp_probs_b.bias"), m.n_expert)?)
+                    }
+                    _ => None,
+                };
                 Ffn::Moe(moe::MoeWeights {
                     router: self.linear(&n("ffn_gate_inp"), &[e, m.n_expert])?,
+                    bias,
                     experts: gate
                         .into_iter()
                         .zip(up)
@@ -722,9 +733,28 @@ impl<'a, B: Backend> Loader<'a, B> {
                 Ok(None)
             }
         };
-        // A gated attention's Q projection holds each head's query, then its gate.
-        let q_out = if a.gated { mul(&heads, qd, 2)? } else { qd };
+        // A query-gated attention's Q projection holds each head's query, then its gate.
+        let q_out = if a.gate == Some(AttnGate::QuerySigmoid) {
+            mul(&heads, qd, 2)?
+        } else {
+            qd
+        };
+        let gate = match a.gate {
+            Some(AttnGate::Softplus) => {
+                // One value per head, or per element: the tensor's width says which.
+                let name = n("attn_gate.weight");
+                let width = self
+                    .file
+                    .tensor(&name)
+                    .and_then(|t| t.dims.get(1))
+                    .and_then(|&d| usize::try_from(d).ok());
+                let w = if width == Some(qd) { qd } else { a.n_head };
+                Some(self.linear(&n("attn_gate"), &[e, w])?)
+            }
+            _ => None,
+        };
         Ok(AttnWeights {
+            gate,
             wq: self.linear(&n("attn_q"), &[e, q_out])?,
             wk: self.linear(&n("attn_k"), &[e, kd])?,
             wv: self.linear(&n("attn_v"), &[e, vd])?,
@@ -753,6 +783,33 @@ impl<'a, B: Backend> Loader<'a, B> {
             norm: self.req(&n("ssm_norm.weight"), &[d.head_dim])?,
             out: self.linear(&n("ssm_out"), &[vd, e])?,
         })
+    }
+
+    /// The `n` values of vector `name` on the host (a router's selection bias).
+    fn host_vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
+        // Shape and type checked as any tensor's.
+        drop(self.req(name, &[n])?);
+        let info = self
+            .file
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
+            name: name.to_owned(),
+            ty: info.ty.name().to_owned(),
+        })?;
+        let mut v = vec![0.0; n];
+        specula_quant::dequantize_row(
+            ty,
+            self.file.tensor_data_by_name(name).unwrap_or(&[]),
+            &mut v,
+        )
+        .map_err(|source| ModelError::Rows {
+            name: name.to_owned(),
+            source,
+        })?;
+        Ok(v)
     }
 
     /// The tensor `name` of shape `file_dims`, multiplied by as a matrix of `dims` (the same
@@ -1603,7 +1660,11 @@ impl<B: Backend> Model<B> {
         eps: f32,
         pos: &[u32],
     ) {
-        if a.gated {
+        if let Some(g) = &w.gate {
+            // From the layer's normed input, as the projections.
+            g.matmul(be, &s.cur, &mut s.attn_gate);
+        }
+        if a.gate == Some(AttnGate::QuerySigmoid) {
             // Each head's query, then its gate.
             let hd = a.head_dim_k;
             w.wq.matmul(be, &s.cur, &mut s.qg);
@@ -1677,8 +1738,14 @@ impl<B: Backend> Model<B> {
                 (Mixer::Attention(w), MixerSpec::Attention(a)) => {
                     Self::qkv(be, s, w, a, hp.rms_eps, pos);
                     attend(be, s, il);
-                    if a.gated {
-                        be.sigmoid_mul(&mut s.attn, &s.attn_gate);
+                    match a.gate {
+                        Some(AttnGate::QuerySigmoid) => {
+                            be.gate_mul(&mut s.attn, &s.attn_gate, GateAct::Sigmoid);
+                        }
+                        Some(AttnGate::Softplus) => {
+                            be.gate_mul(&mut s.attn, &s.attn_gate, GateAct::Softplus);
+                        }
+                        None => {}
                     }
                     w.wo.matmul(be, &s.attn, &mut s.proj);
                 }

@@ -30,6 +30,10 @@ pub(crate) struct ExpertKeys {
     n_used: Vec<usize>,
     n_ff: Vec<usize>,
     weights_scale: f32,
+    /// `expert_weights_norm`, when the file has it.
+    pub(crate) weights_norm: Option<bool>,
+    /// `expert_gating_func` (1 softmax, 2 sigmoid), when the file has it.
+    pub(crate) gating_func: Option<usize>,
 }
 
 impl ExpertKeys {
@@ -74,11 +78,35 @@ impl ExpertKeys {
             Some(0.0) => 1.0,
             Some(s) => s,
         };
+        let norm_key = k("expert_weights_norm");
+        let weights_norm = match md.get(&norm_key) {
+            None => None,
+            Some(specula_gguf::Value::Bool(b)) => Some(*b),
+            Some(v) => {
+                return Err(ModelError::HparamType {
+                    key: norm_key,
+                    found: format!("{:?}", v.value_type()),
+                    expected: "a bool",
+                });
+            }
+        };
+        let gating_func = crate::opt_usize(md, &k("expert_gating_func"))?;
+        if let Some(g) = gating_func
+            && !(1..=2).contains(&g)
+        {
+            return Err(int_bound(
+                &k("expert_gating_func"),
+                g,
+                "1 (softmax) or 2 (sigmoid)",
+            ));
+        }
         Ok(Self {
             n_expert,
             n_used,
             n_ff,
             weights_scale,
+            weights_norm,
+            gating_func,
         })
     }
 
@@ -110,6 +138,9 @@ pub(crate) struct Expert<W> {
 pub(crate) struct MoeWeights<W> {
     /// `ffn_gate_inp`: `[n_embd] → [n_expert]` router logits.
     pub(crate) router: Linear<W>,
+    /// `exp_probs_b.bias`: the selection's correction per expert ([`Gating::Sigmoid`]), on
+    /// the host where the routing runs.
+    pub(crate) bias: Option<Vec<f32>>,
     pub(crate) experts: Vec<Expert<W>>,
     pub(crate) shared: Option<SharedWeights<W>>,
 }
@@ -136,7 +167,7 @@ pub(crate) struct Routing {
 
 impl Routing {
     /// Routes the `n = logits.len() / n_expert` rows of `logits` (row-major router logits).
-    pub(crate) fn route(&mut self, spec: &MoeSpec, logits: &[f32]) {
+    pub(crate) fn route(&mut self, spec: &MoeSpec, logits: &[f32], bias: Option<&[f32]>) {
         let ne = spec.n_expert;
         self.rows.resize_with(ne, Vec::new);
         self.weights.resize_with(ne, Vec::new);
@@ -156,13 +187,19 @@ impl Routing {
                         *p *= inv;
                     }
                 }
+                Gating::Sigmoid { .. } => {
+                    self.probs
+                        .extend(x.iter().map(|&v| 1.0 / (1.0 + (-v).exp())));
+                }
             }
             self.order.clear();
             self.order.extend(0..ne);
-            // Decreasing score; equal scores keep the lower expert first.
+            // Decreasing selection score (the score, plus the correction where there is one);
+            // equal ones keep the lower expert first.
             let probs = &self.probs;
+            let sel = |e: usize| probs[e] + bias.map_or(0.0, |b| b[e]);
             self.order
-                .sort_by(|&a, &b| probs[b].total_cmp(&probs[a]).then(a.cmp(&b)));
+                .sort_by(|&a, &b| sel(b).total_cmp(&sel(a)).then(a.cmp(&b)));
             let chosen = &self.order[..spec.n_used];
             let mut sum = 0.0f32;
             for &e in chosen {
@@ -222,7 +259,7 @@ pub(crate) fn forward<B: Backend>(
     let (n, cols) = be.shape(x);
     w.router.matmul(be, x, &mut s.logits);
     be.to_host(&s.logits, &mut s.host);
-    s.routing.route(spec, &s.host);
+    s.routing.route(spec, &s.host, w.bias.as_deref());
     *out = be.zeros(n, cols);
     for (e, expert) in w.experts.iter().enumerate() {
         let rows = &s.routing.rows[e];
@@ -249,7 +286,7 @@ pub(crate) fn forward<B: Backend>(
         sh.down.matmul(be, &s.act, &mut s.y);
         if let Some(g) = &sh.gate_inp {
             be.matmul(x, g, &mut s.logits);
-            be.sigmoid_mul(&mut s.y, &s.logits);
+            be.gate_mul(&mut s.y, &s.logits, specula_tensor::GateAct::Sigmoid);
         }
         be.add(out, &s.y);
     }
@@ -278,7 +315,7 @@ mod tests {
     fn top_k_softmax_renormalized() {
         let mut r = Routing::default();
         let logits = [0.0, 2.0, 1.0, -1.0, /* row 1 */ 3.0, 3.0, 0.0, 0.0];
-        r.route(&spec(2, true), &logits);
+        r.route(&spec(2, true), &logits, None);
         assert_eq!(r.rows, [vec![1], vec![0, 1], vec![0], vec![]]);
         let w1 = 1.0 / (1.0 + (-1.0f32).exp());
         assert!((r.weights[1][0] - w1).abs() < 1e-6);
@@ -286,8 +323,23 @@ mod tests {
         // Equal logits: equal weights, the lower expert first.
         assert!((r.weights[0][0] - 0.5).abs() < 1e-6 && (r.weights[1][1] - 0.5).abs() < 1e-6);
         // Without renormalization the weights are the softmax scores over all experts.
-        r.route(&spec(1, false), &logits[..4]);
+        r.route(&spec(1, false), &logits[..4], None);
         let z: f32 = logits[..4].iter().map(|v| v.exp()).sum();
         assert!((r.weights[1][0] - 2.0f32.exp() / z).abs() < 1e-6);
+    }
+
+    /// Sigmoid routing with a correction bias: the bias moves the choice, not the weights.
+    #[test]
+    fn a_correction_bias_chooses_but_does_not_weigh() {
+        let mut r = Routing::default();
+        let mut sp = spec(1, false);
+        sp.gating = Gating::Sigmoid { bias: true };
+        let logits = [2.0, 0.0, 1.0, -1.0];
+        r.route(&sp, &logits, Some(&[0.0, 0.0, 0.0, 5.0]));
+        assert_eq!(r.rows, [vec![], vec![], vec![], vec![0]]);
+        let s = 1.0 / (1.0 + 1.0f32.exp());
+        assert!((r.weights[3][0] - s).abs() < 1e-6);
+        r.route(&sp, &logits, None);
+        assert_eq!(r.rows[0], vec![0]);
     }
 }

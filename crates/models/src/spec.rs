@@ -81,9 +81,20 @@ pub struct AttnSpec {
     pub qkv_bias: bool,
     /// RMS norm per head on Q and K before RoPE (`attn_q_norm`, `attn_k_norm`).
     pub qk_norm: bool,
-    /// Gated output (Qwen3.5): `attn_q` projects each head's query followed by its gate, and
-    /// the attention output is multiplied by `σ(gate)` before `attn_output`.
-    pub gated: bool,
+    /// A gate on the attention output, before `attn_output`.
+    pub gate: Option<AttnGate>,
+}
+
+/// How an attention output is gated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AttnGate {
+    /// Qwen3.5: `attn_q` projects each head's query followed by its gate; the output is
+    /// multiplied by `σ(gate)` element by element.
+    QuerySigmoid,
+    /// Laguna: `attn_gate` projects the layer's normed input to one value per head or per
+    /// element (as the tensor's width says, like llama.cpp: XS / S per head, M per element);
+    /// the output is multiplied by `softplus(gate)`.
+    Softplus,
 }
 
 /// The activation of a gated MLP: `down(act(gate(x)) ⊙ up(x))`.
@@ -114,6 +125,12 @@ pub enum FfnSpec {
 pub enum Gating {
     /// Softmax over all experts (qwen3moe, qwen35moe).
     Softmax,
+    /// A sigmoid per expert; with `bias`, the top-k is chosen on the scores plus a learned
+    /// correction (`exp_probs_b.bias`) while the weights are the scores themselves (Laguna).
+    Sigmoid {
+        /// Selection by score plus `exp_probs_b.bias`.
+        bias: bool,
+    },
 }
 
 /// A mixture-of-experts FFN: a router picks `n_used` of `n_expert` gated MLPs per token and sums

@@ -428,3 +428,41 @@ fn qwen35_matches_transformers() {
 fn qwen35moe_matches_transformers() {
     check("qwen35moe", Arch::Qwen35Moe);
 }
+
+/// laguna (XS / S-like): layers [global, sliding×3] with [4, 8, 8, 8] query heads, a per-head
+/// softplus gate, YaRN (beta_fast 64, attention factor 1.0, from the file) on the global layer
+/// and plain RoPE on the others, a dense first layer, sigmoid routing with a correction bias,
+/// weights renormalized ×2.5, a shared expert.
+#[test]
+fn laguna_matches_transformers() {
+    check("laguna", Arch::Laguna);
+    // The YaRN parameters come from the file, not llama.cpp's defaults (32 / 1, magnitude
+    // recomputed): this tiny config's correction range is the same for beta_fast 32 and 64,
+    // so the logits alone would not tell.
+    let g = common::golden("hf_families", "laguna", "hf_families_golden.py");
+    let be = CpuBackend::new(1);
+    let model = Model::load(
+        &be,
+        Arc::new(Gguf::from_bytes(rebuild(&g["gguf"])).unwrap()),
+    )
+    .unwrap();
+    let attn = model.hparams().layers[0]
+        .attention()
+        .expect("layer 0 attends");
+    let yarn = attn.rope.yarn.expect("YaRN on the global layer");
+    assert_eq!(
+        (yarn.beta_fast, yarn.beta_slow, yarn.orig_ctx),
+        (64.0, 1.0, 256)
+    );
+    assert!((yarn.attn_factor * (1.0 + 0.1 * 32f32.ln()) - 1.0).abs() < 1e-6);
+    let swa = model.hparams().layers[1]
+        .attention()
+        .expect("layer 1 attends");
+    assert_eq!((swa.rope.yarn, swa.rope.n_rot, swa.n_head), (None, 16, 8));
+}
+
+/// laguna (M-like): every layer global, a per-element softplus gate, no sliding window.
+#[test]
+fn laguna_per_element_gate_matches_transformers() {
+    check("laguna_perelem", Arch::Laguna);
+}

@@ -298,6 +298,15 @@ impl RecurrentShape {
     }
 }
 
+/// The activation of a multiplicative gate ([`Backend::gate_mul`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateAct {
+    /// `σ(g) = 1 / (1 + e^{−g})`.
+    Sigmoid,
+    /// `softplus(g) = ln(1 + e^g)` (`g` itself past 20, as ggml computes it).
+    Softplus,
+}
+
 /// The per-row inputs of a gated delta-rule step, as [`Backend::gated_delta_net`] reads them.
 #[derive(Clone, Copy, Debug)]
 pub struct DeltaNetParams {
@@ -453,9 +462,10 @@ pub trait Backend: Send + Sync {
     fn scale(&self, a: &mut Self::Tensor, s: f32);
     /// `x = silu(x)` (`x · σ(x)`).
     fn silu(&self, x: &mut Self::Tensor);
-    /// `x ⊙= σ(gate)`: `gate` has the columns of `x`, or one column that scales its whole row
-    /// (a gated attention output; a shared expert's gate).
-    fn sigmoid_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor);
+    /// `x ⊙= act(gate)`, each gate column scaling `x.cols / gate.cols` consecutive columns of
+    /// `x`: one per element (Qwen3.5's gated attention), one per head (Laguna's per-head
+    /// gate), one per row (a shared expert's gate).
+    fn gate_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor, act: GateAct);
     /// Columns of `src` cut into groups of `stride`: `out` row `r` is the concatenation, over
     /// the groups `g`, of `src[r][g·stride + range]` (a slice of every head, or with
     /// `stride = cols` one column range).

@@ -181,7 +181,7 @@ fn tensor_bytes(t: &Tensor) -> Option<Vec<u8>> {
 }
 
 /// The four target architectures.
-pub const ARCHS: [&str; 7] = [
+pub const ARCHS: [&str; 8] = [
     "llama",
     "qwen2",
     "qwen3",
@@ -189,6 +189,7 @@ pub const ARCHS: [&str; 7] = [
     "qwen3moe",
     "qwen35",
     "qwen35moe",
+    "laguna",
 ];
 
 /// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
@@ -196,7 +197,10 @@ pub const ARCHS: [&str; 7] = [
 /// sandwich norms and sliding window, qwen3moe's [`N_EXPERT`] experts of which each token uses
 /// [`N_EXPERT_USED`]; qwen35 / qwen35moe: layer 0 a gated delta-net of [`SSM_HEADS_K`] key and
 /// [`SSM_HEADS_V`] value heads, layer 1 gated attention with partial RoPE, qwen35moe's experts
-/// with a gated shared expert), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
+/// with a gated shared expert; laguna: a global dense layer of [`N_HEAD`] query heads with
+/// YaRN, then a sliding-window MoE layer of twice as many with a correction bias and a shared
+/// expert, both softplus-gated per head), F32, with a byte-level vocabulary of [`N_VOCAB`]
+/// tokens.
 ///
 /// # Panics
 /// For an architecture not in [`ARCHS`].
@@ -222,7 +226,31 @@ pub fn target(arch: &str) -> TinyGguf {
         g.set(&k("attention.sliding_window_pattern"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
     }
-    let moe = matches!(arch, "qwen3moe" | "qwen35moe");
+    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "laguna");
+    let laguna = arch == "laguna";
+    // Query heads of each layer (Laguna's differ).
+    let heads = |i: usize| if laguna { N_HEAD << i } else { N_HEAD };
+    if laguna {
+        let h: Vec<i32> = (0..N_LAYER)
+            .map(|i| i32::try_from(heads(i)).expect("tiny"))
+            .collect();
+        g.set(&k("attention.head_count"), Value::Array(Array::I32(h)));
+        g.set(&k("attention.sliding_window"), u(2));
+        g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
+        g.set(&k("rope.dimension_count"), u(16));
+        g.set(&k("rope.dimension_count_swa"), u(HEAD_DIM));
+        g.set(&k("rope.scaling.type"), Value::String("yarn".into()));
+        g.set(&k("rope.scaling.factor"), Value::F32(4.0));
+        g.set(&k("rope.scaling.original_context_length"), u(64));
+        g.set(&k("rope.scaling.yarn_attn_factor"), Value::F32(1.0));
+        g.set(&k("rope.scaling.yarn_beta_fast"), Value::F32(32.0));
+        g.set(&k("rope.scaling.yarn_beta_slow"), Value::F32(1.0));
+        g.set(&k("leading_dense_block_count"), u(1));
+        g.set(&k("expert_shared_feed_forward_length"), u(N_FF_EXP));
+        g.set(&k("expert_weights_norm"), Value::Bool(true));
+        g.set(&k("expert_weights_scale"), Value::F32(2.5));
+        g.set(&k("expert_gating_func"), u(2));
+    }
     let hybrid = matches!(arch, "qwen35" | "qwen35moe");
     if moe {
         g.set(&k("expert_count"), u(N_EXPERT));
@@ -245,7 +273,10 @@ pub fn target(arch: &str) -> TinyGguf {
     let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
     g.tensor("token_embd.weight", &[e, N_VOCAB], false);
     g.tensor("output_norm.weight", &[e], true);
-    if matches!(arch, "llama" | "qwen3" | "qwen3moe" | "qwen35moe") {
+    if matches!(
+        arch,
+        "llama" | "qwen3" | "qwen3moe" | "qwen35moe" | "laguna"
+    ) {
         g.tensor("output.weight", &[e, N_VOCAB], false);
     }
     for i in 0..N_LAYER {
@@ -266,18 +297,22 @@ pub fn target(arch: &str) -> TinyGguf {
             g.tensor(&n("ssm_out.weight"), &[vd, e], false);
         } else {
             // A gated attention's Q projection holds each head's query and its gate.
+            let q = heads(i) * HEAD_DIM;
             let q_out = if hybrid { 2 * q } else { q };
             g.tensor(&n("attn_q.weight"), &[e, q_out], false);
             g.tensor(&n("attn_k.weight"), &[e, kv], false);
             g.tensor(&n("attn_v.weight"), &[e, kv], false);
             g.tensor(&n("attn_output.weight"), &[q, e], false);
+            if laguna {
+                g.tensor(&n("attn_gate.weight"), &[e, heads(i)], false);
+            }
         }
         if arch == "qwen2" {
             g.tensor(&n("attn_q.bias"), &[q], false);
             g.tensor(&n("attn_k.bias"), &[kv], false);
             g.tensor(&n("attn_v.bias"), &[kv], false);
         }
-        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe") || (hybrid && i % 2 == 1) {
+        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe" | "laguna") || (hybrid && i % 2 == 1) {
             g.tensor(&n("attn_q_norm.weight"), &[HEAD_DIM], true);
             g.tensor(&n("attn_k_norm.weight"), &[HEAD_DIM], true);
         }
@@ -292,16 +327,22 @@ pub fn target(arch: &str) -> TinyGguf {
             "ffn_norm.weight"
         };
         g.tensor(&n(ffn_norm), &[e], true);
-        if moe {
+        // Laguna's first layer is dense.
+        if moe && !(laguna && i == 0) {
             g.tensor(&n("ffn_gate_inp.weight"), &[e, N_EXPERT], false);
             g.tensor(&n("ffn_gate_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
             g.tensor(&n("ffn_up_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
             g.tensor(&n("ffn_down_exps.weight"), &[N_FF_EXP, e, N_EXPERT], false);
-            if arch == "qwen35moe" {
+            if matches!(arch, "qwen35moe" | "laguna") {
                 g.tensor(&n("ffn_gate_shexp.weight"), &[e, N_FF_EXP], false);
                 g.tensor(&n("ffn_up_shexp.weight"), &[e, N_FF_EXP], false);
                 g.tensor(&n("ffn_down_shexp.weight"), &[N_FF_EXP, e], false);
+            }
+            if arch == "qwen35moe" {
                 g.tensor(&n("ffn_gate_inp_shexp.weight"), &[e], false);
+            }
+            if laguna {
+                g.tensor(&n("exp_probs_b.bias"), &[N_EXPERT], false);
             }
         } else {
             g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);

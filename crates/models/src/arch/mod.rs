@@ -3,6 +3,7 @@
 //! here, what they do differently lives in their file).
 
 mod gemma3;
+mod laguna;
 mod llama;
 mod qwen2;
 mod qwen3;
@@ -24,6 +25,7 @@ pub(crate) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
         Arch::Gemma3 => gemma3::layers(hp),
         Arch::Qwen3Moe => qwen3moe::layers(hp, md)?,
         Arch::Qwen35 | Arch::Qwen35Moe => qwen35::layers(hp, md)?,
+        Arch::Laguna => laguna::layers(hp, md)?,
     })
 }
 
@@ -50,7 +52,7 @@ fn attention(hp: &Hparams, il: usize) -> AttnSpec {
         scale: hp.attn_scale,
         qkv_bias: false,
         qk_norm: false,
-        gated: false,
+        gate: None,
     }
 }
 

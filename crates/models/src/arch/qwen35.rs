@@ -14,7 +14,7 @@ use specula_gguf::Metadata;
 use super::{attention, dense};
 use crate::hparams::per_layer_bools;
 use crate::spec::{
-    Act, AttnSpec, DeltaNetSpec, FfnSpec, Gating, LayerSpec, MixerSpec, SharedExpert,
+    Act, AttnGate, AttnSpec, DeltaNetSpec, FfnSpec, Gating, LayerSpec, MixerSpec, SharedExpert,
 };
 use crate::{Arch, Hparams, Result, count, int_bound, moe, opt_usize};
 
@@ -86,7 +86,7 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
             } else {
                 MixerSpec::Attention(AttnSpec {
                     qk_norm: true,
-                    gated: true,
+                    gate: Some(AttnGate::QuerySigmoid),
                     ..attention(hp, il)
                 })
             };
