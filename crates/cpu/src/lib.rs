@@ -286,6 +286,10 @@ impl Backend for CpuBackend {
         ops::add_rows_scaled(dst, rows, src, w);
     }
 
+    fn softcap(&self, x: &mut CpuTensor, c: f32) {
+        ops::softcap(self, x, c);
+    }
+
     fn silu(&self, x: &mut CpuTensor) {
         ops::silu_rows(self, x);
     }

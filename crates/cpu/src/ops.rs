@@ -316,6 +316,17 @@ pub(crate) fn add_rows_scaled(dst: &mut CpuTensor, rows: &[usize], src: &CpuTens
     }
 }
 
+/// `x = c · tanh(x / c)`, as ggml computes it (scale by `1/c`, tanh, scale by `c`).
+pub(crate) fn softcap(be: &CpuBackend, x: &mut CpuTensor, c: f32) {
+    let cols = x.cols();
+    let inv = 1.0 / c;
+    be.par_rows(x.as_mut_slice(), cols, |_, o| {
+        for v in o {
+            *v = (*v * inv).tanh() * c;
+        }
+    });
+}
+
 /// `x = silu(x)`.
 pub(crate) fn silu_rows(be: &CpuBackend, x: &mut CpuTensor) {
     let cols = x.cols();

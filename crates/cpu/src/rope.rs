@@ -49,7 +49,7 @@ fn ramp(low: f32, high: f32, i0: usize) -> f32 {
 }
 
 /// The per-row angle parameters, fixed for one call.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub(crate) struct RopeParams {
     n_rot: usize,
     kind: RopeKind,
@@ -58,6 +58,8 @@ pub(crate) struct RopeParams {
     ext_factor: f32,
     mscale: f32,
     corr: [f32; 2],
+    /// Divisors of each pair's frequency ([`RopeConfig::freq_factors`]).
+    freq_factors: Option<std::sync::Arc<[f32]>>,
 }
 
 impl RopeParams {
@@ -83,6 +85,7 @@ impl RopeParams {
             ext_factor,
             mscale,
             corr,
+            freq_factors: cfg.freq_factors.clone(),
         }
     }
 
@@ -93,8 +96,12 @@ impl RopeParams {
         reason = "positions are converted to f32 as ggml converts its int64 position"
     )]
     pub(crate) fn cache(&self, pos: u32, cache: &mut [f32]) {
-        let mut theta_extrap = pos as f32;
+        let mut theta_base = pos as f32;
         for (i, cs) in cache.chunks_exact_mut(2).enumerate() {
+            let theta_extrap = match &self.freq_factors {
+                Some(f) => theta_base / f[i],
+                None => theta_base,
+            };
             let theta_interp = self.freq_scale * theta_extrap;
             let mut theta = theta_interp;
             let mut mscale = self.mscale;
@@ -105,7 +112,7 @@ impl RopeParams {
             }
             cs[0] = theta.cos() * mscale;
             cs[1] = theta.sin() * mscale;
-            theta_extrap *= self.theta_scale;
+            theta_base *= self.theta_scale;
         }
     }
 
@@ -160,6 +167,15 @@ pub(crate) fn rope(
     );
     if cfg.n_rot == 0 {
         return;
+    }
+    if let Some(f) = &cfg.freq_factors {
+        assert_eq!(
+            f.len(),
+            cfg.n_rot / 2,
+            "rope: {} frequency factors for {} rotated pairs",
+            f.len(),
+            cfg.n_rot / 2
+        );
     }
     let p = RopeParams::new(cfg);
     be.par_rows(x.as_mut_slice(), cols, |r, row| {

@@ -29,6 +29,7 @@ fn shape(c: &Case, n_ctx: usize) -> KvShape {
         overrides: Vec::new(),
         swa: None,
         recurrent: None,
+        heads: Vec::new(),
     }
 }
 

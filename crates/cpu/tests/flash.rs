@@ -27,6 +27,7 @@ fn shape(k: QType, v: QType, n_ctx: usize) -> KvShape {
         overrides: Vec::new(),
         swa: None,
         recurrent: None,
+        heads: Vec::new(),
     }
 }
 

@@ -157,6 +157,7 @@ fn attention_is_batch_invariant() {
                 overrides: Vec::new(),
                 swa: None,
                 recurrent: None,
+                heads: Vec::new(),
             };
             let mut kv = one.kv_new(shape).unwrap();
             let kw = n_kv_head * hd;

@@ -20,6 +20,12 @@ fn signature<B: Backend>(s: &Session<B>) -> String {
         "heads {} k {} v {}",
         shape.n_kv_head, shape.head_dim_k, shape.head_dim_v
     );
+    for h in &shape.heads {
+        sig.push_str(&format!(
+            " {}x{}/{}",
+            h.n_kv_head, h.head_dim_k, h.head_dim_v
+        ));
+    }
     for (i, l) in s.layout.layers.iter().enumerate() {
         let cells = if shape.layer_cells(i) == shape.n_ctx {
             "ctx".to_owned()

@@ -288,19 +288,31 @@ impl KvLayout {
                 shape.n_ctx
             )));
         }
+        if !shape.heads.is_empty() && shape.heads.len() != shape.n_layer {
+            return Err(KvError::Shape(format!(
+                "per-layer heads for {} of {} layers",
+                shape.heads.len(),
+                shape.n_layer
+            )));
+        }
         let layers = types
             .iter()
-            .map(|&t| {
-                let k_dim = stored_head_dim("K", t.k, shape.head_dim_k)?;
-                let v_dim = stored_head_dim("V", t.v, shape.head_dim_v)?;
+            .enumerate()
+            .map(|(l, &t)| {
+                let h = shape.layer_heads(l);
+                if h.n_kv_head == 0 {
+                    return Err(KvError::Shape(format!("layer {l} has no K/V head")));
+                }
+                let k_dim = stored_head_dim("K", t.k, h.head_dim_k)?;
+                let v_dim = stored_head_dim("V", t.v, h.head_dim_v)?;
                 Ok(LayerLayout {
                     types: t,
                     k_dim,
                     v_dim,
                     k_head_bytes: t.k.row_bytes(k_dim)?,
                     v_head_bytes: t.v.row_bytes(v_dim)?,
-                    k_rot: k_rotation(t.k, shape.head_dim_k),
-                    v_rot: v_rotation(t.v, shape.head_dim_v),
+                    k_rot: k_rotation(t.k, h.head_dim_k),
+                    v_rot: v_rotation(t.v, h.head_dim_v),
                 })
             })
             .collect::<Result<_>>()?;
@@ -314,7 +326,7 @@ impl KvLayout {
     #[must_use]
     pub fn bytes_per_token_layer(&self, l: usize) -> usize {
         let ly = &self.layers[l];
-        self.shape.n_kv_head * (ly.k_head_bytes + ly.v_head_bytes)
+        self.shape.layer_heads(l).n_kv_head * (ly.k_head_bytes + ly.v_head_bytes)
     }
 
     /// Bytes one token takes over all layers (one cell of every layer; a sliding-window ring
@@ -364,9 +376,12 @@ impl KvLayout {
         reason = "byte counts of a cache are far below 2^52"
     )]
     pub fn bits_per_value(&self) -> f64 {
-        let values = self.layers.len()
-            * self.shape.n_kv_head
-            * (self.shape.head_dim_k + self.shape.head_dim_v);
+        let values: usize = (0..self.layers.len())
+            .map(|l| {
+                let h = self.shape.layer_heads(l);
+                h.n_kv_head * (h.head_dim_k + h.head_dim_v)
+            })
+            .sum();
         8.0 * self.bytes_per_token() as f64 / values as f64
     }
 

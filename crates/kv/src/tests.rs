@@ -15,6 +15,7 @@ fn shape(hd: usize, k: QType, v: QType) -> KvShape {
         overrides: Vec::new(),
         swa: None,
         recurrent: None,
+        heads: Vec::new(),
     }
 }
 

@@ -768,6 +768,7 @@ impl<B: Backend> Dflash<B> {
             overrides: Vec::new(),
             swa: None,
             recurrent: None,
+            heads: Vec::new(),
         }
     }
 

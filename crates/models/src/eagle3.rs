@@ -332,6 +332,7 @@ impl<B: Backend> Eagle3<B> {
             overrides: Vec::new(),
             swa: None,
             recurrent: None,
+            heads: Vec::new(),
         }
     }
 

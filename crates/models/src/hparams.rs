@@ -33,6 +33,10 @@ pub enum Arch {
     /// router with a correction bias and a shared expert after leading dense layers (llama.cpp
     /// `src/models/laguna.cpp`).
     Laguna,
+    /// gemma4 (Gemma 4 31B, 26B-A4B): per-layer head sizes and K/V heads, proportional RoPE,
+    /// V from K, a dense MLP beside experts, layer output scales, soft-capped logits
+    /// (llama.cpp `src/models/gemma4.cpp`).
+    Gemma4,
 }
 
 impl Arch {
@@ -48,6 +52,7 @@ impl Arch {
             Self::Qwen35 => "qwen35",
             Self::Qwen35Moe => "qwen35moe",
             Self::Laguna => "laguna",
+            Self::Gemma4 => "gemma4",
         }
     }
 
@@ -61,6 +66,7 @@ impl Arch {
             "qwen35" => Some(Self::Qwen35),
             "qwen35moe" => Some(Self::Qwen35Moe),
             "laguna" => Some(Self::Laguna),
+            "gemma4" => Some(Self::Gemma4),
             _ => None,
         }
     }
@@ -78,7 +84,8 @@ impl Arch {
             | Self::Qwen3Moe
             | Self::Qwen35
             | Self::Qwen35Moe
-            | Self::Laguna => RopeKind::Neox,
+            | Self::Laguna
+            | Self::Gemma4 => RopeKind::Neox,
         }
     }
 }
@@ -124,6 +131,8 @@ pub struct Hparams {
     pub swa: Option<SlidingWindow>,
     /// What each layer computes (`arch/<arch>.rs` reads it from the metadata).
     pub layers: Vec<crate::spec::LayerSpec>,
+    /// Final logits soft-capped to `c · tanh(x / c)` (`final_logit_softcapping`, Gemma 4).
+    pub final_softcap: Option<f32>,
 }
 
 /// The sliding-window layers of a model and their attention window (llama.cpp
@@ -529,12 +538,15 @@ impl Hparams {
                 1.0 / (head_dim_k as f32).sqrt(),
                 Some((n_embd as f32).sqrt()),
             ),
+            // Scores unscaled (the per-layer spec says 1); embeddings ×√n_embd.
+            Arch::Gemma4 => (1.0, Some((n_embd as f32).sqrt())),
             _ => (1.0 / (head_dim_k as f32).sqrt(), None),
         };
         let swa = match arch {
             Arch::Gemma3 => sliding_window(md, a, n_layer, 6, false)?,
             // XS / S: a global layer, then three sliding ones.
             Arch::Laguna => sliding_window(md, a, n_layer, 4, true)?,
+            Arch::Gemma4 => sliding_window(md, a, n_layer, 6, false)?,
             _ => None,
         };
         let n_ff = match arch {
@@ -563,6 +575,12 @@ impl Hparams {
             embd_scale,
             swa,
             layers: Vec::new(),
+            final_softcap: match arch {
+                Arch::Gemma4 => scale_f32(md, &k("final_logit_softcapping"))?
+                    .filter(|&c| c != 0.0)
+                    .map(f32::abs),
+                _ => None,
+            },
         };
         hp.layers = crate::arch::layers(&hp, md)?;
         Ok(hp)

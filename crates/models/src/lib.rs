@@ -44,7 +44,7 @@ use specula_tensor::{
     AttentionParams, Backend, ByteSource, GateAct, KvShape, TensorError, WeightDesc,
 };
 
-use spec::{Act, AttnGate, AttnSpec, DeltaNetSpec, FfnSpec, Gating, LayerSpec, MixerSpec};
+use spec::{Act, AttnGate, AttnSpec, DeltaNetSpec, FfnSpec, Gating, LayerSpec, MixerSpec, MoeSpec};
 
 /// The bytes of an open GGUF file, lent to the backend's weights.
 struct FileBytes(Arc<Gguf>);
@@ -338,6 +338,8 @@ pub type Result<T, E = ModelError> = std::result::Result<T, E>;
 /// The weights of one layer, as its [`LayerSpec`] names them.
 #[derive(Debug)]
 struct Layer<W> {
+    /// The learned scalar on the layer's output ([`LayerSpec::out_scale`]).
+    out_scale: Option<f32>,
     attn_norm: W,
     mixer: Mixer<W>,
     /// Gemma's sandwich norms: on the mixer output before the residual add, and on the FFN
@@ -380,7 +382,10 @@ struct AttnWeights<W> {
     gate: Option<Linear<W>>,
     wq: Linear<W>,
     wk: Linear<W>,
-    wv: Linear<W>,
+    /// `None` where V is the K projection ([`AttnSpec::v_from_k`]).
+    wv: Option<Linear<W>>,
+    /// Ones of a V head's size: the weight of the unweighted V norm ([`AttnSpec::v_norm`]).
+    v_norm: Option<W>,
     wo: Linear<W>,
     bq: Option<W>,
     bk: Option<W>,
@@ -389,9 +394,24 @@ struct AttnWeights<W> {
     k_norm: Option<W>,
 }
 
+/// Gemma 4's dense MLP and experts side by side, with their norms and the router's input
+/// scale.
+#[derive(Debug)]
+struct Parallel<W> {
+    gate: Linear<W>,
+    up: Linear<W>,
+    down: Linear<W>,
+    post_1: W,
+    pre_2: W,
+    post_2: W,
+    router_scale: W,
+    moe: moe::MoeWeights<W>,
+}
+
 /// The weights of a layer's FFN.
 #[derive(Debug)]
 enum Ffn<W> {
+    Parallel(Box<Parallel<W>>),
     Dense {
         gate: Linear<W>,
         up: Linear<W>,
@@ -454,6 +474,16 @@ pub struct Scratch<B: Backend> {
     attn_gate: B::Tensor,
     /// The buffers of a gated delta-net mixer.
     dn: DeltaBuffers<B>,
+    /// The buffers of Gemma 4's parallel FFN.
+    par: ParallelBuffers<B>,
+}
+
+/// Gemma 4's parallel FFN: the dense MLP's normed output, the router's input, the experts'.
+#[derive(Debug)]
+struct ParallelBuffers<B: Backend> {
+    dense: B::Tensor,
+    router: B::Tensor,
+    experts: B::Tensor,
 }
 
 /// The buffers of a gated delta-net mixer over a batch: its projections, its output, one
@@ -649,51 +679,25 @@ impl<'a, B: Backend> Loader<'a, B> {
                 up: self.linear(&n("ffn_up"), &[e, *n_ff])?,
                 down: self.linear(&n("ffn_down"), &[*n_ff, e])?,
             },
-            FfnSpec::Moe(m) => {
-                let gate = self.experts(&n("ffn_gate_exps"), e, m.n_ff, m.n_expert)?;
-                let up = self.experts(&n("ffn_up_exps"), e, m.n_ff, m.n_expert)?;
-                let down = self.experts(&n("ffn_down_exps"), m.n_ff, e, m.n_expert)?;
-                let shared = match &m.shared {
-                    Some(sh) => Some(moe::SharedWeights {
-                        gate: self.linear(&n("ffn_gate_shexp"), &[e, sh.n_ff])?,
-                        up: self.linear(&n("ffn_up_shexp"), &[e, sh.n_ff])?,
-                        down: self.linear(&n("ffn_down_shexp"), &[sh.n_ff, e])?,
-                        gate_inp: if sh.gated {
-                            // One output per row: `[n_embd, 1]`, or a vector of `n_embd` (the
-                            // shape llama.cpp asks for, which drops the trailing 1).
-                            let name = n("ffn_gate_inp_shexp.weight");
-                            let vector = self.file.tensor(&name).is_some_and(|t| t.dims.len() == 1);
-                            Some(if vector {
-                                self.mat_as(&name, &[e], &[e, 1])?
-                            } else {
-                                self.mat(&name, &[e, 1])?
-                            })
-                        } else {
-                            None
-                        },
-                    }),
-                    None => None,
-                };
-                let bias = match m.gating {
-                    Gating::Sigmoid { bias: true } => {
-                        Some(self.host_vector(&n("exp_probs_b.bias"), m.n_expert)?)
-                    }
-                    _ => None,
-                };
-                Ffn::Moe(moe::MoeWeights {
-                    router: self.linear(&n("ffn_gate_inp"), &[e, m.n_expert])?,
-                    bias,
-                    experts: gate
-                        .into_iter()
-                        .zip(up)
-                        .zip(down)
-                        .map(|((gate, up), down)| moe::Expert { gate, up, down })
-                        .collect(),
-                    shared,
-                })
-            }
+            FfnSpec::Moe(m) => Ffn::Moe(self.moe(il, e, m, false)?),
+            FfnSpec::Parallel { n_ff, moe, .. } => Ffn::Parallel(Box::new(Parallel {
+                gate: self.linear(&n("ffn_gate"), &[e, *n_ff])?,
+                up: self.linear(&n("ffn_up"), &[e, *n_ff])?,
+                down: self.linear(&n("ffn_down"), &[*n_ff, e])?,
+                post_1: self.req(&n("post_ffw_norm_1.weight"), &[e])?,
+                pre_2: self.req(&n("pre_ffw_norm_2.weight"), &[e])?,
+                post_2: self.req(&n("post_ffw_norm_2.weight"), &[e])?,
+                router_scale: self.req(&n("ffn_gate_inp.scale"), &[e])?,
+                moe: self.moe(il, e, moe, true)?,
+            })),
+        };
+        let out_scale = if spec.out_scale {
+            Some(self.host_vector(&n("layer_output_scale.weight"), 1)?[0])
+        } else {
+            None
         };
         Ok(Layer {
+            out_scale,
             attn_norm: self.req(&n("attn_norm.weight"), &[e])?,
             mixer,
             post_attn_norm: post("post_attention_norm.weight")?,
@@ -701,6 +705,144 @@ impl<'a, B: Backend> Loader<'a, B> {
             ffn,
             post_ffw_norm: post("post_ffw_norm.weight")?,
         })
+    }
+
+    /// A mixture of experts' tensors: the router (`ffn_gate_inp`; with `vector_scaled_router`
+    /// its `.scale` is Gemma 4's router input scale, read by the caller, not a per-tensor
+    /// scale), the stacked experts (gate and up apart, or fused in `ffn_gate_up_exps`, gate
+    /// first), the correction bias and the shared expert the spec names.
+    fn moe(
+        &self,
+        il: usize,
+        e: usize,
+        m: &MoeSpec,
+        vector_scaled_router: bool,
+    ) -> Result<moe::MoeWeights<B::Weight>> {
+        let n = |s: &str| format!("blk.{il}.{s}");
+        let fused = n("ffn_gate_up_exps.weight");
+        let (gate, up) = if let Some(info) = self.file.tensor(&fused) {
+            let got: Vec<usize> = info
+                .dims
+                .iter()
+                .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+                .collect();
+            let want = [e, 2 * m.n_ff, m.n_expert];
+            if got != want {
+                return Err(ModelError::BadShape {
+                    name: fused,
+                    expected: want.to_vec(),
+                    got,
+                });
+            }
+            let scales =
+                self.scales
+                    .read_per_expert(self.file, &n("ffn_gate_up_exps"), m.n_expert)?;
+            let mut gate = Vec::with_capacity(m.n_expert);
+            let mut up = Vec::with_capacity(m.n_expert);
+            for x in 0..m.n_expert {
+                let (g, u) = self.split_rows(&fused, x, e, m.n_ff)?;
+                let scale = scales.as_ref().map(|s| s[x]);
+                gate.push(Linear { w: g, scale });
+                up.push(Linear { w: u, scale });
+            }
+            (gate, up)
+        } else {
+            (
+                self.experts(&n("ffn_gate_exps"), e, m.n_ff, m.n_expert)?,
+                self.experts(&n("ffn_up_exps"), e, m.n_ff, m.n_expert)?,
+            )
+        };
+        let down = self.experts(&n("ffn_down_exps"), m.n_ff, e, m.n_expert)?;
+        let shared = match &m.shared {
+            Some(sh) => Some(moe::SharedWeights {
+                gate: self.linear(&n("ffn_gate_shexp"), &[e, sh.n_ff])?,
+                up: self.linear(&n("ffn_up_shexp"), &[e, sh.n_ff])?,
+                down: self.linear(&n("ffn_down_shexp"), &[sh.n_ff, e])?,
+                gate_inp: if sh.gated {
+                    // One output per row: `[n_embd, 1]`, or a vector of `n_embd` (the
+                    // shape llama.cpp asks for, which drops the trailing 1).
+                    let name = n("ffn_gate_inp_shexp.weight");
+                    let vector = self.file.tensor(&name).is_some_and(|t| t.dims.len() == 1);
+                    Some(if vector {
+                        self.mat_as(&name, &[e], &[e, 1])?
+                    } else {
+                        self.mat(&name, &[e, 1])?
+                    })
+                } else {
+                    None
+                },
+            }),
+            None => None,
+        };
+        let bias = match m.gating {
+            Gating::Sigmoid { bias: true } => {
+                Some(self.host_vector(&n("exp_probs_b.bias"), m.n_expert)?)
+            }
+            _ => None,
+        };
+        let router = if vector_scaled_router {
+            self.scales.mark_applied(&n("ffn_gate_inp"));
+            Linear {
+                w: self.mat(&n("ffn_gate_inp.weight"), &[e, m.n_expert])?,
+                scale: None,
+            }
+        } else {
+            self.linear(&n("ffn_gate_inp"), &[e, m.n_expert])?
+        };
+        Ok(moe::MoeWeights {
+            router,
+            bias,
+            experts: gate
+                .into_iter()
+                .zip(up)
+                .zip(down)
+                .map(|((gate, up), down)| moe::Expert { gate, up, down })
+                .collect(),
+            shared,
+        })
+    }
+
+    /// Expert `x` of the fused `[n_in, 2·n_ff, n_expert]` tensor `name` as two matrices of
+    /// `n_ff` rows each (its first rows, the gate; the next, the up projection), over the
+    /// file's bytes.
+    fn split_rows(
+        &self,
+        name: &str,
+        x: usize,
+        n_in: usize,
+        n_ff: usize,
+    ) -> Result<(B::Weight, B::Weight)> {
+        let idx = self
+            .file
+            .tensors()
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        let info = &self.file.tensors()[idx];
+        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
+            name: name.to_owned(),
+            ty: info.ty.name().to_owned(),
+        })?;
+        let half = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
+            name: name.to_owned(),
+            source,
+        })? * n_ff;
+        let data = &self.file.tensor_data(idx)[2 * half * x..2 * half * (x + 1)];
+        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
+        let part = |bytes: &[u8]| -> Result<B::Weight> {
+            let mut w = self.backend.weight(WeightDesc {
+                name,
+                ty,
+                dims: &[n_in, n_ff],
+                data: bytes,
+                owner: Arc::clone(&owner),
+            })?;
+            self.backend.prepare_matmul(&mut w);
+            Ok(w)
+        };
+        Ok((part(&data[..half])?, part(&data[half..])?))
     }
 
     /// An attention mixer's tensors. Biases are read when the file has them (llama.cpp's
@@ -757,7 +899,16 @@ impl<'a, B: Backend> Loader<'a, B> {
             gate,
             wq: self.linear(&n("attn_q"), &[e, q_out])?,
             wk: self.linear(&n("attn_k"), &[e, kd])?,
-            wv: self.linear(&n("attn_v"), &[e, vd])?,
+            wv: if a.v_from_k {
+                None
+            } else {
+                Some(self.linear(&n("attn_v"), &[e, vd])?)
+            },
+            v_norm: if a.v_norm {
+                Some(self.ones(a.head_dim_v)?)
+            } else {
+                None
+            },
             wo: self.linear(&n("attn_output"), &[od, e])?,
             bq: bias("attn_q.bias", qd)?,
             bk: bias("attn_k.bias", kd)?,
@@ -783,6 +934,19 @@ impl<'a, B: Backend> Loader<'a, B> {
             norm: self.req(&n("ssm_norm.weight"), &[d.head_dim])?,
             out: self.linear(&n("ssm_out"), &[vd, e])?,
         })
+    }
+
+    /// A vector of `n` ones (the weight of a norm without one).
+    fn ones(&self, n: usize) -> Result<B::Weight> {
+        let bytes: Arc<Vec<u8>> = Arc::new(1.0f32.to_le_bytes().repeat(n));
+        let w = self.backend.weight(WeightDesc {
+            name: "ones",
+            ty: QType::F32,
+            dims: &[n],
+            data: bytes.as_slice(),
+            owner: Arc::clone(&bytes) as Arc<dyn ByteSource>,
+        })?;
+        Ok(w)
     }
 
     /// The `n` values of vector `name` on the host (a router's selection bias).
@@ -984,7 +1148,8 @@ impl<B: Backend> Model<B> {
             .and_then(|&d| usize::try_from(d).ok())
             .unwrap_or(0);
         check_block_count(&file)?;
-        let hp = Hparams::from_metadata(file.metadata(), n_vocab)?;
+        let mut hp = Hparams::from_metadata(file.metadata(), n_vocab)?;
+        arch::finish(&mut hp, &file)?;
         let embd_dims: Vec<u64> = embd.dims.clone();
         if n_vocab == 0 || embd_dims.len() != 2 {
             return Err(ModelError::EmbeddingShape {
@@ -1184,7 +1349,40 @@ impl<B: Backend> Model<B> {
             overrides: Vec::new(),
             swa,
             recurrent: self.recurrent_layers(),
+            heads: self.layer_heads(),
         }
+    }
+
+    /// Per-layer K/V heads when the attention layers differ (Gemma 4); empty otherwise.
+    fn layer_heads(&self) -> Vec<specula_tensor::LayerHeads> {
+        let heads: Vec<specula_tensor::LayerHeads> = self
+            .hp
+            .layers
+            .iter()
+            .map(|l| match l.memory() {
+                spec::Memory::Kv {
+                    n_head_kv,
+                    head_dim_k,
+                    head_dim_v,
+                    ..
+                } => specula_tensor::LayerHeads {
+                    n_kv_head: n_head_kv,
+                    head_dim_k,
+                    head_dim_v,
+                },
+                // A recurrent layer keeps no cells: the model-wide shape stands in.
+                spec::Memory::Recurrent(_) => specula_tensor::LayerHeads {
+                    n_kv_head: self.hp.n_head_kv,
+                    head_dim_k: self.hp.head_dim_k,
+                    head_dim_v: self.hp.head_dim_v,
+                },
+            })
+            .collect();
+        let uniform = heads.iter().all(|h| {
+            (h.n_kv_head, h.head_dim_k, h.head_dim_v)
+                == (self.hp.n_head_kv, self.hp.head_dim_k, self.hp.head_dim_v)
+        });
+        if uniform { Vec::new() } else { heads }
     }
 
     /// The recurrent layers' states ([`spec::Memory::Recurrent`]), each keeping
@@ -1243,6 +1441,11 @@ impl<B: Backend> Model<B> {
             moe: moe::MoeScratch::new(backend),
             qg: z(),
             attn_gate: z(),
+            par: ParallelBuffers {
+                dense: z(),
+                router: z(),
+                experts: z(),
+            },
             dn: DeltaBuffers {
                 mixed: z(),
                 alpha: z(),
@@ -1674,7 +1877,14 @@ impl<B: Backend> Model<B> {
             w.wq.matmul(be, &s.cur, &mut s.q);
         }
         w.wk.matmul(be, &s.cur, &mut s.k);
-        w.wv.matmul(be, &s.cur, &mut s.v);
+        match &w.wv {
+            Some(wv) => wv.matmul(be, &s.cur, &mut s.v),
+            // V is K's projection, before K's norm and RoPE.
+            None => {
+                let cols = be.shape(&s.k).1;
+                be.gather_cols(&s.k, cols, 0..cols, &mut s.v);
+            }
+        }
         if let Some(b) = &w.bq {
             be.add_vector(&mut s.q, b);
         }
@@ -1687,6 +1897,9 @@ impl<B: Backend> Model<B> {
         if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
             be.rms_norm_groups(&mut s.q, a.head_dim_k, qn, eps);
             be.rms_norm_groups(&mut s.k, a.head_dim_k, kn, eps);
+        }
+        if let Some(ones) = &w.v_norm {
+            be.rms_norm_groups(&mut s.v, a.head_dim_v, ones, eps);
         }
         be.rope(&mut s.q, a.head_dim_k, pos, &a.rope);
         be.rope(&mut s.k, a.head_dim_k, pos, &a.rope);
@@ -1776,11 +1989,44 @@ impl<B: Backend> Model<B> {
                     down.matmul(be, &s.act, &mut s.proj);
                 }
                 (Ffn::Moe(w), FfnSpec::Moe(m)) => {
-                    moe::forward(be, m, w, &s.cur, &mut s.moe, &mut s.proj);
+                    moe::forward(be, m, w, &s.cur, None, &mut s.moe, &mut s.proj);
+                }
+                (Ffn::Parallel(w), FfnSpec::Parallel { act, moe: m, .. }) => {
+                    // The dense MLP on `ffn_norm(x)` (in `s.cur`), normed.
+                    w.gate.matmul(be, &s.cur, &mut s.gate);
+                    w.up.matmul(be, &s.cur, &mut s.up);
+                    match act {
+                        Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
+                        Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
+                    }
+                    w.down.matmul(be, &s.act, &mut s.proj);
+                    be.rms_norm(&s.proj, Some(&w.post_1), hp.rms_eps, &mut s.par.dense);
+                    // The experts on `pre_ffw_norm_2(x)`, routed on `x` RMS-normed, scaled.
+                    be.rms_norm(&s.x, Some(&w.pre_2), hp.rms_eps, &mut s.cur);
+                    be.rms_norm(&s.x, Some(&w.router_scale), hp.rms_eps, &mut s.par.router);
+                    #[allow(
+                        clippy::cast_precision_loss,
+                        reason = "a hidden size, as llama.cpp converts it"
+                    )]
+                    be.scale(&mut s.par.router, 1.0 / (hp.n_embd as f32).sqrt());
+                    moe::forward(
+                        be,
+                        m,
+                        &w.moe,
+                        &s.cur,
+                        Some(&s.par.router),
+                        &mut s.moe,
+                        &mut s.par.experts,
+                    );
+                    be.rms_norm(&s.par.experts, Some(&w.post_2), hp.rms_eps, &mut s.proj);
+                    be.add(&mut s.proj, &s.par.dense);
                 }
                 _ => unreachable!("layer {il}: the weights were loaded from this spec"),
             }
             Self::residual(be, s, layer.post_ffw_norm.as_ref(), hp.rms_eps);
+            if let Some(f) = layer.out_scale {
+                be.scale(&mut s.x, f);
+            }
         }
         if let Some(f) = tap {
             f(be, s, hp.n_layer);
@@ -1797,6 +2043,9 @@ impl<B: Backend> Model<B> {
             scale: self.output_scale,
         };
         head.matmul(be, &s.norm, &mut s.logits);
+        if let Some(c) = hp.final_softcap {
+            be.softcap(&mut s.logits, c);
+        }
         be.to_host(&s.logits, &mut s.host);
         Ok(())
     }

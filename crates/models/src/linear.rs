@@ -85,6 +85,12 @@ impl Scales {
         tensor_scale(file, base)
     }
 
+    /// Records `<base>.scale` as applied by a caller that reads it itself (Gemma 4's router
+    /// input scale, a vector).
+    pub(crate) fn mark_applied(&self, base: &str) {
+        self.applied.borrow_mut().push(base.to_owned());
+    }
+
     /// The per-expert scales of the stacked expert matrices `<base>.weight` (`<base>.scale`,
     /// F32 `[n_expert]`, llama.cpp's `ffn_*_exps_s`), recorded as applied.
     ///

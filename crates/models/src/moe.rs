@@ -247,17 +247,19 @@ impl<B: Backend> MoeScratch<B> {
     }
 }
 
-/// `out = MoE(x)` for every row of `x` (`[n, n_embd]`).
+/// `out = MoE(x)` for every row of `x` (`[n, n_embd]`), routed on `router_in` (Gemma 4's
+/// router reads another input than its experts), else on `x`.
 pub(crate) fn forward<B: Backend>(
     be: &B,
     spec: &MoeSpec,
     w: &MoeWeights<B::Weight>,
     x: &B::Tensor,
+    router_in: Option<&B::Tensor>,
     s: &mut MoeScratch<B>,
     out: &mut B::Tensor,
 ) {
     let (n, cols) = be.shape(x);
-    w.router.matmul(be, x, &mut s.logits);
+    w.router.matmul(be, router_in.unwrap_or(x), &mut s.logits);
     be.to_host(&s.logits, &mut s.host);
     s.routing.route(spec, &s.host, w.bias.as_deref());
     *out = be.zeros(n, cols);

@@ -23,6 +23,8 @@ pub struct LayerSpec {
     /// The tensor of the norm before the FFN (`ffn_norm`; Qwen3.5 names it
     /// `post_attention_norm`).
     pub ffn_norm: &'static str,
+    /// The layer's output is multiplied by a learned scalar (`layer_output_scale`, Gemma 4).
+    pub out_scale: bool,
 }
 
 /// The token mixer of a layer.
@@ -83,6 +85,11 @@ pub struct AttnSpec {
     pub qk_norm: bool,
     /// A gate on the attention output, before `attn_output`.
     pub gate: Option<AttnGate>,
+    /// V is the K projection (before K's norm and RoPE) — Gemma 4's global layers have no
+    /// `attn_v`.
+    pub v_from_k: bool,
+    /// An RMS norm without weight on each V head (Gemma 4).
+    pub v_norm: bool,
 }
 
 /// How an attention output is gated.
@@ -118,6 +125,18 @@ pub enum FfnSpec {
     },
     /// A mixture of experts.
     Moe(MoeSpec),
+    /// Gemma 4: a dense MLP (`ffn_norm` before it, `post_ffw_norm_1` after) and a mixture of
+    /// experts (`pre_ffw_norm_2` before, `post_ffw_norm_2` after) side by side, summed; the
+    /// router reads the residual stream, RMS-normed without weight, scaled by
+    /// `ffn_gate_inp.scale / √n_embd`.
+    Parallel {
+        /// Hidden units of the dense MLP.
+        n_ff: usize,
+        /// Activation of both.
+        act: Act,
+        /// The experts.
+        moe: MoeSpec,
+    },
 }
 
 /// How router logits become expert scores (llama.cpp `expert_gating_func`).

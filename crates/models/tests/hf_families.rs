@@ -466,3 +466,12 @@ fn laguna_matches_transformers() {
 fn laguna_per_element_gate_matches_transformers() {
     check("laguna_perelem", Arch::Laguna);
 }
+
+/// gemma4 (26B-A4B-like): layers [sliding, global]×2 with head sizes 16 / 32 and K/V heads
+/// 2 / 1, proportional RoPE through `rope_freqs` on the global layers, V from K there, the V
+/// norm, a GELU MLP beside a top-2-of-4 mixture of experts with per-expert scales and a
+/// router on the residual stream, layer output scalars, logits soft-capped at 30, tied head.
+#[test]
+fn gemma4_matches_transformers() {
+    check("gemma4", Arch::Gemma4);
+}

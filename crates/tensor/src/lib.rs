@@ -170,7 +170,7 @@ pub struct Yarn {
 }
 
 /// Rotary position embedding of one model.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct RopeConfig {
     /// Pairing of dimensions.
     pub kind: RopeKind,
@@ -182,6 +182,9 @@ pub struct RopeConfig {
     pub freq_scale: f32,
     /// YaRN, when the model uses it.
     pub yarn: Option<Yarn>,
+    /// Per rotated pair `i`, a divisor of its frequency (`rope_freqs`, ggml's
+    /// `freq_factors`): Gemma 4's proportional RoPE gives the pairs it does not rotate `1e30`.
+    pub freq_factors: Option<std::sync::Arc<[f32]>>,
 }
 
 impl RopeConfig {
@@ -194,6 +197,7 @@ impl RopeConfig {
             freq_base,
             freq_scale: 1.0,
             yarn: None,
+            freq_factors: None,
         }
     }
 }
@@ -249,6 +253,21 @@ pub struct KvShape {
     /// Layers whose memory is a recurrent state rather than K/V cells (gated delta-net);
     /// `None`: every layer attends.
     pub recurrent: Option<RecurrentLayers>,
+    /// Per layer: its K/V heads and head sizes, where layers differ (Gemma 4's global layers
+    /// have fewer, wider heads than its sliding ones); empty: `n_kv_head`, `head_dim_k`,
+    /// `head_dim_v` in every layer.
+    pub heads: Vec<LayerHeads>,
+}
+
+/// The K/V heads of one layer of a cache ([`KvShape::heads`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerHeads {
+    /// K/V heads.
+    pub n_kv_head: usize,
+    /// Values per K head.
+    pub head_dim_k: usize,
+    /// Values per V head.
+    pub head_dim_v: usize,
 }
 
 /// The recurrent layers of a cache and the snapshots each keeps.
@@ -342,6 +361,16 @@ impl KvShape {
             }
         }
         (k, v)
+    }
+
+    /// The K/V heads of layer `l` ([`KvShape::heads`], else the cache-wide ones).
+    #[must_use]
+    pub fn layer_heads(&self, l: usize) -> LayerHeads {
+        self.heads.get(l).copied().unwrap_or(LayerHeads {
+            n_kv_head: self.n_kv_head,
+            head_dim_k: self.head_dim_k,
+            head_dim_v: self.head_dim_v,
+        })
     }
 
     /// Whether layer `l` keeps a recurrent state ([`KvShape::recurrent`]) instead of cells.
@@ -460,6 +489,8 @@ pub trait Backend: Send + Sync {
     fn add(&self, a: &mut Self::Tensor, b: &Self::Tensor);
     /// `a *= s`.
     fn scale(&self, a: &mut Self::Tensor, s: f32);
+    /// `x = c · tanh(x / c)` (logit soft-capping).
+    fn softcap(&self, x: &mut Self::Tensor, c: f32);
     /// `x = silu(x)` (`x · σ(x)`).
     fn silu(&self, x: &mut Self::Tensor);
     /// `x ⊙= act(gate)`, each gate column scaling `x.cols / gate.cols` consecutive columns of

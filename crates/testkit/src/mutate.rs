@@ -27,8 +27,8 @@ pub enum Subject {
 }
 
 impl Subject {
-    /// Every subject: the eight architectures and the three drafters.
-    pub const ALL: [Self; 11] = [
+    /// Every subject: the nine architectures and the three drafters.
+    pub const ALL: [Self; 12] = [
         Self::Target(0),
         Self::Target(1),
         Self::Target(2),
@@ -37,6 +37,7 @@ impl Subject {
         Self::Target(5),
         Self::Target(6),
         Self::Target(7),
+        Self::Target(8),
         Self::Drafter(Drafter::Dflash),
         Self::Drafter(Drafter::Dflash2),
         Self::Drafter(Drafter::Eagle3),

@@ -181,7 +181,7 @@ fn tensor_bytes(t: &Tensor) -> Option<Vec<u8>> {
 }
 
 /// The four target architectures.
-pub const ARCHS: [&str; 8] = [
+pub const ARCHS: [&str; 9] = [
     "llama",
     "qwen2",
     "qwen3",
@@ -190,6 +190,7 @@ pub const ARCHS: [&str; 8] = [
     "qwen35",
     "qwen35moe",
     "laguna",
+    "gemma4",
 ];
 
 /// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
@@ -199,8 +200,9 @@ pub const ARCHS: [&str; 8] = [
 /// [`SSM_HEADS_V`] value heads, layer 1 gated attention with partial RoPE, qwen35moe's experts
 /// with a gated shared expert; laguna: a global dense layer of [`N_HEAD`] query heads with
 /// YaRN, then a sliding-window MoE layer of twice as many with a correction bias and a shared
-/// expert, both softplus-gated per head), F32, with a byte-level vocabulary of [`N_VOCAB`]
-/// tokens.
+/// expert, both softplus-gated per head; gemma4: a sliding layer of [`HEAD_DIM`]-value heads,
+/// then a global one of twice as wide heads with V from K and `rope_freqs`, each with a GELU
+/// MLP beside experts), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
 ///
 /// # Panics
 /// For an architecture not in [`ARCHS`].
@@ -226,7 +228,31 @@ pub fn target(arch: &str) -> TinyGguf {
         g.set(&k("attention.sliding_window_pattern"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
     }
-    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "laguna");
+    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "laguna" | "gemma4");
+    let gemma4 = arch == "gemma4";
+    // Values per head of each layer (Gemma 4's global layer is wider).
+    let hd = |i: usize| {
+        if gemma4 && i % 2 == 1 {
+            2 * HEAD_DIM
+        } else {
+            HEAD_DIM
+        }
+    };
+    if gemma4 {
+        g.set(&k("attention.key_length"), u(2 * HEAD_DIM));
+        g.set(&k("attention.value_length"), u(2 * HEAD_DIM));
+        g.set(&k("attention.key_length_swa"), u(HEAD_DIM));
+        g.set(&k("attention.value_length_swa"), u(HEAD_DIM));
+        g.set(&k("rope.dimension_count"), u(2 * HEAD_DIM));
+        g.set(&k("rope.dimension_count_swa"), u(HEAD_DIM));
+        g.set(&k("attention.sliding_window"), u(2));
+        g.set(
+            &k("attention.sliding_window_pattern"),
+            Value::Array(Array::Bool((0..N_LAYER).map(|i| i % 2 == 0).collect())),
+        );
+        g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
+        g.set(&k("final_logit_softcapping"), Value::F32(30.0));
+    }
     let laguna = arch == "laguna";
     // Query heads of each layer (Laguna's differ).
     let heads = |i: usize| if laguna { N_HEAD << i } else { N_HEAD };
@@ -271,6 +297,10 @@ pub fn target(arch: &str) -> TinyGguf {
     }
     tokenizer(&mut g);
     let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    if gemma4 {
+        // Proportional RoPE's divisors: near 1 for every pair of the global layer's heads.
+        g.tensor("rope_freqs.weight", &[HEAD_DIM], true);
+    }
     g.tensor("token_embd.weight", &[e, N_VOCAB], false);
     g.tensor("output_norm.weight", &[e], true);
     if matches!(
@@ -297,11 +327,14 @@ pub fn target(arch: &str) -> TinyGguf {
             g.tensor(&n("ssm_out.weight"), &[vd, e], false);
         } else {
             // A gated attention's Q projection holds each head's query and its gate.
-            let q = heads(i) * HEAD_DIM;
+            let (q, kv) = (heads(i) * hd(i), N_HEAD_KV * hd(i));
             let q_out = if hybrid { 2 * q } else { q };
             g.tensor(&n("attn_q.weight"), &[e, q_out], false);
             g.tensor(&n("attn_k.weight"), &[e, kv], false);
-            g.tensor(&n("attn_v.weight"), &[e, kv], false);
+            // Gemma 4's global layers take V from K.
+            if !(gemma4 && i % 2 == 1) {
+                g.tensor(&n("attn_v.weight"), &[e, kv], false);
+            }
             g.tensor(&n("attn_output.weight"), &[q, e], false);
             if laguna {
                 g.tensor(&n("attn_gate.weight"), &[e, heads(i)], false);
@@ -312,13 +345,22 @@ pub fn target(arch: &str) -> TinyGguf {
             g.tensor(&n("attn_k.bias"), &[kv], false);
             g.tensor(&n("attn_v.bias"), &[kv], false);
         }
-        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe" | "laguna") || (hybrid && i % 2 == 1) {
-            g.tensor(&n("attn_q_norm.weight"), &[HEAD_DIM], true);
-            g.tensor(&n("attn_k_norm.weight"), &[HEAD_DIM], true);
+        if matches!(arch, "qwen3" | "gemma3" | "qwen3moe" | "laguna" | "gemma4")
+            || (hybrid && i % 2 == 1)
+        {
+            g.tensor(&n("attn_q_norm.weight"), &[hd(i)], true);
+            g.tensor(&n("attn_k_norm.weight"), &[hd(i)], true);
         }
-        if arch == "gemma3" {
+        if matches!(arch, "gemma3" | "gemma4") {
             g.tensor(&n("post_attention_norm.weight"), &[e], true);
             g.tensor(&n("post_ffw_norm.weight"), &[e], true);
+        }
+        if gemma4 {
+            g.tensor(&n("layer_output_scale.weight"), &[1], true);
+            g.tensor(&n("post_ffw_norm_1.weight"), &[e], true);
+            g.tensor(&n("pre_ffw_norm_2.weight"), &[e], true);
+            g.tensor(&n("post_ffw_norm_2.weight"), &[e], true);
+            g.tensor(&n("ffn_gate_inp.scale"), &[e], true);
         }
         // Qwen3.5 names the norm before its FFN `post_attention_norm`.
         let ffn_norm = if hybrid {
@@ -330,8 +372,18 @@ pub fn target(arch: &str) -> TinyGguf {
         // Laguna's first layer is dense.
         if moe && !(laguna && i == 0) {
             g.tensor(&n("ffn_gate_inp.weight"), &[e, N_EXPERT], false);
-            g.tensor(&n("ffn_gate_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
-            g.tensor(&n("ffn_up_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
+            if gemma4 {
+                // Fused, gate rows first, as the converter writes Gemma 4's experts.
+                g.tensor(
+                    &n("ffn_gate_up_exps.weight"),
+                    &[e, 2 * N_FF_EXP, N_EXPERT],
+                    false,
+                );
+                g.tensor(&n("ffn_down_exps.scale"), &[N_EXPERT], true);
+            } else {
+                g.tensor(&n("ffn_gate_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
+                g.tensor(&n("ffn_up_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
+            }
             g.tensor(&n("ffn_down_exps.weight"), &[N_FF_EXP, e, N_EXPERT], false);
             if matches!(arch, "qwen35moe" | "laguna") {
                 g.tensor(&n("ffn_gate_shexp.weight"), &[e, N_FF_EXP], false);
@@ -344,7 +396,8 @@ pub fn target(arch: &str) -> TinyGguf {
             if laguna {
                 g.tensor(&n("exp_probs_b.bias"), &[N_EXPERT], false);
             }
-        } else {
+        }
+        if !moe || (laguna && i == 0) || gemma4 {
             g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
             g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
             g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);

@@ -86,20 +86,21 @@ impl CpuKv {
             .enumerate()
             .map(|(il, l)| {
                 let n_cells = shape.layer_cells(il);
+                let h = shape.layer_heads(il);
                 Ok(Layer {
                     k: Plane::new(
                         l.types.k,
                         n_cells,
-                        shape.n_kv_head,
-                        shape.head_dim_k,
+                        h.n_kv_head,
+                        h.head_dim_k,
                         l.k_dim,
                         l.k_rot,
                     )?,
                     v: Plane::new(
                         l.types.v,
                         n_cells,
-                        shape.n_kv_head,
-                        shape.head_dim_v,
+                        h.n_kv_head,
+                        h.head_dim_v,
                         l.v_dim,
                         l.v_rot,
                     )?,
@@ -373,8 +374,8 @@ pub(crate) fn kv_write(
     k: &CpuTensor,
     v: &CpuTensor,
 ) {
-    let s = &kv.layout.shape;
-    let (kw, vw) = (s.n_kv_head * s.head_dim_k, s.n_kv_head * s.head_dim_v);
+    let h = kv.layout.shape.layer_heads(layer);
+    let (kw, vw) = (h.n_kv_head * h.head_dim_k, h.n_kv_head * h.head_dim_v);
     assert!(
         layer < kv.layers.len(),
         "kv_write: layer {layer} of a {}-layer cache",
@@ -842,7 +843,8 @@ pub(crate) fn attention(
     out: &mut CpuTensor,
 ) {
     let s = &kv.layout.shape;
-    let (hd_k, hd_v, n_kv_head, n_head) = (s.head_dim_k, s.head_dim_v, s.n_kv_head, p.n_head);
+    let h = s.layer_heads(p.layer);
+    let (hd_k, hd_v, n_kv_head, n_head) = (h.head_dim_k, h.head_dim_v, h.n_kv_head, p.n_head);
     let n_q = q.rows();
     let kv_len = p.kv_pos.len();
     assert!(

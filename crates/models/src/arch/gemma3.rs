@@ -16,6 +16,7 @@ pub(super) fn layers(hp: &Hparams) -> Vec<LayerSpec> {
             ffn: dense(hp, Act::GeluTanh),
             post_norms: true,
             ffn_norm: "ffn_norm",
+            out_scale: false,
         })
         .collect()
 }

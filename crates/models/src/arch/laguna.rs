@@ -75,7 +75,7 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
                     ..rope(hp, il)
                 }
             } else {
-                global
+                global.clone()
             };
             let attn = AttnSpec {
                 n_head: heads[il],
@@ -104,6 +104,7 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
                 ffn,
                 post_norms: false,
                 ffn_norm: "ffn_norm",
+                out_scale: false,
             }
         })
         .collect())

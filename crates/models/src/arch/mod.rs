@@ -3,6 +3,7 @@
 //! here, what they do differently lives in their file).
 
 mod gemma3;
+mod gemma4;
 mod laguna;
 mod llama;
 mod qwen2;
@@ -26,7 +27,17 @@ pub(crate) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
         Arch::Qwen3Moe => qwen3moe::layers(hp, md)?,
         Arch::Qwen35 | Arch::Qwen35Moe => qwen35::layers(hp, md)?,
         Arch::Laguna => laguna::layers(hp, md)?,
+        Arch::Gemma4 => gemma4::layers(hp, md)?,
     })
+}
+
+/// What an architecture reads from the tensors themselves once the metadata is read (which
+/// layers have a tensor, values of small tensors the forward uses as parameters).
+pub(crate) fn finish(hp: &mut Hparams, file: &specula_gguf::Gguf) -> Result<()> {
+    match hp.arch {
+        Arch::Gemma4 => gemma4::finish(hp, file),
+        _ => Ok(()),
+    }
 }
 
 /// A pre-norm block: `mixer`, then `ffn`, no sandwich norms.
@@ -36,6 +47,7 @@ fn block(mixer: AttnSpec, ffn: FfnSpec) -> LayerSpec {
         ffn,
         post_norms: false,
         ffn_norm: "ffn_norm",
+        out_scale: false,
     }
 }
 
@@ -53,6 +65,8 @@ fn attention(hp: &Hparams, il: usize) -> AttnSpec {
         qkv_bias: false,
         qk_norm: false,
         gate: None,
+        v_from_k: false,
+        v_norm: false,
     }
 }
 

@@ -106,6 +106,7 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
                 ffn,
                 post_norms: false,
                 ffn_norm: "post_attention_norm",
+                out_scale: false,
             }
         })
         .collect())
