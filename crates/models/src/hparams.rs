@@ -133,6 +133,9 @@ pub struct Hparams {
     pub layers: Vec<crate::spec::LayerSpec>,
     /// Final logits soft-capped to `c · tanh(x / c)` (`final_logit_softcapping`, Gemma 4).
     pub final_softcap: Option<f32>,
+    /// Multi-token-prediction blocks stored after the `n_layer` trunk blocks
+    /// (`nextn_predict_layers`): their tensors are in the file, unused here.
+    pub n_mtp: usize,
 }
 
 /// The sliding-window layers of a model and their attention window (llama.cpp
@@ -506,6 +509,11 @@ impl Hparams {
                 .ok_or_else(|| ModelError::MissingKey {
                     key: "general.architecture".into(),
                 })?;
+        if arch_name == "clip" {
+            return Err(ModelError::Projector {
+                arch: arch_name.to_owned(),
+            });
+        }
         let arch = Arch::from_name(arch_name).ok_or_else(|| ModelError::UnsupportedArch {
             arch: arch_name.to_owned(),
         })?;
@@ -513,7 +521,18 @@ impl Hparams {
         let k = |s: &str| format!("{a}.{s}");
         let at = AttnHparams::read(md, a, 1e-5)?;
         let (n_embd, n_head, head_dim_k) = (at.n_embd, at.n_head, at.head_dim_k);
-        let n_layer = count(md, &k("block_count"))?;
+        let n_blocks = count(md, &k("block_count"))?;
+        // Multi-token-prediction blocks after the trunk (Qwen3.5 / 3.6 ship one): llama.cpp
+        // runs them only as its MTP drafter; the trunk is the rest.
+        let n_mtp = opt_usize(md, &k("nextn_predict_layers"))?.unwrap_or(0);
+        if n_mtp >= n_blocks {
+            return Err(int_bound(
+                &k("nextn_predict_layers"),
+                n_mtp,
+                format!("fewer than the {n_blocks} blocks (`{}`)", k("block_count")),
+            ));
+        }
+        let n_layer = n_blocks - n_mtp;
         #[allow(
             clippy::cast_precision_loss,
             reason = "head and embedding sizes are small"
@@ -575,6 +594,7 @@ impl Hparams {
             embd_scale,
             swa,
             layers: Vec::new(),
+            n_mtp,
             final_softcap: match arch {
                 Arch::Gemma4 => scale_f32(md, &k("final_logit_softcapping"))?
                     .filter(|&c| c != 0.0)

@@ -77,6 +77,22 @@ pub enum ModelError {
         /// The name found.
         arch: String,
     },
+    /// A multimodal projector file (llama.cpp's `clip` mmproj) given as a model.
+    #[error(
+        "`{arch}` is a multimodal projector (mmproj) file: specula runs language models; give the text model's GGUF"
+    )]
+    Projector {
+        /// The architecture found.
+        arch: String,
+    },
+    /// A vision-tower or projector tensor in a language model's file.
+    #[error(
+        "tensor `{name}` belongs to a vision tower or multimodal projector: specula runs the text model only (give a GGUF without it)"
+    )]
+    Multimodal {
+        /// The tensor name.
+        name: String,
+    },
     /// A required metadata key is missing.
     #[error("missing metadata key `{key}`")]
     MissingKey {
@@ -1097,6 +1113,21 @@ pub(crate) fn check_layer_tensors(file: &Gguf, key: &str, n_layer: usize) -> Res
     Ok(())
 }
 
+/// A language model's file, not a multimodal one: vision-tower and projector tensors (`v.*`,
+/// `mm.*`, as llama.cpp's `clip` files name them) are refused by name rather than ignored.
+fn check_text_only(file: &Gguf) -> Result<()> {
+    match file
+        .tensors()
+        .iter()
+        .find(|t| t.name.starts_with("v.") || t.name.starts_with("mm."))
+    {
+        Some(t) => Err(ModelError::Multimodal {
+            name: t.name.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// Each layer has tensors of its own, so `block_count` cannot exceed the file's tensor count:
 /// checked before anything is sized by it (Gemma's per-layer window pattern).
 fn check_block_count(file: &Gguf) -> Result<()> {
@@ -1162,8 +1193,9 @@ impl<B: Backend> Model<B> {
         check_layer_tensors(
             &file,
             &format!("{}.block_count", hp.arch.name()),
-            hp.n_layer,
+            hp.n_layer + hp.n_mtp,
         )?;
+        check_text_only(&file)?;
         let l = Loader::new(backend, &file);
         let e = hp.n_embd;
         let mut tok_embd = l.req("token_embd.weight", &[e, n_vocab])?;

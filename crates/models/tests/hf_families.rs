@@ -331,6 +331,44 @@ fn check(name: &str, arch: Arch) {
             n_vocab,
         );
 
+        if model.is_recurrent() && n >= 32 {
+            // A verify batch of 9 rows after a 20-token prefill, then `keep` of them kept and the
+            // next forward started there: the recurrent layers continue from the state they kept
+            // for that position (a snapshot, or the state before the batch) — every row after
+            // that has the bits of the one batch.
+            for keep in 0..=9 {
+                let mut kv = model
+                    .new_kv(&be, N_CTX, QType::F32, QType::F32)
+                    .expect("F32 KV cache");
+                let mut scratch = model.scratch(&be);
+                let mut fwd = |from: usize, to: usize| -> Vec<f32> {
+                    let pos: Vec<u32> = (from..to).map(|p| u32::try_from(p).unwrap()).collect();
+                    let rows: Vec<usize> = (0..to - from).collect();
+                    model
+                        .forward(
+                            &be,
+                            &mut kv,
+                            &mut scratch,
+                            &s.tokens[from..to],
+                            &pos,
+                            &rows,
+                            None,
+                        )
+                        .unwrap_or_else(|e| panic!("{what}: forward {from}..{to}: {e}"))
+                        .to_vec()
+                };
+                fwd(0, 20);
+                fwd(20, 29);
+                let next = fwd(20 + keep, 32);
+                assert_same_bits(
+                    &format!("{what}: 9-row verify, {keep} kept, continued"),
+                    &next,
+                    &batch[(20 + keep) * n_vocab..32 * n_vocab],
+                    n_vocab,
+                );
+            }
+        }
+
         if let Some(hidden) = &s.hidden {
             assert_eq!(
                 hidden.len(),

@@ -292,3 +292,81 @@ fn invalid_drafter_hyperparameters_name_the_key() {
         "{e}"
     );
 }
+
+/// Variants specula does not run are refused by name, not half-run: a multimodal projector file,
+/// vision-tower tensors in a text model, a Laguna attention gate of neither width llama.cpp
+/// knows, an unknown expert gating function, Gemma 4's per-layer inputs. A Qwen3.5 file with a
+/// multi-token-prediction block after its trunk (as Qwen3.6 ships) loads and runs the trunk:
+/// the same logits as the file without the block.
+#[test]
+fn unsupported_variants_are_refused_by_name() {
+    let cases: Vec<(&str, Box<Edit>, &str)> = vec![
+        (
+            "llama",
+            Box::new(|g| g.set("general.architecture", Value::String("clip".into()))),
+            "`clip` is a multimodal projector (mmproj) file",
+        ),
+        (
+            "llama",
+            Box::new(|g| g.tensor("v.blk.0.attn_q.weight", &[64, 64], false)),
+            "tensor `v.blk.0.attn_q.weight` belongs to a vision tower",
+        ),
+        (
+            "laguna",
+            Box::new(|g| {
+                g.tensor_mut("blk.1.attn_gate.weight").unwrap().dims = vec![64, 3];
+            }),
+            "tensor `blk.1.attn_gate.weight` has shape [64, 3], expected [64, 4]",
+        ),
+        (
+            "laguna",
+            Box::new(|g| g.set("laguna.expert_gating_func", Value::U32(3))),
+            "`laguna.expert_gating_func` = 3: expected 1 (softmax) or 2 (sigmoid)",
+        ),
+        (
+            "gemma4",
+            Box::new(|g| g.set("gemma4.embedding_length_per_layer_input", Value::U32(8))),
+            "`gemma4.embedding_length_per_layer_input` = 8: expected 0 (per-layer inputs",
+        ),
+    ];
+    for (arch, edit, needle) in cases {
+        let e = error_of(arch, edit);
+        assert!(e.contains(needle), "{arch}: expected `{needle}` in `{e}`");
+    }
+
+    // An MTP block: one more block's tensors, `nextn_predict_layers` = 1.
+    let plain = tiny::target("qwen35");
+    let mut mtp = plain.clone();
+    let n = tiny::N_LAYER;
+    mtp.set(
+        "qwen35.block_count",
+        Value::U32(u32::try_from(n + 1).unwrap()),
+    );
+    mtp.set("qwen35.nextn_predict_layers", Value::U32(1));
+    for name in ["attn_norm", "nextn.enorm", "nextn.hnorm"] {
+        mtp.tensor(&format!("blk.{n}.{name}.weight"), &[tiny::N_EMBD], true);
+    }
+    mtp.tensor(
+        &format!("blk.{n}.nextn.eh_proj.weight"),
+        &[2 * tiny::N_EMBD, tiny::N_EMBD],
+        false,
+    );
+    let be = CpuBackend::new(1);
+    let logits = |g: &tiny::TinyGguf| {
+        let m = load(g).unwrap_or_else(|e| panic!("loads: {e}"));
+        assert_eq!(m.hparams().n_layer, n);
+        let mut kv = m
+            .new_kv(
+                &be,
+                16,
+                specula_quant::QType::F32,
+                specula_quant::QType::F32,
+            )
+            .unwrap();
+        let mut s = m.scratch(&be);
+        m.forward(&be, &mut kv, &mut s, &[3, 4, 5], &[0, 1, 2], &[2], None)
+            .unwrap()
+            .to_vec()
+    };
+    assert_eq!(logits(&plain), logits(&mtp));
+}
