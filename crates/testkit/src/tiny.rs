@@ -121,6 +121,17 @@ impl TinyGguf {
     /// type, too many dimensions, a duplicate).
     #[must_use]
     pub fn to_bytes(&self) -> Option<Vec<u8>> {
+        self.write(MAX_ELEMENTS)
+    }
+
+    /// [`TinyGguf::to_bytes`] without the bound on a tensor's size (the benchmarks' larger
+    /// models, [`target_sized`]).
+    #[must_use]
+    pub fn to_bytes_large(&self) -> Option<Vec<u8>> {
+        self.write(u64::MAX)
+    }
+
+    fn write(&self, max_elements: u64) -> Option<Vec<u8>> {
         let mut w = GgufWriter::new();
         for (k, v) in &self.metadata {
             w.add(k.clone(), v.clone()).ok()?;
@@ -128,7 +139,7 @@ impl TinyGguf {
         let mut data = Vec::with_capacity(self.tensors.len());
         for t in &self.tensors {
             w.add_tensor(&t.name, t.ty, &t.dims).ok()?;
-            data.push(tensor_bytes(t)?);
+            data.push(tensor_bytes(t, max_elements)?);
         }
         let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
         w.to_vec(&slices).ok()
@@ -141,9 +152,9 @@ const MAX_ELEMENTS: u64 = 1 << 20;
 
 /// The bytes of `t`: its values encoded in its type; zero bytes for integer types; `None`
 /// for a shape that is not whole blocks or too large to write.
-fn tensor_bytes(t: &Tensor) -> Option<Vec<u8>> {
+fn tensor_bytes(t: &Tensor, max_elements: u64) -> Option<Vec<u8>> {
     let n: u64 = t.dims.iter().try_fold(1u64, |acc, &x| acc.checked_mul(x))?;
-    if n > MAX_ELEMENTS {
+    if n > max_elements {
         return None;
     }
     let row = usize::try_from(*t.dims.first().unwrap_or(&1)).ok()?;
@@ -193,6 +204,57 @@ pub const ARCHS: [&str; 9] = [
     "gemma4",
 ];
 
+/// The sizes of a generated target ([`target_sized`]): [`Dims::TINY`] for [`target`], larger
+/// ones for benchmarks of the same architectures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Dims {
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Query heads (Laguna's second layer has twice as many).
+    pub n_head: usize,
+    /// K/V heads.
+    pub n_head_kv: usize,
+    /// Values per head (Gemma 4's global layer has twice as many).
+    pub head_dim: usize,
+    /// Dense feed-forward size.
+    pub n_ff: usize,
+    /// Experts.
+    pub n_expert: usize,
+    /// Experts each token uses.
+    pub n_expert_used: usize,
+    /// Hidden units of each expert (and of a shared expert).
+    pub n_ff_exp: usize,
+    /// Layers.
+    pub n_layer: usize,
+    /// Delta-net key heads.
+    pub ssm_heads_k: usize,
+    /// Delta-net value heads.
+    pub ssm_heads_v: usize,
+    /// Values per delta-net head.
+    pub ssm_head_dim: usize,
+    /// Taps of the delta-net convolution.
+    pub ssm_conv: usize,
+}
+
+impl Dims {
+    /// The tiny models' sizes (the module's constants).
+    pub const TINY: Self = Self {
+        n_embd: N_EMBD,
+        n_head: N_HEAD,
+        n_head_kv: N_HEAD_KV,
+        head_dim: HEAD_DIM,
+        n_ff: N_FF,
+        n_expert: N_EXPERT,
+        n_expert_used: N_EXPERT_USED,
+        n_ff_exp: N_FF_EXP,
+        n_layer: N_LAYER,
+        ssm_heads_k: SSM_HEADS_K,
+        ssm_heads_v: SSM_HEADS_V,
+        ssm_head_dim: SSM_HEAD_DIM,
+        ssm_conv: SSM_CONV,
+    };
+}
+
 /// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
 /// names for it (Q/K/V biases for qwen2, QK-norm for qwen3, gemma3 and qwen3moe, Gemma's
 /// sandwich norms and sliding window, qwen3moe's [`N_EXPERT`] experts of which each token uses
@@ -208,19 +270,28 @@ pub const ARCHS: [&str; 9] = [
 /// For an architecture not in [`ARCHS`].
 #[must_use]
 pub fn target(arch: &str) -> TinyGguf {
+    target_sized(arch, &Dims::TINY)
+}
+
+/// [`target`] with the sizes `d`.
+///
+/// # Panics
+/// For an architecture not in [`ARCHS`].
+#[must_use]
+pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
     assert!(ARCHS.contains(&arch), "no tiny {arch}");
     let mut g = TinyGguf::default();
     let k = |s: &str| format!("{arch}.{s}");
     g.set("general.architecture", Value::String(arch.into()));
-    g.set(&k("block_count"), u(N_LAYER));
+    g.set(&k("block_count"), u(d.n_layer));
     g.set(&k("context_length"), u(256));
-    g.set(&k("embedding_length"), u(N_EMBD));
-    g.set(&k("feed_forward_length"), u(N_FF));
-    g.set(&k("attention.head_count"), u(N_HEAD));
-    g.set(&k("attention.head_count_kv"), u(N_HEAD_KV));
-    g.set(&k("attention.key_length"), u(HEAD_DIM));
-    g.set(&k("attention.value_length"), u(HEAD_DIM));
-    g.set(&k("rope.dimension_count"), u(HEAD_DIM));
+    g.set(&k("embedding_length"), u(d.n_embd));
+    g.set(&k("feed_forward_length"), u(d.n_ff));
+    g.set(&k("attention.head_count"), u(d.n_head));
+    g.set(&k("attention.head_count_kv"), u(d.n_head_kv));
+    g.set(&k("attention.key_length"), u(d.head_dim));
+    g.set(&k("attention.value_length"), u(d.head_dim));
+    g.set(&k("rope.dimension_count"), u(d.head_dim));
     g.set(&k("rope.freq_base"), Value::F32(10_000.0));
     g.set(&k("attention.layer_norm_rms_epsilon"), Value::F32(1e-6));
     if arch == "gemma3" {
@@ -233,38 +304,38 @@ pub fn target(arch: &str) -> TinyGguf {
     // Values per head of each layer (Gemma 4's global layer is wider).
     let hd = |i: usize| {
         if gemma4 && i % 2 == 1 {
-            2 * HEAD_DIM
+            2 * d.head_dim
         } else {
-            HEAD_DIM
+            d.head_dim
         }
     };
     if gemma4 {
-        g.set(&k("attention.key_length"), u(2 * HEAD_DIM));
-        g.set(&k("attention.value_length"), u(2 * HEAD_DIM));
-        g.set(&k("attention.key_length_swa"), u(HEAD_DIM));
-        g.set(&k("attention.value_length_swa"), u(HEAD_DIM));
-        g.set(&k("rope.dimension_count"), u(2 * HEAD_DIM));
-        g.set(&k("rope.dimension_count_swa"), u(HEAD_DIM));
+        g.set(&k("attention.key_length"), u(2 * d.head_dim));
+        g.set(&k("attention.value_length"), u(2 * d.head_dim));
+        g.set(&k("attention.key_length_swa"), u(d.head_dim));
+        g.set(&k("attention.value_length_swa"), u(d.head_dim));
+        g.set(&k("rope.dimension_count"), u(2 * d.head_dim));
+        g.set(&k("rope.dimension_count_swa"), u(d.head_dim));
         g.set(&k("attention.sliding_window"), u(2));
         g.set(
             &k("attention.sliding_window_pattern"),
-            Value::Array(Array::Bool((0..N_LAYER).map(|i| i % 2 == 0).collect())),
+            Value::Array(Array::Bool((0..d.n_layer).map(|i| i % 2 == 0).collect())),
         );
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
         g.set(&k("final_logit_softcapping"), Value::F32(30.0));
     }
     let laguna = arch == "laguna";
     // Query heads of each layer (Laguna's differ).
-    let heads = |i: usize| if laguna { N_HEAD << i } else { N_HEAD };
+    let heads = |i: usize| if laguna { d.n_head << i } else { d.n_head };
     if laguna {
-        let h: Vec<i32> = (0..N_LAYER)
+        let h: Vec<i32> = (0..d.n_layer)
             .map(|i| i32::try_from(heads(i)).expect("tiny"))
             .collect();
         g.set(&k("attention.head_count"), Value::Array(Array::I32(h)));
         g.set(&k("attention.sliding_window"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
         g.set(&k("rope.dimension_count"), u(16));
-        g.set(&k("rope.dimension_count_swa"), u(HEAD_DIM));
+        g.set(&k("rope.dimension_count_swa"), u(d.head_dim));
         g.set(&k("rope.scaling.type"), Value::String("yarn".into()));
         g.set(&k("rope.scaling.factor"), Value::F32(4.0));
         g.set(&k("rope.scaling.original_context_length"), u(64));
@@ -272,34 +343,34 @@ pub fn target(arch: &str) -> TinyGguf {
         g.set(&k("rope.scaling.yarn_beta_fast"), Value::F32(32.0));
         g.set(&k("rope.scaling.yarn_beta_slow"), Value::F32(1.0));
         g.set(&k("leading_dense_block_count"), u(1));
-        g.set(&k("expert_shared_feed_forward_length"), u(N_FF_EXP));
+        g.set(&k("expert_shared_feed_forward_length"), u(d.n_ff_exp));
         g.set(&k("expert_weights_norm"), Value::Bool(true));
         g.set(&k("expert_weights_scale"), Value::F32(2.5));
         g.set(&k("expert_gating_func"), u(2));
     }
     let hybrid = matches!(arch, "qwen35" | "qwen35moe");
     if moe {
-        g.set(&k("expert_count"), u(N_EXPERT));
-        g.set(&k("expert_used_count"), u(N_EXPERT_USED));
-        g.set(&k("expert_feed_forward_length"), u(N_FF_EXP));
+        g.set(&k("expert_count"), u(d.n_expert));
+        g.set(&k("expert_used_count"), u(d.n_expert_used));
+        g.set(&k("expert_feed_forward_length"), u(d.n_ff_exp));
     }
     if arch == "qwen35moe" {
-        g.set(&k("expert_shared_feed_forward_length"), u(N_FF_EXP));
+        g.set(&k("expert_shared_feed_forward_length"), u(d.n_ff_exp));
     }
     if hybrid {
         g.set(&k("rope.dimension_count"), u(8));
-        g.set(&k("ssm.conv_kernel"), u(SSM_CONV));
-        g.set(&k("ssm.state_size"), u(SSM_HEAD_DIM));
-        g.set(&k("ssm.group_count"), u(SSM_HEADS_K));
-        g.set(&k("ssm.time_step_rank"), u(SSM_HEADS_V));
-        g.set(&k("ssm.inner_size"), u(SSM_HEADS_V * SSM_HEAD_DIM));
+        g.set(&k("ssm.conv_kernel"), u(d.ssm_conv));
+        g.set(&k("ssm.state_size"), u(d.ssm_head_dim));
+        g.set(&k("ssm.group_count"), u(d.ssm_heads_k));
+        g.set(&k("ssm.time_step_rank"), u(d.ssm_heads_v));
+        g.set(&k("ssm.inner_size"), u(d.ssm_heads_v * d.ssm_head_dim));
         g.set(&k("full_attention_interval"), u(2));
     }
     tokenizer(&mut g);
-    let (e, q, kv) = (N_EMBD, N_HEAD * HEAD_DIM, N_HEAD_KV * HEAD_DIM);
+    let (e, q, kv) = (d.n_embd, d.n_head * d.head_dim, d.n_head_kv * d.head_dim);
     if gemma4 {
         // Proportional RoPE's divisors: near 1 for every pair of the global layer's heads.
-        g.tensor("rope_freqs.weight", &[HEAD_DIM], true);
+        g.tensor("rope_freqs.weight", &[d.head_dim], true);
     }
     g.tensor("token_embd.weight", &[e, N_VOCAB], false);
     g.tensor("output_norm.weight", &[e], true);
@@ -309,25 +380,28 @@ pub fn target(arch: &str) -> TinyGguf {
     ) {
         g.tensor("output.weight", &[e, N_VOCAB], false);
     }
-    for i in 0..N_LAYER {
+    for i in 0..d.n_layer {
         let n = |s: &str| format!("blk.{i}.{s}");
         g.tensor(&n("attn_norm.weight"), &[e], true);
         if hybrid && i % 2 == 0 {
             // The gated delta-net (llama.cpp `qwen35.cpp` `load_block_trunk`).
-            let (kd, vd) = (SSM_HEADS_K * SSM_HEAD_DIM, SSM_HEADS_V * SSM_HEAD_DIM);
+            let (kd, vd) = (
+                d.ssm_heads_k * d.ssm_head_dim,
+                d.ssm_heads_v * d.ssm_head_dim,
+            );
             let ch = 2 * kd + vd;
             g.tensor(&n("attn_qkv.weight"), &[e, ch], false);
             g.tensor(&n("attn_gate.weight"), &[e, vd], false);
-            g.tensor(&n("ssm_conv1d.weight"), &[SSM_CONV, ch], false);
-            g.tensor(&n("ssm_dt.bias"), &[SSM_HEADS_V], false);
-            g.tensor(&n("ssm_a"), &[SSM_HEADS_V], false);
-            g.tensor(&n("ssm_beta.weight"), &[e, SSM_HEADS_V], false);
-            g.tensor(&n("ssm_alpha.weight"), &[e, SSM_HEADS_V], false);
-            g.tensor(&n("ssm_norm.weight"), &[SSM_HEAD_DIM], true);
+            g.tensor(&n("ssm_conv1d.weight"), &[d.ssm_conv, ch], false);
+            g.tensor(&n("ssm_dt.bias"), &[d.ssm_heads_v], false);
+            g.tensor(&n("ssm_a"), &[d.ssm_heads_v], false);
+            g.tensor(&n("ssm_beta.weight"), &[e, d.ssm_heads_v], false);
+            g.tensor(&n("ssm_alpha.weight"), &[e, d.ssm_heads_v], false);
+            g.tensor(&n("ssm_norm.weight"), &[d.ssm_head_dim], true);
             g.tensor(&n("ssm_out.weight"), &[vd, e], false);
         } else {
             // A gated attention's Q projection holds each head's query and its gate.
-            let (q, kv) = (heads(i) * hd(i), N_HEAD_KV * hd(i));
+            let (q, kv) = (heads(i) * hd(i), d.n_head_kv * hd(i));
             let q_out = if hybrid { 2 * q } else { q };
             g.tensor(&n("attn_q.weight"), &[e, q_out], false);
             g.tensor(&n("attn_k.weight"), &[e, kv], false);
@@ -371,36 +445,48 @@ pub fn target(arch: &str) -> TinyGguf {
         g.tensor(&n(ffn_norm), &[e], true);
         // Laguna's first layer is dense.
         if moe && !(laguna && i == 0) {
-            g.tensor(&n("ffn_gate_inp.weight"), &[e, N_EXPERT], false);
+            g.tensor(&n("ffn_gate_inp.weight"), &[e, d.n_expert], false);
             if gemma4 {
                 // Fused, gate rows first, as the converter writes Gemma 4's experts.
                 g.tensor(
                     &n("ffn_gate_up_exps.weight"),
-                    &[e, 2 * N_FF_EXP, N_EXPERT],
+                    &[e, 2 * d.n_ff_exp, d.n_expert],
                     false,
                 );
-                g.tensor(&n("ffn_down_exps.scale"), &[N_EXPERT], true);
+                g.tensor(&n("ffn_down_exps.scale"), &[d.n_expert], true);
             } else {
-                g.tensor(&n("ffn_gate_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
-                g.tensor(&n("ffn_up_exps.weight"), &[e, N_FF_EXP, N_EXPERT], false);
+                g.tensor(
+                    &n("ffn_gate_exps.weight"),
+                    &[e, d.n_ff_exp, d.n_expert],
+                    false,
+                );
+                g.tensor(
+                    &n("ffn_up_exps.weight"),
+                    &[e, d.n_ff_exp, d.n_expert],
+                    false,
+                );
             }
-            g.tensor(&n("ffn_down_exps.weight"), &[N_FF_EXP, e, N_EXPERT], false);
+            g.tensor(
+                &n("ffn_down_exps.weight"),
+                &[d.n_ff_exp, e, d.n_expert],
+                false,
+            );
             if matches!(arch, "qwen35moe" | "laguna") {
-                g.tensor(&n("ffn_gate_shexp.weight"), &[e, N_FF_EXP], false);
-                g.tensor(&n("ffn_up_shexp.weight"), &[e, N_FF_EXP], false);
-                g.tensor(&n("ffn_down_shexp.weight"), &[N_FF_EXP, e], false);
+                g.tensor(&n("ffn_gate_shexp.weight"), &[e, d.n_ff_exp], false);
+                g.tensor(&n("ffn_up_shexp.weight"), &[e, d.n_ff_exp], false);
+                g.tensor(&n("ffn_down_shexp.weight"), &[d.n_ff_exp, e], false);
             }
             if arch == "qwen35moe" {
                 g.tensor(&n("ffn_gate_inp_shexp.weight"), &[e], false);
             }
             if laguna {
-                g.tensor(&n("exp_probs_b.bias"), &[N_EXPERT], false);
+                g.tensor(&n("exp_probs_b.bias"), &[d.n_expert], false);
             }
         }
         if !moe || (laguna && i == 0) || gemma4 {
-            g.tensor(&n("ffn_gate.weight"), &[e, N_FF], false);
-            g.tensor(&n("ffn_up.weight"), &[e, N_FF], false);
-            g.tensor(&n("ffn_down.weight"), &[N_FF, e], false);
+            g.tensor(&n("ffn_gate.weight"), &[e, d.n_ff], false);
+            g.tensor(&n("ffn_up.weight"), &[e, d.n_ff], false);
+            g.tensor(&n("ffn_down.weight"), &[d.n_ff, e], false);
         }
     }
     g
