@@ -416,6 +416,21 @@ pub struct GenerateOptions {
     pub stop_at_eog: bool,
 }
 
+impl GenerateOptions {
+    /// `n_predict` greedy tokens, not stopping at end-of-generation tokens (what tests and
+    /// benchmarks compare runs with).
+    #[must_use]
+    pub fn greedy(n_predict: usize) -> Self {
+        Self {
+            n_predict,
+            sampler: SamplerParams::greedy(),
+            force_ids: None,
+            top_logits: 0,
+            stop_at_eog: false,
+        }
+    }
+}
+
 impl Default for GenerateOptions {
     fn default() -> Self {
         Self {

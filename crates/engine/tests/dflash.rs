@@ -30,7 +30,6 @@ use specula_engine::{
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_models::Model;
 use specula_quant::QType;
-use specula_sampling::SamplerParams;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_testkit::{byte_symbols, values};
 use specula_tokenizer::Tokenizer;
@@ -356,13 +355,7 @@ fn drafter(
 }
 
 fn greedy(n: usize) -> GenerateOptions {
-    GenerateOptions {
-        n_predict: n,
-        sampler: SamplerParams::greedy(),
-        force_ids: None,
-        top_logits: 0,
-        stop_at_eog: false,
-    }
+    GenerateOptions::greedy(n)
 }
 
 const PROMPT: &[u32] = &[72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100];

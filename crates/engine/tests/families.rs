@@ -14,7 +14,6 @@ use specula_engine::{
 use specula_gguf::Gguf;
 use specula_models::Model;
 use specula_quant::QType;
-use specula_sampling::SamplerParams;
 use specula_spec::Drafter;
 use specula_spec::ngram::NgramSimple;
 use specula_testkit::tiny;
@@ -36,13 +35,7 @@ fn engine(g: &tiny::TinyGguf) -> Engine<CpuBackend> {
 }
 
 fn greedy(n: usize) -> GenerateOptions {
-    GenerateOptions {
-        n_predict: n,
-        sampler: SamplerParams::greedy(),
-        force_ids: None,
-        top_logits: 0,
-        stop_at_eog: false,
-    }
+    GenerateOptions::greedy(n)
 }
 
 /// The drafters of one run, built for target `e`.

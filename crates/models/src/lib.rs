@@ -635,6 +635,24 @@ impl<'a, B: Backend> Loader<'a, B> {
         }))
     }
 
+    /// The index and type of tensor `name`.
+    fn find(&self, name: &str) -> Result<(usize, QType)> {
+        let idx = self
+            .file
+            .tensors()
+            .iter()
+            .position(|t| t.name == name)
+            .ok_or_else(|| ModelError::MissingTensor {
+                name: name.to_owned(),
+            })?;
+        let info = &self.file.tensors()[idx];
+        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
+            name: name.to_owned(),
+            ty: info.ty.name().to_owned(),
+        })?;
+        Ok((idx, ty))
+    }
+
     fn get(&self, name: &str, dims: &[usize]) -> Result<Option<B::Weight>> {
         let Some(idx) = self.file.tensors().iter().position(|t| t.name == name) else {
             return Ok(None);
@@ -828,19 +846,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         n_in: usize,
         n_ff: usize,
     ) -> Result<(B::Weight, B::Weight)> {
-        let idx = self
-            .file
-            .tensors()
-            .iter()
-            .position(|t| t.name == name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_owned(),
-            })?;
-        let info = &self.file.tensors()[idx];
-        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
-            name: name.to_owned(),
-            ty: info.ty.name().to_owned(),
-        })?;
+        let (idx, ty) = self.find(name)?;
         let half = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
             name: name.to_owned(),
             source,
@@ -969,16 +975,7 @@ impl<'a, B: Backend> Loader<'a, B> {
     fn host_vector(&self, name: &str, n: usize) -> Result<Vec<f32>> {
         // Shape and type checked as any tensor's.
         drop(self.req(name, &[n])?);
-        let info = self
-            .file
-            .tensor(name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_owned(),
-            })?;
-        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
-            name: name.to_owned(),
-            ty: info.ty.name().to_owned(),
-        })?;
+        let (_, ty) = self.find(name)?;
         let mut v = vec![0.0; n];
         specula_quant::dequantize_row(
             ty,
@@ -997,19 +994,7 @@ impl<'a, B: Backend> Loader<'a, B> {
     fn mat_as(&self, name: &str, file_dims: &[usize], dims: &[usize]) -> Result<B::Weight> {
         // Shape and type checked as any tensor's.
         drop(self.req(name, file_dims)?);
-        let idx = self
-            .file
-            .tensors()
-            .iter()
-            .position(|t| t.name == name)
-            .ok_or_else(|| ModelError::MissingTensor {
-                name: name.to_owned(),
-            })?;
-        let info = &self.file.tensors()[idx];
-        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
-            name: name.to_owned(),
-            ty: info.ty.name().to_owned(),
-        })?;
+        let (idx, ty) = self.find(name)?;
         let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
         let mut w = self.backend.weight(WeightDesc {
             name,
@@ -1033,12 +1018,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         n_expert: usize,
     ) -> Result<Vec<Linear<B::Weight>>> {
         let name = format!("{base}.weight");
-        let idx = self
-            .file
-            .tensors()
-            .iter()
-            .position(|t| t.name == name)
-            .ok_or_else(|| ModelError::MissingTensor { name: name.clone() })?;
+        let (idx, ty) = self.find(&name)?;
         let info = &self.file.tensors()[idx];
         let got: Vec<usize> = info
             .dims
@@ -1052,10 +1032,6 @@ impl<'a, B: Backend> Loader<'a, B> {
                 got,
             });
         }
-        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
-            name: name.clone(),
-            ty: info.ty.name().to_owned(),
-        })?;
         let per = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
             name: name.clone(),
             source,

@@ -24,11 +24,12 @@
 //! pairs and a second chain: every step's draft-vocabulary logits within NMSE 1e-6, the same
 //! argmax, and −∞ outside `d2t`.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
 use serde_json::Value as Json;
-use sha2::{Digest, Sha256};
 use specula_cpu::CpuBackend;
 use specula_gguf::{Array, GgmlType, Gguf, GgufWriter, Value};
 use specula_models::dflash::Dflash;
@@ -390,37 +391,8 @@ fn draft_gguf_with(dflash2: bool) -> Vec<u8> {
     write(md, tensors)
 }
 
-fn sha256_hex(bytes: &[u8]) -> String {
-    Sha256::digest(bytes)
-        .iter()
-        .map(|b| format!("{b:02x}"))
-        .collect()
-}
-
 fn base64_f32(s: &str) -> Vec<f32> {
-    let sextet = |c: u8| -> u32 {
-        match c {
-            b'A'..=b'Z' => u32::from(c - b'A'),
-            b'a'..=b'z' => u32::from(c - b'a') + 26,
-            b'0'..=b'9' => u32::from(c - b'0') + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => panic!("not base64: {c:#04x}"),
-        }
-    };
-    let s = s.as_bytes();
-    let mut out = Vec::with_capacity(s.len() / 4 * 3);
-    for chunk in s.chunks(4) {
-        let pad = chunk.iter().rev().take_while(|&&c| c == b'=').count();
-        let n = chunk[..4 - pad]
-            .iter()
-            .enumerate()
-            .fold(0u32, |acc, (i, &c)| acc | (sextet(c) << (18 - 6 * i)));
-        out.extend_from_slice(&n.to_be_bytes()[1..4 - pad]);
-    }
-    out.chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
-        .collect()
+    common::f32_le(&common::base64_decode(s))
 }
 
 fn nmse(ours: &[f32], reference: &[f32]) -> f64 {
@@ -488,12 +460,12 @@ fn dflash_matches_the_pytorch_reference() {
 
     let (tb, db) = (target_gguf(), draft_gguf());
     assert_eq!(
-        sha256_hex(&tb),
+        common::sha256_hex(&tb),
         g["target_gguf_sha256"].as_str().unwrap(),
         "the rebuilt target GGUF is not the file gguf-py wrote"
     );
     assert_eq!(
-        sha256_hex(&db),
+        common::sha256_hex(&db),
         g["draft_gguf_sha256"].as_str().unwrap(),
         "the rebuilt DFlash GGUF is not the file gguf-py wrote"
     );
@@ -756,7 +728,7 @@ fn eagle3_matches_the_pytorch_reference() {
         let nbr = case["norm_before_residual"].as_bool().unwrap();
         let bytes = eagle3_gguf(ci, name, nbr, &d2t);
         assert_eq!(
-            sha256_hex(&bytes),
+            common::sha256_hex(&bytes),
             case["gguf_sha256"].as_str().unwrap(),
             "{name}: the rebuilt EAGLE-3 GGUF is not the file gguf-py wrote"
         );
@@ -851,7 +823,7 @@ fn dflash2_matches_the_pytorch_reference() {
     let (g1, g2) = (read("tiny.json"), read("tiny2.json"));
     let bytes = draft_gguf_with(true);
     assert_eq!(
-        sha256_hex(&bytes),
+        common::sha256_hex(&bytes),
         g2["draft_gguf_sha256"].as_str().unwrap(),
         "the rebuilt DFlash2 GGUF is not the file gguf-py wrote"
     );
