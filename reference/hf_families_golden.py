@@ -94,6 +94,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+# Shared with the llama / qwen2 / qwen3 script (same formula, tokenizer and hashing).
+from hf_tiny_golden import byte_symbols, sha256, splitmix64  # noqa: E402
+
 LLAMA_CPP = Path(os.environ.get("SPECULA_LLAMA_CPP_SRC", "/work/llsrc/llama.cpp"))
 LLAMA_CPP_COMMIT = "0c1e570"
 N_VOCAB, N_EMBD, N_CTX, RMS_EPS = 256, 64, 128, 1e-6
@@ -110,14 +113,6 @@ MERGES = ["a 1"]
 # ----------------------------------------------------------------------------------------------
 # The weights formula
 # ----------------------------------------------------------------------------------------------
-
-def splitmix64(np, x):
-    """Vectorized over a uint64 array; numpy's uint64 arithmetic wraps like u64::wrapping_*."""
-    z = x + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
-
 
 def formula_values(np, t, shape, kind, s):
     n = int(np.prod(shape))
@@ -163,20 +158,6 @@ def T(name, shape, kind=None, s=None, values=None):
 # ----------------------------------------------------------------------------------------------
 # Byte tokenizer (same as hf_tiny_golden.py)
 # ----------------------------------------------------------------------------------------------
-
-def byte_symbols():
-    """GPT-2's bytes_to_unicode, as the list of the 256 symbols in byte order."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
-        + list(range(ord("®"), ord("ÿ") + 1))
-    out, n = [], 0
-    for b in range(256):
-        if b in printable:
-            out.append(chr(b))
-        else:
-            out.append(chr(256 + n))
-            n += 1
-    return out
-
 
 def add_tokenizer(w):
     """The tokenizer keys, written the same way by our writer and by the patched converter."""
@@ -1129,10 +1110,6 @@ def run_sequences(np, torch, model, model64, spec):
         print(f"  {name}: {len(tokens)} tokens, logit std {l32.std():.3f}, f32 vs f64 NMSE "
               f"{nmse:.3e}" + ("" if margin is None else f", min router margin {margin:.3e}"))
     return seqs
-
-
-def sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def jsonable(x):
