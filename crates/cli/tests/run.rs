@@ -102,15 +102,15 @@ fn bad_flags_are_one_line_errors() {
 fn unsupported_architecture_is_named() {
     use specula_gguf::{Array, GgmlType, GgufWriter, Value};
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("gemma4.gguf");
+    let path = dir.path().join("qwen3next.gguf");
     let mut w = GgufWriter::new();
     let tokens = ["<unk>", "<s>", "</s>", "\u{2581}a"]
         .map(String::from)
         .to_vec();
     for (k, v) in [
-        ("general.architecture", Value::String("gemma4".into())),
-        ("gemma4.block_count", Value::U32(1)),
-        ("gemma4.embedding_length", Value::U32(8)),
+        ("general.architecture", Value::String("qwen3next".into())),
+        ("qwen3next.block_count", Value::U32(1)),
+        ("qwen3next.embedding_length", Value::U32(8)),
         ("tokenizer.ggml.model", Value::String("llama".into())),
         ("tokenizer.ggml.tokens", Value::Array(Array::String(tokens))),
         (
@@ -137,7 +137,7 @@ fn unsupported_architecture_is_named() {
     let out = specula(&["run", "-m", path.to_str().unwrap(), "-p", "a", "-n", "1"]);
     assert_clean_error(
         &out,
-        "unsupported architecture `gemma4` (supported: llama, qwen2, qwen3, gemma3)",
+        "unsupported architecture `qwen3next` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, laguna, gemma4)",
     );
 }
 

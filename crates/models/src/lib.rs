@@ -71,7 +71,7 @@ pub use linear::Linear;
 pub enum ModelError {
     /// `general.architecture` names an architecture this crate does not run.
     #[error(
-        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, laguna)"
+        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, laguna, gemma4)"
     )]
     UnsupportedArch {
         /// The name found.
