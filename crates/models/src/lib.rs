@@ -658,11 +658,7 @@ impl<'a, B: Backend> Loader<'a, B> {
             return Ok(None);
         };
         let info = &self.file.tensors()[idx];
-        let got: Vec<usize> = info
-            .dims
-            .iter()
-            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-            .collect();
+        let got: Vec<usize> = crate::dims_of(info);
         if got != dims {
             return Err(ModelError::BadShape {
                 name: name.to_owned(),
@@ -755,11 +751,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         let n = |s: &str| format!("blk.{il}.{s}");
         let fused = n("ffn_gate_up_exps.weight");
         let (gate, up) = if let Some(info) = self.file.tensor(&fused) {
-            let got: Vec<usize> = info
-                .dims
-                .iter()
-                .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-                .collect();
+            let got: Vec<usize> = crate::dims_of(info);
             let want = [e, 2 * m.n_ff, m.n_expert];
             if got != want {
                 return Err(ModelError::BadShape {
@@ -1020,11 +1012,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         let name = format!("{base}.weight");
         let (idx, ty) = self.find(&name)?;
         let info = &self.file.tensors()[idx];
-        let got: Vec<usize> = info
-            .dims
-            .iter()
-            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-            .collect();
+        let got: Vec<usize> = crate::dims_of(info);
         if got != [n_in, n_out, n_expert] {
             return Err(ModelError::BadShape {
                 name,
@@ -1063,6 +1051,15 @@ impl<'a, B: Backend> Loader<'a, B> {
                 name: name.to_owned(),
             })
     }
+}
+
+/// A tensor's dimensions (ggml order) as `usize` (a dimension past `usize` as `usize::MAX`,
+/// which no expected shape equals).
+pub(crate) fn dims_of(info: &specula_gguf::TensorInfo) -> Vec<usize> {
+    info.dims
+        .iter()
+        .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
+        .collect()
 }
 
 /// The layer of a `blk.N.…` tensor name.

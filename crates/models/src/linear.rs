@@ -57,11 +57,7 @@ pub(crate) fn tensor_scale(file: &Gguf, base: &str) -> Result<Option<f32>> {
         return Err(ModelError::BadShape {
             name,
             expected: vec![1],
-            got: info
-                .dims
-                .iter()
-                .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-                .collect(),
+            got: crate::dims_of(info),
         });
     }
     let s = f32::from_le_bytes([data[0], data[1], data[2], data[3]]);
@@ -109,11 +105,7 @@ impl Scales {
             return Ok(None);
         };
         let data = file.tensor_data_by_name(&name).unwrap_or(&[]);
-        let dims: Vec<usize> = info
-            .dims
-            .iter()
-            .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-            .collect();
+        let dims: Vec<usize> = crate::dims_of(info);
         if info.ty != specula_gguf::GgmlType::F32
             || dims != [n_expert]
             || data.len() != 4 * n_expert

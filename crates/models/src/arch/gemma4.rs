@@ -147,11 +147,7 @@ fn rope_freqs(file: &Gguf, n_rot: usize) -> Result<Vec<f32>> {
     let info = file.tensor(NAME).ok_or_else(|| ModelError::MissingTensor {
         name: NAME.to_owned(),
     })?;
-    let dims: Vec<usize> = info
-        .dims
-        .iter()
-        .map(|&d| usize::try_from(d).unwrap_or(usize::MAX))
-        .collect();
+    let dims: Vec<usize> = crate::dims_of(info);
     if info.ty != specula_gguf::GgmlType::F32 || dims != [n_rot / 2] {
         return Err(ModelError::BadShape {
             name: NAME.to_owned(),
