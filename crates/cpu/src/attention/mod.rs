@@ -48,6 +48,7 @@ use crate::pool::{Disjoint, split};
 use crate::recurrent::Recurrent;
 
 pub(crate) mod simd;
+mod tile;
 use crate::tensor::CpuTensor;
 
 /// Cells per tile of the key loop.
@@ -58,7 +59,7 @@ pub(crate) const TILE: usize = 32;
 /// cache length, the batch or how chunks are spread over threads.
 pub(crate) const CHUNK: usize = 256;
 /// Query rows per task when a batch has many.
-const ROWS_PER_TASK: usize = 8;
+const ROWS_PER_TASK: usize = 16;
 
 /// The K and V planes of one layer.
 #[derive(Clone, Debug)]
@@ -564,6 +565,23 @@ fn fit<T: Clone + Default>(v: &mut Vec<T>, n: usize) {
     }
 }
 
+/// Rows `cell0..cell0 + n` of head `kvh` of `p` as the tile loops read them in place, when
+/// they can (f32 and f16 rows of whole vectors).
+fn tile_rows(p: &Plane, cell0: usize, kvh: usize, n: usize, dim: usize) -> Option<tile::Rows<'_>> {
+    let f16 = match p.ty() {
+        QType::F32 => false,
+        QType::F16 => true,
+        _ => return None,
+    };
+    tile::fits(dim).then(|| tile::Rows {
+        bytes: &p.bytes()[cell0 * p.row_bytes() + kvh * p.head_bytes()..],
+        stride: p.row_bytes(),
+        n,
+        dim,
+        f16,
+    })
+}
+
 /// Everything a task reads.
 struct Ctx<'a> {
     q: &'a CpuTensor,
@@ -611,6 +629,7 @@ impl Ctx<'_> {
         let nq = nr * nh;
         let (k_dim, v_dim, hd_k) = (self.k_dim, self.v_dim, self.hd_k);
         let kv_len = self.p.kv_pos.len();
+        let tile = self.attn.tile;
 
         // Queries, prepared once for the key format.
         let qbytes = match self.key {
@@ -691,8 +710,18 @@ impl Ctx<'_> {
                     j0 += n;
                     continue;
                 }
+                // Keys and values read in place by the tile loops: f32 / f16 rows of a
+                // tile that does not wrap around a ring.
+                let cell0 = j0 % self.n_cells;
+                let contiguous = cell0 + n <= self.n_cells;
+                let fast = tile.is_some() && contiguous;
+                let in_place = |p, dim| fast.then(|| tile_rows(p, cell0, kvh, n, dim)).flatten();
+                let k_rows = match self.key {
+                    KeyDot::F32 | KeyDot::Decoded => in_place(self.k, k_dim),
+                    KeyDot::Quant { .. } => None,
+                };
                 // Decode the tile's keys when their format is read in f32.
-                if matches!(self.key, KeyDot::Decoded) {
+                if matches!(self.key, KeyDot::Decoded) && k_rows.is_none() {
                     for jj in 0..n {
                         if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
                             self.decode(
@@ -703,30 +732,61 @@ impl Ctx<'_> {
                         }
                     }
                 }
-                // Scores.
-                for jj in 0..n {
-                    let kb = self.k.head((j0 + jj) % self.n_cells, kvh);
-                    let kf: &[f32] = match self.key {
-                        KeyDot::F32 => bytemuck::cast_slice(kb),
-                        KeyDot::Decoded => &b.kt[jj * k_dim..(jj + 1) * k_dim],
-                        KeyDot::Quant { .. } => &[],
-                    };
-                    for ri in 0..nr {
-                        let seen = b.vis[ri * TILE + jj];
-                        for hi in 0..nh {
-                            let i = ri * nh + hi;
-                            b.s[i * TILE + jj] = if seen {
-                                let d = match self.key {
-                                    KeyDot::Quant { f, .. } => {
-                                        f(self.kernels, kb, &b.qb[i * qbytes..(i + 1) * qbytes])
-                                    }
-                                    _ => (self.attn.dot_f32)(&b.qf[i * k_dim..(i + 1) * k_dim], kf),
-                                };
-                                let mut x = (d + b.qm[i]) * self.p.scale;
-                                if let Some(c) = self.p.softcap {
-                                    x = c * (x / c).tanh();
+                // Scores: a tile's dot products at once where the tile loops read the keys
+                // (a decoded key that no row sees holds an older key's values: its score
+                // is replaced by −∞ below), else key by key.
+                let decoded = matches!(self.key, KeyDot::Decoded) && tile::fits(k_dim);
+                match (tile, k_rows) {
+                    (Some(t), Some(rows)) => (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE),
+                    (Some(t), None) if decoded => {
+                        let rows = tile::Rows {
+                            bytes: bytemuck::cast_slice(&b.kt[..n * k_dim]),
+                            stride: 4 * k_dim,
+                            n,
+                            dim: k_dim,
+                            f16: false,
+                        };
+                        (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
+                    }
+                    _ => {
+                        for jj in 0..n {
+                            let kb = self.k.head((j0 + jj) % self.n_cells, kvh);
+                            let kf: &[f32] = match self.key {
+                                KeyDot::F32 => bytemuck::cast_slice(kb),
+                                KeyDot::Decoded => &b.kt[jj * k_dim..(jj + 1) * k_dim],
+                                KeyDot::Quant { .. } => &[],
+                            };
+                            for ri in 0..nr {
+                                if !b.vis[ri * TILE + jj] {
+                                    continue;
                                 }
-                                x
+                                for hi in 0..nh {
+                                    let i = ri * nh + hi;
+                                    b.s[i * TILE + jj] = match self.key {
+                                        KeyDot::Quant { f, .. } => {
+                                            f(self.kernels, kb, &b.qb[i * qbytes..(i + 1) * qbytes])
+                                        }
+                                        _ => (self.attn.dot_f32)(
+                                            &b.qf[i * k_dim..(i + 1) * k_dim],
+                                            kf,
+                                        ),
+                                    };
+                                }
+                            }
+                        }
+                    }
+                }
+                for ri in 0..nr {
+                    for hi in 0..nh {
+                        let i = ri * nh + hi;
+                        for jj in 0..n {
+                            let x = &mut b.s[i * TILE + jj];
+                            *x = if b.vis[ri * TILE + jj] {
+                                let mut y = (*x + b.qm[i]) * self.p.scale;
+                                if let Some(c) = self.p.softcap {
+                                    y = c * (y / c).tanh();
+                                }
+                                y
                             } else {
                                 f32::NEG_INFINITY
                             };
@@ -755,34 +815,66 @@ impl Ctx<'_> {
                         }
                         b.cm[i] = m_new;
                     }
+                    if let Some(t) = tile {
+                        // −∞ stays −∞, whose exponential is 0.
+                        for x in s.iter_mut() {
+                            *x -= m_new;
+                        }
+                        (t.exp)(s);
+                    } else {
+                        for x in s.iter_mut() {
+                            *x = if *x == f32::NEG_INFINITY {
+                                0.0
+                            } else {
+                                (*x - m_new).exp()
+                            };
+                        }
+                    }
                     let mut l = b.cl[i];
-                    for x in s.iter_mut() {
-                        *x = if *x == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            (*x - m_new).exp()
-                        };
-                        l += *x;
+                    for &x in s.iter() {
+                        l += x;
                     }
                     b.cl[i] = l;
                 }
-                // Values.
-                for jj in 0..n {
-                    if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
-                        continue;
-                    }
-                    let vb = self.v.head((j0 + jj) % self.n_cells, kvh);
-                    let vf: &[f32] = if self.v.ty() == QType::F32 {
-                        bytemuck::cast_slice(vb)
-                    } else {
-                        let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
-                        self.decode(self.v.ty(), vb, d);
-                        d
-                    };
-                    for i in 0..nq {
-                        let w = b.s[i * TILE + jj];
-                        if w != 0.0 {
-                            (self.attn.axpy)(&mut b.cacc[i * v_dim..(i + 1) * v_dim], w, vf);
+                // Values: the tile loops over rows in place or decoded (a decoded row that
+                // no query sees has weight 0 for every query and is skipped), else key by key.
+                let v_rows = in_place(self.v, v_dim);
+                match (tile, v_rows) {
+                    (Some(t), Some(rows)) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
+                    _ => {
+                        for jj in 0..n {
+                            if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
+                                continue;
+                            }
+                            let vb = self.v.head((j0 + jj) % self.n_cells, kvh);
+                            let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
+                            if self.v.ty() == QType::F32 {
+                                d.copy_from_slice(bytemuck::cast_slice(vb));
+                            } else {
+                                self.decode(self.v.ty(), vb, d);
+                            }
+                            if tile.is_none() || !tile::fits(v_dim) {
+                                for i in 0..nq {
+                                    let w = b.s[i * TILE + jj];
+                                    if w != 0.0 {
+                                        (self.attn.axpy)(
+                                            &mut b.cacc[i * v_dim..(i + 1) * v_dim],
+                                            w,
+                                            &b.vt[jj * v_dim..(jj + 1) * v_dim],
+                                        );
+                                    }
+                                }
+                            }
+                        }
+                        if let Some(t) = tile.filter(|_| tile::fits(v_dim)) {
+                            let rows = tile::Rows {
+                                bytes: bytemuck::cast_slice(&b.vt[..n * v_dim]),
+                                stride: 4 * v_dim,
+                                n,
+                                dim: v_dim,
+                                f16: false,
+                            };
+                            (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                         }
                     }
                 }

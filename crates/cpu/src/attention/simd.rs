@@ -23,6 +23,8 @@ pub(crate) struct AttnKernels {
     pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
     /// turbo4 blocks → `centroid · norm` values (the bits of the scalar decoder on every path).
     pub(crate) turbo4_decode: fn(&[BlockTurbo4], &mut [f32]),
+    /// The tile loops (AVX-512 only), with the bits of the loops above.
+    pub(crate) tile: Option<super::tile::TileKernels>,
 }
 
 impl std::fmt::Debug for AttnKernels {
@@ -37,10 +39,16 @@ impl AttnKernels {
         #[cfg(target_arch = "x86_64")]
         {
             if level == SimdLevel::Avx512 && x86::avx512_supported() {
-                return x86::AVX512;
+                return AttnKernels {
+                    tile: super::tile::for_level(level),
+                    ..x86::AVX512
+                };
             }
             if matches!(level, SimdLevel::Avx512 | SimdLevel::Avx2) && x86::avx2_supported() {
-                return x86::AVX2;
+                return AttnKernels {
+                    tile: super::tile::for_level(SimdLevel::Avx2),
+                    ..x86::AVX2
+                };
             }
         }
         let _ = level;
@@ -53,6 +61,7 @@ const PORTABLE: AttnKernels = AttnKernels {
     axpy: axpy_portable,
     f16_to_f32: f16_to_f32_portable,
     turbo4_decode: turbo4_decode_portable,
+    tile: None,
 };
 
 /// turbo4 blocks → `centroid · norm`, nibble by nibble (low nibble first).
@@ -163,6 +172,7 @@ mod x86 {
                     // SAFETY: as above; `out` holds 128 values per block.
                     unsafe { $t4(x, out) }
                 },
+                tile: None,
             }
         };
     }

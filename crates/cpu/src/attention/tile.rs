@@ -1,0 +1,789 @@
+//! Tile loops of attention on AVX-512 and AVX2: the scores of a block of queries against a
+//! block of keys, the softmax weights of a tile with a vectorized `exp`, and `acc += p·v` for a
+//! block of queries with the accumulators in registers. f32 and f16 rows are read in place.
+//! One generic body per loop, written over the `Isa` vector operations, is compiled once per
+//! instruction set.
+//!
+//! Each result is computed by the operations, in the order, of the per-key loops they replace
+//! ([`super::simd::AttnKernels`]): a score is `dot_f32`'s fused multiply-add chain over the
+//! head (sixteen or eight lanes) and its lane sum; an accumulator gets `acc + p·v` with the
+//! multiply and the add rounded separately, key after key, skipping zero weights. So the tiles
+//! change no score and no accumulator bit; only `exp` is new: it is evaluated in f64 and
+//! rounded once to f32, the correctly rounded value for all but a vanishing fraction of inputs
+//! (tested on two million); the C library's `expf`, within 0.502 ulp, differs from it by one
+//! ulp on about one input in two thousand.
+
+/// Rows of keys or values read in place: row `j < n` starts at `bytes[j · stride]` and holds
+/// `dim` f32 or f16 values.
+#[derive(Clone, Copy)]
+pub(crate) struct Rows<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) stride: usize,
+    pub(crate) n: usize,
+    pub(crate) dim: usize,
+    pub(crate) f16: bool,
+}
+
+impl Rows<'_> {
+    /// Panics unless every row lies inside `bytes`.
+    fn check(&self) {
+        let esz = if self.f16 { 2 } else { 4 };
+        assert!(
+            self.n == 0 || (self.n - 1) * self.stride + self.dim * esz <= self.bytes.len(),
+            "attention: {} rows of {} values with stride {} past {} bytes",
+            self.n,
+            self.dim,
+            self.stride,
+            self.bytes.len()
+        );
+    }
+}
+
+/// The tile loops of one instruction set.
+#[derive(Clone, Copy)]
+pub(crate) struct TileKernels {
+    /// `out[a·os + j] = Σ_d q[a·qs + d] · k_j[d]` for `a < nq`, `j < k.n`, `d < k.dim`.
+    pub(crate) scores: fn(q: &[f32], qs: usize, nq: usize, k: Rows<'_>, out: &mut [f32], os: usize),
+    /// `acc[a·as + d] += w[a·ws + j] · v_j[d]` for `a < nq`, keys `j < v.n` in order (zero
+    /// weights skipped), `d < v.dim`.
+    pub(crate) pv: fn(w: &[f32], ws: usize, nq: usize, v: Rows<'_>, acc: &mut [f32], as_: usize),
+    /// `x = eˣ` for every element (`−∞` gives 0).
+    pub(crate) exp: fn(&mut [f32]),
+}
+
+impl std::fmt::Debug for TileKernels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TileKernels").finish_non_exhaustive()
+    }
+}
+
+/// The tile loops for `level` where it has them (AVX-512, AVX2 with F16C and FMA).
+pub(crate) fn for_level(level: specula_quant::dot::SimdLevel) -> Option<TileKernels> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use specula_quant::dot::SimdLevel;
+        if level == SimdLevel::Avx512 && x86::avx512_supported() {
+            return Some(x86::AVX512);
+        }
+        if matches!(level, SimdLevel::Avx512 | SimdLevel::Avx2) && x86::avx2_supported() {
+            return Some(x86::AVX2);
+        }
+    }
+    let _ = level;
+    None
+}
+
+/// Whether a head of `dim` values goes through the tile loops: whole vectors only (every
+/// head dim in use — 64, 80, 96, 112, 128, 256 — is a multiple of 16), so that no loop has a
+/// partial last chunk whose order the per-key loops define differently per path.
+pub(crate) fn fits(dim: usize) -> bool {
+    dim.is_multiple_of(16) && dim > 0
+}
+
+/// The coefficients `1/n!`, `n = 13 … 0`, of `eʳ`'s Taylor polynomial (Horner order).
+const EXP_POLY: [f64; 14] = [
+    1.0 / 6_227_020_800.0,
+    1.0 / 479_001_600.0,
+    1.0 / 39_916_800.0,
+    1.0 / 3_628_800.0,
+    1.0 / 362_880.0,
+    1.0 / 40_320.0,
+    1.0 / 5_040.0,
+    1.0 / 720.0,
+    1.0 / 120.0,
+    1.0 / 24.0,
+    1.0 / 6.0,
+    0.5,
+    1.0,
+    1.0,
+];
+/// ln 2 to twice f64's precision: `LN2_HI + LN2_LO`.
+const LN2_HI: f64 = std::f64::consts::LN_2;
+const LN2_LO: f64 = 2.319_046_813_846_299_6e-17;
+/// Inputs of `exp` below this are taken as it: its exponential is 0 in f32.
+const EXP_MIN: f64 = -110.0;
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    use super::{EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, Rows, TileKernels, fits};
+
+    pub(super) fn avx512_supported() -> bool {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && avx2_supported()
+    }
+
+    pub(super) fn avx2_supported() -> bool {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("f16c")
+            && is_x86_feature_detected!("fma")
+    }
+
+    /// The vector operations the loops are written in, for one instruction set. Every
+    /// method is `#[inline(always)]` and only called from a function compiled with that
+    /// instruction set's features.
+    trait Isa {
+        /// `LANES` f32.
+        type F: Copy;
+        const LANES: usize;
+        unsafe fn zero() -> Self::F;
+        unsafe fn load(p: *const f32) -> Self::F;
+        /// `LANES` f16 at `p`, widened (exactly).
+        unsafe fn load_h(p: *const u8) -> Self::F;
+        unsafe fn store(p: *mut f32, v: Self::F);
+        unsafe fn splat(x: f32) -> Self::F;
+        unsafe fn fmadd(a: Self::F, b: Self::F, c: Self::F) -> Self::F;
+        unsafe fn add(a: Self::F, b: Self::F) -> Self::F;
+        unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
+        /// The lane sum of the path's `dot_f32`.
+        unsafe fn reduce(v: Self::F) -> f32;
+        /// `eˣ` per lane.
+        unsafe fn exp(v: Self::F) -> Self::F;
+    }
+
+    #[derive(Clone, Copy)]
+    struct V512;
+    #[derive(Clone, Copy)]
+    struct V256;
+
+    /// `x = k·ln 2 + r` with `k = round(x·log₂e)`, `|r| ≤ ln 2 / 2`: returns `(k, eʳ)` by the
+    /// Taylor polynomial to degree 13 (relative error below 1e-17), in the f64 vector
+    /// intrinsics named.
+    macro_rules! exp_core {
+        ($x:expr, $set1:ident, $max:ident, $mul:ident, $round:expr, $fnmadd:ident, $fmadd:ident) => {{
+            let x = $max($x, $set1(EXP_MIN));
+            let k = $round($mul(x, $set1(std::f64::consts::LOG2_E)));
+            let r = $fnmadd(k, $set1(LN2_HI), x);
+            let r = $fnmadd(k, $set1(LN2_LO), r);
+            let mut p = $set1(EXP_POLY[0]);
+            for &c in &EXP_POLY[1..] {
+                p = $fmadd(p, r, $set1(c));
+            }
+            (k, p)
+        }};
+    }
+
+    impl Isa for V512 {
+        type F = __m512;
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            // SAFETY: only called with the AVX-512 features (see the trait).
+            unsafe { _mm512_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            // SAFETY: the caller's sixteen values at p.
+            unsafe { _mm512_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn load_h(p: *const u8) -> __m512 {
+            // SAFETY: the caller's sixteen f16 at p.
+            unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            // SAFETY: the caller's sixteen values at p.
+            unsafe { _mm512_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m512 {
+            // SAFETY: as `zero`.
+            unsafe { _mm512_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            // SAFETY: as `zero`.
+            unsafe { _mm512_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: as `zero`.
+            unsafe { _mm512_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            // SAFETY: as `zero`.
+            unsafe { _mm512_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn reduce(v: __m512) -> f32 {
+            // SAFETY: as `zero`.
+            unsafe { _mm512_reduce_add_ps(v) }
+        }
+        #[inline(always)]
+        unsafe fn exp(v: __m512) -> __m512 {
+            // SAFETY: as `zero`.
+            unsafe {
+                let half = |x: __m512d| {
+                    let (k, p) = exp_core!(
+                        x,
+                        _mm512_set1_pd,
+                        _mm512_max_pd,
+                        _mm512_mul_pd,
+                        _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
+                        _mm512_fnmadd_pd,
+                        _mm512_fmadd_pd
+                    );
+                    _mm512_cvtpd_ps(_mm512_scalef_pd(p, k))
+                };
+                let lo = half(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+                let hi = half(_mm512_cvtps_pd(_mm256_castpd_ps(
+                    _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)),
+                )));
+                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+                    _mm512_castps_pd(_mm512_castps256_ps512(lo)),
+                    _mm256_castps_pd(hi),
+                ))
+            }
+        }
+    }
+
+    impl Isa for V256 {
+        type F = __m256;
+        const LANES: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            // SAFETY: only called with the AVX2 features (see the trait).
+            unsafe { _mm256_setzero_ps() }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            // SAFETY: the caller's eight values at p.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline(always)]
+        unsafe fn load_h(p: *const u8) -> __m256 {
+            // SAFETY: the caller's eight f16 at p.
+            unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            // SAFETY: the caller's eight values at p.
+            unsafe { _mm256_storeu_ps(p, v) }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> __m256 {
+            // SAFETY: as `zero`.
+            unsafe { _mm256_set1_ps(x) }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            // SAFETY: as `zero`.
+            unsafe { _mm256_fmadd_ps(a, b, c) }
+        }
+        #[inline(always)]
+        unsafe fn add(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: as `zero`.
+            unsafe { _mm256_add_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            // SAFETY: as `zero`.
+            unsafe { _mm256_mul_ps(a, b) }
+        }
+        #[inline(always)]
+        unsafe fn reduce(v: __m256) -> f32 {
+            // The pairwise sum of `simd::x86::hsum256`.
+            // SAFETY: as `zero`.
+            unsafe {
+                let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+                let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+                _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+            }
+        }
+        #[inline(always)]
+        unsafe fn exp(v: __m256) -> __m256 {
+            // SAFETY: as `zero`.
+            unsafe {
+                let half = |x: __m256d| {
+                    let (k, p) = exp_core!(
+                        x,
+                        _mm256_set1_pd,
+                        _mm256_max_pd,
+                        _mm256_mul_pd,
+                        _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
+                        _mm256_fnmadd_pd,
+                        _mm256_fmadd_pd
+                    );
+                    // 2ᵏ from its exponent bits (−160 ≤ k ≤ 0 here, a normal f64), then one
+                    // exact multiply: what `scalef` gives.
+                    let ki = _mm256_cvtpd_epi32(k);
+                    let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(
+                        _mm256_cvtepi32_epi64(ki),
+                        _mm256_set1_epi64x(1023),
+                    ));
+                    _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)))
+                };
+                let lo = half(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+                let hi = half(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)));
+                _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
+            }
+        }
+    }
+
+    /// Builds the table of one instruction set: entries check their slices, then call the
+    /// loops compiled with its features. Only handed out by [`super::for_level`] after the
+    /// matching `*_supported` check.
+    macro_rules! table {
+        ($isa:ty, $features:literal) => {{
+            #[target_feature(enable = $features)]
+            unsafe fn scores_f(
+                q: *const f32,
+                qs: usize,
+                nq: usize,
+                k: Rows<'_>,
+                out: *mut f32,
+                os: usize,
+            ) {
+                // SAFETY: the caller's bounds and features.
+                unsafe { scores::<$isa>(q, qs, nq, k, out, os) }
+            }
+            #[target_feature(enable = $features)]
+            unsafe fn pv_f(
+                w: *const f32,
+                ws: usize,
+                nq: usize,
+                v: Rows<'_>,
+                acc: *mut f32,
+                as_: usize,
+            ) {
+                // SAFETY: the caller's bounds and features.
+                unsafe { pv::<$isa>(w, ws, nq, v, acc, as_) }
+            }
+            #[target_feature(enable = $features)]
+            unsafe fn exp_f(x: &mut [f32]) {
+                // SAFETY: the caller's features.
+                unsafe { exp_slice::<$isa>(x) }
+            }
+            TileKernels {
+                scores: |q, qs, nq, k, out, os| {
+                    k.check();
+                    if nq == 0 || k.n == 0 {
+                        return;
+                    }
+                    assert!(
+                        fits(k.dim)
+                            && (nq - 1) * qs + k.dim <= q.len()
+                            && (nq - 1) * os + k.n <= out.len(),
+                        "attention: score tile bounds"
+                    );
+                    // SAFETY: the CPU has the features (see `table!`); every query, key and
+                    // output touched lies inside its slice (checked above).
+                    unsafe { scores_f(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
+                },
+                pv: |w, ws, nq, v, acc, as_| {
+                    v.check();
+                    if nq == 0 || v.n == 0 {
+                        return;
+                    }
+                    assert!(
+                        fits(v.dim)
+                            && (nq - 1) * ws + v.n <= w.len()
+                            && (nq - 1) * as_ + v.dim <= acc.len(),
+                        "attention: value tile bounds"
+                    );
+                    // SAFETY: as above.
+                    unsafe { pv_f(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
+                },
+                exp: |x| {
+                    // SAFETY: the CPU has the features (see `table!`).
+                    unsafe { exp_f(x) }
+                },
+            }
+        }};
+    }
+
+    pub(super) const AVX512: TileKernels = table!(V512, "avx512f,avx512bw,avx512vl,avx2,f16c,fma");
+    pub(super) const AVX2: TileKernels = table!(V256, "avx2,f16c,fma");
+
+    /// One vector of a row at `p`: f32, or f16 widened.
+    ///
+    /// # Safety
+    /// `I::LANES` values at `p`; the caller has `I`'s features.
+    #[inline(always)]
+    unsafe fn load<I: Isa, const H: bool>(p: *const u8) -> I::F {
+        // SAFETY: the caller's promise.
+        unsafe { if H { I::load_h(p) } else { I::load(p.cast()) } }
+    }
+
+    /// # Safety
+    /// As the table's `scores` checks; `I`'s features.
+    #[inline(always)]
+    unsafe fn scores<I: Isa>(
+        q: *const f32,
+        qs: usize,
+        nq: usize,
+        k: Rows<'_>,
+        out: *mut f32,
+        os: usize,
+    ) {
+        let mut a = 0;
+        while a < nq {
+            let na = (nq - a).min(4);
+            let mut j = 0;
+            while j < k.n {
+                let nj = if k.n - j >= 4 { 4 } else { 1 };
+                // SAFETY: queries a..a+na and keys j..j+nj are inside the checked bounds.
+                unsafe {
+                    let (qp, op) = (q.add(a * qs), out.add(a * os + j));
+                    let kp = k.bytes.as_ptr().add(j * k.stride);
+                    macro_rules! go {
+                        ($nq:literal, $nk:literal, $h:literal) => {
+                            block::<I, $nq, $nk, $h>(qp, qs, kp, k, op, os)
+                        };
+                    }
+                    match (na, nj, k.f16) {
+                        (4, 4, true) => go!(4, 4, true),
+                        (3, 4, true) => go!(3, 4, true),
+                        (2, 4, true) => go!(2, 4, true),
+                        (1, 4, true) => go!(1, 4, true),
+                        (4, _, true) => go!(4, 1, true),
+                        (3, _, true) => go!(3, 1, true),
+                        (2, _, true) => go!(2, 1, true),
+                        (_, _, true) => go!(1, 1, true),
+                        (4, 4, false) => go!(4, 4, false),
+                        (3, 4, false) => go!(3, 4, false),
+                        (2, 4, false) => go!(2, 4, false),
+                        (1, 4, false) => go!(1, 4, false),
+                        (4, _, false) => go!(4, 1, false),
+                        (3, _, false) => go!(3, 1, false),
+                        (2, _, false) => go!(2, 1, false),
+                        (_, _, false) => go!(1, 1, false),
+                    }
+                }
+                j += nj;
+            }
+            a += na;
+        }
+    }
+
+    /// `NQ` queries × `NK` keys: one fused multiply-add chain per score over the head, then
+    /// the path's lane sum — `dot_f32`'s operations.
+    ///
+    /// # Safety
+    /// `NQ` query rows of `k.dim` values at `q` (stride `qs`), `NK` key rows at `kp`
+    /// (stride `k.stride`), `NQ` output rows of `NK` values at `out` (stride `os`).
+    #[inline(always)]
+    unsafe fn block<I: Isa, const NQ: usize, const NK: usize, const H: bool>(
+        q: *const f32,
+        qs: usize,
+        kp: *const u8,
+        k: Rows<'_>,
+        out: *mut f32,
+        os: usize,
+    ) {
+        let esz = if H { 2 } else { 4 };
+        // SAFETY: the caller's bounds and features; `k.dim` is a multiple of the lanes.
+        unsafe {
+            let mut acc = [[I::zero(); NK]; NQ];
+            let mut d = 0;
+            while d < k.dim {
+                let mut qv = [I::zero(); NQ];
+                for (a, v) in qv.iter_mut().enumerate() {
+                    *v = I::load(q.add(a * qs + d));
+                }
+                let mut kv = [I::zero(); NK];
+                for (b, v) in kv.iter_mut().enumerate() {
+                    *v = load::<I, H>(kp.add(b * k.stride + d * esz));
+                }
+                for (row, &qa) in acc.iter_mut().zip(&qv) {
+                    for (x, &kb) in row.iter_mut().zip(&kv) {
+                        *x = I::fmadd(qa, kb, *x);
+                    }
+                }
+                d += I::LANES;
+            }
+            for (a, row) in acc.iter().enumerate() {
+                for (b, &v) in row.iter().enumerate() {
+                    *out.add(a * os + b) = I::reduce(v);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// As the table's `pv` checks; `I`'s features.
+    #[inline(always)]
+    unsafe fn pv<I: Isa>(
+        w: *const f32,
+        ws: usize,
+        nq: usize,
+        v: Rows<'_>,
+        acc: *mut f32,
+        as_: usize,
+    ) {
+        let mut a = 0;
+        while a < nq {
+            let na = (nq - a).min(4);
+            let mut d = 0;
+            while d < v.dim {
+                let wide = v.dim - d >= 4 * I::LANES;
+                // SAFETY: queries a..a+na and outputs d.. are inside the checked bounds.
+                unsafe {
+                    let (wp, ap) = (w.add(a * ws), acc.add(a * as_));
+                    macro_rules! go {
+                        ($nq:literal, $nv:literal, $h:literal) => {
+                            pv_block::<I, $nq, $nv, $h>(wp, ws, v, d, ap, as_)
+                        };
+                    }
+                    match (na, wide, v.f16) {
+                        (4, true, true) => go!(4, 4, true),
+                        (3, true, true) => go!(3, 4, true),
+                        (2, true, true) => go!(2, 4, true),
+                        (_, true, true) => go!(1, 4, true),
+                        (4, false, true) => go!(4, 1, true),
+                        (3, false, true) => go!(3, 1, true),
+                        (2, false, true) => go!(2, 1, true),
+                        (_, false, true) => go!(1, 1, true),
+                        (4, true, false) => go!(4, 4, false),
+                        (3, true, false) => go!(3, 4, false),
+                        (2, true, false) => go!(2, 4, false),
+                        (_, true, false) => go!(1, 4, false),
+                        (4, false, false) => go!(4, 1, false),
+                        (3, false, false) => go!(3, 1, false),
+                        (2, false, false) => go!(2, 1, false),
+                        (_, false, false) => go!(1, 1, false),
+                    }
+                }
+                d += if wide { 4 * I::LANES } else { I::LANES };
+            }
+            a += na;
+        }
+    }
+
+    /// `NQ` queries × `NV` vectors of outputs from `d`, in registers over every key:
+    /// `acc + w·v`, multiply and add rounded separately, key after key, zero weights skipped
+    /// (`axpy`'s operations for each output).
+    ///
+    /// # Safety
+    /// `NQ` weight rows of `v.n` values at `w` (stride `ws`), `NQ` accumulator rows of `v.dim`
+    /// at `acc` (stride `as_`), `d + NV·LANES ≤ v.dim`.
+    #[inline(always)]
+    unsafe fn pv_block<I: Isa, const NQ: usize, const NV: usize, const H: bool>(
+        w: *const f32,
+        ws: usize,
+        v: Rows<'_>,
+        d: usize,
+        acc: *mut f32,
+        as_: usize,
+    ) {
+        let esz = if H { 2 } else { 4 };
+        // SAFETY: the caller's bounds and features.
+        unsafe {
+            let mut r = [[I::zero(); NV]; NQ];
+            for (a, row) in r.iter_mut().enumerate() {
+                for (c, x) in row.iter_mut().enumerate() {
+                    *x = I::load(acc.add(a * as_ + d + I::LANES * c));
+                }
+            }
+            for j in 0..v.n {
+                let vp = v.bytes.as_ptr().add(j * v.stride + d * esz);
+                let mut vv = [I::zero(); NV];
+                for (c, x) in vv.iter_mut().enumerate() {
+                    *x = load::<I, H>(vp.add(I::LANES * c * esz));
+                }
+                for (a, row) in r.iter_mut().enumerate() {
+                    let p = *w.add(a * ws + j);
+                    if p != 0.0 {
+                        let pb = I::splat(p);
+                        for (x, &y) in row.iter_mut().zip(&vv) {
+                            *x = I::add(*x, I::mul(pb, y));
+                        }
+                    }
+                }
+            }
+            for (a, row) in r.iter().enumerate() {
+                for (c, &x) in row.iter().enumerate() {
+                    I::store(acc.add(a * as_ + d + I::LANES * c), x);
+                }
+            }
+        }
+    }
+
+    /// `x = eˣ` in place, a vector at a time; a partial last vector through a copy.
+    ///
+    /// # Safety
+    /// `I`'s features.
+    #[inline(always)]
+    unsafe fn exp_slice<I: Isa>(x: &mut [f32]) {
+        let n = x.len();
+        let mut i = 0;
+        // SAFETY: every vector read or written lies inside x or the local buffer.
+        unsafe {
+            while i + I::LANES <= n {
+                let p = x.as_mut_ptr().add(i);
+                I::store(p, I::exp(I::load(p)));
+                i += I::LANES;
+            }
+            if i < n {
+                let mut buf = [0.0f32; 16];
+                buf[..n - i].copy_from_slice(&x[i..]);
+                I::store(buf.as_mut_ptr(), I::exp(I::load(buf.as_ptr())));
+                x[i..].copy_from_slice(&buf[..n - i]);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::simd::AttnKernels;
+    use specula_quant::blocks::Half;
+    use specula_quant::dot::SimdLevel;
+
+    fn values(n: usize, seed: u8) -> Vec<f32> {
+        (0..n)
+            .map(|i| {
+                let t = f32::from(u16::try_from((i * 7 + usize::from(seed)) % 65_521).unwrap());
+                (t * 0.731).sin() * (1.0 + (t * 0.113).cos())
+            })
+            .collect()
+    }
+
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter().map(|v| v.to_bits()).collect()
+    }
+
+    /// Scores are `dot_f32`'s bits for every block shape, odd head dims, f32 and f16 keys.
+    #[test]
+    fn scores_are_the_per_key_dot_products() {
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
+            let Some(t) = for_level(level) else { continue };
+            let dot = AttnKernels::for_level(level).dot_f32;
+            for dim in [64, 80, 128, 16, 256] {
+                for (nq, nk) in [(1, 1), (3, 8), (4, 5), (7, 32), (9, 3)] {
+                    let q = values(nq * dim, 1);
+                    let kf = values(nk * dim, 2);
+                    let kh: Vec<Half> = kf.iter().map(|&x| Half::from_f32(x)).collect();
+                    for f16 in [false, true] {
+                        let bytes: Vec<u8> = if f16 {
+                            bytemuck::cast_slice(&kh).to_vec()
+                        } else {
+                            bytemuck::cast_slice(&kf).to_vec()
+                        };
+                        let k = Rows {
+                            bytes: &bytes,
+                            stride: dim * if f16 { 2 } else { 4 },
+                            n: nk,
+                            dim,
+                            f16,
+                        };
+                        let mut got = vec![0.0; nq * 40];
+                        (t.scores)(&q, dim, nq, k, &mut got, 40);
+                        for a in 0..nq {
+                            for j in 0..nk {
+                                let key: Vec<f32> = if f16 {
+                                    kh[j * dim..(j + 1) * dim]
+                                        .iter()
+                                        .map(|h| h.to_f32())
+                                        .collect()
+                                } else {
+                                    kf[j * dim..(j + 1) * dim].to_vec()
+                                };
+                                let want = dot(&q[a * dim..(a + 1) * dim], &key);
+                                assert_eq!(
+                                    got[a * 40 + j].to_bits(),
+                                    want.to_bits(),
+                                    "{dim} {a} {j}"
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// `acc += p·v` per key in order, zero weights skipped: `axpy`'s bits.
+    #[test]
+    fn value_tiles_are_the_per_key_axpys() {
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
+            let Some(t) = for_level(level) else { continue };
+            let axpy = AttnKernels::for_level(level).axpy;
+            for dim in [64, 128, 80, 16, 208] {
+                for (nq, nk) in [(1, 1), (3, 32), (4, 7), (6, 9)] {
+                    let mut w = values(nq * nk, 3);
+                    w[0] = 0.0;
+                    let vf = values(nk * dim, 4);
+                    let vh: Vec<Half> = vf.iter().map(|&x| Half::from_f32(x)).collect();
+                    for f16 in [false, true] {
+                        let bytes: Vec<u8> = if f16 {
+                            bytemuck::cast_slice(&vh).to_vec()
+                        } else {
+                            bytemuck::cast_slice(&vf).to_vec()
+                        };
+                        let v = Rows {
+                            bytes: &bytes,
+                            stride: dim * if f16 { 2 } else { 4 },
+                            n: nk,
+                            dim,
+                            f16,
+                        };
+                        let start = values(nq * dim, 5);
+                        let mut got = start.clone();
+                        (t.pv)(&w, nk, nq, v, &mut got, dim);
+                        let mut want = start;
+                        for j in 0..nk {
+                            let row: Vec<f32> = if f16 {
+                                vh[j * dim..(j + 1) * dim]
+                                    .iter()
+                                    .map(|h| h.to_f32())
+                                    .collect()
+                            } else {
+                                vf[j * dim..(j + 1) * dim].to_vec()
+                            };
+                            for a in 0..nq {
+                                let p = w[a * nk + j];
+                                if p != 0.0 {
+                                    axpy(&mut want[a * dim..(a + 1) * dim], p, &row);
+                                }
+                            }
+                        }
+                        assert_eq!(bits(&got), bits(&want), "{dim} {nq} {nk} {f16}");
+                    }
+                }
+            }
+        }
+    }
+
+    /// `exp` is the correctly rounded `eˣ` (f64's `exp` rounded to f32) on a dense sweep of
+    /// the softmax's inputs, and the C library's `expf` on all but a small fraction.
+    #[test]
+    fn exp_is_correctly_rounded() {
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
+            let Some(t) = for_level(level) else { continue };
+            let mut x: Vec<f32> = (0..2_000_003u32)
+                .map(|i| {
+                    let (a, b) = (i % 60_000, i / 60_000);
+                    -f32::from(u16::try_from(a).unwrap()) * 1.9e-3
+                        - f32::from(u16::try_from(b).unwrap()) * 3.1e-5
+                })
+                .collect();
+            x.extend([0.0, -0.0, f32::NEG_INFINITY, -103.0, -104.0, -120.0, -1e-30]);
+            let mut y = x.clone();
+            (t.exp)(&mut y);
+            let mut libc = 0usize;
+            for (&a, &e) in x.iter().zip(&y) {
+                #[allow(
+                    clippy::cast_possible_truncation,
+                    reason = "rounding f64's exp to f32 is the point"
+                )]
+                let want = f64::from(a).exp() as f32;
+                assert_eq!(e.to_bits(), want.to_bits(), "exp({a:e})");
+                libc += usize::from(a.exp().to_bits() != e.to_bits());
+            }
+            // The C library's `expf` is within 0.502 ulp, not correctly rounded: it differs
+            // by one ulp on about 0.05 % of these inputs.
+            assert!(
+                libc * 1_000 < x.len(),
+                "{libc} of {} differ from expf",
+                x.len()
+            );
+        }
+    }
+}
