@@ -5,6 +5,10 @@
 //! `kv-<model>.jsonl` (every record), `kv-<model>.md` (a table: bits per value, KV MiB, pp and
 //! tg speed per depth) and `kv-<model>.svg` (tg speed and KV memory against depth, one line per
 //! setting). Every file is written under a temporary name and renamed into place.
+//!
+//! With `--llama-bench PATH`, each setting whose K and V types llama.cpp has is run there too
+//! (`llama-bench -fa 1`, same `-p -n -d -r -t`, right after specula's run of that setting),
+//! and the table gets a `K/V llama.cpp` row and a `K/V specula ÷ llama.cpp` row of ratios.
 
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
@@ -33,20 +37,62 @@ fn field(v: &Value, k: &str) -> Result<u64> {
 }
 
 fn parse(setting: &str, out: &str) -> Result<Vec<Rec>> {
+    parse_with(setting, out, true)
+}
+
+/// Records of `specula bench` (`ours`: with `kv_bytes_per_token`) or of `llama-bench -o
+/// jsonl` (the same test fields, no cache accounting).
+fn parse_with(setting: &str, out: &str, ours: bool) -> Result<Vec<Rec>> {
     out.lines()
         .filter(|l| l.starts_with('{'))
         .map(|l| {
-            let v: Value = serde_json::from_str(l).context("a specula bench JSON line")?;
+            let v: Value = serde_json::from_str(l).context("a bench JSON line")?;
             Ok(Rec {
                 setting: setting.to_owned(),
                 n_prompt: field(&v, "n_prompt")?,
                 n_gen: field(&v, "n_gen")?,
                 depth: field(&v, "n_depth")?,
                 ts: v["avg_ts"].as_f64().context("avg_ts")?,
-                bytes_per_token: field(&v, "kv_bytes_per_token")?,
+                bytes_per_token: if ours {
+                    field(&v, "kv_bytes_per_token")?
+                } else {
+                    0
+                },
             })
         })
         .collect()
+}
+
+/// The cache types llama.cpp's `-ctk` / `-ctv` take.
+const LLAMA_TYPES: [&str; 9] = [
+    "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1",
+];
+
+/// The setting's name for llama.cpp's rows.
+fn llama_setting(setting: &str) -> String {
+    format!("{setting} llama.cpp")
+}
+
+/// Rows `specula ÷ llama.cpp` for every setting both ran: the ratio of each test's speed.
+fn ratios(recs: &[Rec], settings: &[String]) -> Vec<Rec> {
+    let mut out = Vec::new();
+    for st in settings {
+        let theirs = llama_setting(st);
+        for r in recs.iter().filter(|r| &r.setting == st) {
+            let peer = recs.iter().find(|o| {
+                o.setting == theirs
+                    && (o.n_prompt, o.n_gen, o.depth) == (r.n_prompt, r.n_gen, r.depth)
+            });
+            if let Some(o) = peer.filter(|o| o.ts > 0.0) {
+                out.push(Rec {
+                    setting: format!("{st} specula ÷ llama.cpp"),
+                    ts: r.ts / o.ts,
+                    ..r.clone()
+                });
+            }
+        }
+    }
+    out
 }
 
 /// Writes `text` to `path` through a temporary file in the same directory.
@@ -204,7 +250,7 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
     let depths: Vec<String> = args.depths.iter().map(u64::to_string).collect();
     let mut recs = Vec::new();
     let mut jsonl = String::new();
-    let mut settings = Vec::new();
+    let mut settings: Vec<String> = Vec::new();
     for t in &args.types {
         let (k, v) = t.split_once('/').unwrap_or((t, t));
         let setting = format!("{k}/{v}");
@@ -244,7 +290,57 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
         let text = String::from_utf8(out.stdout).context("specula bench output")?;
         jsonl.push_str(&text);
         recs.extend(parse(&setting, &text)?);
-        settings.push(setting);
+        settings.push(setting.clone());
+        if let Some(lb) = &args.llama_bench {
+            if !(LLAMA_TYPES.contains(&k) && LLAMA_TYPES.contains(&v)) {
+                eprintln!("xtask: {setting}: llama.cpp has no such cache type, not run there");
+                continue;
+            }
+            let file = model_file(&args.model)?;
+            let mut cmd = Command::new(lb);
+            cmd.arg("-m")
+                .arg(&file)
+                .args(["-o", "jsonl", "-fa", "1", "-ctk", k, "-ctv", v])
+                .args([
+                    "-p",
+                    &args.n_prompt.to_string(),
+                    "-n",
+                    &args.n_gen.to_string(),
+                ])
+                .args([
+                    "-r",
+                    &args.repetitions.to_string(),
+                    "-t",
+                    &args.threads.to_string(),
+                ])
+                .args(["-d", &depths.join(",")]);
+            eprintln!("xtask: {setting} (llama.cpp)");
+            let out = cmd
+                .output()
+                .with_context(|| format!("running {}", lb.display()))?;
+            if !out.status.success() {
+                bail!(
+                    "llama-bench -ctk {k} -ctv {v} failed: {}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            let text = String::from_utf8(out.stdout).context("llama-bench output")?;
+            jsonl.push_str(&text);
+            recs.extend(parse_with(&llama_setting(&setting), &text, false)?);
+        }
+    }
+    if args.llama_bench.is_some() {
+        let mut rows = Vec::new();
+        for st in &settings {
+            rows.push(st.clone());
+            let theirs = llama_setting(st);
+            if recs.iter().any(|r| r.setting == theirs) {
+                rows.push(theirs);
+                rows.push(format!("{st} specula ÷ llama.cpp"));
+            }
+        }
+        recs.extend(ratios(&recs, &settings));
+        settings = rows;
     }
     let dir: PathBuf = repo_root().join(&args.out);
     std::fs::create_dir_all(&dir)?;
@@ -252,18 +348,71 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
     let md = table(&recs, &settings, &args.depths, &args.model);
     write_atomic(&base.with_extension("jsonl"), &jsonl)?;
     write_atomic(&base.with_extension("md"), &md)?;
+    // The plot shows speeds (and memory): not the ratio rows.
+    let plotted: Vec<String> = settings
+        .iter()
+        .filter(|s| !s.ends_with("÷ llama.cpp"))
+        .cloned()
+        .collect();
     write_atomic(
         &base.with_extension("svg"),
-        &plot(&recs, &settings, &args.depths, &args.model),
+        &plot(&recs, &plotted, &args.depths, &args.model),
     )?;
     print!("{md}");
     eprintln!("xtask: wrote {}.{{jsonl,md,svg}}", rel(&base).display());
     Ok(())
 }
 
+/// The file of a manifest model name (fetched if it is not cached yet), or the path given.
+fn model_file(model: &str) -> Result<PathBuf> {
+    let p = PathBuf::from(model);
+    if p.is_file() {
+        return Ok(p);
+    }
+    let cache = specula_fetch::ModelCache::from_env().context("locating the model cache")?;
+    let paths = cache
+        .fetch_names(&[model], true)
+        .with_context(|| format!("fetching {model}"))?;
+    paths
+        .into_iter()
+        .next()
+        .with_context(|| format!("no file for {model}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn llama_bench_rows_and_ratios_join_the_table() {
+        let ours = "{\"n_prompt\":512,\"n_gen\":0,\"n_depth\":16384,\"avg_ts\":60.0,\"kv_bytes_per_token\":100}\n";
+        let theirs = "{\"build_commit\":\"0c1e570\",\"n_prompt\":512,\"n_gen\":0,\"n_depth\":16384,\"avg_ts\":40.0,\"type_k\":\"f16\"}\n";
+        let mut recs = parse("f16/f16", ours).unwrap();
+        recs.extend(parse_with(&llama_setting("f16/f16"), theirs, false).unwrap());
+        assert!(
+            parse("f16/f16", theirs).is_err(),
+            "llama-bench has no cache accounting"
+        );
+        let settings = vec!["f16/f16".to_owned()];
+        let r = ratios(&recs, &settings);
+        assert_eq!(r.len(), 1);
+        assert!((r[0].ts - 1.5).abs() < 1e-12);
+        recs.extend(r);
+        let rows = vec![
+            "f16/f16".to_owned(),
+            llama_setting("f16/f16"),
+            "f16/f16 specula ÷ llama.cpp".to_owned(),
+        ];
+        let md = table(&recs, &rows, &[16384], "m");
+        assert!(
+            md.contains("| f16/f16 llama.cpp | 0 | 0.0 | 40.00 |"),
+            "{md}"
+        );
+        assert!(
+            md.contains("| f16/f16 specula ÷ llama.cpp | 100 | 1.6 | 1.50 |"),
+            "{md}"
+        );
+    }
 
     #[test]
     fn records_become_a_table_and_a_plot() {

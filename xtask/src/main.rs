@@ -163,6 +163,10 @@ struct KvBenchArgs {
     /// Output directory (relative to the repository root).
     #[arg(long, default_value = "benches/results")]
     out: PathBuf,
+    /// A `llama-bench` binary: each setting llama.cpp has (not the turbo types) is also run
+    /// there with `-fa 1`, one after the other, and the table gets its rows and the ratios.
+    #[arg(long)]
+    llama_bench: Option<PathBuf>,
 }
 
 /// Options of `cargo xtask ci`.

@@ -166,6 +166,59 @@ mod x86 {
         }};
     }
 
+    /// `eˣ` of the f64 lanes of `x`, rounded to f32 (a named function, not a closure: a
+    /// closure would not get its caller's target features, and every intrinsic in it would
+    /// be a call).
+    ///
+    /// # Safety
+    /// Only called from functions with the instruction set's features.
+    #[inline(always)]
+    unsafe fn exp_half_512(x: __m512d) -> __m256 {
+        // SAFETY: the caller's features.
+        unsafe {
+            let (k, p) = exp_core!(
+                x,
+                _mm512_set1_pd,
+                _mm512_max_pd,
+                _mm512_mul_pd,
+                _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
+                _mm512_fnmadd_pd,
+                _mm512_fmadd_pd
+            );
+            _mm512_cvtpd_ps(_mm512_scalef_pd(p, k))
+        }
+    }
+
+    /// `eˣ` of the f64 lanes of `x`, rounded to f32 (a named function, not a closure: a
+    /// closure would not get its caller's target features, and every intrinsic in it would
+    /// be a call).
+    ///
+    /// # Safety
+    /// Only called from functions with the instruction set's features.
+    #[inline(always)]
+    unsafe fn exp_half_256(x: __m256d) -> __m128 {
+        // SAFETY: the caller's features.
+        unsafe {
+            let (k, p) = exp_core!(
+                x,
+                _mm256_set1_pd,
+                _mm256_max_pd,
+                _mm256_mul_pd,
+                _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
+                _mm256_fnmadd_pd,
+                _mm256_fmadd_pd
+            );
+            // 2ᵏ from its exponent bits (−160 ≤ k ≤ 0 here, a normal f64), then one
+            // exact multiply: what `scalef` gives.
+            let ki = _mm256_cvtpd_epi32(k);
+            let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(
+                _mm256_cvtepi32_epi64(ki),
+                _mm256_set1_epi64x(1023),
+            ));
+            _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)))
+        }
+    }
+
     impl Isa for V512 {
         type F = __m512;
         const LANES: usize = 16;
@@ -218,20 +271,8 @@ mod x86 {
         unsafe fn exp(v: __m512) -> __m512 {
             // SAFETY: as `zero`.
             unsafe {
-                let half = |x: __m512d| {
-                    let (k, p) = exp_core!(
-                        x,
-                        _mm512_set1_pd,
-                        _mm512_max_pd,
-                        _mm512_mul_pd,
-                        _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
-                        _mm512_fnmadd_pd,
-                        _mm512_fmadd_pd
-                    );
-                    _mm512_cvtpd_ps(_mm512_scalef_pd(p, k))
-                };
-                let lo = half(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-                let hi = half(_mm512_cvtps_pd(_mm256_castpd_ps(
+                let lo = exp_half_512(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+                let hi = exp_half_512(_mm512_cvtps_pd(_mm256_castpd_ps(
                     _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)),
                 )));
                 _mm512_castpd_ps(_mm512_insertf64x4::<1>(
@@ -299,27 +340,8 @@ mod x86 {
         unsafe fn exp(v: __m256) -> __m256 {
             // SAFETY: as `zero`.
             unsafe {
-                let half = |x: __m256d| {
-                    let (k, p) = exp_core!(
-                        x,
-                        _mm256_set1_pd,
-                        _mm256_max_pd,
-                        _mm256_mul_pd,
-                        _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
-                        _mm256_fnmadd_pd,
-                        _mm256_fmadd_pd
-                    );
-                    // 2ᵏ from its exponent bits (−160 ≤ k ≤ 0 here, a normal f64), then one
-                    // exact multiply: what `scalef` gives.
-                    let ki = _mm256_cvtpd_epi32(k);
-                    let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(
-                        _mm256_cvtepi32_epi64(ki),
-                        _mm256_set1_epi64x(1023),
-                    ));
-                    _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)))
-                };
-                let lo = half(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-                let hi = half(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)));
+                let lo = exp_half_256(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+                let hi = exp_half_256(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)));
                 _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
             }
         }
