@@ -129,6 +129,9 @@ mod x86 {
         /// `LANES` f32.
         type F: Copy;
         const LANES: usize;
+        /// Queries per block: as many as keep a block's accumulators and operands in the
+        /// vector registers (AVX2 has 16, AVX-512 32).
+        const MAX_Q: usize;
         unsafe fn zero() -> Self::F;
         unsafe fn load(p: *const f32) -> Self::F;
         /// `LANES` f16 at `p`, widened (exactly).
@@ -222,6 +225,7 @@ mod x86 {
     impl Isa for V512 {
         type F = __m512;
         const LANES: usize = 16;
+        const MAX_Q: usize = 4;
         #[inline(always)]
         unsafe fn zero() -> __m512 {
             // SAFETY: only called with the AVX-512 features (see the trait).
@@ -286,6 +290,7 @@ mod x86 {
     impl Isa for V256 {
         type F = __m256;
         const LANES: usize = 8;
+        const MAX_Q: usize = 2;
         #[inline(always)]
         unsafe fn zero() -> __m256 {
             // SAFETY: only called with the AVX2 features (see the trait).
@@ -445,7 +450,7 @@ mod x86 {
     ) {
         let mut a = 0;
         while a < nq {
-            let na = (nq - a).min(4);
+            let na = (nq - a).min(I::MAX_Q);
             let mut j = 0;
             while j < k.n {
                 let nj = if k.n - j >= 4 { 4 } else { 1 };
@@ -540,7 +545,7 @@ mod x86 {
     ) {
         let mut a = 0;
         while a < nq {
-            let na = (nq - a).min(4);
+            let na = (nq - a).min(I::MAX_Q);
             let mut d = 0;
             while d < v.dim {
                 let wide = v.dim - d >= 4 * I::LANES;
