@@ -815,20 +815,12 @@ impl Ctx<'_> {
                         }
                         b.cm[i] = m_new;
                     }
-                    if let Some(t) = tile {
-                        // −∞ stays −∞, whose exponential is 0.
-                        for x in s.iter_mut() {
-                            *x -= m_new;
-                        }
-                        (t.exp)(s);
-                    } else {
-                        for x in s.iter_mut() {
-                            *x = if *x == f32::NEG_INFINITY {
-                                0.0
-                            } else {
-                                (*x - m_new).exp()
-                            };
-                        }
+                    for x in s.iter_mut() {
+                        *x = if *x == f32::NEG_INFINITY {
+                            0.0
+                        } else {
+                            (*x - m_new).exp()
+                        };
                     }
                     let mut l = b.cl[i];
                     for &x in s.iter() {

@@ -1,17 +1,16 @@
 //! Tile loops of attention on AVX-512 and AVX2: the scores of a block of queries against a
-//! block of keys, the softmax weights of a tile with a vectorized `exp`, and `acc += p·v` for a
-//! block of queries with the accumulators in registers. f32 and f16 rows are read in place.
-//! One generic body per loop, written over the `Isa` vector operations, is compiled once per
-//! instruction set.
+//! block of keys, and `acc += p·v` for a block of queries with the accumulators in registers.
+//! f32 and f16 rows are read in place. One generic body per loop, written over the `Isa`
+//! vector operations, is compiled once per instruction set.
 //!
 //! Each result is computed by the operations, in the order, of the per-key loops they replace
 //! ([`super::simd::AttnKernels`]): a score is `dot_f32`'s fused multiply-add chain over the
 //! head (sixteen or eight lanes) and its lane sum; an accumulator gets `acc + p·v` with the
 //! multiply and the add rounded separately, key after key, skipping zero weights. So the tiles
-//! change no score and no accumulator bit; only `exp` is new: it is evaluated in f64 and
-//! rounded once to f32, the correctly rounded value for all but a vanishing fraction of inputs
-//! (tested on two million); the C library's `expf`, within 0.502 ulp, differs from it by one
-//! ulp on about one input in two thousand.
+//! change no bit of attention's output, and greedy tokens stay those of the per-key loops —
+//! several tests hold greedy output to llama.cpp's fixtures where real models sit on near-ties.
+//! The softmax weights keep the C library's `expf` for the same reason (a vectorized `exp`,
+//! correctly rounded, differs from it by one ulp on about one input in two thousand).
 
 /// Rows of keys or values read in place: row `j < n` starts at `bytes[j · stride]` and holds
 /// `dim` f32 or f16 values.
@@ -47,8 +46,6 @@ pub(crate) struct TileKernels {
     /// `acc[a·as + d] += w[a·ws + j] · v_j[d]` for `a < nq`, keys `j < v.n` in order (zero
     /// weights skipped), `d < v.dim`.
     pub(crate) pv: fn(w: &[f32], ws: usize, nq: usize, v: Rows<'_>, acc: &mut [f32], as_: usize),
-    /// `x = eˣ` for every element (`−∞` gives 0).
-    pub(crate) exp: fn(&mut [f32]),
 }
 
 impl std::fmt::Debug for TileKernels {
@@ -80,34 +77,11 @@ pub(crate) fn fits(dim: usize) -> bool {
     dim.is_multiple_of(16) && dim > 0
 }
 
-/// The coefficients `1/n!`, `n = 13 … 0`, of `eʳ`'s Taylor polynomial (Horner order).
-const EXP_POLY: [f64; 14] = [
-    1.0 / 6_227_020_800.0,
-    1.0 / 479_001_600.0,
-    1.0 / 39_916_800.0,
-    1.0 / 3_628_800.0,
-    1.0 / 362_880.0,
-    1.0 / 40_320.0,
-    1.0 / 5_040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-    1.0,
-    1.0,
-];
-/// ln 2 to twice f64's precision: `LN2_HI + LN2_LO`.
-const LN2_HI: f64 = std::f64::consts::LN_2;
-const LN2_LO: f64 = 2.319_046_813_846_299_6e-17;
-/// Inputs of `exp` below this are taken as it: its exponential is 0 in f32.
-const EXP_MIN: f64 = -110.0;
-
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{EXP_MIN, EXP_POLY, LN2_HI, LN2_LO, Rows, TileKernels, fits};
+    use super::{Rows, TileKernels, fits};
 
     pub(super) fn avx512_supported() -> bool {
         is_x86_feature_detected!("avx512f")
@@ -143,84 +117,12 @@ mod x86 {
         unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
         /// The lane sum of the path's `dot_f32`.
         unsafe fn reduce(v: Self::F) -> f32;
-        /// `eˣ` per lane.
-        unsafe fn exp(v: Self::F) -> Self::F;
     }
 
     #[derive(Clone, Copy)]
     struct V512;
     #[derive(Clone, Copy)]
     struct V256;
-
-    /// `x = k·ln 2 + r` with `k = round(x·log₂e)`, `|r| ≤ ln 2 / 2`: returns `(k, eʳ)` by the
-    /// Taylor polynomial to degree 13 (relative error below 1e-17), in the f64 vector
-    /// intrinsics named.
-    macro_rules! exp_core {
-        ($x:expr, $set1:ident, $max:ident, $mul:ident, $round:expr, $fnmadd:ident, $fmadd:ident) => {{
-            let x = $max($x, $set1(EXP_MIN));
-            let k = $round($mul(x, $set1(std::f64::consts::LOG2_E)));
-            let r = $fnmadd(k, $set1(LN2_HI), x);
-            let r = $fnmadd(k, $set1(LN2_LO), r);
-            let mut p = $set1(EXP_POLY[0]);
-            for &c in &EXP_POLY[1..] {
-                p = $fmadd(p, r, $set1(c));
-            }
-            (k, p)
-        }};
-    }
-
-    /// `eˣ` of the f64 lanes of `x`, rounded to f32 (a named function, not a closure: a
-    /// closure would not get its caller's target features, and every intrinsic in it would
-    /// be a call).
-    ///
-    /// # Safety
-    /// Only called from functions with the instruction set's features.
-    #[inline(always)]
-    unsafe fn exp_half_512(x: __m512d) -> __m256 {
-        // SAFETY: the caller's features.
-        unsafe {
-            let (k, p) = exp_core!(
-                x,
-                _mm512_set1_pd,
-                _mm512_max_pd,
-                _mm512_mul_pd,
-                _mm512_roundscale_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
-                _mm512_fnmadd_pd,
-                _mm512_fmadd_pd
-            );
-            _mm512_cvtpd_ps(_mm512_scalef_pd(p, k))
-        }
-    }
-
-    /// `eˣ` of the f64 lanes of `x`, rounded to f32 (a named function, not a closure: a
-    /// closure would not get its caller's target features, and every intrinsic in it would
-    /// be a call).
-    ///
-    /// # Safety
-    /// Only called from functions with the instruction set's features.
-    #[inline(always)]
-    unsafe fn exp_half_256(x: __m256d) -> __m128 {
-        // SAFETY: the caller's features.
-        unsafe {
-            let (k, p) = exp_core!(
-                x,
-                _mm256_set1_pd,
-                _mm256_max_pd,
-                _mm256_mul_pd,
-                _mm256_round_pd::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>,
-                _mm256_fnmadd_pd,
-                _mm256_fmadd_pd
-            );
-            // 2ᵏ from its exponent bits (−160 ≤ k ≤ 0 here, a normal f64), then one
-            // exact multiply: what `scalef` gives.
-            let ki = _mm256_cvtpd_epi32(k);
-            let e = _mm256_slli_epi64::<52>(_mm256_add_epi64(
-                _mm256_cvtepi32_epi64(ki),
-                _mm256_set1_epi64x(1023),
-            ));
-            _mm256_cvtpd_ps(_mm256_mul_pd(p, _mm256_castsi256_pd(e)))
-        }
-    }
 
     impl Isa for V512 {
         type F = __m512;
@@ -270,20 +172,6 @@ mod x86 {
         unsafe fn reduce(v: __m512) -> f32 {
             // SAFETY: as `zero`.
             unsafe { _mm512_reduce_add_ps(v) }
-        }
-        #[inline(always)]
-        unsafe fn exp(v: __m512) -> __m512 {
-            // SAFETY: as `zero`.
-            unsafe {
-                let lo = exp_half_512(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-                let hi = exp_half_512(_mm512_cvtps_pd(_mm256_castpd_ps(
-                    _mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)),
-                )));
-                _mm512_castpd_ps(_mm512_insertf64x4::<1>(
-                    _mm512_castps_pd(_mm512_castps256_ps512(lo)),
-                    _mm256_castps_pd(hi),
-                ))
-            }
         }
     }
 
@@ -341,15 +229,6 @@ mod x86 {
                 _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
             }
         }
-        #[inline(always)]
-        unsafe fn exp(v: __m256) -> __m256 {
-            // SAFETY: as `zero`.
-            unsafe {
-                let lo = exp_half_256(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-                let hi = exp_half_256(_mm256_cvtps_pd(_mm256_extractf128_ps::<1>(v)));
-                _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(lo), hi)
-            }
-        }
     }
 
     /// Builds the table of one instruction set: entries check their slices, then call the
@@ -381,11 +260,6 @@ mod x86 {
                 // SAFETY: the caller's bounds and features.
                 unsafe { pv::<$isa>(w, ws, nq, v, acc, as_) }
             }
-            #[target_feature(enable = $features)]
-            unsafe fn exp_f(x: &mut [f32]) {
-                // SAFETY: the caller's features.
-                unsafe { exp_slice::<$isa>(x) }
-            }
             TileKernels {
                 scores: |q, qs, nq, k, out, os| {
                     k.check();
@@ -415,10 +289,6 @@ mod x86 {
                     );
                     // SAFETY: as above.
                     unsafe { pv_f(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
-                },
-                exp: |x| {
-                    // SAFETY: the CPU has the features (see `table!`).
-                    unsafe { exp_f(x) }
                 },
             }
         }};
@@ -630,30 +500,6 @@ mod x86 {
             }
         }
     }
-
-    /// `x = eˣ` in place, a vector at a time; a partial last vector through a copy.
-    ///
-    /// # Safety
-    /// `I`'s features.
-    #[inline(always)]
-    unsafe fn exp_slice<I: Isa>(x: &mut [f32]) {
-        let n = x.len();
-        let mut i = 0;
-        // SAFETY: every vector read or written lies inside x or the local buffer.
-        unsafe {
-            while i + I::LANES <= n {
-                let p = x.as_mut_ptr().add(i);
-                I::store(p, I::exp(I::load(p)));
-                i += I::LANES;
-            }
-            if i < n {
-                let mut buf = [0.0f32; 16];
-                buf[..n - i].copy_from_slice(&x[i..]);
-                I::store(buf.as_mut_ptr(), I::exp(I::load(buf.as_ptr())));
-                x[i..].copy_from_slice(&buf[..n - i]);
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -775,42 +621,6 @@ mod tests {
                     }
                 }
             }
-        }
-    }
-
-    /// `exp` is the correctly rounded `eˣ` (f64's `exp` rounded to f32) on a dense sweep of
-    /// the softmax's inputs, and the C library's `expf` on all but a small fraction.
-    #[test]
-    fn exp_is_correctly_rounded() {
-        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
-            let Some(t) = for_level(level) else { continue };
-            let mut x: Vec<f32> = (0..2_000_003u32)
-                .map(|i| {
-                    let (a, b) = (i % 60_000, i / 60_000);
-                    -f32::from(u16::try_from(a).unwrap()) * 1.9e-3
-                        - f32::from(u16::try_from(b).unwrap()) * 3.1e-5
-                })
-                .collect();
-            x.extend([0.0, -0.0, f32::NEG_INFINITY, -103.0, -104.0, -120.0, -1e-30]);
-            let mut y = x.clone();
-            (t.exp)(&mut y);
-            let mut libc = 0usize;
-            for (&a, &e) in x.iter().zip(&y) {
-                #[allow(
-                    clippy::cast_possible_truncation,
-                    reason = "rounding f64's exp to f32 is the point"
-                )]
-                let want = f64::from(a).exp() as f32;
-                assert_eq!(e.to_bits(), want.to_bits(), "exp({a:e})");
-                libc += usize::from(a.exp().to_bits() != e.to_bits());
-            }
-            // The C library's `expf` is within 0.502 ulp, not correctly rounded: it differs
-            // by one ulp on about 0.05 % of these inputs.
-            assert!(
-                libc * 1_000 < x.len(),
-                "{libc} of {} differ from expf",
-                x.len()
-            );
         }
     }
 }
