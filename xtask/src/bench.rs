@@ -251,6 +251,19 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
     let mut recs = Vec::new();
     let mut jsonl = String::new();
     let mut settings: Vec<String> = Vec::new();
+    // The tests, the same for specula bench and llama-bench.
+    let test_args = [
+        "-p".to_owned(),
+        args.n_prompt.to_string(),
+        "-n".to_owned(),
+        args.n_gen.to_string(),
+        "-r".to_owned(),
+        args.repetitions.to_string(),
+        "-t".to_owned(),
+        args.threads.to_string(),
+        "-d".to_owned(),
+        depths.join(","),
+    ];
     for t in &args.types {
         let (k, v) = t.split_once('/').unwrap_or((t, t));
         let setting = format!("{k}/{v}");
@@ -266,19 +279,7 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
             "-ctv",
             v,
         ])
-        .args([
-            "-p",
-            &args.n_prompt.to_string(),
-            "-n",
-            &args.n_gen.to_string(),
-        ])
-        .args([
-            "-r",
-            &args.repetitions.to_string(),
-            "-t",
-            &args.threads.to_string(),
-        ])
-        .args(["-d", &depths.join(",")]);
+        .args(&test_args);
         eprintln!("xtask: {setting}");
         let out = cmd.output().context("running specula bench")?;
         if !out.status.success() {
@@ -301,19 +302,7 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
             cmd.arg("-m")
                 .arg(&file)
                 .args(["-o", "jsonl", "-fa", "1", "-ctk", k, "-ctv", v])
-                .args([
-                    "-p",
-                    &args.n_prompt.to_string(),
-                    "-n",
-                    &args.n_gen.to_string(),
-                ])
-                .args([
-                    "-r",
-                    &args.repetitions.to_string(),
-                    "-t",
-                    &args.threads.to_string(),
-                ])
-                .args(["-d", &depths.join(",")]);
+                .args(&test_args);
             eprintln!("xtask: {setting} (llama.cpp)");
             let out = cmd
                 .output()

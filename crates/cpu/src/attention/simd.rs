@@ -121,12 +121,13 @@ fn dot_portable<K: Copy>(q: &[f32], k: &[K], f: impl Fn(K) -> f32) -> f32 {
 }
 
 #[cfg(target_arch = "x86_64")]
-mod x86 {
+pub(super) mod x86 {
     use std::arch::x86_64::*;
 
     use super::{AttnKernels, BlockTurbo4, CENTROIDS_4, Half, QK_TURBO, axpy_portable};
 
-    pub(super) fn avx512_supported() -> bool {
+    /// AVX-512 F/BW/VL with F16C and FMA (the tile loops check this too).
+    pub(in crate::attention) fn avx512_supported() -> bool {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
@@ -134,7 +135,8 @@ mod x86 {
             && is_x86_feature_detected!("fma")
     }
 
-    pub(super) fn avx2_supported() -> bool {
+    /// AVX2 with F16C and FMA (the tile loops check this too).
+    pub(in crate::attention) fn avx2_supported() -> bool {
         is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("f16c")
             && is_x86_feature_detected!("fma")

@@ -58,11 +58,12 @@ impl std::fmt::Debug for TileKernels {
 pub(crate) fn for_level(level: specula_quant::dot::SimdLevel) -> Option<TileKernels> {
     #[cfg(target_arch = "x86_64")]
     {
+        use super::simd::x86::{avx2_supported, avx512_supported};
         use specula_quant::dot::SimdLevel;
-        if level == SimdLevel::Avx512 && x86::avx512_supported() {
+        if level == SimdLevel::Avx512 && avx512_supported() && avx2_supported() {
             return Some(x86::AVX512);
         }
-        if matches!(level, SimdLevel::Avx512 | SimdLevel::Avx2) && x86::avx2_supported() {
+        if matches!(level, SimdLevel::Avx512 | SimdLevel::Avx2) && avx2_supported() {
             return Some(x86::AVX2);
         }
     }
@@ -82,19 +83,6 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{Rows, TileKernels, fits};
-
-    pub(super) fn avx512_supported() -> bool {
-        is_x86_feature_detected!("avx512f")
-            && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-            && avx2_supported()
-    }
-
-    pub(super) fn avx2_supported() -> bool {
-        is_x86_feature_detected!("avx2")
-            && is_x86_feature_detected!("f16c")
-            && is_x86_feature_detected!("fma")
-    }
 
     /// The vector operations the loops are written in, for one instruction set. Every
     /// method is `#[inline(always)]` and only called from a function compiled with that
@@ -233,7 +221,7 @@ mod x86 {
 
     /// Builds the table of one instruction set: entries check their slices, then call the
     /// loops compiled with its features. Only handed out by [`super::for_level`] after the
-    /// matching `*_supported` check.
+    /// matching `simd::x86::*_supported` check.
     macro_rules! table {
         ($isa:ty, $features:literal) => {{
             #[target_feature(enable = $features)]
