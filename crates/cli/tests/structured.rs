@@ -176,12 +176,18 @@ fn a_json_schema_constrains_the_answer_to_json_that_follows_it() {
     std::fs::remove_file(&file).unwrap();
     check(&from_file, "-jf");
     assert_eq!(ids(&from_file), ids(&inline), "-jf with speculation");
-    // `{}`: any JSON object, at temperature 1 too.
+    // `{}`: any JSON object, at temperature 1 too. A sampled object may still be open when
+    // the 48-token budget runs out: then the text is a JSON prefix (serde_json stops at the
+    // end of the input, not at a syntax error) starting an object.
     let any = run_at(("1", "0"), m, prompt, &["-j", "{}", "--seed", "7"]);
     let text = any["text"].as_str().unwrap();
-    let v: Value = serde_json::from_str(text.trim_end_matches("<|im_end|>"))
-        .unwrap_or_else(|e| panic!("-j {{}}: not JSON ({e}): {text:?}"));
-    assert!(v.is_object(), "{v}");
+    match serde_json::from_str::<Value>(text.trim_end_matches("<|im_end|>")) {
+        Ok(v) => assert!(v.is_object(), "{v}"),
+        Err(e) => assert!(
+            e.is_eof() && ids(&any).len() == 48 && text.trim_start().starts_with('{'),
+            "-j {{}}: not JSON ({e}): {text:?}"
+        ),
+    }
 }
 
 #[test]

@@ -138,15 +138,23 @@ impl CpuBackend {
         self.kernels
     }
 
-    /// Whether the element-wise activations may use AVX-512 (this CPU has it and the
-    /// backend's SIMD level is AVX-512).
-    pub(crate) fn simd_act(&self) -> bool {
+    /// The vector path of the element-wise activations: the backend's SIMD level where this
+    /// CPU has its features (AVX-512 F; AVX2 with FMA), else none.
+    pub(crate) fn simd_act(&self) -> ops::ActSimd {
         #[cfg(target_arch = "x86_64")]
         {
-            self.kernels.level() == SimdLevel::Avx512 && is_x86_feature_detected!("avx512f")
+            let level = self.kernels.level();
+            if level == SimdLevel::Avx512 && is_x86_feature_detected!("avx512f") {
+                return ops::ActSimd::Avx512;
+            }
+            if matches!(level, SimdLevel::Avx512 | SimdLevel::Avx2)
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+            {
+                return ops::ActSimd::Avx2;
+            }
         }
-        #[cfg(not(target_arch = "x86_64"))]
-        false
+        ops::ActSimd::None
     }
 
     pub(crate) fn attn_kernels(&self) -> attention::simd::AttnKernels {

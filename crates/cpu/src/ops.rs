@@ -153,14 +153,32 @@ fn gated_row(act: fn(f32) -> f32, o: &mut [f32], gate: &[f32], up: &[f32]) {
     }
 }
 
-/// `out = silu(gate) ⊙ up` for one row: sixteen values at a time where the CPU has AVX-512
-/// (an exponential accurate to about one ulp instead of libm's), else [`silu`].
-fn swiglu_row(simd: bool, o: &mut [f32], gate: &[f32], up: &[f32]) {
+/// The vector path of the element-wise activations, if any.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum ActSimd {
+    /// Scalar, with the C library's `expf`.
+    None,
+    /// AVX2 with FMA: [`vexp`]'s exponential in eight lanes, the bits of the AVX-512 one.
+    Avx2,
+    /// AVX-512 F: [`vexp`]'s exponential in sixteen lanes.
+    Avx512,
+}
+
+/// `out = silu(gate) ⊙ up` for one row: the vector path on the first whole multiple of sixteen
+/// values (an exponential accurate to about one ulp instead of libm's, the same bits on AVX2
+/// and AVX-512), [`silu`] on the rest.
+fn swiglu_row(simd: ActSimd, o: &mut [f32], gate: &[f32], up: &[f32]) {
     #[cfg(target_arch = "x86_64")]
-    if simd {
+    if simd != ActSimd::None {
         let n = o.len() / 16 * 16;
-        // SAFETY: `simd` is only set when this CPU has AVX-512 F (`CpuBackend::simd_act`).
-        unsafe { vexp::swiglu16(&mut o[..n], &gate[..n], &up[..n]) };
+        if simd == ActSimd::Avx512 {
+            // SAFETY: `Avx512` is only chosen when this CPU has AVX-512 F
+            // (`CpuBackend::simd_act`).
+            unsafe { vexp::swiglu16(&mut o[..n], &gate[..n], &up[..n]) };
+        } else {
+            // SAFETY: `Avx2` is only chosen when this CPU has AVX2 and FMA.
+            unsafe { vexp::swiglu8(&mut o[..n], &gate[..n], &up[..n]) };
+        }
         gated_row(silu, &mut o[n..], &gate[n..], &up[n..]);
         return;
     }
@@ -168,35 +186,67 @@ fn swiglu_row(simd: bool, o: &mut [f32], gate: &[f32], up: &[f32]) {
     gated_row(silu, o, gate, up);
 }
 
-/// Vectorised `silu` on AVX-512.
+/// Vectorised `silu` on AVX-512 and AVX2: the same operations in the same order on both, so
+/// the same bits.
 #[cfg(target_arch = "x86_64")]
 mod vexp {
     use std::arch::x86_64::*;
 
-    /// `e^x` in every lane: `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2` (Cody–Waite, two-part
-    /// `ln 2`), `e^r` by its degree-7 Taylor polynomial (truncation below 2⁻²⁶ relative),
-    /// times `2^n` with `vscalefps` (which takes care of overflow to ∞ and underflow
-    /// through the subnormals to 0).
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    /// `1/k!` for the Taylor terms, highest first.
+    const TAYLOR: [f32; 7] = [720.0, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0];
+
+    /// `e^x` in every lane: `x` clamped to [−150, 128], `x = n·ln 2 + r` with `|r| ≤ ln 2 / 2`
+    /// (Cody–Waite, two-part `ln 2`), `e^r` by its degree-7 Taylor polynomial (truncation
+    /// below 2⁻²⁶ relative), times `2^n` with `vscalefps` (which takes care of overflow to ∞
+    /// and underflow through the subnormals to 0, with one rounding).
     #[inline]
     #[target_feature(enable = "avx512f")]
     fn exp16(x: __m512) -> __m512 {
-        const LN2_HI: f32 = 0.693_145_75;
-        const LN2_LO: f32 = 1.428_606_8e-6;
-        let x = _mm512_min_ps(
-            _mm512_max_ps(x, _mm512_set1_ps(-150.0)),
-            _mm512_set1_ps(128.0),
-        );
-        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm512_mul_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
-        let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
         let c = |v: f32| _mm512_set1_ps(v);
+        let x = _mm512_min_ps(_mm512_max_ps(x, c(-150.0)), c(128.0));
+        let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm512_mul_ps(x, c(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm512_fnmadd_ps(n, c(LN2_HI), x);
+        let r = _mm512_fnmadd_ps(n, c(LN2_LO), r);
         let mut p = c(1.0 / 5040.0);
-        for k in [720.0f32, 120.0, 24.0, 6.0, 2.0, 1.0, 1.0] {
+        for k in TAYLOR {
             p = _mm512_fmadd_ps(p, r, c(1.0 / k));
         }
         _mm512_scalef_ps(p, n)
+    }
+
+    /// [`exp16`] in eight lanes with AVX2 and FMA, the same bits: every step is the same
+    /// operation, and `vscalefps` becomes `(p·2^a)·2^b` with `a = ⌊n/2⌋`, `b = n − a`. For
+    /// the clamped inputs `n` lies in [−217, 185], so `2^a` and `2^b` are normal floats and
+    /// `p·2^a` (`p` ∈ [0.7, 1.5]) is an exact normal float: the product is rounded once, as
+    /// `vscalefps` rounds it (to ∞ on overflow, through the subnormals on underflow).
+    #[inline]
+    #[target_feature(enable = "avx2,fma")]
+    fn exp8(x: __m256) -> __m256 {
+        let c = |v: f32| _mm256_set1_ps(v);
+        let x = _mm256_min_ps(_mm256_max_ps(x, c(-150.0)), c(128.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, c(std::f32::consts::LOG2_E)),
+        );
+        let r = _mm256_fnmadd_ps(n, c(LN2_HI), x);
+        let r = _mm256_fnmadd_ps(n, c(LN2_LO), r);
+        let mut p = c(1.0 / 5040.0);
+        for k in TAYLOR {
+            p = _mm256_fmadd_ps(p, r, c(1.0 / k));
+        }
+        let ni = _mm256_cvtps_epi32(n);
+        let a = _mm256_srai_epi32::<1>(ni);
+        let b = _mm256_sub_epi32(ni, a);
+        let pow2 = |e: __m256i| {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<23>(_mm256_add_epi32(
+                e,
+                _mm256_set1_epi32(127),
+            )))
+        };
+        _mm256_mul_ps(_mm256_mul_ps(p, pow2(a)), pow2(b))
     }
 
     /// `o = silu(g) ⊙ u`, 16 values at a time (the lengths are whole vectors).
@@ -216,6 +266,75 @@ mod vexp {
             let v = _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(one, e)), y);
             // SAFETY: writes the 16 values of `o`.
             unsafe { _mm512_storeu_ps(o.as_mut_ptr(), v) };
+        }
+    }
+
+    /// [`swiglu16`] eight values at a time with AVX2 and FMA, the same bits.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn swiglu8(o: &mut [f32], g: &[f32], u: &[f32]) {
+        let one = _mm256_set1_ps(1.0);
+        let (oc, _) = o.as_chunks_mut::<8>();
+        let (gc, _) = g.as_chunks::<8>();
+        let (uc, _) = u.as_chunks::<8>();
+        for ((o, g), u) in oc.iter_mut().zip(gc).zip(uc) {
+            // SAFETY: reads the 8 values of `g` and `u`.
+            let (x, y) = unsafe { (_mm256_loadu_ps(g.as_ptr()), _mm256_loadu_ps(u.as_ptr())) };
+            let e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), x));
+            let v = _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), y);
+            // SAFETY: writes the 8 values of `o`.
+            unsafe { _mm256_storeu_ps(o.as_mut_ptr(), v) };
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        /// AVX2's SwiGLU gives AVX-512's bits on inputs across the whole range: large
+        /// positive and negative (overflow of `e^−x`, the subnormal range), tiny, zero, ∞ and
+        /// NaN.
+        #[test]
+        fn avx2_swiglu_has_the_avx512_bits() {
+            if !(is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma"))
+            {
+                return;
+            }
+            let mut g: Vec<f32> = (0..200_000u32)
+                .map(|i| {
+                    let t = f64::from(i) / 200_000.0;
+                    #[allow(
+                        clippy::cast_possible_truncation,
+                        reason = "test inputs, any rounding will do"
+                    )]
+                    let v = ((t * 2.0 - 1.0) * 240.0) as f32;
+                    v
+                })
+                .collect();
+            g.extend([
+                0.0,
+                -0.0,
+                1e-30,
+                -1e-30,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+            ]);
+            g.extend((0..4096u32).map(|i| f32::from_bits(0x4280_0000 + i * 977)));
+            g.extend((0..4096u32).map(|i| -f32::from_bits(0x4280_0000 + i * 977)));
+            g.truncate(g.len() / 16 * 16);
+            let u: Vec<f32> = g.iter().map(|x| 1.0 + x.abs().min(3.0)).collect();
+            let (mut a, mut b) = (vec![0.0; g.len()], vec![0.0; g.len()]);
+            // SAFETY: the features are checked above.
+            unsafe {
+                super::swiglu16(&mut a, &g, &u);
+                super::swiglu8(&mut b, &g, &u);
+            }
+            for ((x, y), gi) in a.iter().zip(&b).zip(&g) {
+                assert_eq!(x.to_bits(), y.to_bits(), "silu({gi})·u: {x} vs {y}");
+            }
         }
     }
 }

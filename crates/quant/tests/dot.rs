@@ -608,6 +608,34 @@ fn check_levels(c: &Case) -> Result<(), TestCaseError> {
     Ok(())
 }
 
+/// The x86 SIMD levels agree with each other bit for bit on every format, the float ones
+/// included (AVX2 runs AVX-512's sixteen lanes as two halves), so a model's output does not
+/// depend on which of them the machine has.
+fn check_x86_levels_agree(c: &Case) -> Result<(), TestCaseError> {
+    let simd: Vec<_> = SimdLevel::supported()
+        .into_iter()
+        .filter(|l| matches!(l, SimdLevel::Avx2 | SimdLevel::Avx512))
+        .map(|l| {
+            let k = Kernels::for_level(l).expect("supported");
+            (l, k.vec_dot(c.ty, c.n, c.w(), c.a()).expect("simd"))
+        })
+        .collect();
+    for pair in simd.windows(2) {
+        prop_assert_eq!(
+            pair[0].1.to_bits(),
+            pair[1].1.to_bits(),
+            "{}: {} gives {}, {} gives {} (n = {})",
+            c.ty,
+            pair[0].0,
+            pair[0].1,
+            pair[1].0,
+            pair[1].1,
+            c.n
+        );
+    }
+    Ok(())
+}
+
 fn reference_f64(c: &Case) -> (f64, f64) {
     reference(c.ty, c.w(), c.a())
 }
@@ -619,6 +647,12 @@ proptest! {
     #[test]
     fn simd_levels_match_scalar(c in any_case()) {
         check_levels(&c)?;
+    }
+
+    /// AVX2 and AVX-512 give the same bits, for every format.
+    #[test]
+    fn x86_simd_levels_agree_bit_for_bit(c in any_case()) {
+        check_x86_levels_agree(&c)?;
     }
 
     /// The scalar reference is the f64 dot product of the dequantized rows, to within the

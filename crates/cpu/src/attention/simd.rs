@@ -2,8 +2,10 @@
 //! value row, with AVX-512 and AVX2 (+ F16C, FMA) paths chosen once per backend and a portable
 //! fallback.
 //!
-//! A backend uses one path for every call, so results do not depend on the batch. The paths
-//! differ from each other in the rounding of the dot products (lane counts, fused multiply-add);
+//! A backend uses one path for every call, so results do not depend on the batch. The AVX2
+//! and AVX-512 paths give the same bits (AVX2 runs the sixteen lanes of AVX-512 as two
+//! halves); the portable one differs from them in the rounding of the dot products (eight
+//! lanes, no fused multiply-add);
 //! `axpy` multiplies and adds with separate roundings on every path (the compiler vectorizes the
 //! same loop for each instruction set and does not contract it), so it gives the same bits
 //! everywhere.
@@ -338,27 +340,44 @@ pub(super) mod x86 {
         _mm512_reduce_add_ps(acc)
     }
 
-    /// `Σ q·k`, 8 lanes with FMA, the last partial chunk in order.
+    /// `Σ q·k` with the lanes and the order of [`dot_f32_512`], so that both paths give the
+    /// same bits: its 16-lane accumulator is two 8-lane halves here, the last partial chunk is
+    /// padded with zeros (as the masked loads there), and the lane sum is `_mm512_reduce_add_ps`'s
+    /// order (`hsum256` of the halves' sum).
     ///
     /// # Safety
     /// The CPU must support AVX2, F16C and FMA; `q` and `k` have one length.
     #[target_feature(enable = "avx2,f16c,fma")]
     unsafe fn dot_f32_256(q: &[f32], k: &[f32]) -> f32 {
-        let n = q.len();
-        let mut acc = _mm256_setzero_ps();
-        let mut i = 0;
-        while i + 8 <= n {
-            // SAFETY: i + 8 ≤ n = q.len() = k.len().
-            let (a, b) = unsafe {
+        let (qc, qt) = q.as_chunks::<16>();
+        let (kc, kt) = k.as_chunks::<16>();
+        let mut acc = [_mm256_setzero_ps(); 2];
+        for (a, b) in qc.iter().zip(kc) {
+            fma16(&mut acc, a, b);
+        }
+        if !qt.is_empty() {
+            let (mut a, mut b) = ([0.0f32; 16], [0.0f32; 16]);
+            a[..qt.len()].copy_from_slice(qt);
+            b[..kt.len()].copy_from_slice(kt);
+            fma16(&mut acc, &a, &b);
+        }
+        hsum256(_mm256_add_ps(acc[0], acc[1]))
+    }
+
+    /// `acc += a·b` over sixteen lanes held as two halves.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn fma16(acc: &mut [__m256; 2], a: &[f32; 16], b: &[f32; 16]) {
+        for (h, acc) in acc.iter_mut().enumerate() {
+            // SAFETY: reads eight of the sixteen values of `a` and of `b`.
+            let (x, y) = unsafe {
                 (
-                    _mm256_loadu_ps(q.as_ptr().add(i)),
-                    _mm256_loadu_ps(k.as_ptr().add(i)),
+                    _mm256_loadu_ps(a.as_ptr().add(8 * h)),
+                    _mm256_loadu_ps(b.as_ptr().add(8 * h)),
                 )
             };
-            acc = _mm256_fmadd_ps(a, b, acc);
-            i += 8;
+            *acc = _mm256_fmadd_ps(x, y, *acc);
         }
-        hsum256(acc) + tail_dot(&q[i..], &k[i..], |x| x)
     }
 
     /// The sum of eight lanes, pairwise.
@@ -368,11 +387,6 @@ pub(super) mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
-    }
-
-    /// `Σ q·k` of a short tail, in order.
-    fn tail_dot<K: Copy>(q: &[f32], k: &[K], f: impl Fn(K) -> f32) -> f32 {
-        q.iter().zip(k).map(|(&q, &k)| q * f(k)).sum()
     }
 
     /// `acc += p·v`, vectorized by the compiler for AVX-512.

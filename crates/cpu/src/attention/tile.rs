@@ -5,7 +5,7 @@
 //!
 //! Each result is computed by the operations, in the order, of the per-key loops they replace
 //! ([`super::simd::AttnKernels`]): a score is `dot_f32`'s fused multiply-add chain over the
-//! head (sixteen or eight lanes) and its lane sum; an accumulator gets `acc + p·v` with the
+//! head in sixteen lanes (two halves on AVX2) and its lane sum, the same bits on both; an accumulator gets `acc + p·v` with the
 //! multiply and the add rounded separately, key after key, skipping zero weights. So the tiles
 //! change no bit of attention's output, and greedy tokens stay those of the per-key loops —
 //! several tests hold greedy output to llama.cpp's fixtures where real models sit on near-ties.
@@ -219,11 +219,72 @@ mod x86 {
         }
     }
 
+    /// AVX2 with AVX-512's sixteen lanes as two halves, for the scores: a score's fused
+    /// multiply-add chain and lane sum are then those of AVX-512 (the value tiles, which do
+    /// not sum across lanes, give the same bits at any width and use [`V256`]).
+    #[derive(Clone, Copy)]
+    struct V256x2;
+
+    impl Isa for V256x2 {
+        type F = [__m256; 2];
+        const LANES: usize = 16;
+        const MAX_Q: usize = 1;
+        #[inline(always)]
+        unsafe fn zero() -> [__m256; 2] {
+            // SAFETY: only called with the AVX2 features (see the trait).
+            unsafe { [V256::zero(); 2] }
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> [__m256; 2] {
+            // SAFETY: the caller's sixteen values at p.
+            unsafe { [V256::load(p), V256::load(p.add(8))] }
+        }
+        #[inline(always)]
+        unsafe fn load_h(p: *const u8) -> [__m256; 2] {
+            // SAFETY: the caller's sixteen f16 at p.
+            unsafe { [V256::load_h(p), V256::load_h(p.add(16))] }
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: [__m256; 2]) {
+            // SAFETY: the caller's sixteen values at p.
+            unsafe {
+                V256::store(p, v[0]);
+                V256::store(p.add(8), v[1]);
+            }
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> [__m256; 2] {
+            // SAFETY: as `zero`.
+            unsafe { [V256::splat(x); 2] }
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: [__m256; 2], b: [__m256; 2], c: [__m256; 2]) -> [__m256; 2] {
+            // SAFETY: as `zero`.
+            unsafe { [V256::fmadd(a[0], b[0], c[0]), V256::fmadd(a[1], b[1], c[1])] }
+        }
+        #[inline(always)]
+        unsafe fn add(a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            // SAFETY: as `zero`.
+            unsafe { [V256::add(a[0], b[0]), V256::add(a[1], b[1])] }
+        }
+        #[inline(always)]
+        unsafe fn mul(a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            // SAFETY: as `zero`.
+            unsafe { [V256::mul(a[0], b[0]), V256::mul(a[1], b[1])] }
+        }
+        #[inline(always)]
+        unsafe fn reduce(v: [__m256; 2]) -> f32 {
+            // `_mm512_reduce_add_ps`'s order: the halves added, then `V256::reduce`.
+            // SAFETY: as `zero`.
+            unsafe { V256::reduce(V256::add(v[0], v[1])) }
+        }
+    }
+
     /// Builds the table of one instruction set: entries check their slices, then call the
     /// loops compiled with its features. Only handed out by [`super::for_level`] after the
     /// matching `simd::x86::*_supported` check.
     macro_rules! table {
-        ($isa:ty, $features:literal) => {{
+        ($scores:ty, $pv:ty, $features:literal) => {{
             #[target_feature(enable = $features)]
             unsafe fn scores_f(
                 q: *const f32,
@@ -234,7 +295,7 @@ mod x86 {
                 os: usize,
             ) {
                 // SAFETY: the caller's bounds and features.
-                unsafe { scores::<$isa>(q, qs, nq, k, out, os) }
+                unsafe { scores::<$scores>(q, qs, nq, k, out, os) }
             }
             #[target_feature(enable = $features)]
             unsafe fn pv_f(
@@ -246,7 +307,7 @@ mod x86 {
                 as_: usize,
             ) {
                 // SAFETY: the caller's bounds and features.
-                unsafe { pv::<$isa>(w, ws, nq, v, acc, as_) }
+                unsafe { pv::<$pv>(w, ws, nq, v, acc, as_) }
             }
             TileKernels {
                 scores: |q, qs, nq, k, out, os| {
@@ -282,8 +343,9 @@ mod x86 {
         }};
     }
 
-    pub(super) const AVX512: TileKernels = table!(V512, "avx512f,avx512bw,avx512vl,avx2,f16c,fma");
-    pub(super) const AVX2: TileKernels = table!(V256, "avx2,f16c,fma");
+    pub(super) const AVX512: TileKernels =
+        table!(V512, V512, "avx512f,avx512bw,avx512vl,avx2,f16c,fma");
+    pub(super) const AVX2: TileKernels = table!(V256x2, V256, "avx2,f16c,fma");
 
     /// One vector of a row at `p`: f32, or f16 widened.
     ///
@@ -557,6 +619,28 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// AVX2's and AVX-512's `dot_f32` give the same bits at every length, partial chunks
+    /// included.
+    #[test]
+    fn avx2_and_avx512_dot_products_agree() {
+        let (a, b) = (
+            AttnKernels::for_level(SimdLevel::Avx512),
+            AttnKernels::for_level(SimdLevel::Avx2),
+        );
+        if for_level(SimdLevel::Avx512).is_none() {
+            return;
+        }
+        for n in 1..300 {
+            let q = values(n, 5);
+            let k: Vec<f32> = values(n + 3, 6)[3..].iter().map(|x| x * 1e3).collect();
+            assert_eq!(
+                (a.dot_f32)(&q, &k).to_bits(),
+                (b.dot_f32)(&q, &k).to_bits(),
+                "n = {n}"
+            );
         }
     }
 

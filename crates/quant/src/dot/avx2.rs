@@ -154,6 +154,15 @@ fn hsum_ps(v: __m256) -> f32 {
     _mm_cvtss_f32(s)
 }
 
+/// The lane sum of a 16-lane vector held as its low and high halves, in the order of
+/// `_mm512_reduce_add_ps`: the halves added, then the 128-bit halves, then lanes 0 + 2 and
+/// 1 + 3, then those two (`hsum_ps` of `lo + hi`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn hsum16(lo: __m256, hi: __m256) -> f32 {
+    hsum_ps(_mm256_add_ps(lo, hi))
+}
+
 /// The 32 nibbles of a Q4-style block in element order: low nibbles (elements 0..16), then high.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -785,39 +794,53 @@ pub(super) unsafe fn iq4_xs_q8_k(w: &[BlockIq4Xs], a: &[BlockQ8K]) -> f32 {
     sumf
 }
 
-/// Runs a float dot product: `$load` turns a chunk of 8 weights into f32 lanes, four
-/// accumulators over 32-value chunks, one over the 8-value chunks left, and the last few values
-/// padded with zeros into one more 8-value chunk.
+/// Runs a float dot product with the lanes and the order of the AVX-512 kernel
+/// (`avx512::float_dot`), so both levels give the same bits: each 16-lane accumulator of that
+/// kernel is two 8-lane halves here. `$load` turns a chunk of 8 weights into f32 lanes; four
+/// accumulators over 64-value chunks, one over the 16-value chunks left, the last few values
+/// padded with zeros into one more 16-value chunk, and the lane sum of `hsum16`.
 macro_rules! float_dot {
     ($w:expr, $a:expr, $wty:ty, $zero:expr, |$c:ident| $load:expr) => {{
-        let (w32, wr) = $w.as_chunks::<32>();
-        let (a32, ar) = $a.as_chunks::<32>();
-        let mut acc = [_mm256_setzero_ps(); 4];
-        for (wc, ac) in w32.iter().zip(a32) {
+        let (w64, wr) = $w.as_chunks::<64>();
+        let (a64, ar) = $a.as_chunks::<64>();
+        let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+        for (wc, ac) in w64.iter().zip(a64) {
             let (wc, _) = wc.as_chunks::<8>();
             let (ac, _) = ac.as_chunks::<8>();
-            for k in 0..4 {
+            for k in 0..8 {
                 let $c = &wc[k];
-                acc[k] = _mm256_fmadd_ps($load, ld_ps(&ac[k]), acc[k]);
+                acc[k / 2][k % 2] = _mm256_fmadd_ps($load, ld_ps(&ac[k]), acc[k / 2][k % 2]);
             }
         }
-        let (w8, wt) = wr.as_chunks::<8>();
-        let (a8, at) = ar.as_chunks::<8>();
-        for ($c, ac) in w8.iter().zip(a8) {
-            acc[0] = _mm256_fmadd_ps($load, ld_ps(ac), acc[0]);
+        let (w16, wt) = wr.as_chunks::<16>();
+        let (a16, at) = ar.as_chunks::<16>();
+        for (wc, ac) in w16.iter().zip(a16) {
+            let (wc, _) = wc.as_chunks::<8>();
+            let (ac, _) = ac.as_chunks::<8>();
+            for h in 0..2 {
+                let $c = &wc[h];
+                acc[0][h] = _mm256_fmadd_ps($load, ld_ps(&ac[h]), acc[0][h]);
+            }
         }
         if !wt.is_empty() {
-            let mut wp: [$wty; 8] = [$zero; 8];
-            let mut ap = [0.0f32; 8];
+            let mut wp: [$wty; 16] = [$zero; 16];
+            let mut ap = [0.0f32; 16];
             wp[..wt.len()].copy_from_slice(wt);
             ap[..at.len()].copy_from_slice(at);
-            let $c = &wp;
-            acc[1] = _mm256_fmadd_ps($load, ld_ps(&ap), acc[1]);
+            let (wc, _) = wp.as_chunks::<8>();
+            let (ac, _) = ap.as_chunks::<8>();
+            for h in 0..2 {
+                let $c = &wc[h];
+                acc[1][h] = _mm256_fmadd_ps($load, ld_ps(&ac[h]), acc[1][h]);
+            }
         }
-        hsum_ps(_mm256_add_ps(
-            _mm256_add_ps(acc[0], acc[1]),
-            _mm256_add_ps(acc[2], acc[3]),
-        ))
+        let half = |h: usize| {
+            _mm256_add_ps(
+                _mm256_add_ps(acc[0][h], acc[1][h]),
+                _mm256_add_ps(acc[2][h], acc[3][h]),
+            )
+        };
+        hsum16(half(0), half(1))
     }};
 }
 

@@ -31,7 +31,9 @@
 //! every CPU. That order is sequential, which makes the f32 adds one dependency chain; on the
 //! 32-value formats keeping eight partial sums instead measured 15–25 % faster (Zen 5), a price
 //! paid for results that do not depend on the machine. The float kernels keep f32 lanes and
-//! agree with the reference to within the rounding of a sum of `n` terms.
+//! agree with the reference to within the rounding of a sum of `n` terms; on x86 they keep the
+//! same sixteen lanes and lane sum at both levels (AVX2 holds each AVX-512 vector as two
+//! halves), so AVX2 and AVX-512 give the same bits for every format.
 
 use std::borrow::Cow;
 use std::sync::OnceLock;
