@@ -23,6 +23,7 @@
 //!   EAGLE-3 head drafting a chain in feature space.
 
 pub mod drafters;
+mod extract;
 mod rollback;
 mod round;
 mod spec;
@@ -71,6 +72,9 @@ pub enum EngineError {
     /// Sampler error.
     #[error(transparent)]
     Sampling(#[from] SamplingError),
+    /// Feature extraction was asked for something it cannot do.
+    #[error("feature extraction: {0}")]
+    Extract(String),
     /// The generation's logits mask (a grammar) failed.
     #[error("the output constraint failed: {0}")]
     Mask(String),
@@ -121,6 +125,7 @@ pub use drafters::{
     DflashDrafter, DraftModel, Eagle3Drafter, Injection, VocabMismatch, check_vocab,
     frequent_tokens,
 };
+pub use extract::{ExtractOptions, SeqFeatures};
 pub use rollback::{Checkpoint, Rewound};
 pub use round::{PlanEntry, RoundCost, SpecSeq, plan};
 pub use spec::SpecOptions;
