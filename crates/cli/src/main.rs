@@ -16,6 +16,7 @@
 
 mod bench;
 mod draft_args;
+mod extract;
 mod inspect;
 mod load;
 mod perplexity;
@@ -54,6 +55,8 @@ enum Command {
     Quantize(quantize::Args),
     /// Print the token ids of a prompt, like llama-tokenize.
     Tokenize(tokenize::Args),
+    /// The target's hidden states over a corpus, in resumable shards, for drafter training.
+    Extract(Box<extract::Args>),
 }
 
 /// llama.cpp's multi-letter single-dash flags, as the long flags clap knows.
@@ -107,6 +110,7 @@ fn main() -> ExitCode {
         Command::Perplexity(args) => perplexity::run(&args),
         Command::Quantize(args) => quantize::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
+        Command::Extract(args) => extract::run(&args),
     };
     match result.and_then(|out| emit(&out)) {
         Ok(()) => ExitCode::SUCCESS,
