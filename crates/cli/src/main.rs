@@ -10,6 +10,8 @@
 //! - `specula perplexity FILE` — llama-perplexity's numbers ([`perplexity`]).
 //! - `specula quantize IN OUT TYPE` — llama-quantize's presets, byte for byte ([`quantize`]).
 //! - `specula tokenize` — a prompt's token ids, like llama-tokenize ([`tokenize`]).
+//! - `specula extract` — the target's hidden states over a corpus, for drafter training
+//!   ([`extract`]).
 //!
 //! Every subcommand that takes a draft model (`-md`) takes `--dflash` / `--eagle3` too
 //! ([`draft_args::DraftKind`]); errors are printed with their whole cause chain.
