@@ -2,7 +2,7 @@
 //!
 //! The corpus (files, or directories walked recursively, in sorted path order; files named
 //! by `--held-out` left out for evaluation) is tokenized file by file and cut into sequences
-//! of at most `--seq-len` tokens. [`Engine::extract`] runs `--batch` sequences per forward and
+//! of at most `--seq-len` tokens. [`Engine::extract`](specula_engine::Engine::extract) runs `--batch` sequences per forward and
 //! gives each row's taps side by side (and the top-k target logits with `--top-k`). Every
 //! `--shard-seqs` sequences become one shard file, written to a temporary name and renamed,
 //! then recorded in `manifest.json` (also replaced whole): a run that is stopped — killed, or
