@@ -12,6 +12,8 @@
 //! - `specula tokenize` — a prompt's token ids, like llama-tokenize ([`tokenize`]).
 //! - `specula extract` — the target's hidden states over a corpus, for drafter training
 //!   ([`extract`]).
+//! - `specula train dflash` — a drafter learnt from those hidden states, exported as GGUF
+//!   ([`train`]; needs the `train` feature).
 //!
 //! Every subcommand that takes a draft model (`-md`) takes `--dflash` / `--eagle3` too
 //! ([`draft_args::DraftKind`]); errors are printed with their whole cause chain.
@@ -26,6 +28,7 @@ mod quantize;
 mod run;
 mod serve;
 mod tokenize;
+mod train;
 
 use std::io::Write;
 use std::process::ExitCode;
@@ -59,6 +62,8 @@ enum Command {
     Tokenize(tokenize::Args),
     /// The target's hidden states over a corpus, in resumable shards, for drafter training.
     Extract(Box<extract::Args>),
+    /// Train a drafter on extracted hidden states and export it as GGUF (`train` feature).
+    Train(Box<train::Args>),
 }
 
 /// llama.cpp's multi-letter single-dash flags, as the long flags clap knows.
@@ -113,6 +118,7 @@ fn main() -> ExitCode {
         Command::Quantize(args) => quantize::run(&args),
         Command::Tokenize(args) => tokenize::run(&args),
         Command::Extract(args) => extract::run(&args),
+        Command::Train(args) => train::run(&args),
     };
     match result.and_then(|out| emit(&out)) {
         Ok(()) => ExitCode::SUCCESS,

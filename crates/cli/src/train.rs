@@ -1,0 +1,318 @@
+//! `specula train dflash`: a DFlash drafter learnt from the target's own hidden states (what
+//! `specula extract` wrote), exported as GGUF drafters that `specula run --dflash -md` and
+//! llama.cpp load.
+//!
+//! The trainer is `specula-train` (burn); this binary carries it only when built with the
+//! `train` feature (`cargo build --release -p specula-cli --features train`), so the rest of the
+//! workspace never compiles burn. Without it the subcommand says how to get it.
+//!
+//! Output directory: `checkpoint.bin` (every `--checkpoint-every` steps; `--resume` continues
+//! from it and reaches the bytes an uninterrupted run reaches), `train.jsonl` (one line per
+//! step, then per validation), `loss.svg` (training and validation loss, validation τ) and
+//! `drafter-<type>.gguf` for each `--export` type.
+
+use std::path::PathBuf;
+
+use anyhow::Result;
+
+/// Which drafter to train.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Kind {
+    /// DFlash: a block of MASK tokens drafted in one forward over the target's taps.
+    Dflash,
+}
+
+/// Arguments of `specula train`.
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// The drafter to train.
+    #[arg(value_enum)]
+    pub kind: Kind,
+    /// The target the features are of: a GGUF file or a manifest model name.
+    #[arg(long = "target", short = 'm')]
+    pub target: Option<String>,
+    /// The directory `specula extract` wrote.
+    #[arg(long = "features")]
+    pub features: PathBuf,
+    /// Output directory (checkpoint, logs, plot, drafters).
+    #[arg(long = "out", short = 'o')]
+    pub out: PathBuf,
+    /// Continue the run whose checkpoint is in `--out` (its settings must be these).
+    #[arg(long = "resume")]
+    pub resume: bool,
+    /// Draft layers.
+    #[arg(long = "layers", default_value_t = 1)]
+    pub layers: usize,
+    /// Block size (the anchor and block − 1 drafted positions).
+    #[arg(long = "block", default_value_t = 16)]
+    pub block: usize,
+    /// Draft vocabulary: the K most frequent training labels (0: the target's whole
+    /// vocabulary, the head borrowed).
+    #[arg(long = "draft-vocab", default_value_t = 8192)]
+    pub draft_vocab: usize,
+    /// Optimiser steps.
+    #[arg(long = "steps", default_value_t = 2000)]
+    pub steps: usize,
+    /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %).
+    #[arg(long = "lr", default_value_t = 1e-3)]
+    pub lr: f32,
+    /// Blocks per sequence per step (random anchors).
+    #[arg(long = "anchors", default_value_t = 64)]
+    pub anchors: usize,
+    /// Sequences per step.
+    #[arg(long = "seqs-per-step", default_value_t = 2)]
+    pub seqs_per_step: usize,
+    /// γ of the loss's position decay `exp(−(k−1)/γ)`.
+    #[arg(long = "gamma", default_value_t = 7.0)]
+    pub gamma: f32,
+    /// What block rows learn: the target's greedy next token (needs features with --top-k)
+    /// or the corpus's.
+    #[arg(long = "labels", default_value = "target", value_parser = ["target", "corpus"])]
+    pub labels: String,
+    /// The taps the drafter reads (a subset of the extracted ones, in this order); default
+    /// every extracted tap.
+    #[arg(long = "taps", value_delimiter = ',')]
+    pub taps: Vec<usize>,
+    /// The MASK token (default: the target's padding token, else its end of sequence).
+    #[arg(long = "mask-token")]
+    pub mask_token: Option<u32>,
+    /// Seed of every random draw.
+    #[arg(long = "seed", default_value_t = 42)]
+    pub seed: u64,
+    /// Steps between checkpoints and validations.
+    #[arg(long = "checkpoint-every", default_value_t = 100)]
+    pub checkpoint_every: usize,
+    /// Validation sequences held back from training.
+    #[arg(long = "val-seqs", default_value_t = 16)]
+    pub val_seqs: usize,
+    /// Stop after this step (checkpointed; `--resume` continues to `--steps`); the drafters
+    /// are written only when the run is complete.
+    #[arg(long = "stop-at")]
+    pub stop_at: Option<usize>,
+    /// Drafter types written when training ends (comma-separated: f16, q8_0, nvfp4).
+    #[arg(long = "export", value_delimiter = ',', default_value = "f16")]
+    pub export: Vec<String>,
+}
+
+/// Runs `specula train`.
+#[cfg(not(feature = "train"))]
+pub fn run(_args: &Args) -> Result<String> {
+    anyhow::bail!(
+        "this specula was built without drafter training; build it with the `train` feature: \
+         cargo build --release -p specula-cli --features train"
+    )
+}
+
+/// Runs `specula train`.
+#[cfg(feature = "train")]
+pub fn run(args: &Args) -> Result<String> {
+    imp::run(args)
+}
+
+#[cfg(feature = "train")]
+mod imp {
+    use std::fmt::Write as _;
+    use std::io::Write as _;
+
+    use anyhow::{Context, Result, bail};
+    use indicatif::{ProgressBar, ProgressStyle};
+    use specula_train::dflash::{DflashConfig, Labels, Run};
+    use specula_train::export::{ExportType, write_dflash};
+    use specula_train::features::FeatureSet;
+    use specula_train::plot::{Series, line_chart};
+    use specula_train::target::Target;
+
+    use super::{Args, Kind};
+    use crate::load;
+
+    pub fn run(args: &Args) -> Result<String> {
+        let Kind::Dflash = args.kind;
+        let types = args
+            .export
+            .iter()
+            .map(|t| ExportType::parse(t).map(|e| (t.to_ascii_lowercase(), e)))
+            .collect::<Result<Vec<_>, _>>()?;
+        if args.steps == 0 {
+            bail!("--steps must be at least 1");
+        }
+        let path = load::model_path(args.target.as_deref())?;
+        let target = Target::load(&path).with_context(|| format!("loading {}", path.display()))?;
+        let mut feats = FeatureSet::open(&args.features)?;
+        if !args.taps.is_empty() {
+            feats.select_taps(&args.taps)?;
+        }
+        let mut cfg = DflashConfig::new(args.steps);
+        cfg.n_layer = args.layers;
+        cfg.block = args.block;
+        cfg.draft_vocab = args.draft_vocab;
+        cfg.anchors = args.anchors;
+        cfg.seqs_per_step = args.seqs_per_step;
+        cfg.gamma = args.gamma;
+        cfg.labels = if args.labels == "corpus" {
+            Labels::Corpus
+        } else {
+            Labels::Target
+        };
+        cfg.mask = args.mask_token;
+        cfg.seed = args.seed;
+        cfg.optim.lr = args.lr;
+        cfg.checkpoint_every = args.checkpoint_every;
+        cfg.val_seqs = args.val_seqs;
+        std::fs::create_dir_all(&args.out)
+            .with_context(|| format!("creating {}", args.out.display()))?;
+        let mut run = Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
+        let done_before = run.step;
+
+        let bar = ProgressBar::new(args.steps as u64);
+        bar.set_style(
+            ProgressStyle::with_template(
+                "{spinner} [{bar:30}] {pos}/{len} steps {eta} {wide_msg}",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+        );
+        bar.set_position(run.step as u64);
+        let log_path = args.out.join("train.jsonl");
+        // A resumed run rewrites the log from its checkpoint's history, so the file is that
+        // of an uninterrupted run.
+        let mut log = std::fs::File::create(&log_path)
+            .with_context(|| format!("creating {}", log_path.display()))?;
+        for s in &run.steps {
+            writeln!(log, "{}", serde_json::json!({ "step": s }))?;
+            for v in run.vals.iter().filter(|v| v.step == s.step + 1) {
+                writeln!(log, "{}", serde_json::json!({ "val": v }))?;
+            }
+        }
+        let mut io_err = None;
+        run.train(&target, &feats, &args.out, args.stop_at, |s, v| {
+            let mut line = format!(
+                "loss {:.3}  lr {:.2e}  {:.0} rows/s",
+                s.loss, s.lr, s.rows_per_s
+            );
+            if let Err(e) = writeln!(log, "{}", serde_json::json!({ "step": s })) {
+                io_err = Some(e);
+            }
+            if let Some(v) = v {
+                let _ = write!(line, "  val loss {:.3} τ {:.2}", v.loss, v.tau);
+                if let Err(e) = writeln!(log, "{}", serde_json::json!({ "val": v })) {
+                    io_err = Some(e);
+                }
+                bar.println(format!("step {}: {line}", v.step));
+            }
+            bar.set_message(line);
+            bar.inc(1);
+        })?;
+        bar.finish_and_clear();
+        if let Some(e) = io_err {
+            return Err(e).with_context(|| format!("writing {}", log_path.display()));
+        }
+        write_plot(&run, &args.out.join("loss.svg"))?;
+
+        let mut out = String::new();
+        if run.step < args.steps {
+            let _ = writeln!(
+                out,
+                "stopped at step {} of {} (checkpoint in {}; continue with --resume)",
+                run.step,
+                args.steps,
+                args.out.display()
+            );
+            return Ok(out);
+        }
+        let stem = path
+            .file_stem()
+            .map_or_else(|| "target".into(), |s| s.to_string_lossy().into_owned());
+        for (name, ty) in types {
+            let file = args.out.join(format!("drafter-{name}.gguf"));
+            write_dflash(
+                &file,
+                &run.shape,
+                &run.params,
+                &run.vocab,
+                &target,
+                ty,
+                &format!("{stem} DFlash drafter (specula train)"),
+            )?;
+            let _ = writeln!(out, "wrote {}", file.display());
+        }
+        let last = run.steps.last();
+        let _ = writeln!(
+            out,
+            "dflash: {} layers, block {}, draft vocabulary {}, taps {:?}; steps {}..{} (of {}), final loss {:.4}",
+            run.shape.n_layer,
+            run.shape.block,
+            run.vocab.len(),
+            run.shape.taps,
+            done_before,
+            run.step,
+            args.steps,
+            last.map_or(f32::NAN, |s| s.loss)
+        );
+        if let Some(v) = run.vals.last() {
+            let acc: Vec<String> = v.accuracy.iter().map(|a| format!("{a:.2}")).collect();
+            let _ = writeln!(
+                out,
+                "validation at step {}: loss {:.4}, τ {:.3}, accuracy per position [{}]",
+                v.step,
+                v.loss,
+                v.tau,
+                acc.join(", ")
+            );
+        }
+        Ok(out)
+    }
+
+    fn write_plot(run: &Run, path: &std::path::Path) -> Result<()> {
+        // Training loss as a moving mean over 20 steps (single steps are noisy).
+        let n = 20;
+        let train: Vec<(f64, f64)> = run
+            .steps
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let from = i.saturating_sub(n - 1);
+                let w = &run.steps[from..=i];
+                #[allow(clippy::cast_precision_loss, reason = "window sizes are small")]
+                let mean = w.iter().map(|s| f64::from(s.loss)).sum::<f64>() / w.len() as f64;
+                #[allow(clippy::cast_precision_loss, reason = "step counts are small")]
+                let x = s.step as f64 + 1.0;
+                (x, mean)
+            })
+            .collect();
+        #[allow(clippy::cast_precision_loss, reason = "step counts are small")]
+        let vals = |f: &dyn Fn(&specula_train::dflash::ValLog) -> f32| -> Vec<(f64, f64)> {
+            run.vals
+                .iter()
+                .map(|v| (v.step as f64, f64::from(f(v))))
+                .collect()
+        };
+        let svg = line_chart(
+            &format!(
+                "DFlash drafter: {} layer(s), block {}, vocabulary {}",
+                run.shape.n_layer,
+                run.shape.block,
+                run.vocab.len()
+            ),
+            "step",
+            "loss (nats) / τ",
+            &[
+                Series {
+                    name: "train loss (mean of 20)".into(),
+                    color: "steelblue",
+                    points: train,
+                },
+                Series {
+                    name: "validation loss".into(),
+                    color: "darkorange",
+                    points: vals(&|v| v.loss),
+                },
+                Series {
+                    name: "validation τ".into(),
+                    color: "seagreen",
+                    points: vals(&|v| v.tau),
+                },
+            ],
+        );
+        std::fs::write(path, svg).with_context(|| format!("writing {}", path.display()))
+    }
+}

@@ -1,0 +1,649 @@
+//! Training a DFlash drafter: random anchors, the position-decayed block loss, AdamW.
+//!
+//! One step takes `seqs_per_step` training sequences at random (the step's own random stream,
+//! so a resumed run draws what an uninterrupted one would), puts `anchors` blocks at random
+//! positions of each, and minimises DFlash's block loss (`w_k = exp(−(k−1)/γ)` for block row
+//! `k ≥ 1`; the anchor row carries no loss) through [`net::loss`]. The labels are the
+//! corpus's next tokens, or — when the features carry the target's top logits and
+//! [`Labels::Target`] is asked — the target's own greedy choices, which is what a greedy
+//! verification accepts.
+//!
+//! Every `checkpoint_every` steps (and at the end) the run writes `checkpoint.bin` (atomically)
+//! and measures the drafter on its validation sequences: per block position, how often its
+//! argmax equals the label, and the acceptance length a greedy verify of those blocks would
+//! give (`1 +` the run of correct positions from the first, averaged over blocks).
+
+use std::path::Path;
+use std::time::Instant;
+
+use burn::tensor::{Device, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+use crate::checkpoint::{self, Checkpoint};
+use crate::features::FeatureSet;
+use crate::net::{self, DraftShape, Example, Weights};
+use crate::optim::{self, AdamW, Moments};
+use crate::rng::Rng;
+use crate::target::Target;
+use crate::vocab::DraftVocab;
+use crate::{Result, TrainError};
+
+/// What a block row learns to predict.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Labels {
+    /// The corpus's next token.
+    Corpus,
+    /// The target's top-1 next token (needs features extracted with `--top-k`).
+    Target,
+}
+
+/// Everything that decides a DFlash training run (saved in its checkpoint; a resume must
+/// match it).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DflashConfig {
+    /// Draft layers.
+    pub n_layer: usize,
+    /// Block size `B` (the anchor and `B − 1` MASK rows).
+    pub block: usize,
+    /// Draft vocabulary size (the most frequent training tokens); 0: the target's whole
+    /// vocabulary.
+    pub draft_vocab: usize,
+    /// Blocks per sequence per step.
+    pub anchors: usize,
+    /// Sequences per step.
+    pub seqs_per_step: usize,
+    /// γ of the position decay.
+    pub gamma: f32,
+    /// What the block rows predict.
+    pub labels: Labels,
+    /// The MASK token (default: the target's padding token, else its end of sequence).
+    pub mask: Option<u32>,
+    /// Every random draw of the run (initialisation, sampling).
+    pub seed: u64,
+    /// Optimiser and schedule.
+    pub optim: AdamW,
+    /// Steps between checkpoints (and validations).
+    pub checkpoint_every: usize,
+    /// Validation sequences held back from training.
+    pub val_seqs: usize,
+}
+
+impl DflashConfig {
+    /// The defaults `specula train dflash` starts from, for `steps` steps.
+    #[must_use]
+    pub fn new(steps: usize) -> Self {
+        Self {
+            n_layer: 1,
+            block: 16,
+            draft_vocab: 8192,
+            anchors: 64,
+            seqs_per_step: 2,
+            gamma: 7.0,
+            labels: Labels::Target,
+            mask: None,
+            seed: 42,
+            optim: AdamW {
+                lr: 1e-3,
+                warmup: (steps / 20).max(1),
+                steps,
+                min_lr_ratio: 0.1,
+                beta1: 0.9,
+                beta2: 0.95,
+                eps: 1e-8,
+                weight_decay: 0.01,
+                clip: 1.0,
+            },
+            checkpoint_every: 100,
+            val_seqs: 16,
+        }
+    }
+}
+
+/// What one step reports.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct StepLog {
+    /// 0-based step.
+    pub step: usize,
+    /// Mean block loss of the step.
+    pub loss: f32,
+    /// Learning rate used.
+    pub lr: f32,
+    /// Gradient norm before clipping.
+    pub grad_norm: f32,
+    /// Block rows with a loss per second of this step.
+    pub rows_per_s: f32,
+}
+
+/// A validation of the drafter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ValLog {
+    /// Steps done when it was taken.
+    pub step: usize,
+    /// Mean block loss.
+    pub loss: f32,
+    /// Top-1 accuracy per block position `1..B`.
+    pub accuracy: Vec<f32>,
+    /// Mean acceptance length of a greedy verify of the validation blocks (bonus included).
+    pub tau: f32,
+}
+
+/// The state of a run, between steps.
+#[derive(Debug)]
+pub struct Run {
+    /// The run's configuration.
+    pub config: DflashConfig,
+    /// The drafter's shape.
+    pub shape: DraftShape,
+    /// The draft vocabulary.
+    pub vocab: DraftVocab,
+    /// Parameters in [`DraftShape::params`] order.
+    pub params: Vec<Vec<f32>>,
+    /// AdamW moments per parameter.
+    pub moments: Vec<Moments>,
+    /// Steps done.
+    pub step: usize,
+    /// Every step's log.
+    pub steps: Vec<StepLog>,
+    /// Every validation.
+    pub vals: Vec<ValLog>,
+    /// sha256 of the target.
+    pub target_sha256: String,
+}
+
+/// The drafter's shape for `target` under `cfg` (attention as the target's, every dimension
+/// rotated).
+///
+/// # Errors
+/// The target's attention is not one a DFlash draft can copy, or there is no MASK token.
+pub fn shape_for(target: &Target, taps: &[usize], cfg: &DflashConfig) -> Result<DraftShape> {
+    let hp = &target.hp;
+    let bad = |d: String| TrainError::Config(d);
+    if cfg.n_layer == 0 || cfg.block < 2 {
+        return Err(bad(format!(
+            "{} layers, block {}: a drafter needs a layer and a block of at least 2",
+            cfg.n_layer, cfg.block
+        )));
+    }
+    let mask = cfg
+        .mask
+        .or(target.default_mask)
+        .ok_or_else(|| bad("the target names no padding or end-of-sequence token: give --mask-token".into()))?;
+    if mask as usize >= hp.n_vocab {
+        return Err(bad(format!("MASK token {mask} is outside the vocabulary of {}", hp.n_vocab)));
+    }
+    Ok(DraftShape {
+        n_layer: cfg.n_layer,
+        n_embd: hp.n_embd,
+        n_ff: hp.n_ff,
+        n_head: hp.n_head,
+        n_head_kv: hp.n_head_kv,
+        head_dim: hp.head_dim_k,
+        rope_base: hp.rope_freq_base,
+        rms_eps: hp.rms_eps,
+        taps: taps.to_vec(),
+        n_embd_target: hp.n_embd,
+        block: cfg.block,
+        mask,
+    })
+}
+
+/// Fresh parameters: matrices `N(0, 0.02²)` (output projections scaled by `1/√(2L)`), norms 1.
+#[must_use]
+pub fn init_params(shape: &DraftShape, seed: u64) -> Vec<Vec<f32>> {
+    let mut rng = Rng::new(seed, u64::MAX);
+    #[allow(clippy::cast_precision_loss, reason = "layer counts are small")]
+    let out_std = 0.02 / (2.0 * shape.n_layer as f64).sqrt();
+    shape
+        .params()
+        .iter()
+        .map(|(name, dims)| {
+            let n: usize = dims.iter().product();
+            if dims.len() == 1 {
+                return vec![1.0; n];
+            }
+            let std = if name.ends_with("attn_output.weight") || name.ends_with("ffn_down.weight")
+            {
+                out_std
+            } else {
+                0.02
+            };
+            #[allow(clippy::cast_possible_truncation, reason = "f32 weights")]
+            (0..n).map(|_| (rng.normal() * std) as f32).collect()
+        })
+        .collect()
+}
+
+/// Whether a parameter takes weight decay (matrices do, norms do not).
+fn decays(shape: &DraftShape) -> Vec<bool> {
+    shape.params().iter().map(|(_, d)| d.len() == 2).collect()
+}
+
+/// The training and validation sequence indices: every `stride`-th sequence is held back.
+#[must_use]
+pub fn split(n: usize, val: usize) -> (Vec<usize>, Vec<usize>) {
+    if val == 0 || n < 2 {
+        return ((0..n).collect(), Vec::new());
+    }
+    let val = val.min(n / 2).max(1);
+    let stride = n / val;
+    (0..n).partition(|i| i % stride != stride - 1)
+}
+
+/// One sequence, read for training.
+struct Seq {
+    ids: Vec<u32>,
+    /// `labels[p]`: the token position `p` should be followed by.
+    labels: Vec<Option<u32>>,
+}
+
+fn read_seq(feats: &FeatureSet, i: usize, labels: Labels) -> Result<Seq> {
+    let ids = feats.ids(i)?;
+    let labels = match labels {
+        Labels::Corpus => ids.iter().skip(1).map(|&t| Some(t)).chain([None]).collect(),
+        Labels::Target => feats
+            .target_top1(i)?
+            .ok_or_else(|| {
+                TrainError::Config(
+                    "labels from the target need features extracted with --top-k 1 or more"
+                        .into(),
+                )
+            })?
+            .into_iter()
+            .map(Some)
+            .collect(),
+    };
+    Ok(Seq { ids, labels })
+}
+
+/// The blocks at `anchors` of sequence `i` as one example.
+fn example(
+    feats: &FeatureSet,
+    i: usize,
+    anchors: Vec<usize>,
+    shape: &DraftShape,
+    target: &Target,
+    vocab: &DraftVocab,
+    cfg: &DflashConfig,
+) -> Result<Example> {
+    let seq = read_seq(feats, i, cfg.labels)?;
+    let all = feats.features(i)?;
+    let n_ctx = anchors.iter().copied().max().unwrap_or(0).max(1);
+    let w = shape.width();
+    let ctx = all[..n_ctx * w].to_vec();
+    let e = shape.n_embd;
+    let b = shape.block;
+    let row = |t: u32| &target.embd[t as usize * e..(t as usize + 1) * e];
+    let mut block_embd = Vec::with_capacity(anchors.len() * b * e);
+    let mut targets = Vec::new();
+    for (bi, &a) in anchors.iter().enumerate() {
+        block_embd.extend_from_slice(row(seq.ids[a]));
+        for _ in 1..b {
+            block_embd.extend_from_slice(row(shape.mask));
+        }
+        for k in 1..b {
+            // Row k stands at position a + k and predicts that position's token: the label
+            // of position a + k − 1.
+            let Some(Some(label)) = seq.labels.get(a + k - 1) else {
+                break;
+            };
+            if let Some(d) = vocab.draft_id(*label) {
+                #[allow(clippy::cast_precision_loss, reason = "block positions are small")]
+                let weight = (-((k - 1) as f32) / cfg.gamma).exp();
+                targets.push((bi * b + k, d, weight));
+            }
+        }
+    }
+    Ok(Example {
+        ctx,
+        n_ctx,
+        anchors,
+        block_embd,
+        targets,
+    })
+}
+
+/// `count` distinct random anchors in `1..len − 1`, sorted.
+fn random_anchors(rng: &mut Rng, len: usize, count: usize) -> Vec<usize> {
+    if len < 3 {
+        return Vec::new();
+    }
+    let span = len - 2;
+    let mut picked: Vec<usize> = Vec::with_capacity(count.min(span));
+    if count >= span {
+        picked.extend(1..=span);
+    } else {
+        while picked.len() < count {
+            let a = 1 + rng.below(span);
+            if !picked.contains(&a) {
+                picked.push(a);
+            }
+        }
+        picked.sort_unstable();
+    }
+    picked
+}
+
+/// The device training runs on: burn's CPU backend with autodiff.
+#[must_use]
+pub fn device() -> Device {
+    Device::flex().autodiff()
+}
+
+fn host(t: &Tensor<2>) -> Vec<f32> {
+    t.to_data().try_to_vec::<f32>().unwrap_or_default()
+}
+
+impl Run {
+    /// A fresh run, or the one `out`'s checkpoint holds (`resume`: which must match `cfg`,
+    /// the target and the features).
+    ///
+    /// # Errors
+    /// A checkpoint of another run, an unreadable one, or a configuration the target cannot
+    /// take.
+    pub fn start(
+        cfg: &DflashConfig,
+        target: &Target,
+        feats: &FeatureSet,
+        out: &Path,
+        resume: bool,
+    ) -> Result<Self> {
+        let shape = shape_for(target, &feats.taps, cfg)?;
+        if feats.manifest.target.sha256 != target.sha256 {
+            return Err(TrainError::Config(format!(
+                "the features are of target sha256 {}, this target is {}",
+                feats.manifest.target.sha256, target.sha256
+            )));
+        }
+        let ckpt = out.join(checkpoint::FILE);
+        if resume && ckpt.exists() {
+            let c = Checkpoint::read(&ckpt)?;
+            c.check(cfg, &shape, &target.sha256)?;
+            return Ok(Self {
+                config: cfg.clone(),
+                shape,
+                vocab: DraftVocab::from_ids(c.d2t.clone(), target.hp.n_vocab),
+                moments: c.moments,
+                params: c.params,
+                step: c.step,
+                steps: c.steps,
+                vals: c.vals,
+                target_sha256: target.sha256.clone(),
+            });
+        }
+        if !resume && ckpt.exists() {
+            return Err(TrainError::Config(format!(
+                "{} holds a run already: pass --resume to continue it, or choose another --out",
+                out.display()
+            )));
+        }
+        let (train, _) = split(feats.len(), cfg.val_seqs);
+        let mut counts = vec![0u64; target.hp.n_vocab];
+        for &i in &train {
+            for t in read_seq(feats, i, cfg.labels)?.labels.into_iter().flatten() {
+                if let Some(c) = counts.get_mut(t as usize) {
+                    *c += 1;
+                }
+            }
+        }
+        let vocab = DraftVocab::most_frequent(&counts, cfg.draft_vocab);
+        let mut params = init_params(&shape, cfg.seed);
+        if let Some(norm) = &target.output_norm {
+            let at = shape.params().iter().position(|(n, _)| n == "output_norm.weight");
+            if let Some(p) = at.and_then(|i| params.get_mut(i)) {
+                p.clone_from(norm);
+            }
+        }
+        let moments = vec![Moments::default(); params.len()];
+        Ok(Self {
+            config: cfg.clone(),
+            shape,
+            vocab,
+            params,
+            moments,
+            step: 0,
+            steps: Vec::new(),
+            vals: Vec::new(),
+            target_sha256: target.sha256.clone(),
+        })
+    }
+
+    /// The frozen head rows of the draft vocabulary.
+    fn head(&self, target: &Target, dev: &Device) -> Tensor<2> {
+        let ids = self.vocab.ids();
+        let rows = target.head_rows(&ids);
+        Tensor::from_data(TensorData::new(rows, [ids.len(), self.shape.n_embd]), dev)
+    }
+
+    /// Runs steps until `self.config.optim.steps` (or, when given, until step `stop_at`, where
+    /// it checkpoints: a later [`Run::start`] with `resume` continues as if it had not
+    /// stopped), checkpointing into `out`; `each` sees every step's log and every validation.
+    ///
+    /// # Errors
+    /// A feature shard or the checkpoint could not be read or written.
+    pub fn train(
+        &mut self,
+        target: &Target,
+        feats: &FeatureSet,
+        out: &Path,
+        stop_at: Option<usize>,
+        mut each: impl FnMut(&StepLog, Option<&ValLog>),
+    ) -> Result<()> {
+        let dev = device();
+        let head = self.head(target, &dev);
+        let (train, val) = split(feats.len(), self.config.val_seqs);
+        if train.is_empty() {
+            return Err(TrainError::Config("no training sequences".into()));
+        }
+        let decay = decays(&self.shape);
+        let cfg = self.config.clone();
+        let end = stop_at.map_or(cfg.optim.steps, |s| s.min(cfg.optim.steps));
+        while self.step < end {
+            let t0 = Instant::now();
+            let mut rng = Rng::new(cfg.seed, self.step as u64);
+            let mut examples = Vec::with_capacity(cfg.seqs_per_step);
+            for _ in 0..cfg.seqs_per_step {
+                let i = train[rng.below(train.len())];
+                let anchors = random_anchors(&mut rng, feats.seq_len(i), cfg.anchors);
+                if anchors.is_empty() {
+                    continue;
+                }
+                let ex = example(feats, i, anchors, &self.shape, target, &self.vocab, &cfg)?;
+                if !ex.targets.is_empty() {
+                    examples.push(ex);
+                }
+            }
+            let rows: usize = examples.iter().map(|e| e.targets.len()).sum();
+            let w = Weights::new(&self.shape, &self.params, &dev, true);
+            let (loss, grad_norm) = if examples.is_empty() {
+                (0.0, 0.0)
+            } else {
+                #[allow(clippy::cast_precision_loss, reason = "a handful of examples")]
+                let inv = 1.0 / examples.len() as f32;
+                let mut total: Option<Tensor<1>> = None;
+                for ex in &examples {
+                    let l = net::loss(&self.shape, &w, &head, ex, &dev).mul_scalar(inv);
+                    total = Some(match total {
+                        Some(t) => t + l,
+                        None => l,
+                    });
+                }
+                let total = total.unwrap_or_else(|| Tensor::zeros([1], &dev));
+                let loss = total.to_data().try_to_vec::<f32>().unwrap_or_default()[0];
+                let grads = total.backward();
+                let g: Vec<Vec<f32>> = w
+                    .t
+                    .iter()
+                    .zip(&self.params)
+                    .map(|(t, p)| t.grad(&grads).map_or_else(|| vec![0.0; p.len()], |g| host(&g)))
+                    .collect();
+                let norm = optim::step(
+                    &cfg.optim,
+                    self.step,
+                    &mut self.params,
+                    &g,
+                    &mut self.moments,
+                    &decay,
+                );
+                (loss, norm)
+            };
+            #[allow(clippy::cast_precision_loss, reason = "row counts are small")]
+            let rows_per_s = rows as f32 / t0.elapsed().as_secs_f32().max(1e-6);
+            let log = StepLog {
+                step: self.step,
+                loss,
+                lr: cfg.optim.lr_at(self.step),
+                grad_norm,
+                rows_per_s,
+            };
+            self.steps.push(log.clone());
+            self.step += 1;
+            let due = self.step % cfg.checkpoint_every.max(1) == 0 || self.step == cfg.optim.steps;
+            let val = if due {
+                let v = self.validate(target, feats, &val, &dev)?;
+                if let Some(v) = &v {
+                    self.vals.push(v.clone());
+                }
+                v
+            } else {
+                None
+            };
+            if due || self.step == end {
+                checkpoint::write(&out.join(checkpoint::FILE), &self.snapshot())?;
+            }
+            each(&log, val.as_ref());
+        }
+        Ok(())
+    }
+
+    fn snapshot(&self) -> Checkpoint {
+        Checkpoint {
+            config: self.config.clone(),
+            shape: self.shape.clone(),
+            target_sha256: self.target_sha256.clone(),
+            d2t: self.vocab.ids(),
+            step: self.step,
+            params: self.params.clone(),
+            moments: self.moments.clone(),
+            steps: self.steps.clone(),
+            vals: self.vals.clone(),
+        }
+    }
+
+    /// The drafter on the validation sequences: blocks every `B` positions.
+    fn validate(
+        &self,
+        target: &Target,
+        feats: &FeatureSet,
+        val: &[usize],
+        dev: &Device,
+    ) -> Result<Option<ValLog>> {
+        if val.is_empty() {
+            return Ok(None);
+        }
+        let inner = dev.clone().inner();
+        let w = Weights::new(&self.shape, &self.params, &inner, false);
+        let head = self.head(target, &inner);
+        let b = self.shape.block;
+        let mut hits = vec![0u64; b - 1];
+        let mut seen = vec![0u64; b - 1];
+        let (mut accepted, mut blocks) = (0u64, 0u64);
+        let (mut loss_sum, mut loss_n) = (0f64, 0u64);
+        for &i in val {
+            let len = feats.seq_len(i);
+            if len < 3 {
+                continue;
+            }
+            let anchors: Vec<usize> = (1..len - 1).step_by(b).collect();
+            let ex = example(feats, i, anchors.clone(), &self.shape, target, &self.vocab, &self.config)?;
+            let seq = read_seq(feats, i, self.config.labels)?;
+            let hidden = net::forward_hidden(&self.shape, &w, &ex, &inner);
+            let logits = net::logits(hidden, &head);
+            let [rows, k] = logits.dims();
+            let data = logits.to_data().try_to_vec::<f32>().unwrap_or_default();
+            for (bi, &a) in anchors.iter().enumerate() {
+                let mut run = true;
+                let mut got = 0u64;
+                for kk in 1..b {
+                    let Some(Some(label)) = seq.labels.get(a + kk - 1) else {
+                        break;
+                    };
+                    let r = bi * b + kk;
+                    if r >= rows {
+                        break;
+                    }
+                    let row = &data[r * k..(r + 1) * k];
+                    let arg = argmax(row);
+                    let ok = self.vocab.draft_id(*label) == Some(arg);
+                    seen[kk - 1] += 1;
+                    if ok {
+                        hits[kk - 1] += 1;
+                    }
+                    if run && ok {
+                        got += 1;
+                    } else {
+                        run = false;
+                    }
+                    if let Some(d) = self.vocab.draft_id(*label) {
+                        loss_sum += f64::from(log_sum_exp(row) - row[d]);
+                        loss_n += 1;
+                    }
+                }
+                accepted += got;
+                blocks += 1;
+            }
+        }
+        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, reason = "ratios")]
+        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { (a as f64 / b as f64) as f32 };
+        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, reason = "a mean")]
+        let mean_loss = if loss_n == 0 { 0.0 } else { (loss_sum / loss_n as f64) as f32 };
+        Ok(Some(ValLog {
+            step: self.step,
+            loss: mean_loss,
+            accuracy: hits.iter().zip(&seen).map(|(&h, &s)| ratio(h, s)).collect(),
+            tau: 1.0 + ratio(accepted, blocks),
+        }))
+    }
+}
+
+fn argmax(row: &[f32]) -> usize {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best
+}
+
+fn log_sum_exp(row: &[f32]) -> f32 {
+    let m = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    m + row.iter().map(|&x| (x - m).exp()).sum::<f32>().ln()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn anchors_are_distinct_sorted_and_leave_room_for_a_label() {
+        let mut rng = Rng::new(3, 0);
+        for len in [3, 5, 40, 512] {
+            let a = random_anchors(&mut rng, len, 16);
+            assert!(a.windows(2).all(|w| w[0] < w[1]), "{a:?}");
+            assert!(a.iter().all(|&x| x >= 1 && x + 1 < len), "{len}: {a:?}");
+            assert_eq!(a.len(), 16.min(len - 2));
+        }
+        assert!(random_anchors(&mut rng, 2, 4).is_empty());
+    }
+
+    #[test]
+    fn validation_sequences_are_spread_and_disjoint() {
+        let (t, v) = split(100, 10);
+        assert_eq!(v, (0..10).map(|i| 10 * i + 9).collect::<Vec<_>>());
+        assert_eq!(t.len(), 90);
+        assert!(t.iter().all(|i| !v.contains(i)));
+        let (t, v) = split(3, 16);
+        assert_eq!((t.len(), v.len()), (2, 1));
+        assert_eq!(split(1, 4), (vec![0], vec![]));
+    }
+}

@@ -1,0 +1,354 @@
+//! Reading what `specula extract` wrote: `manifest.json` and its shards.
+//!
+//! Shard layout (little-endian, as `crates/cli/src/extract.rs` writes it): `SPECFEAT`, u32
+//! version (1), u32 sequences, u64 tokens, u32 width (taps × n_embd), u32 k; per sequence its
+//! u32 length; every token's u32 id; every token's `width` f16 features; every token's `k`
+//! pairs (u32 id, f32 logit). Every shard's sha256 is checked against the manifest when the
+//! set is opened; a sequence's rows are then read straight from its file.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+use crate::{Result, TrainError};
+
+const MAGIC: &[u8; 8] = b"SPECFEAT";
+const HEADER: u64 = 8 + 4 + 4 + 8 + 4 + 4;
+
+/// The fields of `manifest.json` the trainer needs.
+#[derive(Clone, Debug, Deserialize)]
+pub struct Manifest {
+    /// `specula-features`.
+    pub format: String,
+    /// The target the features are of.
+    pub target: ManifestTarget,
+    /// Taps in the layer-input convention (DFlash's `target_layers`).
+    pub taps: Vec<usize>,
+    /// Files left out for evaluation.
+    pub held_out: Vec<String>,
+    /// The shards written so far.
+    pub shards: Vec<ManifestShard>,
+}
+
+/// The target recorded in the manifest.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ManifestTarget {
+    /// sha256 of the target GGUF.
+    pub sha256: String,
+    /// Hidden size.
+    pub n_embd: usize,
+    /// Vocabulary size.
+    pub n_vocab: usize,
+}
+
+/// One shard entry.
+#[derive(Clone, Debug, Deserialize)]
+pub struct ManifestShard {
+    /// File name inside the directory.
+    pub file: String,
+    /// sha256 of the file.
+    pub sha256: String,
+}
+
+#[derive(Debug)]
+struct Shard {
+    path: PathBuf,
+    /// Per sequence: (token offset in the shard, length).
+    seqs: Vec<(u64, usize)>,
+    tokens: u64,
+    width: usize,
+    /// Top-k pairs per token.
+    k: usize,
+    ids_at: u64,
+    feats_at: u64,
+}
+
+/// Where one sequence lives.
+#[derive(Clone, Copy, Debug)]
+struct SeqRef {
+    shard: usize,
+    index: usize,
+}
+
+/// The features of a directory, every shard checked.
+#[derive(Debug)]
+pub struct FeatureSet {
+    /// The directory's manifest.
+    pub manifest: Manifest,
+    /// Width of one feature row as read (`taps × n_embd` of the selected taps).
+    pub width: usize,
+    /// The taps read, in the order their rows are laid side by side.
+    pub taps: Vec<usize>,
+    /// Index in the manifest's taps of each tap read.
+    cols: Vec<usize>,
+    shards: Vec<Shard>,
+    seqs: Vec<SeqRef>,
+}
+
+fn bad(path: &Path, detail: impl Into<String>) -> TrainError {
+    TrainError::Features {
+        path: path.to_owned(),
+        detail: detail.into(),
+    }
+}
+
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+fn usize_of(v: u64, path: &Path) -> Result<usize> {
+    usize::try_from(v).map_err(|_| bad(path, format!("size {v} does not fit this machine")))
+}
+
+impl FeatureSet {
+    /// Opens `dir`, checking its manifest and every shard (sha256, header, sizes).
+    ///
+    /// # Errors
+    /// A missing or malformed manifest, a shard whose bytes are not the manifest's, or whose
+    /// header disagrees with the manifest or with its own size.
+    pub fn open(dir: &Path) -> Result<Self> {
+        let mpath = dir.join("manifest.json");
+        let text = std::fs::read(&mpath).map_err(|e| TrainError::Io {
+            path: mpath.clone(),
+            source: e,
+        })?;
+        let manifest: Manifest = serde_json::from_slice(&text)
+            .map_err(|e| bad(&mpath, format!("not a features manifest: {e}")))?;
+        if manifest.format != "specula-features" {
+            return Err(bad(
+                &mpath,
+                format!("format `{}`, not specula-features", manifest.format),
+            ));
+        }
+        if manifest.shards.is_empty() {
+            return Err(bad(&mpath, "no shards yet (run `specula extract` first)"));
+        }
+        let width = manifest.taps.len() * manifest.target.n_embd;
+        let mut shards = Vec::with_capacity(manifest.shards.len());
+        let mut seqs = Vec::new();
+        for entry in &manifest.shards {
+            let path = dir.join(&entry.file);
+            let io = |e| TrainError::Io {
+                path: path.clone(),
+                source: e,
+            };
+            let mut f = File::open(&path).map_err(io)?;
+            let mut h = Sha256::new();
+            std::io::copy(&mut f, &mut h).map_err(io)?;
+            let got: String = h.finalize().iter().map(|b| format!("{b:02x}")).collect();
+            if got != entry.sha256 {
+                return Err(bad(
+                    &path,
+                    "its sha256 is not the manifest's (a damaged or replaced shard)",
+                ));
+            }
+            let len = f.metadata().map_err(io)?.len();
+            f.seek(SeekFrom::Start(0)).map_err(io)?;
+            let mut head = [0u8; 32];
+            f.read_exact(&mut head)
+                .map_err(|_| bad(&path, "shorter than a shard header"))?;
+            if &head[..8] != MAGIC || u32_at(&head, 8) != 1 {
+                return Err(bad(&path, "not a version-1 SPECFEAT shard"));
+            }
+            let n = u32_at(&head, 12) as usize;
+            let tokens = u64::from_le_bytes(head[16..24].try_into().unwrap_or([0; 8]));
+            let w = u32_at(&head, 24) as usize;
+            let k = u64::from(u32_at(&head, 28));
+            if w != width {
+                return Err(bad(
+                    &path,
+                    format!("rows of {w} values, the manifest's taps give {width}"),
+                ));
+            }
+            let mut lens = vec![0u8; n * 4];
+            f.read_exact(&mut lens)
+                .map_err(|_| bad(&path, "truncated sequence lengths"))?;
+            let ids_at = HEADER + 4 * n as u64;
+            let feats_at = ids_at + 4 * tokens;
+            let want = feats_at + tokens * (2 * w as u64 + 8 * k);
+            if want != len {
+                return Err(bad(
+                    &path,
+                    format!("{len} bytes, its header describes {want}"),
+                ));
+            }
+            let mut off = 0u64;
+            let mut these = Vec::with_capacity(n);
+            for i in 0..n {
+                let l = u32_at(&lens, 4 * i) as usize;
+                these.push((off, l));
+                off += l as u64;
+            }
+            if off != tokens {
+                return Err(bad(
+                    &path,
+                    format!("sequence lengths sum to {off}, the header says {tokens}"),
+                ));
+            }
+            let k_pairs = usize_of(k, &path)?;
+            let shard = shards.len();
+            seqs.extend((0..n).map(|index| SeqRef { shard, index }));
+            shards.push(Shard {
+                path,
+                seqs: these,
+                tokens,
+                width: w,
+                k: k_pairs,
+                ids_at,
+                feats_at,
+            });
+        }
+        let taps = manifest.taps.clone();
+        Ok(Self {
+            cols: (0..taps.len()).collect(),
+            taps,
+            manifest,
+            width,
+            shards,
+            seqs,
+        })
+    }
+
+    /// Reads only `taps` (each one the manifest has), side by side in this order.
+    ///
+    /// # Errors
+    /// A tap the features do not hold, or none.
+    pub fn select_taps(&mut self, taps: &[usize]) -> Result<()> {
+        let mpath = PathBuf::from("manifest.json");
+        if taps.is_empty() {
+            return Err(bad(&mpath, "no taps asked for"));
+        }
+        let cols = taps
+            .iter()
+            .map(|t| {
+                self.manifest.taps.iter().position(|m| m == t).ok_or_else(|| {
+                    bad(
+                        &mpath,
+                        format!("tap {t} was not extracted (the features hold {:?})", self.manifest.taps),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.width = cols.len() * self.manifest.target.n_embd;
+        self.cols = cols;
+        self.taps = taps.to_vec();
+        Ok(())
+    }
+
+    /// Number of sequences.
+    #[must_use]
+    pub fn len(&self) -> usize {
+        self.seqs.len()
+    }
+
+    /// Whether there is no sequence.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.seqs.is_empty()
+    }
+
+    /// Tokens of sequence `i`.
+    #[must_use]
+    pub fn seq_len(&self, i: usize) -> usize {
+        let r = self.seqs[i];
+        self.shards[r.shard].seqs[r.index].1
+    }
+
+    /// Total tokens.
+    #[must_use]
+    pub fn n_tokens(&self) -> u64 {
+        self.shards.iter().map(|s| s.tokens).sum()
+    }
+
+    /// Token ids of sequence `i`.
+    ///
+    /// # Errors
+    /// The shard could not be read.
+    pub fn ids(&self, i: usize) -> Result<Vec<u32>> {
+        let r = self.seqs[i];
+        let s = &self.shards[r.shard];
+        let (off, len) = s.seqs[r.index];
+        let bytes = read_at(&s.path, s.ids_at + 4 * off, 4 * len)?;
+        Ok(bytes.chunks_exact(4).map(|c| u32_at(c, 0)).collect())
+    }
+
+    /// Feature rows of sequence `i` (`len × width` values of the selected taps, f32 of the
+    /// stored f16).
+    ///
+    /// # Errors
+    /// The shard could not be read.
+    pub fn features(&self, i: usize) -> Result<Vec<f32>> {
+        let r = self.seqs[i];
+        let s = &self.shards[r.shard];
+        let (off, len) = s.seqs[r.index];
+        let row = 2 * s.width as u64;
+        let bytes = read_at(&s.path, s.feats_at + row * off, len * s.width * 2)?;
+        let e = self.manifest.target.n_embd;
+        let mut out = Vec::with_capacity(len * self.width);
+        for r in bytes.chunks_exact(2 * s.width) {
+            for &c in &self.cols {
+                out.extend(
+                    r[2 * c * e..2 * (c + 1) * e]
+                        .chunks_exact(2)
+                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+                );
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether every shard holds the target's top logits.
+    #[must_use]
+    pub fn has_top_k(&self) -> bool {
+        self.shards.iter().all(|s| s.k > 0)
+    }
+
+    /// The target's most likely next token after each token of sequence `i` (its top-1 of the
+    /// stored top-k), or `None` when the shards hold no logits.
+    ///
+    /// # Errors
+    /// The shard could not be read.
+    pub fn target_top1(&self, i: usize) -> Result<Option<Vec<u32>>> {
+        let r = self.seqs[i];
+        let s = &self.shards[r.shard];
+        if s.k == 0 {
+            return Ok(None);
+        }
+        let (off, len) = s.seqs[r.index];
+        let pair = 8 * s.k as u64;
+        let at = s.feats_at + s.tokens * 2 * s.width as u64 + pair * off;
+        let bytes = read_at(&s.path, at, len * 8 * s.k)?;
+        Ok(Some(
+            bytes.chunks_exact(8 * s.k).map(|c| u32_at(c, 0)).collect(),
+        ))
+    }
+
+    /// Every token id of every sequence (for the draft vocabulary).
+    ///
+    /// # Errors
+    /// A shard could not be read.
+    pub fn all_ids(&self) -> Result<Vec<u32>> {
+        let mut out = Vec::new();
+        for s in &self.shards {
+            let n = usize_of(s.tokens, &s.path)?;
+            let bytes = read_at(&s.path, s.ids_at, 4 * n)?;
+            out.extend(bytes.chunks_exact(4).map(|c| u32_at(c, 0)));
+        }
+        Ok(out)
+    }
+}
+
+fn read_at(path: &Path, at: u64, n: usize) -> Result<Vec<u8>> {
+    let io = |e| TrainError::Io {
+        path: path.to_owned(),
+        source: e,
+    };
+    let mut f = File::open(path).map_err(io)?;
+    f.seek(SeekFrom::Start(at)).map_err(io)?;
+    let mut buf = vec![0u8; n];
+    f.read_exact(&mut buf).map_err(io)?;
+    Ok(buf)
+}

@@ -1,0 +1,277 @@
+//! The DFlash draft network in burn, for training: the same graph `specula-models`' `Dflash`
+//! runs at inference (fc → RMSNorm encoder shared by every layer; Qwen3-style layers whose
+//! block queries see the injected context keys before the anchor and every key of their own
+//! block, non-causal; final norm; the frozen target head over the draft vocabulary), with many
+//! blocks of one sequence in one forward.
+//!
+//! Parameters are host vectors in GGUF memory order (a matrix `[ne0 = in, ne1 = out]` is `out`
+//! rows of `in` values), named as the GGUF names them, so export is a copy.
+
+use burn::tensor::activation::{log_softmax, silu, softmax};
+use burn::tensor::{Device, Int, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+
+/// The drafter's shape.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DraftShape {
+    /// Draft layers.
+    pub n_layer: usize,
+    /// Hidden size (the target's: the embedding is borrowed).
+    pub n_embd: usize,
+    /// Feed-forward size.
+    pub n_ff: usize,
+    /// Query heads.
+    pub n_head: usize,
+    /// K/V heads.
+    pub n_head_kv: usize,
+    /// Head size (every dimension rotated, NeoX pairs).
+    pub head_dim: usize,
+    /// RoPE θ.
+    pub rope_base: f32,
+    /// RMSNorm ε.
+    pub rms_eps: f32,
+    /// Target taps (layer-input convention).
+    pub taps: Vec<usize>,
+    /// The target's hidden size.
+    pub n_embd_target: usize,
+    /// Block size `B`.
+    pub block: usize,
+    /// The MASK token.
+    pub mask: u32,
+}
+
+impl DraftShape {
+    /// Width of one feature row.
+    #[must_use]
+    pub fn width(&self) -> usize {
+        self.taps.len() * self.n_embd_target
+    }
+
+    /// Every parameter: GGUF name and dims (`[ne0, ne1]` for matrices, `[n]` for norms).
+    #[must_use]
+    pub fn params(&self) -> Vec<(String, Vec<usize>)> {
+        let (e, f, hd) = (self.n_embd, self.n_ff, self.head_dim);
+        let (q, kv) = (self.n_head * hd, self.n_head_kv * hd);
+        let mut p = vec![
+            ("fc.weight".to_owned(), vec![self.width(), e]),
+            ("enc.output_norm.weight".to_owned(), vec![e]),
+            ("output_norm.weight".to_owned(), vec![e]),
+        ];
+        for i in 0..self.n_layer {
+            let n = |s: &str| format!("blk.{i}.{s}.weight");
+            p.extend([
+                (n("attn_norm"), vec![e]),
+                (n("attn_q"), vec![e, q]),
+                (n("attn_k"), vec![e, kv]),
+                (n("attn_v"), vec![e, kv]),
+                (n("attn_output"), vec![q, e]),
+                (n("attn_q_norm"), vec![hd]),
+                (n("attn_k_norm"), vec![hd]),
+                (n("ffn_norm"), vec![e]),
+                (n("ffn_gate"), vec![e, f]),
+                (n("ffn_up"), vec![e, f]),
+                (n("ffn_down"), vec![f, e]),
+            ]);
+        }
+        p
+    }
+}
+
+/// One training example: blocks at several anchors of one sequence.
+#[derive(Clone, Debug)]
+pub struct Example {
+    /// Context rows (features of positions `0..n_ctx`), `n_ctx × width`.
+    pub ctx: Vec<f32>,
+    /// Context rows.
+    pub n_ctx: usize,
+    /// Anchor positions, one block each.
+    pub anchors: Vec<usize>,
+    /// Block embeddings, `anchors.len() · B × n_embd` (anchor row, then MASK rows).
+    pub block_embd: Vec<f32>,
+    /// Loss rows: (row in the blocks, draft-vocabulary target, weight).
+    pub targets: Vec<(usize, usize, f32)>,
+}
+
+fn tensor2(v: Vec<f32>, shape: [usize; 2], dev: &Device) -> Tensor<2> {
+    Tensor::from_data(TensorData::new(v, shape), dev)
+}
+
+fn tensor3(v: Vec<f32>, shape: [usize; 3], dev: &Device) -> Tensor<3> {
+    Tensor::from_data(TensorData::new(v, shape), dev)
+}
+
+/// `x · rsqrt(mean(x²) + ε) · w` over the last dimension.
+fn rms_norm<const D: usize>(x: Tensor<D>, w: Tensor<D>, eps: f32) -> Tensor<D> {
+    let ms = (x.clone() * x.clone()).mean_dim(D - 1);
+    x * ms.add_scalar(eps).sqrt().recip() * w
+}
+
+/// NeoX RoPE tables `[rows, 1, hd]` for `positions`.
+fn rope_tables(positions: &[usize], hd: usize, base: f32, dev: &Device) -> (Tensor<3>, Tensor<3>) {
+    let half = hd / 2;
+    let mut cos = Vec::with_capacity(positions.len() * hd);
+    let mut sin = Vec::with_capacity(positions.len() * hd);
+    for &p in positions {
+        for i in 0..hd {
+            #[allow(
+                clippy::cast_precision_loss,
+                reason = "positions and head dims are far below 2^24"
+            )]
+            let theta = (p as f64) * f64::from(base).powf(-2.0 * ((i % half) as f64) / hd as f64);
+            #[allow(clippy::cast_possible_truncation, reason = "f32 tables")]
+            {
+                cos.push(theta.cos() as f32);
+                sin.push(theta.sin() as f32);
+            }
+        }
+    }
+    let n = positions.len();
+    (
+        tensor3(cos, [n, 1, hd], dev),
+        tensor3(sin, [n, 1, hd], dev),
+    )
+}
+
+/// `x·cos + rotate_half(x)·sin` on `[rows, heads, hd]`.
+fn rope(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
+    let hd = x.dims()[2];
+    let x1 = x.clone().narrow(2, 0, hd / 2);
+    let x2 = x.clone().narrow(2, hd / 2, hd / 2);
+    let rot = Tensor::cat(vec![x2.neg(), x1], 2);
+    x * cos.clone() + rot * sin.clone()
+}
+
+/// The parameters as burn tensors (`[out, in]` matrices, `[1, n]` norms).
+#[derive(Debug, Clone)]
+pub struct Weights {
+    /// In [`DraftShape::params`] order.
+    pub t: Vec<Tensor<2>>,
+}
+
+impl Weights {
+    /// Tensors of `host` (in [`DraftShape::params`] order); tracked for gradients if `grad`.
+    #[must_use]
+    pub fn new(shape: &DraftShape, host: &[Vec<f32>], dev: &Device, grad: bool) -> Self {
+        let t = shape
+            .params()
+            .iter()
+            .zip(host)
+            .map(|((_, dims), v)| {
+                let s = if dims.len() == 2 {
+                    [dims[1], dims[0]]
+                } else {
+                    [1, dims[0]]
+                };
+                let t = tensor2(v.clone(), s, dev);
+                if grad { t.require_grad() } else { t }
+            })
+            .collect();
+        Self { t }
+    }
+}
+
+/// The block hidden states after the final norm, `[blocks · B, n_embd]`.
+#[must_use]
+pub fn forward_hidden(shape: &DraftShape, w: &Weights, ex: &Example, dev: &Device) -> Tensor<2> {
+    let (e, hd, b) = (shape.n_embd, shape.head_dim, shape.block);
+    let (nh, nkv) = (shape.n_head, shape.n_head_kv);
+    let g = nh / nkv;
+    let nb = ex.anchors.len() * b;
+    let nc = ex.n_ctx;
+    let eps = shape.rms_eps;
+
+    let feats = tensor2(ex.ctx.clone(), [nc, shape.width()], dev);
+    let ctx = rms_norm(
+        feats.matmul(w.t[0].clone().transpose()),
+        w.t[1].clone(),
+        eps,
+    );
+    let mut x = tensor2(ex.block_embd.clone(), [nb, e], dev);
+
+    let ctx_pos: Vec<usize> = (0..nc).collect();
+    let blk_pos: Vec<usize> = ex
+        .anchors
+        .iter()
+        .flat_map(|&a| a..a + b)
+        .collect();
+    let (cos_c, sin_c) = rope_tables(&ctx_pos, hd, shape.rope_base, dev);
+    let (cos_b, sin_b) = rope_tables(&blk_pos, hd, shape.rope_base, dev);
+    // Block i's rows see context keys before its anchor and every key of block i.
+    let nk = nc + nb;
+    let mut bias = vec![-1e9f32; g * nb * nk];
+    for j in 0..g {
+        for (bi, &a) in ex.anchors.iter().enumerate() {
+            for r in bi * b..(bi + 1) * b {
+                let row = &mut bias[(j * nb + r) * nk..(j * nb + r + 1) * nk];
+                row[..a.min(nc)].fill(0.0);
+                row[nc + bi * b..nc + (bi + 1) * b].fill(0.0);
+            }
+        }
+    }
+    let bias = tensor3(bias, [1, g * nb, nk], dev);
+    #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
+    let scale = 1.0 / (hd as f32).sqrt();
+
+    for l in 0..shape.n_layer {
+        let p = &w.t[3 + 11 * l..3 + 11 * (l + 1)];
+        let lin = |x: Tensor<2>, i: usize| x.matmul(p[i].clone().transpose());
+        let qn = p[5].clone().reshape([1, 1, hd]);
+        let kn = p[6].clone().reshape([1, 1, hd]);
+
+        let h = rms_norm(x.clone(), p[0].clone(), eps);
+        let q = rms_norm(lin(h.clone(), 1).reshape([nb, nh, hd]), qn, eps);
+        let q = rope(q, &cos_b, &sin_b);
+        let kc = rms_norm(lin(ctx.clone(), 2).reshape([nc, nkv, hd]), kn.clone(), eps);
+        let kc = rope(kc, &cos_c, &sin_c);
+        let kb = rms_norm(lin(h.clone(), 2).reshape([nb, nkv, hd]), kn, eps);
+        let kb = rope(kb, &cos_b, &sin_b);
+        let vc = lin(ctx.clone(), 3).reshape([nc, nkv, hd]);
+        let vb = lin(h, 3).reshape([nb, nkv, hd]);
+        let k = Tensor::cat(vec![kc, kb], 0).swap_dims(0, 1); // [nkv, nk, hd]
+        let v = Tensor::cat(vec![vc, vb], 0).swap_dims(0, 1);
+        // Heads kv·g .. kv·g + g − 1 share K/V head kv: stack their queries.
+        let q = q.swap_dims(0, 1).reshape([nkv, g * nb, hd]);
+        let s = q.matmul(k.swap_dims(1, 2)).mul_scalar(scale) + bias.clone();
+        let o = softmax(s, 2).matmul(v); // [nkv, g·nb, hd]
+        let o = o.reshape([nh, nb, hd]).swap_dims(0, 1).reshape([nb, nh * hd]);
+        x = x + lin(o, 4);
+
+        let h = rms_norm(x.clone(), p[7].clone(), eps);
+        let act = silu(lin(h.clone(), 8)) * lin(h, 9);
+        x = x + lin(act, 10);
+    }
+    rms_norm(x, w.t[2].clone(), eps)
+}
+
+/// Draft-vocabulary logits `[blocks · B, K]` through the frozen `head` (`[K, n_embd]`).
+#[must_use]
+pub fn logits(hidden: Tensor<2>, head: &Tensor<2>) -> Tensor<2> {
+    hidden.matmul(head.clone().transpose())
+}
+
+/// DFlash's position-decayed block loss: `Σ w·(−log p(target)) / Σ w` over the example's
+/// loss rows.
+#[must_use]
+pub fn loss(
+    shape: &DraftShape,
+    w: &Weights,
+    head: &Tensor<2>,
+    ex: &Example,
+    dev: &Device,
+) -> Tensor<1> {
+    let hidden = forward_hidden(shape, w, ex, dev);
+    let m = ex.targets.len();
+    let rows: Vec<i64> = ex.targets.iter().map(|t| to_i64(t.0)).collect();
+    let tgt: Vec<i64> = ex.targets.iter().map(|t| to_i64(t.1)).collect();
+    let wsum: f32 = ex.targets.iter().map(|t| t.2).sum();
+    let wts: Vec<f32> = ex.targets.iter().map(|t| t.2 / wsum).collect();
+    let rows = Tensor::<1, Int>::from_data(TensorData::new(rows, [m]), dev);
+    let tgt = Tensor::<2, Int>::from_data(TensorData::new(tgt, [m, 1]), dev);
+    let wts = tensor2(wts, [m, 1], dev);
+    let lp = log_softmax(logits(hidden.select(0, rows), head), 1);
+    (lp.gather(1, tgt) * wts).sum().neg()
+}
+
+fn to_i64(v: usize) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
