@@ -13,7 +13,7 @@ use crate::util::{Steps, cargo, display, run_cmd, succeeds};
 use crate::{CiArgs, FuzzArgs, fuzz};
 
 pub fn run(args: &CiArgs) -> Result<()> {
-    let mut steps = Steps::new(7);
+    let mut steps = Steps::new(8);
     steps.step("fmt", || {
         run_cmd(&mut cargo(["fmt", "--all", "--", "--check"]))?;
         run_cmd(&mut cargo([
@@ -46,6 +46,19 @@ pub fn run(args: &CiArgs) -> Result<()> {
             "--",
             "-D",
             "warnings",
+        ]))?;
+        // The CLI with drafter training (burn) compiled in.
+        run_cmd(&mut cargo([
+            "clippy",
+            "-p",
+            "specula-cli",
+            "--features",
+            "train",
+            "--all-targets",
+            "--locked",
+            "--",
+            "-D",
+            "warnings",
         ]))
     })?;
     steps.step("tests", || {
@@ -72,6 +85,22 @@ pub fn run(args: &CiArgs) -> Result<()> {
                 "--show-output",
             ]))
         }
+    })?;
+    steps.step("train smoke", || {
+        // `specula train` exists only with the `train` feature, which `--workspace` leaves
+        // off: its end-to-end test (extract, train, resume, export, draft losslessly) here.
+        run_cmd(&mut cargo([
+            "test",
+            "-p",
+            "specula-cli",
+            "--features",
+            "train",
+            "--locked",
+            "--test",
+            "train",
+            "--",
+            "--show-output",
+        ]))
     })?;
     // nextest does not run doctests; plain `cargo test` ran them above, but twice is cheap.
     steps.step("doctests", || {

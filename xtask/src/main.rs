@@ -9,6 +9,8 @@
 //! - `cargo xtask bench server` — load on `specula serve`: concurrent streams, `-np 4` vs 1.
 //! - `cargo xtask e2e` — the official `openai` Python client against `specula serve`.
 //! - `cargo xtask bench spec` — speculative against plain decoding over a mixed prompt set.
+//! - `cargo xtask exp spec` — train drafters on the target's hidden states and measure what
+//!   each speculative method saves (the paper-style experiment).
 //!
 //! The alias in `.cargo/config.toml` builds this crate into `target/xtask`, so running a chore
 //! never invalidates the workspace build.
@@ -18,6 +20,7 @@ mod bench_server;
 mod bench_spec;
 mod ci;
 mod e2e;
+mod exp_spec;
 mod fuzz;
 mod golden;
 mod http;
@@ -53,6 +56,50 @@ enum Task {
     Bench(BenchTask),
     /// The official `openai` Python client against `specula serve` (needs Python and PyPI).
     E2e(E2eArgs),
+    /// Experiments (results in `benches/results/`).
+    #[command(subcommand)]
+    Exp(ExpTask),
+}
+
+/// The experiments of `cargo xtask exp`.
+#[derive(Debug, Subcommand)]
+enum ExpTask {
+    /// Train DFlash and EAGLE-3 drafters on the target's hidden states and measure τ and
+    /// tokens/s of every speculative method on held-out code and prose (resumable).
+    Spec(ExpSpecArgs),
+}
+
+/// Options of `cargo xtask exp spec`.
+#[derive(Debug, Args)]
+struct ExpSpecArgs {
+    /// Target (manifest model name).
+    #[arg(long, default_value = "smollm2-135m")]
+    target: String,
+    /// The code corpus: a Python standard library directory (its top-level modules); default
+    /// that of the `python3` on PATH.
+    #[arg(long)]
+    code_dir: Option<PathBuf>,
+    /// Feature shards to extract (64 sequences of 512 tokens each).
+    #[arg(long, default_value_t = 6)]
+    shards: usize,
+    /// DFlash training steps.
+    #[arg(long, default_value_t = 1200)]
+    steps: usize,
+    /// EAGLE-3 training steps.
+    #[arg(long, default_value_t = 400)]
+    eagle_steps: usize,
+    /// Prompts per held-out file.
+    #[arg(long, default_value_t = 2)]
+    prompts_per_file: usize,
+    /// Characters per prompt (cut at a line end).
+    #[arg(long, default_value_t = 1200)]
+    prompt_chars: usize,
+    /// Tokens generated per prompt.
+    #[arg(short = 'n', long, default_value_t = 128)]
+    n: usize,
+    /// Threads.
+    #[arg(short = 't', long, default_value_t = 2)]
+    threads: usize,
 }
 
 /// Options of `cargo xtask e2e`.
@@ -219,6 +266,7 @@ fn main() -> ExitCode {
         Task::Bench(BenchTask::Kv(args)) => bench::run(&args),
         Task::Bench(BenchTask::Server(args)) => bench_server::run(&args),
         Task::E2e(args) => e2e::run(&args),
+        Task::Exp(ExpTask::Spec(args)) => exp_spec::run(&args),
         Task::Bench(BenchTask::Spec(args)) => bench_spec::run(&args),
     };
     match result {

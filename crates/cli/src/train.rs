@@ -1,6 +1,6 @@
-//! `specula train dflash`: a DFlash drafter learnt from the target's own hidden states (what
-//! `specula extract` wrote), exported as GGUF drafters that `specula run --dflash -md` and
-//! llama.cpp load.
+//! `specula train dflash|eagle3`: a DFlash drafter or an EAGLE-3 head learnt from the target's
+//! own hidden states (what `specula extract` wrote), exported as GGUF drafters that
+//! `specula run -md` and llama.cpp load.
 //!
 //! The trainer is `specula-train` (burn); this binary carries it only when built with the
 //! `train` feature (`cargo build --release -p specula-cli --features train`), so the rest of the
@@ -20,6 +20,9 @@ use anyhow::Result;
 pub enum Kind {
     /// DFlash: a block of MASK tokens drafted in one forward over the target's taps.
     Dflash,
+    /// EAGLE-3: a one-layer head chained in feature space, trained with the training-time
+    /// test (three taps).
+    Eagle3,
 }
 
 /// Arguments of `specula train`.
@@ -40,7 +43,7 @@ pub struct Args {
     /// Continue the run whose checkpoint is in `--out` (its settings must be these).
     #[arg(long = "resume")]
     pub resume: bool,
-    /// Draft layers.
+    /// Draft layers (DFlash; an EAGLE-3 head has one).
     #[arg(long = "layers", default_value_t = 1)]
     pub layers: usize,
     /// Block size (the anchor and block − 1 drafted positions).
@@ -56,7 +59,10 @@ pub struct Args {
     /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %).
     #[arg(long = "lr", default_value_t = 1e-3)]
     pub lr: f32,
-    /// Blocks per sequence per step (random anchors).
+    /// EAGLE-3: training-time-test unroll steps (the head fed its own outputs).
+    #[arg(long = "ttt-steps", default_value_t = 3)]
+    pub ttt_steps: usize,
+    /// Blocks per sequence per step (random anchors; DFlash).
     #[arg(long = "anchors", default_value_t = 64)]
     pub anchors: usize,
     /// Sequences per step.
@@ -113,11 +119,13 @@ pub fn run(args: &Args) -> Result<String> {
 mod imp {
     use std::fmt::Write as _;
     use std::io::Write as _;
+    use std::path::Path;
 
     use anyhow::{Context, Result, bail};
     use indicatif::{ProgressBar, ProgressStyle};
-    use specula_train::dflash::{DflashConfig, Labels, Run};
-    use specula_train::export::{ExportType, write_dflash};
+    use specula_train::dflash::{DflashConfig, Labels, Run, StepLog, ValLog};
+    use specula_train::eagle3::{Eagle3Config, Eagle3Run};
+    use specula_train::export::{ExportType, write_dflash, write_eagle3};
     use specula_train::features::FeatureSet;
     use specula_train::plot::{Series, line_chart};
     use specula_train::target::Target;
@@ -126,7 +134,6 @@ mod imp {
     use crate::load;
 
     pub fn run(args: &Args) -> Result<String> {
-        let Kind::Dflash = args.kind;
         let types = args
             .export
             .iter()
@@ -141,50 +148,197 @@ mod imp {
         if !args.taps.is_empty() {
             feats.select_taps(&args.taps)?;
         }
-        let mut cfg = DflashConfig::new(args.steps);
-        cfg.n_layer = args.layers;
-        cfg.block = args.block;
-        cfg.draft_vocab = args.draft_vocab;
-        cfg.anchors = args.anchors;
-        cfg.seqs_per_step = args.seqs_per_step;
-        cfg.gamma = args.gamma;
-        cfg.labels = if args.labels == "corpus" {
+        let labels = if args.labels == "corpus" {
             Labels::Corpus
         } else {
             Labels::Target
         };
-        cfg.mask = args.mask_token;
-        cfg.seed = args.seed;
-        cfg.optim.lr = args.lr;
-        cfg.checkpoint_every = args.checkpoint_every;
-        cfg.val_seqs = args.val_seqs;
         std::fs::create_dir_all(&args.out)
             .with_context(|| format!("creating {}", args.out.display()))?;
-        let mut run = Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
-        let done_before = run.step;
+        let stem = path
+            .file_stem()
+            .map_or_else(|| "target".into(), |s| s.to_string_lossy().into_owned());
+        let mut out = String::new();
+        match args.kind {
+            Kind::Dflash => {
+                let mut cfg = DflashConfig::new(args.steps);
+                cfg.n_layer = args.layers;
+                cfg.block = args.block;
+                cfg.draft_vocab = args.draft_vocab;
+                cfg.anchors = args.anchors;
+                cfg.seqs_per_step = args.seqs_per_step;
+                cfg.gamma = args.gamma;
+                cfg.labels = labels;
+                cfg.mask = args.mask_token;
+                cfg.seed = args.seed;
+                cfg.optim.lr = args.lr;
+                cfg.checkpoint_every = args.checkpoint_every;
+                cfg.val_seqs = args.val_seqs;
+                let mut run = Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
+                let before = run.step;
+                drive(
+                    args,
+                    &run.steps.clone(),
+                    &run.vals.clone(),
+                    run.step,
+                    |each| run.train(&target, &feats, &args.out, args.stop_at, each),
+                )?;
+                let title = format!(
+                    "DFlash drafter: {} layer(s), block {}, vocabulary {}",
+                    run.shape.n_layer,
+                    run.shape.block,
+                    run.vocab.len()
+                );
+                write_plot(&title, &run.steps, &run.vals, &args.out.join("loss.svg"))?;
+                if stopped(&mut out, run.step, args) {
+                    return Ok(out);
+                }
+                for (name, ty) in &types {
+                    let file = args.out.join(format!("drafter-{name}.gguf"));
+                    let what = format!("{stem} DFlash drafter (specula train)");
+                    write_dflash(
+                        &file,
+                        &run.shape,
+                        &run.params,
+                        &run.vocab,
+                        &target,
+                        *ty,
+                        &what,
+                    )?;
+                    let _ = writeln!(out, "wrote {}", file.display());
+                }
+                let _ = writeln!(
+                    out,
+                    "dflash: {} layers, block {}, draft vocabulary {}, taps {:?}; steps {before}..{} (of {}), final loss {:.4}",
+                    run.shape.n_layer,
+                    run.shape.block,
+                    run.vocab.len(),
+                    run.shape.taps,
+                    run.step,
+                    args.steps,
+                    run.steps.last().map_or(f32::NAN, |s| s.loss)
+                );
+                summary(&mut out, &run.vals);
+            }
+            Kind::Eagle3 => {
+                if args.layers != 1 {
+                    bail!(
+                        "--layers {}: an EAGLE-3 head has one decoder layer",
+                        args.layers
+                    );
+                }
+                let mut cfg = Eagle3Config::new(args.steps);
+                cfg.draft_vocab = args.draft_vocab;
+                cfg.ttt_steps = args.ttt_steps;
+                cfg.seqs_per_step = args.seqs_per_step;
+                cfg.labels = labels;
+                cfg.seed = args.seed;
+                cfg.optim.lr = args.lr;
+                cfg.checkpoint_every = args.checkpoint_every;
+                cfg.val_seqs = args.val_seqs;
+                let mut run = Eagle3Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
+                let before = run.step;
+                drive(
+                    args,
+                    &run.steps.clone(),
+                    &run.vals.clone(),
+                    run.step,
+                    |each| run.train(&target, &feats, &args.out, args.stop_at, each),
+                )?;
+                let title = format!(
+                    "EAGLE-3 head: {} training-time-test steps, vocabulary {}",
+                    run.config.ttt_steps,
+                    run.vocab.len()
+                );
+                write_plot(&title, &run.steps, &run.vals, &args.out.join("loss.svg"))?;
+                if stopped(&mut out, run.step, args) {
+                    return Ok(out);
+                }
+                for (name, ty) in &types {
+                    let file = args.out.join(format!("drafter-{name}.gguf"));
+                    let what = format!("{stem} EAGLE-3 head (specula train)");
+                    write_eagle3(
+                        &file,
+                        &run.shape,
+                        &run.params,
+                        &run.vocab,
+                        &target,
+                        *ty,
+                        &what,
+                    )?;
+                    let _ = writeln!(out, "wrote {}", file.display());
+                }
+                let _ = writeln!(
+                    out,
+                    "eagle3: training-time test {} steps, draft vocabulary {}, taps {:?}; steps {before}..{} (of {}), final loss {:.4}",
+                    run.config.ttt_steps,
+                    run.vocab.len(),
+                    run.shape.taps,
+                    run.step,
+                    args.steps,
+                    run.steps.last().map_or(f32::NAN, |s| s.loss)
+                );
+                summary(&mut out, &run.vals);
+            }
+        }
+        Ok(out)
+    }
 
+    /// `true` (with the message) when the run stopped before its last step.
+    fn stopped(out: &mut String, step: usize, args: &Args) -> bool {
+        if step >= args.steps {
+            return false;
+        }
+        let _ = writeln!(
+            out,
+            "stopped at step {step} of {} (checkpoint in {}; continue with --resume)",
+            args.steps,
+            args.out.display()
+        );
+        true
+    }
+
+    fn summary(out: &mut String, vals: &[ValLog]) {
+        if let Some(v) = vals.last() {
+            let acc: Vec<String> = v.accuracy.iter().map(|a| format!("{a:.2}")).collect();
+            let _ = writeln!(
+                out,
+                "validation at step {}: loss {:.4}, τ {:.3}, accuracy per position [{}]",
+                v.step,
+                v.loss,
+                v.tau,
+                acc.join(", ")
+            );
+        }
+    }
+
+    /// Runs `train` with a progress bar and `train.jsonl` (rewritten from the run's history
+    /// first, so a resumed run's log is that of an uninterrupted one).
+    fn drive(
+        args: &Args,
+        steps: &[StepLog],
+        vals: &[ValLog],
+        step: usize,
+        train: impl FnOnce(&mut dyn FnMut(&StepLog, Option<&ValLog>)) -> specula_train::Result<()>,
+    ) -> Result<()> {
         let bar = ProgressBar::new(args.steps as u64);
         bar.set_style(
-            ProgressStyle::with_template(
-                "{spinner} [{bar:30}] {pos}/{len} steps {eta} {wide_msg}",
-            )
-            .unwrap_or_else(|_| ProgressStyle::default_bar())
-            .progress_chars("=> "),
+            ProgressStyle::with_template("{spinner} [{bar:30}] {pos}/{len} steps {eta} {wide_msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
         );
-        bar.set_position(run.step as u64);
+        bar.set_position(step as u64);
         let log_path = args.out.join("train.jsonl");
-        // A resumed run rewrites the log from its checkpoint's history, so the file is that
-        // of an uninterrupted run.
         let mut log = std::fs::File::create(&log_path)
             .with_context(|| format!("creating {}", log_path.display()))?;
-        for s in &run.steps {
+        for s in steps {
             writeln!(log, "{}", serde_json::json!({ "step": s }))?;
-            for v in run.vals.iter().filter(|v| v.step == s.step + 1) {
+            for v in vals.iter().filter(|v| v.step == s.step + 1) {
                 writeln!(log, "{}", serde_json::json!({ "val": v }))?;
             }
         }
         let mut io_err = None;
-        run.train(&target, &feats, &args.out, args.stop_at, |s, v| {
+        train(&mut |s, v| {
             let mut line = format!(
                 "loss {:.3}  lr {:.2e}  {:.0} rows/s",
                 s.loss, s.lr, s.rows_per_s
@@ -206,72 +360,17 @@ mod imp {
         if let Some(e) = io_err {
             return Err(e).with_context(|| format!("writing {}", log_path.display()));
         }
-        write_plot(&run, &args.out.join("loss.svg"))?;
-
-        let mut out = String::new();
-        if run.step < args.steps {
-            let _ = writeln!(
-                out,
-                "stopped at step {} of {} (checkpoint in {}; continue with --resume)",
-                run.step,
-                args.steps,
-                args.out.display()
-            );
-            return Ok(out);
-        }
-        let stem = path
-            .file_stem()
-            .map_or_else(|| "target".into(), |s| s.to_string_lossy().into_owned());
-        for (name, ty) in types {
-            let file = args.out.join(format!("drafter-{name}.gguf"));
-            write_dflash(
-                &file,
-                &run.shape,
-                &run.params,
-                &run.vocab,
-                &target,
-                ty,
-                &format!("{stem} DFlash drafter (specula train)"),
-            )?;
-            let _ = writeln!(out, "wrote {}", file.display());
-        }
-        let last = run.steps.last();
-        let _ = writeln!(
-            out,
-            "dflash: {} layers, block {}, draft vocabulary {}, taps {:?}; steps {}..{} (of {}), final loss {:.4}",
-            run.shape.n_layer,
-            run.shape.block,
-            run.vocab.len(),
-            run.shape.taps,
-            done_before,
-            run.step,
-            args.steps,
-            last.map_or(f32::NAN, |s| s.loss)
-        );
-        if let Some(v) = run.vals.last() {
-            let acc: Vec<String> = v.accuracy.iter().map(|a| format!("{a:.2}")).collect();
-            let _ = writeln!(
-                out,
-                "validation at step {}: loss {:.4}, τ {:.3}, accuracy per position [{}]",
-                v.step,
-                v.loss,
-                v.tau,
-                acc.join(", ")
-            );
-        }
-        Ok(out)
+        Ok(())
     }
 
-    fn write_plot(run: &Run, path: &std::path::Path) -> Result<()> {
+    fn write_plot(title: &str, steps: &[StepLog], vals: &[ValLog], path: &Path) -> Result<()> {
         // Training loss as a moving mean over 20 steps (single steps are noisy).
         let n = 20;
-        let train: Vec<(f64, f64)> = run
-            .steps
+        let train: Vec<(f64, f64)> = steps
             .iter()
             .enumerate()
             .map(|(i, s)| {
-                let from = i.saturating_sub(n - 1);
-                let w = &run.steps[from..=i];
+                let w = &steps[i.saturating_sub(n - 1)..=i];
                 #[allow(clippy::cast_precision_loss, reason = "window sizes are small")]
                 let mean = w.iter().map(|s| f64::from(s.loss)).sum::<f64>() / w.len() as f64;
                 #[allow(clippy::cast_precision_loss, reason = "step counts are small")]
@@ -280,19 +379,13 @@ mod imp {
             })
             .collect();
         #[allow(clippy::cast_precision_loss, reason = "step counts are small")]
-        let vals = |f: &dyn Fn(&specula_train::dflash::ValLog) -> f32| -> Vec<(f64, f64)> {
-            run.vals
-                .iter()
+        let val = |f: &dyn Fn(&ValLog) -> f32| -> Vec<(f64, f64)> {
+            vals.iter()
                 .map(|v| (v.step as f64, f64::from(f(v))))
                 .collect()
         };
         let svg = line_chart(
-            &format!(
-                "DFlash drafter: {} layer(s), block {}, vocabulary {}",
-                run.shape.n_layer,
-                run.shape.block,
-                run.vocab.len()
-            ),
+            title,
             "step",
             "loss (nats) / τ",
             &[
@@ -304,12 +397,12 @@ mod imp {
                 Series {
                     name: "validation loss".into(),
                     color: "darkorange",
-                    points: vals(&|v| v.loss),
+                    points: val(&|v| v.loss),
                 },
                 Series {
                     name: "validation τ".into(),
                     color: "seagreen",
-                    points: vals(&|v| v.tau),
+                    points: val(&|v| v.tau),
                 },
             ],
         );

@@ -132,3 +132,12 @@ fn inspect_synthetic() {
     insta::assert_snapshot!("inspect_text", redact(stdout_of(&["inspect", p])));
     insta::assert_snapshot!("inspect_json", redact(stdout_of(&["inspect", p, "--json"])));
 }
+
+/// Without the `train` feature, `specula train` says how to get it (and the top-level help
+/// still lists it).
+#[cfg(not(feature = "train"))]
+#[test]
+fn train_without_the_feature_says_how_to_build_it() {
+    let err = error_of(&["train", "dflash", "--features", "f", "-o", "o"]);
+    assert!(err.contains("--features train"), "{err}");
+}

@@ -1,10 +1,11 @@
-//! `specula train dflash` end to end on SmolLM2-135M (skipped with a note when the model is
+//! `specula train dflash|eagle3` end to end on SmolLM2-135M (skipped with a note when the model is
 //! not fetched; CI runs it with `--features train`): features of a small code corpus, a few
 //! training steps, the exported drafters (F16, Q8_0, NVFP4) loading and drafting losslessly.
 //!
 //! - the loss goes down;
 //! - a run stopped at a checkpoint (`--stop-at`) and resumed has the losses of a run that never
 //!   stopped and writes the same drafter bytes;
+//! - an EAGLE-3 head trained on the same features (its loss going down too) and exported;
 //! - every exported drafter gives the plain run's greedy output through `specula run --dflash`,
 //!   drafting in every round;
 //! - a resumed run with other settings, a subset of taps the features lack and an unknown
@@ -119,7 +120,12 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
 
     // Stopped at the first checkpoint, then resumed: the same losses and drafter bytes.
     let b = dir.path().join("b");
-    let stopped = ok(&train(m, &feats, &b, &["--taps", "2,28", "--stop-at", "12"]));
+    let stopped = ok(&train(
+        m,
+        &feats,
+        &b,
+        &["--taps", "2,28", "--stop-at", "12"],
+    ));
     assert!(stopped.contains("stopped at step 12 of 24"), "{stopped}");
     assert!(!b.join("drafter-f16.gguf").exists());
     ok(&train(m, &feats, &b, &["--taps", "2,28", "--resume"]));
@@ -139,7 +145,12 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
         assert!(err.contains(want), "want `{want}` in: {err}");
     };
     bad(
-        train(m, &feats, &b, &["--taps", "2,28", "--resume", "--lr", "1e-3"]),
+        train(
+            m,
+            &feats,
+            &b,
+            &["--taps", "2,28", "--resume", "--lr", "1e-3"],
+        ),
         "optim",
     );
     bad(train(m, &feats, &b, &["--taps", "2,28"]), "--resume");
@@ -172,9 +183,69 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
         serde_json::from_str(&ok(&specula(&args))).unwrap()
     };
     let plain = run(&[]);
+
+    // An EAGLE-3 head on the same features (its three taps), a few steps.
+    let e = dir.path().join("e");
+    let mut eargs = vec![
+        "train",
+        "eagle3",
+        "-m",
+        m,
+        "--features",
+        feats.to_str().unwrap(),
+        "-o",
+        e.to_str().unwrap(),
+        "--steps",
+        "16",
+        "--draft-vocab",
+        "1024",
+        "--ttt-steps",
+        "2",
+        "--seqs-per-step",
+        "2",
+        "--lr",
+        "2e-3",
+        "--checkpoint-every",
+        "8",
+        "--val-seqs",
+        "1",
+        "--export",
+        "f16,q8_0",
+    ];
+    let report = ok(&specula(&eargs));
+    assert!(report.contains("taps [2, 16, 28]"), "{report}");
+    let el = losses(&e);
+    assert!(
+        el[12..].iter().sum::<f64>() < 0.8 * el[..4].iter().sum::<f64>(),
+        "{el:?}"
+    );
+    eargs.extend(["--layers", "2"]);
+    bad(specula(&eargs), "one decoder layer");
+    for ty in ["f16", "q8_0"] {
+        let d = e.join(format!("drafter-{ty}.gguf"));
+        let got = run(&[
+            "-md",
+            d.to_str().unwrap(),
+            "--eagle3",
+            "--spec-fixed",
+            "--spec-draft-p-min",
+            "0",
+        ]);
+        assert_eq!(got["generated_ids"], plain["generated_ids"], "eagle3 {ty}");
+        assert_eq!(got["spec"]["type"], "draft-eagle3", "{ty}");
+        assert!(got["timings"]["draft_rounds"].as_u64().unwrap() > 0, "{got}");
+    }
+
     for ty in ["f16", "q8_0", "nvfp4"] {
         let d = a.join(format!("drafter-{ty}.gguf"));
-        let got = run(&["-md", d.to_str().unwrap(), "--dflash"]);
+        let got = run(&[
+            "-md",
+            d.to_str().unwrap(),
+            "--dflash",
+            "--spec-fixed",
+            "--spec-draft-p-min",
+            "0",
+        ]);
         assert_eq!(got["generated_ids"], plain["generated_ids"], "{ty}");
         assert_eq!(got["spec"]["type"], "draft-dflash", "{ty}");
         let drafted = got["timings"]["draft_n"].as_u64().unwrap();

@@ -1,5 +1,9 @@
 //! Checkpoints: everything a run needs to continue as if it had not stopped.
 //!
+//! One format for every drafter: [`RunCheckpoint`] is generic over the run's configuration
+//! and shape (DFlash's [`Checkpoint`], EAGLE-3's [`crate::eagle3::Eagle3Checkpoint`]); reading one
+//! kind as another fails on the header's fields.
+//!
 //! Layout: `SPECTRN1`, u64 length of a JSON header (configuration, shape, target sha256, draft
 //! vocabulary, step, the step and validation logs, each parameter's length), the header, then
 //! every parameter, every first moment and every second moment as little-endian f32. Written to
@@ -8,6 +12,7 @@
 use std::io::Write as _;
 use std::path::Path;
 
+use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::dflash::{DflashConfig, StepLog, ValLog};
@@ -19,13 +24,16 @@ use crate::{Result, TrainError};
 pub const FILE: &str = "checkpoint.bin";
 const MAGIC: &[u8; 8] = b"SPECTRN1";
 
-/// A saved run.
+/// A saved DFlash run.
+pub type Checkpoint = RunCheckpoint<DflashConfig, DraftShape>;
+
+/// A saved run of configuration `C` and drafter shape `S`.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Checkpoint {
+pub struct RunCheckpoint<C, S> {
     /// The run's configuration.
-    pub config: DflashConfig,
+    pub config: C,
     /// The drafter's shape.
-    pub shape: DraftShape,
+    pub shape: S,
     /// sha256 of the target.
     pub target_sha256: String,
     /// The draft vocabulary (target ids).
@@ -43,9 +51,9 @@ pub struct Checkpoint {
 }
 
 #[derive(Serialize, Deserialize)]
-struct Header {
-    config: DflashConfig,
-    shape: DraftShape,
+struct Header<C, S> {
+    config: C,
+    shape: S,
     target_sha256: String,
     d2t: Vec<u32>,
     step: usize,
@@ -69,7 +77,10 @@ fn bad(path: &Path, detail: impl Into<String>) -> TrainError {
 ///
 /// # Errors
 /// The file could not be written.
-pub fn write(path: &Path, c: &Checkpoint) -> Result<()> {
+pub fn write<C: Serialize + Clone, S: Serialize + Clone>(
+    path: &Path,
+    c: &RunCheckpoint<C, S>,
+) -> Result<()> {
     let header = Header {
         config: c.config.clone(),
         shape: c.shape.clone(),
@@ -110,7 +121,7 @@ pub fn write(path: &Path, c: &Checkpoint) -> Result<()> {
     std::fs::rename(&tmp, path).map_err(io(path))
 }
 
-impl Checkpoint {
+impl<C: Serialize + DeserializeOwned, S: Serialize + DeserializeOwned> RunCheckpoint<C, S> {
     /// Reads a checkpoint.
     ///
     /// # Errors
@@ -125,14 +136,18 @@ impl Checkpoint {
         let json = b
             .get(16..16usize.saturating_add(hl))
             .ok_or_else(|| bad(path, "truncated header"))?;
-        let h: Header =
+        let h: Header<C, S> =
             serde_json::from_slice(json).map_err(|e| bad(path, format!("header: {e}")))?;
         let n: usize = h.lens.iter().sum();
         let body = &b[16 + hl..];
         if body.len() != 12 * n {
             return Err(bad(
                 path,
-                format!("{} bytes of values, the header describes {}", body.len(), 12 * n),
+                format!(
+                    "{} bytes of values, the header describes {}",
+                    body.len(),
+                    12 * n
+                ),
             ));
         }
         let mut vals = body
@@ -154,7 +169,11 @@ impl Checkpoint {
             d2t: h.d2t,
             step: h.step,
             params,
-            moments: m.into_iter().zip(v).map(|(m, v)| Moments { m, v }).collect(),
+            moments: m
+                .into_iter()
+                .zip(v)
+                .map(|(m, v)| Moments { m, v })
+                .collect(),
             steps: h.steps,
             vals: h.vals,
         })
@@ -165,7 +184,7 @@ impl Checkpoint {
     ///
     /// # Errors
     /// A field differs.
-    pub fn check(&self, cfg: &DflashConfig, shape: &DraftShape, target_sha256: &str) -> Result<()> {
+    pub fn check(&self, cfg: &C, shape: &S, target_sha256: &str) -> Result<()> {
         if self.target_sha256 != target_sha256 {
             return Err(TrainError::Config(format!(
                 "the checkpoint is of target sha256 {}, this target is {target_sha256}",
@@ -186,20 +205,12 @@ impl Checkpoint {
             }
             Ok(())
         };
-        let j = |v: &dyn erased::ToJson| v.json();
-        diff(j(&self.config), j(cfg), "setting")?;
-        diff(j(&self.shape), j(shape), "shape")
+        diff(json(&self.config), json(cfg), "setting")?;
+        diff(json(&self.shape), json(shape), "shape")
     }
 }
 
-mod erased {
-    /// A value as JSON (for naming the field that differs).
-    pub trait ToJson {
-        fn json(&self) -> serde_json::Value;
-    }
-    impl<T: serde::Serialize> ToJson for T {
-        fn json(&self) -> serde_json::Value {
-            serde_json::to_value(self).unwrap_or(serde_json::Value::Null)
-        }
-    }
+/// A value as JSON (for naming the field that differs).
+fn json<T: Serialize>(v: &T) -> serde_json::Value {
+    serde_json::to_value(v).unwrap_or(serde_json::Value::Null)
 }

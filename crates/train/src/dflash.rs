@@ -164,12 +164,14 @@ pub fn shape_for(target: &Target, taps: &[usize], cfg: &DflashConfig) -> Result<
             cfg.n_layer, cfg.block
         )));
     }
-    let mask = cfg
-        .mask
-        .or(target.default_mask)
-        .ok_or_else(|| bad("the target names no padding or end-of-sequence token: give --mask-token".into()))?;
+    let mask = cfg.mask.or(target.default_mask).ok_or_else(|| {
+        bad("the target names no padding or end-of-sequence token: give --mask-token".into())
+    })?;
     if mask as usize >= hp.n_vocab {
-        return Err(bad(format!("MASK token {mask} is outside the vocabulary of {}", hp.n_vocab)));
+        return Err(bad(format!(
+            "MASK token {mask} is outside the vocabulary of {}",
+            hp.n_vocab
+        )));
     }
     Ok(DraftShape {
         n_layer: cfg.n_layer,
@@ -201,8 +203,7 @@ pub fn init_params(shape: &DraftShape, seed: u64) -> Vec<Vec<f32>> {
             if dims.len() == 1 {
                 return vec![1.0; n];
             }
-            let std = if name.ends_with("attn_output.weight") || name.ends_with("ffn_down.weight")
-            {
+            let std = if name.ends_with("attn_output.weight") || name.ends_with("ffn_down.weight") {
                 out_std
             } else {
                 0.02
@@ -244,8 +245,7 @@ fn read_seq(feats: &FeatureSet, i: usize, labels: Labels) -> Result<Seq> {
             .target_top1(i)?
             .ok_or_else(|| {
                 TrainError::Config(
-                    "labels from the target need features extracted with --top-k 1 or more"
-                        .into(),
+                    "labels from the target need features extracted with --top-k 1 or more".into(),
                 )
             })?
             .into_iter()
@@ -388,7 +388,10 @@ impl Run {
         let vocab = DraftVocab::most_frequent(&counts, cfg.draft_vocab);
         let mut params = init_params(&shape, cfg.seed);
         if let Some(norm) = &target.output_norm {
-            let at = shape.params().iter().position(|(n, _)| n == "output_norm.weight");
+            let at = shape
+                .params()
+                .iter()
+                .position(|(n, _)| n == "output_norm.weight");
             if let Some(p) = at.and_then(|i| params.get_mut(i)) {
                 p.clone_from(norm);
             }
@@ -470,12 +473,14 @@ impl Run {
                 let total = total.unwrap_or_else(|| Tensor::zeros([1], &dev));
                 let loss = total.to_data().try_to_vec::<f32>().unwrap_or_default()[0];
                 let grads = total.backward();
-                let g: Vec<Vec<f32>> = w
-                    .t
-                    .iter()
-                    .zip(&self.params)
-                    .map(|(t, p)| t.grad(&grads).map_or_else(|| vec![0.0; p.len()], |g| host(&g)))
-                    .collect();
+                let g: Vec<Vec<f32>> =
+                    w.t.iter()
+                        .zip(&self.params)
+                        .map(|(t, p)| {
+                            t.grad(&grads)
+                                .map_or_else(|| vec![0.0; p.len()], |g| host(&g))
+                        })
+                        .collect();
                 let norm = optim::step(
                     &cfg.optim,
                     self.step,
@@ -497,7 +502,8 @@ impl Run {
             };
             self.steps.push(log.clone());
             self.step += 1;
-            let due = self.step % cfg.checkpoint_every.max(1) == 0 || self.step == cfg.optim.steps;
+            let due = self.step.is_multiple_of(cfg.checkpoint_every.max(1))
+                || self.step == cfg.optim.steps;
             let val = if due {
                 let v = self.validate(target, feats, &val, &dev)?;
                 if let Some(v) = &v {
@@ -554,7 +560,15 @@ impl Run {
                 continue;
             }
             let anchors: Vec<usize> = (1..len - 1).step_by(b).collect();
-            let ex = example(feats, i, anchors.clone(), &self.shape, target, &self.vocab, &self.config)?;
+            let ex = example(
+                feats,
+                i,
+                anchors.clone(),
+                &self.shape,
+                target,
+                &self.vocab,
+                &self.config,
+            )?;
             let seq = read_seq(feats, i, self.config.labels)?;
             let hidden = net::forward_hidden(&self.shape, &w, &ex, &inner);
             let logits = net::logits(hidden, &head);
@@ -592,10 +606,28 @@ impl Run {
                 blocks += 1;
             }
         }
-        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, reason = "ratios")]
-        let ratio = |a: u64, b: u64| if b == 0 { 0.0 } else { (a as f64 / b as f64) as f32 };
-        #[allow(clippy::cast_precision_loss, clippy::cast_possible_truncation, reason = "a mean")]
-        let mean_loss = if loss_n == 0 { 0.0 } else { (loss_sum / loss_n as f64) as f32 };
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            reason = "ratios"
+        )]
+        let ratio = |a: u64, b: u64| {
+            if b == 0 {
+                0.0
+            } else {
+                (a as f64 / b as f64) as f32
+            }
+        };
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            reason = "a mean"
+        )]
+        let mean_loss = if loss_n == 0 {
+            0.0
+        } else {
+            (loss_sum / loss_n as f64) as f32
+        };
         Ok(Some(ValLog {
             step: self.step,
             loss: mean_loss,

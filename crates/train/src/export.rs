@@ -1,6 +1,7 @@
 //! Writing a trained drafter as a GGUF that specula and llama.cpp load (`general.architecture
 //! = dflash`, the keys and tensor names of llama.cpp's converter; embedding and, for the whole
-//! vocabulary, the head borrowed from the target).
+//! vocabulary, the head borrowed from the target). [`write_eagle3`] writes an EAGLE-3 head
+//! (`general.architecture = eagle3`): the embedding borrowed, its own trained head.
 //!
 //! Matrices are written in F16, Q8_0 or NVFP4; norms stay F32. NVFP4 matrices carry the
 //! per-tensor FP32 scale `<name>.scale` (the matrix is divided by it before quantization, so
@@ -13,6 +14,7 @@ use std::path::Path;
 use specula_gguf::{Array, GgmlType, GgufWriter, Value};
 use specula_quant::QType;
 
+use crate::eagle3::Eagle3Shape;
 use crate::net::DraftShape;
 use crate::target::Target;
 use crate::vocab::DraftVocab;
@@ -79,7 +81,11 @@ fn encode(values: &[f32], ne0: usize, ty: ExportType) -> Result<(GgmlType, Vec<u
     let scaled: Vec<f32>;
     let src = if g == GgmlType::NVFP4 {
         let amax = values.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let s = if amax > 0.0 { amax / (6.0 * 448.0) } else { 1.0 };
+        let s = if amax > 0.0 {
+            amax / (6.0 * 448.0)
+        } else {
+            1.0
+        };
         scale = Some(s);
         scaled = values.iter().map(|v| v / s).collect();
         &scaled
@@ -150,16 +156,25 @@ pub fn write_dflash(
     if !vocab.is_full() {
         let ids = vocab.ids();
         let head = target.head_rows(&ids);
-        push_matrix(&mut outs, "output.weight", &[shape.n_embd, ids.len()], &head)?;
+        push_matrix(
+            &mut outs,
+            "output.weight",
+            &[shape.n_embd, ids.len()],
+            &head,
+        )?;
         outs.push(Out {
             name: "d2t".into(),
             ty: GgmlType::I64,
             dims: vec![ids.len() as u64],
-            bytes: ids.iter().flat_map(|&t| i64::from(t).to_le_bytes()).collect(),
+            bytes: ids
+                .iter()
+                .flat_map(|&t| i64::from(t).to_le_bytes())
+                .collect(),
         });
     }
 
-    let cfg_err = |e: specula_gguf::GgufError| TrainError::Config(format!("{}: {e}", path.display()));
+    let cfg_err =
+        |e: specula_gguf::GgufError| TrainError::Config(format!("{}: {e}", path.display()));
     let mut w = GgufWriter::new();
     let k = |s: &str| format!("dflash.{s}");
     let u = |v: usize| Value::U32(u32::try_from(v).unwrap_or(u32::MAX));
@@ -169,7 +184,10 @@ pub fn write_dflash(
         .map(|&t| i32::try_from(t).unwrap_or(i32::MAX))
         .collect();
     let kv: Vec<(String, Value)> = vec![
-        ("general.architecture".into(), Value::String("dflash".into())),
+        (
+            "general.architecture".into(),
+            Value::String("dflash".into()),
+        ),
         ("general.name".into(), Value::String(name.to_owned())),
         (k("block_count"), u(shape.n_layer)),
         (k("context_length"), u(target.hp.n_ctx_train)),
@@ -180,16 +198,154 @@ pub fn write_dflash(
         (k("attention.key_length"), u(shape.head_dim)),
         (k("attention.value_length"), u(shape.head_dim)),
         (k("rope.freq_base"), Value::F32(shape.rope_base)),
-        (k("attention.layer_norm_rms_epsilon"), Value::F32(shape.rms_eps)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(shape.rms_eps),
+        ),
         (k("target_layers"), Value::Array(Array::I32(taps))),
         (k("block_size"), u(shape.block)),
-        ("tokenizer.ggml.mask_token_id".into(), Value::U32(shape.mask)),
+        (
+            "tokenizer.ggml.mask_token_id".into(),
+            Value::U32(shape.mask),
+        ),
     ];
     for (key, v) in kv {
         w.add(key, v).map_err(cfg_err)?;
     }
     for o in &outs {
-        w.add_tensor(o.name.clone(), o.ty, &o.dims).map_err(cfg_err)?;
+        w.add_tensor(o.name.clone(), o.ty, &o.dims)
+            .map_err(cfg_err)?;
+    }
+    w.write_file(path, |i, _, sink| sink.write_all(&outs[i].bytes))
+        .map_err(cfg_err)?;
+    Ok(())
+}
+
+/// A matrix `[ne0, ne1]` in `ty` (and, for NVFP4, its `.scale`) appended to `outs`.
+fn push_matrix(
+    outs: &mut Vec<Out>,
+    name: &str,
+    dims: &[usize],
+    v: &[f32],
+    ty: ExportType,
+) -> Result<()> {
+    let (g, bytes, scale) = encode(v, dims[0], ty)?;
+    outs.push(Out {
+        name: name.to_owned(),
+        ty: g,
+        dims: u64s(dims),
+        bytes,
+    });
+    if let Some(s) = scale {
+        let base = name.strip_suffix(".weight").unwrap_or(name);
+        outs.push(Out {
+            name: format!("{base}.scale"),
+            ty: GgmlType::F32,
+            dims: vec![1],
+            bytes: f32_bytes(&[s]),
+        });
+    }
+    Ok(())
+}
+
+/// Writes an EAGLE-3 head to `path` atomically: `general.architecture = eagle3`, the keys
+/// `specula-models`' `Eagle3` and llama.cpp's `eagle3` loader read (`eagle3.target_layers`,
+/// also as the older `eagle3.extract_layers`; `eagle3.target_hidden_size`; one block), the
+/// parameters of [`Eagle3Shape::params`] (matrices in `ty`, norms F32; the head
+/// `output.weight` over the draft vocabulary), and, for a reduced vocabulary, `d2t` (I64,
+/// absolute target ids). The token embedding is the target's and is not written.
+///
+/// # Errors
+/// Parameters that are not the shape's, a tensor that cannot be encoded, or the file cannot
+/// be written.
+pub fn write_eagle3(
+    path: &Path,
+    shape: &Eagle3Shape,
+    params: &[Vec<f32>],
+    vocab: &DraftVocab,
+    target: &Target,
+    ty: ExportType,
+    name: &str,
+) -> Result<()> {
+    let spec = shape.params();
+    if params.len() != spec.len()
+        || spec
+            .iter()
+            .zip(params)
+            .any(|((_, d), v)| d.iter().product::<usize>() != v.len())
+        || vocab.len() != shape.n_vocab_draft
+    {
+        return Err(TrainError::Config(format!(
+            "{}: the parameters or the vocabulary are not those of the head's shape",
+            path.display()
+        )));
+    }
+    let mut outs: Vec<Out> = Vec::new();
+    for ((name, dims), v) in spec.iter().zip(params) {
+        if dims.len() == 2 {
+            push_matrix(&mut outs, name, dims, v, ty)?;
+        } else {
+            outs.push(Out {
+                name: name.clone(),
+                ty: GgmlType::F32,
+                dims: u64s(dims),
+                bytes: f32_bytes(v),
+            });
+        }
+    }
+    if !vocab.is_full() {
+        let ids = vocab.ids();
+        outs.push(Out {
+            name: "d2t".into(),
+            ty: GgmlType::I64,
+            dims: vec![ids.len() as u64],
+            bytes: ids
+                .iter()
+                .flat_map(|&t| i64::from(t).to_le_bytes())
+                .collect(),
+        });
+    }
+
+    let cfg_err =
+        |e: specula_gguf::GgufError| TrainError::Config(format!("{}: {e}", path.display()));
+    let mut w = GgufWriter::new();
+    let k = |s: &str| format!("eagle3.{s}");
+    let u = |v: usize| Value::U32(u32::try_from(v).unwrap_or(u32::MAX));
+    let taps: Vec<i32> = shape
+        .taps
+        .iter()
+        .map(|&t| i32::try_from(t).unwrap_or(i32::MAX))
+        .collect();
+    let kv: Vec<(String, Value)> = vec![
+        (
+            "general.architecture".into(),
+            Value::String("eagle3".into()),
+        ),
+        ("general.name".into(), Value::String(name.to_owned())),
+        (k("block_count"), u(1)),
+        (k("context_length"), u(target.hp.n_ctx_train)),
+        (k("embedding_length"), u(shape.n_embd)),
+        (k("feed_forward_length"), u(shape.n_ff)),
+        (k("attention.head_count"), u(shape.n_head)),
+        (k("attention.head_count_kv"), u(shape.n_head_kv)),
+        (k("attention.key_length"), u(shape.head_dim)),
+        (k("attention.value_length"), u(shape.head_dim)),
+        (k("rope.dimension_count"), u(shape.head_dim)),
+        (k("rope.freq_base"), Value::F32(shape.rope_base)),
+        (
+            k("attention.layer_norm_rms_epsilon"),
+            Value::F32(shape.rms_eps),
+        ),
+        (k("target_layers"), Value::Array(Array::I32(taps.clone()))),
+        (k("extract_layers"), Value::Array(Array::I32(taps))),
+        (k("target_hidden_size"), u(shape.n_embd_target)),
+    ];
+    for (key, v) in kv {
+        w.add(key, v).map_err(cfg_err)?;
+    }
+    for o in &outs {
+        w.add_tensor(o.name.clone(), o.ty, &o.dims)
+            .map_err(cfg_err)?;
     }
     w.write_file(path, |i, _, sink| sink.write_all(&outs[i].bytes))
         .map_err(cfg_err)?;

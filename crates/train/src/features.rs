@@ -224,12 +224,19 @@ impl FeatureSet {
         let cols = taps
             .iter()
             .map(|t| {
-                self.manifest.taps.iter().position(|m| m == t).ok_or_else(|| {
-                    bad(
-                        &mpath,
-                        format!("tap {t} was not extracted (the features hold {:?})", self.manifest.taps),
-                    )
-                })
+                self.manifest
+                    .taps
+                    .iter()
+                    .position(|m| m == t)
+                    .ok_or_else(|| {
+                        bad(
+                            &mpath,
+                            format!(
+                                "tap {t} was not extracted (the features hold {:?})",
+                                self.manifest.taps
+                            ),
+                        )
+                    })
             })
             .collect::<Result<Vec<_>>>()?;
         self.width = cols.len() * self.manifest.target.n_embd;

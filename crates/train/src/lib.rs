@@ -2,6 +2,7 @@
 
 pub mod checkpoint;
 pub mod dflash;
+pub mod eagle3;
 pub mod export;
 pub mod features;
 pub mod net;

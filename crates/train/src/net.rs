@@ -126,10 +126,7 @@ fn rope_tables(positions: &[usize], hd: usize, base: f32, dev: &Device) -> (Tens
         }
     }
     let n = positions.len();
-    (
-        tensor3(cos, [n, 1, hd], dev),
-        tensor3(sin, [n, 1, hd], dev),
-    )
+    (tensor3(cos, [n, 1, hd], dev), tensor3(sin, [n, 1, hd], dev))
 }
 
 /// `x·cos + rotate_half(x)·sin` on `[rows, heads, hd]`.
@@ -189,11 +186,7 @@ pub fn forward_hidden(shape: &DraftShape, w: &Weights, ex: &Example, dev: &Devic
     let mut x = tensor2(ex.block_embd.clone(), [nb, e], dev);
 
     let ctx_pos: Vec<usize> = (0..nc).collect();
-    let blk_pos: Vec<usize> = ex
-        .anchors
-        .iter()
-        .flat_map(|&a| a..a + b)
-        .collect();
+    let blk_pos: Vec<usize> = ex.anchors.iter().flat_map(|&a| a..a + b).collect();
     let (cos_c, sin_c) = rope_tables(&ctx_pos, hd, shape.rope_base, dev);
     let (cos_b, sin_b) = rope_tables(&blk_pos, hd, shape.rope_base, dev);
     // Block i's rows see context keys before its anchor and every key of block i.
@@ -233,7 +226,10 @@ pub fn forward_hidden(shape: &DraftShape, w: &Weights, ex: &Example, dev: &Devic
         let q = q.swap_dims(0, 1).reshape([nkv, g * nb, hd]);
         let s = q.matmul(k.swap_dims(1, 2)).mul_scalar(scale) + bias.clone();
         let o = softmax(s, 2).matmul(v); // [nkv, g·nb, hd]
-        let o = o.reshape([nh, nb, hd]).swap_dims(0, 1).reshape([nb, nh * hd]);
+        let o = o
+            .reshape([nh, nb, hd])
+            .swap_dims(0, 1)
+            .reshape([nb, nh * hd]);
         x = x + lin(o, 4);
 
         let h = rms_norm(x.clone(), p[7].clone(), eps);

@@ -37,7 +37,10 @@ impl Rng {
 
     /// Uniform in `[0, 1)`.
     pub fn unit(&mut self) -> f64 {
-        #[allow(clippy::cast_precision_loss, reason = "53 random bits fit an f64 exactly")]
+        #[allow(
+            clippy::cast_precision_loss,
+            reason = "53 random bits fit an f64 exactly"
+        )]
         let v = (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64;
         v
     }

@@ -53,7 +53,10 @@ fn dequant(file: &Gguf, name: &str, n_embd: usize) -> Result<Option<Vec<f32>>> {
         return Err(bad(format!("{name}: {} data bytes", data.len())));
     }
     let mut out = vec![0f32; rows * n_embd];
-    for (src, dst) in data.chunks_exact(row_bytes).zip(out.chunks_exact_mut(n_embd)) {
+    for (src, dst) in data
+        .chunks_exact(row_bytes)
+        .zip(out.chunks_exact_mut(n_embd))
+    {
         specula_quant::dequantize_row(ty, src, dst).map_err(|e| bad(format!("{name}: {e}")))?;
     }
     Ok(Some(out))
@@ -78,7 +81,9 @@ impl Target {
             .ok_or_else(|| bad("no token_embd.weight"))?;
         let head = dequant(&file, "output.weight", hp.n_embd)?;
         let output_norm = match file.tensor("output_norm.weight") {
-            Some(info) if info.ty == specula_gguf::GgmlType::F32 && info.dims == [hp.n_embd as u64] => {
+            Some(info)
+                if info.ty == specula_gguf::GgmlType::F32 && info.dims == [hp.n_embd as u64] =>
+            {
                 file.tensor_data_by_name("output_norm.weight").map(|b| {
                     b.chunks_exact(4)
                         .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))

@@ -19,7 +19,12 @@ impl DraftVocab {
     pub fn most_frequent(counts: &[u64], k: usize) -> Self {
         let n = counts.len();
         if k == 0 || k >= n {
-            return Self::from_ids((0..n).map(|i| u32::try_from(i).unwrap_or(u32::MAX)).collect(), n);
+            return Self::from_ids(
+                (0..n)
+                    .map(|i| u32::try_from(i).unwrap_or(u32::MAX))
+                    .collect(),
+                n,
+            );
         }
         let mut order: Vec<usize> = (0..n).collect();
         order.sort_by(|&a, &b| counts[b].cmp(&counts[a]).then(a.cmp(&b)));
@@ -47,7 +52,11 @@ impl DraftVocab {
     /// Draft index of target id `t`, if it is in the vocabulary.
     #[must_use]
     pub fn draft_id(&self, t: u32) -> Option<usize> {
-        self.t2d.get(t as usize).copied().flatten().map(|d| d as usize)
+        self.t2d
+            .get(t as usize)
+            .copied()
+            .flatten()
+            .map(|d| d as usize)
     }
 
     /// Target ids in draft order.
@@ -87,7 +96,10 @@ mod tests {
         assert_eq!(v.draft_id(0), None);
         assert!(!v.is_full());
         // Ties go to the lower id.
-        assert_eq!(DraftVocab::most_frequent(&[1, 1, 1, 1], 2).ids(), vec![0, 1]);
+        assert_eq!(
+            DraftVocab::most_frequent(&[1, 1, 1, 1], 2).ids(),
+            vec![0, 1]
+        );
         let all = DraftVocab::most_frequent(&[0, 0, 3], 0);
         assert!(all.is_full());
         assert_eq!(all.draft_id(1), Some(1));
