@@ -149,9 +149,9 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
             m,
             &feats,
             &b,
-            &["--taps", "2,28", "--resume", "--lr", "1e-3"],
+            &["--taps", "2,28", "--resume", "--gamma", "5"],
         ),
-        "optim",
+        "`gamma` is 7.0, this run's is 5.0",
     );
     bad(train(m, &feats, &b, &["--taps", "2,28"]), "--resume");
     bad(
