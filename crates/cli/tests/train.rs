@@ -233,7 +233,10 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
         ]);
         assert_eq!(got["generated_ids"], plain["generated_ids"], "eagle3 {ty}");
         assert_eq!(got["spec"]["type"], "draft-eagle3", "{ty}");
-        assert!(got["timings"]["draft_rounds"].as_u64().unwrap() > 0, "{got}");
+        assert!(
+            got["timings"]["draft_rounds"].as_u64().unwrap() > 0,
+            "{got}"
+        );
     }
 
     for ty in ["f16", "q8_0", "nvfp4"] {
