@@ -1365,6 +1365,107 @@ mod tests {
         }
     }
 
+    /// The DFlash training graph (`net.rs`) is specula's `Dflash` draft: the same block logits
+    /// for an anchor after injected context rows, from an F16 export of the same weights.
+    #[test]
+    fn the_burn_dflash_net_is_specula_s_dflash_draft() {
+        use crate::dflash::{self, DflashConfig};
+        use crate::net;
+        use specula_models::dflash::Dflash;
+
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let (_, target, model, be) = tiny_target(dir.path());
+        let n_vocab = target.hp.n_vocab;
+        let vocab = DraftVocab::from_ids(
+            (0..n_vocab / 2).map(|i| to_u32(2 * i + 1)).collect(),
+            n_vocab,
+        );
+        let d2t = vocab.ids();
+        let k = d2t.len();
+        let mut cfg = DflashConfig::new(1);
+        cfg.block = 4;
+        cfg.n_layer = 2;
+        let shape = dflash::shape_for(&target, &[1, 2], &cfg).expect("a shape");
+        let mut rng = Rng::new(9, 2);
+        let params: Vec<Vec<f32>> = shape
+            .params()
+            .iter()
+            .map(|(name, dims)| {
+                let n: usize = dims.iter().product();
+                let v: Vec<f32> = if dims.len() == 1 {
+                    normals(&mut rng, n, 0.1).iter().map(|x| 1.0 + x).collect()
+                } else if name == "fc.weight" {
+                    normals(&mut rng, n, 0.08)
+                } else {
+                    normals(&mut rng, n, 0.15)
+                };
+                v.into_iter().map(f16).collect()
+            })
+            .collect();
+        let path = dir.path().join("dflash.gguf");
+        export::write_dflash(
+            &path,
+            &shape,
+            &params,
+            &vocab,
+            &target,
+            ExportType::F16,
+            "t",
+        )
+        .expect("exported");
+        let file = Arc::new(Gguf::open(&path).expect("a GGUF"));
+        let draft = Dflash::load(&be, file, &model).expect("specula loads the exported drafter");
+
+        let (e, width, b) = (shape.n_embd, shape.width(), shape.block);
+        let a = 7;
+        let mut rng = Rng::new(4, 4);
+        let feats = normals(&mut rng, a * width, 1.0);
+        let anchor = to_u32(rng.below(n_vocab));
+        let tokens: Vec<u32> = std::iter::once(anchor)
+            .chain(std::iter::repeat_n(shape.mask, b - 1))
+            .collect();
+        let n_ctx = 32;
+        let mut kv =
+            specula_tensor::Backend::kv_new(&be, draft.kv_shape(n_ctx, QType::F32, QType::F32))
+                .expect("a cache");
+        let mut s = draft.scratch(&be);
+        let pos: Vec<u32> = (0..a).map(to_u32).collect();
+        draft
+            .inject(&be, &mut kv, n_ctx, &mut s, &feats, &pos)
+            .expect("injected");
+        let rows: Vec<usize> = (0..b).collect();
+        let full = draft
+            .block(&be, &mut kv, n_ctx, &mut s, &tokens, a, &rows)
+            .expect("a block")
+            .to_vec();
+        let want = draft_cols(&full, n_vocab, &d2t);
+
+        let dev = Device::flex();
+        let w = net::Weights::new(&shape, &params, &dev, false);
+        let ex = net::Example {
+            ctx: feats,
+            n_ctx: a,
+            anchors: vec![a],
+            block_embd: tokens
+                .iter()
+                .flat_map(|&t| {
+                    target.embd[t as usize * e..(t as usize + 1) * e]
+                        .iter()
+                        .copied()
+                })
+                .collect(),
+            targets: Vec::new(),
+        };
+        let head_rows = target.head_rows(&d2t);
+        let head = Tensor::<2>::from_data(TensorData::new(head_rows, [k, e]), &dev);
+        let got = host(&net::logits(
+            net::forward_hidden(&shape, &w, &ex, &dev),
+            &head,
+        ));
+        let err = nmse(&got, &want);
+        assert!(err <= 1e-4, "relative MSE {err}");
+    }
+
     /// A features directory as `specula extract` writes it: `seqs` with random features and
     /// the target's top-1 `next(token)`.
     fn write_features(dir: &Path, target: &Path, seqs: &[Vec<u32>], next: impl Fn(u32) -> u32) {
