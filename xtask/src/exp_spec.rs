@@ -250,7 +250,6 @@ fn prose(work: &Path) -> Result<PathBuf> {
                 "--no-deps",
                 "--no-binary",
                 ":all:",
-                "--no-build-isolation",
                 "-d",
             ])
             .arg(&dir)
@@ -569,7 +568,8 @@ fn table(
     let _ = writeln!(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
-         `cargo xtask exp spec --target {} --steps {} --eagle-steps {} --shards {} -n {}{}` \
+         `cargo xtask exp spec --target {} --steps {} --eagle-steps {} --shards {} -n {} \
+         --dflash-labels {} --prompts-per-file {} --prompt-chars {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads).\n\n\
          τ = tokens committed per verified round, bonus included. \"τ-implied\" is the speed-up \
@@ -582,6 +582,9 @@ fn table(
         args.eagle_steps,
         args.shards,
         args.n,
+        args.dflash_labels,
+        args.prompts_per_file,
+        args.prompt_chars,
         args.code_dir
             .as_ref()
             .map_or(String::new(), |d| format!(" --code-dir {}", d.display())),

@@ -82,6 +82,9 @@ struct ExpSpecArgs {
     /// Feature shards to extract (64 sequences of 512 tokens each).
     #[arg(long, default_value_t = 6)]
     shards: usize,
+    /// What DFlash's block rows learn (`specula train --labels`: greedy, target, corpus).
+    #[arg(long, default_value = "greedy")]
+    dflash_labels: String,
     /// DFlash training steps.
     #[arg(long, default_value_t = 1200)]
     steps: usize,

@@ -71,9 +71,10 @@ pub struct Args {
     /// γ of the loss's position decay `exp(−(k−1)/γ)`.
     #[arg(long = "gamma", default_value_t = 7.0)]
     pub gamma: f32,
-    /// What block rows learn: the target's greedy next token (needs features with --top-k)
-    /// or the corpus's.
-    #[arg(long = "labels", default_value = "target", value_parser = ["target", "corpus"])]
+    /// What rows learn (features with --top-k for the first two): `greedy`, the target's
+    /// next token while the corpus after the anchor is the target's greedy path (DFlash; as
+    /// `target` for EAGLE-3); `target`, its next token everywhere; `corpus`, the corpus's.
+    #[arg(long = "labels", default_value = "greedy", value_parser = ["greedy", "target", "corpus"])]
     pub labels: String,
     /// The taps the drafter reads (a subset of the extracted ones, in this order); default
     /// every extracted tap.
@@ -148,10 +149,10 @@ mod imp {
         if !args.taps.is_empty() {
             feats.select_taps(&args.taps)?;
         }
-        let labels = if args.labels == "corpus" {
-            Labels::Corpus
-        } else {
-            Labels::Target
+        let labels = match args.labels.as_str() {
+            "corpus" => Labels::Corpus,
+            "target" => Labels::Target,
+            _ => Labels::Greedy,
         };
         std::fs::create_dir_all(&args.out)
             .with_context(|| format!("creating {}", args.out.display()))?;
@@ -231,7 +232,11 @@ mod imp {
                 cfg.draft_vocab = args.draft_vocab;
                 cfg.ttt_steps = args.ttt_steps;
                 cfg.seqs_per_step = args.seqs_per_step;
-                cfg.labels = labels;
+                cfg.labels = if labels == Labels::Greedy {
+                    Labels::Target
+                } else {
+                    labels
+                };
                 cfg.seed = args.seed;
                 cfg.optim.lr = args.lr;
                 cfg.checkpoint_every = args.checkpoint_every;

@@ -35,6 +35,13 @@ pub enum Labels {
     Corpus,
     /// The target's top-1 next token (needs features extracted with `--top-k`).
     Target,
+    /// The target's top-1 next token, on block rows whose prefix from the anchor is the
+    /// target's greedy path: row `k` carries a loss only while the corpus tokens after the
+    /// anchor equal the target's greedy choices (rows past the first divergence have no
+    /// defined label — the target's choice there continues a prefix greedy decoding never
+    /// produces, which [`Labels::Target`] trains on anyway). DFlash only; EAGLE-3 reads it as
+    /// [`Labels::Target`].
+    Greedy,
 }
 
 /// Everything that decides a DFlash training run (saved in its checkpoint; a resume must
@@ -79,7 +86,7 @@ impl DflashConfig {
             anchors: 64,
             seqs_per_step: 2,
             gamma: 7.0,
-            labels: Labels::Target,
+            labels: Labels::Greedy,
             mask: None,
             seed: 42,
             optim: AdamW {
@@ -237,11 +244,20 @@ struct Seq {
     labels: Vec<Option<u32>>,
 }
 
+impl Seq {
+    /// Whether the corpus tokens after anchor `a` up to row `k − 1` are the target's greedy
+    /// choices (row `k`'s label then continues the greedy path).
+    fn greedy_at(&self, a: usize, k: usize) -> bool {
+        (1..k)
+            .all(|j| self.labels.get(a + j - 1).copied().flatten() == self.ids.get(a + j).copied())
+    }
+}
+
 fn read_seq(feats: &FeatureSet, i: usize, labels: Labels) -> Result<Seq> {
     let ids = feats.ids(i)?;
     let labels = match labels {
         Labels::Corpus => ids.iter().skip(1).map(|&t| Some(t)).chain([None]).collect(),
-        Labels::Target => feats
+        Labels::Target | Labels::Greedy => feats
             .target_top1(i)?
             .ok_or_else(|| {
                 TrainError::Config(
@@ -286,6 +302,9 @@ fn example(
             let Some(Some(label)) = seq.labels.get(a + k - 1) else {
                 break;
             };
+            if cfg.labels == Labels::Greedy && !seq.greedy_at(a, k) {
+                break;
+            }
             if let Some(d) = vocab.draft_id(*label) {
                 #[allow(clippy::cast_precision_loss, reason = "block positions are small")]
                 let weight = (-((k - 1) as f32) / cfg.gamma).exp();
@@ -581,6 +600,9 @@ impl Run {
                     let Some(Some(label)) = seq.labels.get(a + kk - 1) else {
                         break;
                     };
+                    if self.config.labels == Labels::Greedy && !seq.greedy_at(a, kk) {
+                        break;
+                    }
                     let r = bi * b + kk;
                     if r >= rows {
                         break;
@@ -666,6 +688,20 @@ mod tests {
             assert_eq!(a.len(), 16.min(len - 2));
         }
         assert!(random_anchors(&mut rng, 2, 4).is_empty());
+    }
+
+    #[test]
+    fn greedy_rows_stop_where_the_corpus_leaves_the_greedy_path() {
+        // Corpus 5 6 7 8 9; the target's choices after each: 6 7 1 9 2.
+        let seq = Seq {
+            ids: vec![5, 6, 7, 8, 9],
+            labels: [6, 7, 1, 9, 2].map(Some).to_vec(),
+        };
+        // From anchor 0: rows 1 and 2 follow 6, 7 (greedy); row 3 would follow 8, not 1.
+        assert!(seq.greedy_at(0, 1) && seq.greedy_at(0, 2) && seq.greedy_at(0, 3));
+        assert!(!seq.greedy_at(0, 4));
+        // From anchor 2: its first row is always on the path, the second follows 8 ≠ 1.
+        assert!(seq.greedy_at(2, 1) && !seq.greedy_at(2, 2));
     }
 
     #[test]

@@ -666,7 +666,7 @@ fn read_seq(feats: &FeatureSet, i: usize, labels: Labels) -> Result<Seq> {
     let ids = feats.ids(i)?;
     let labels = match labels {
         Labels::Corpus => ids.iter().skip(1).map(|&t| Some(t)).chain([None]).collect(),
-        Labels::Target => feats
+        Labels::Target | Labels::Greedy => feats
             .target_top1(i)?
             .ok_or_else(|| {
                 TrainError::Config(
