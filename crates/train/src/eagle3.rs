@@ -307,21 +307,9 @@ impl Weights {
     /// Tensors of `host` (in [`Eagle3Shape::params`] order); tracked for gradients if `grad`.
     #[must_use]
     pub fn new(shape: &Eagle3Shape, host: &[Vec<f32>], dev: &Device, grad: bool) -> Self {
-        let t = shape
-            .params()
-            .iter()
-            .zip(host)
-            .map(|((_, dims), v)| {
-                let s = if dims.len() == 2 {
-                    [dims[1], dims[0]]
-                } else {
-                    [1, dims[0]]
-                };
-                let t = tensor2(v.clone(), s, dev);
-                if grad { t.require_grad() } else { t }
-            })
-            .collect();
-        Self { t }
+        Self {
+            t: crate::net::param_tensors(&shape.params(), host, dev, grad),
+        }
     }
 }
 

@@ -121,38 +121,7 @@ pub fn write_dflash(
     ty: ExportType,
     name: &str,
 ) -> Result<()> {
-    let mut outs: Vec<Out> = Vec::new();
-    let push_matrix = |outs: &mut Vec<Out>, name: &str, dims: &[usize], v: &[f32]| -> Result<()> {
-        let (g, bytes, scale) = encode(v, dims[0], ty)?;
-        outs.push(Out {
-            name: name.to_owned(),
-            ty: g,
-            dims: u64s(dims),
-            bytes,
-        });
-        if let Some(s) = scale {
-            let base = name.strip_suffix(".weight").unwrap_or(name);
-            outs.push(Out {
-                name: format!("{base}.scale"),
-                ty: GgmlType::F32,
-                dims: vec![1],
-                bytes: f32_bytes(&[s]),
-            });
-        }
-        Ok(())
-    };
-    for ((name, dims), v) in shape.params().iter().zip(params) {
-        if dims.len() == 2 {
-            push_matrix(&mut outs, name, dims, v)?;
-        } else {
-            outs.push(Out {
-                name: name.clone(),
-                ty: GgmlType::F32,
-                dims: u64s(dims),
-                bytes: f32_bytes(v),
-            });
-        }
-    }
+    let mut outs = params_out(&shape.params(), params, ty)?;
     if !vocab.is_full() {
         let ids = vocab.ids();
         let head = target.head_rows(&ids);
@@ -161,21 +130,11 @@ pub fn write_dflash(
             "output.weight",
             &[shape.n_embd, ids.len()],
             &head,
+            ty,
         )?;
-        outs.push(Out {
-            name: "d2t".into(),
-            ty: GgmlType::I64,
-            dims: vec![ids.len() as u64],
-            bytes: ids
-                .iter()
-                .flat_map(|&t| i64::from(t).to_le_bytes())
-                .collect(),
-        });
+        outs.push(d2t_out(&ids));
     }
 
-    let cfg_err =
-        |e: specula_gguf::GgufError| TrainError::Config(format!("{}: {e}", path.display()));
-    let mut w = GgufWriter::new();
     let k = |s: &str| format!("dflash.{s}");
     let u = |v: usize| Value::U32(u32::try_from(v).unwrap_or(u32::MAX));
     let taps: Vec<i32> = shape
@@ -209,10 +168,53 @@ pub fn write_dflash(
             Value::U32(shape.mask),
         ),
     ];
+    write_gguf(path, kv, &outs)
+}
+
+/// Every parameter of `spec`: matrices in `ty` (NVFP4 with their `.scale`), norms F32.
+fn params_out(
+    spec: &[(String, Vec<usize>)],
+    params: &[Vec<f32>],
+    ty: ExportType,
+) -> Result<Vec<Out>> {
+    let mut outs = Vec::with_capacity(spec.len());
+    for ((name, dims), v) in spec.iter().zip(params) {
+        if dims.len() == 2 {
+            push_matrix(&mut outs, name, dims, v, ty)?;
+        } else {
+            outs.push(Out {
+                name: name.clone(),
+                ty: GgmlType::F32,
+                dims: u64s(dims),
+                bytes: f32_bytes(v),
+            });
+        }
+    }
+    Ok(outs)
+}
+
+/// `d2t`: the draft vocabulary's target ids as I64 (llama.cpp's converter's absolute ids).
+fn d2t_out(ids: &[u32]) -> Out {
+    Out {
+        name: "d2t".into(),
+        ty: GgmlType::I64,
+        dims: vec![ids.len() as u64],
+        bytes: ids
+            .iter()
+            .flat_map(|&t| i64::from(t).to_le_bytes())
+            .collect(),
+    }
+}
+
+/// Writes the metadata `kv` and the tensors `outs` to `path` atomically.
+fn write_gguf(path: &Path, kv: Vec<(String, Value)>, outs: &[Out]) -> Result<()> {
+    let cfg_err =
+        |e: specula_gguf::GgufError| TrainError::Config(format!("{}: {e}", path.display()));
+    let mut w = GgufWriter::new();
     for (key, v) in kv {
         w.add(key, v).map_err(cfg_err)?;
     }
-    for o in &outs {
+    for o in outs {
         w.add_tensor(o.name.clone(), o.ty, &o.dims)
             .map_err(cfg_err)?;
     }
@@ -280,35 +282,11 @@ pub fn write_eagle3(
             path.display()
         )));
     }
-    let mut outs: Vec<Out> = Vec::new();
-    for ((name, dims), v) in spec.iter().zip(params) {
-        if dims.len() == 2 {
-            push_matrix(&mut outs, name, dims, v, ty)?;
-        } else {
-            outs.push(Out {
-                name: name.clone(),
-                ty: GgmlType::F32,
-                dims: u64s(dims),
-                bytes: f32_bytes(v),
-            });
-        }
-    }
+    let mut outs = params_out(&spec, params, ty)?;
     if !vocab.is_full() {
-        let ids = vocab.ids();
-        outs.push(Out {
-            name: "d2t".into(),
-            ty: GgmlType::I64,
-            dims: vec![ids.len() as u64],
-            bytes: ids
-                .iter()
-                .flat_map(|&t| i64::from(t).to_le_bytes())
-                .collect(),
-        });
+        outs.push(d2t_out(&vocab.ids()));
     }
 
-    let cfg_err =
-        |e: specula_gguf::GgufError| TrainError::Config(format!("{}: {e}", path.display()));
-    let mut w = GgufWriter::new();
     let k = |s: &str| format!("eagle3.{s}");
     let u = |v: usize| Value::U32(u32::try_from(v).unwrap_or(u32::MAX));
     let taps: Vec<i32> = shape
@@ -340,14 +318,5 @@ pub fn write_eagle3(
         (k("extract_layers"), Value::Array(Array::I32(taps))),
         (k("target_hidden_size"), u(shape.n_embd_target)),
     ];
-    for (key, v) in kv {
-        w.add(key, v).map_err(cfg_err)?;
-    }
-    for o in &outs {
-        w.add_tensor(o.name.clone(), o.ty, &o.dims)
-            .map_err(cfg_err)?;
-    }
-    w.write_file(path, |i, _, sink| sink.write_all(&outs[i].bytes))
-        .map_err(cfg_err)?;
-    Ok(())
+    write_gguf(path, kv, &outs)
 }

@@ -138,6 +138,29 @@ fn rope(x: Tensor<3>, cos: &Tensor<3>, sin: &Tensor<3>) -> Tensor<3> {
     x * cos.clone() + rot * sin.clone()
 }
 
+/// `host` as burn tensors of the GGUF-order `spec` (`[out, in]` matrices, `[1, n]` norms);
+/// tracked for gradients if `grad`.
+#[must_use]
+pub fn param_tensors(
+    spec: &[(String, Vec<usize>)],
+    host: &[Vec<f32>],
+    dev: &Device,
+    grad: bool,
+) -> Vec<Tensor<2>> {
+    spec.iter()
+        .zip(host)
+        .map(|((_, dims), v)| {
+            let s = if dims.len() == 2 {
+                [dims[1], dims[0]]
+            } else {
+                [1, dims[0]]
+            };
+            let t = tensor2(v.clone(), s, dev);
+            if grad { t.require_grad() } else { t }
+        })
+        .collect()
+}
+
 /// The parameters as burn tensors (`[out, in]` matrices, `[1, n]` norms).
 #[derive(Debug, Clone)]
 pub struct Weights {
@@ -149,21 +172,9 @@ impl Weights {
     /// Tensors of `host` (in [`DraftShape::params`] order); tracked for gradients if `grad`.
     #[must_use]
     pub fn new(shape: &DraftShape, host: &[Vec<f32>], dev: &Device, grad: bool) -> Self {
-        let t = shape
-            .params()
-            .iter()
-            .zip(host)
-            .map(|((_, dims), v)| {
-                let s = if dims.len() == 2 {
-                    [dims[1], dims[0]]
-                } else {
-                    [1, dims[0]]
-                };
-                let t = tensor2(v.clone(), s, dev);
-                if grad { t.require_grad() } else { t }
-            })
-            .collect();
-        Self { t }
+        Self {
+            t: param_tensors(&shape.params(), host, dev, grad),
+        }
     }
 }
 
