@@ -490,7 +490,12 @@ impl Run {
                     });
                 }
                 let total = total.unwrap_or_else(|| Tensor::zeros([1], &dev));
-                let loss = total.to_data().try_to_vec::<f32>().unwrap_or_default()[0];
+                let loss = total
+                    .to_data()
+                    .try_to_vec::<f32>()
+                    .ok()
+                    .and_then(|v| v.first().copied())
+                    .unwrap_or(f32::NAN);
                 let grads = total.backward();
                 let g: Vec<Vec<f32>> =
                     w.t.iter()
