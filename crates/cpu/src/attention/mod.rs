@@ -47,6 +47,7 @@ use crate::CpuBackend;
 use crate::pool::{Disjoint, split};
 use crate::recurrent::Recurrent;
 
+mod expf;
 pub(crate) mod simd;
 mod tile;
 use crate::tensor::CpuTensor;
@@ -466,6 +467,39 @@ fn visible(mask: Mask, qp: u32, kp: u32) -> bool {
     }
 }
 
+/// How much of a tile a query row sees.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum RowVis {
+    #[default]
+    None,
+    All,
+    /// Some cells: see [`visible`] per cell.
+    Some,
+}
+
+/// What a query at `qp` sees of a tile whose key positions lie in `kmin..=kmax`, where the
+/// range decides it (else [`RowVis::Some`]).
+#[inline]
+fn row_vis(mask: Mask, qp: u32, kmin: u32, kmax: u32) -> RowVis {
+    match mask {
+        Mask::None => RowVis::All,
+        _ if kmin > qp => RowVis::None,
+        Mask::Causal if kmax <= qp => RowVis::All,
+        Mask::SlidingWindow(w) if kmax <= qp => {
+            // Every key is at or before the query: the nearest is kmax, the farthest kmin.
+            let inside = |k: u32| usize::try_from(qp - k).is_ok_and(|d| d < w);
+            if inside(kmin) {
+                RowVis::All
+            } else if inside(kmax) {
+                RowVis::Some
+            } else {
+                RowVis::None
+            }
+        }
+        _ => RowVis::Some,
+    }
+}
+
 /// Merges the softmax state of one chunk `(m, l, acc)` into a running state: both rescaled to
 /// the larger maximum and added. An empty chunk (`m = −∞`) leaves the state as it is; into an
 /// empty state the chunk is copied. Every path (one task over many chunks, or one task per
@@ -551,6 +585,8 @@ struct TaskBufs {
     l: Vec<f32>,
     /// Which rows see each cell of the tile.
     vis: Vec<bool>,
+    /// Per row: whether it sees all, none or some of the tile's cells.
+    rv: Vec<RowVis>,
     /// The task's output before it is copied into place.
     out: Vec<f32>,
 }
@@ -684,6 +720,7 @@ impl Ctx<'_> {
         fit(&mut b.kt, TILE * k_dim);
         fit(&mut b.vt, TILE * v_dim);
         fit(&mut b.vis, nr * TILE);
+        fit(&mut b.rv, nr);
 
         for c in chunks {
             let end = ((c + 1) * CHUNK).min(kv_len);
@@ -696,15 +733,28 @@ impl Ctx<'_> {
             b.cl[..nq].fill(0.0);
             while j0 < end {
                 let n = TILE.min(end - j0);
-                // Visibility of each cell to each row; skip the tile if no row sees any cell.
+                // Visibility of each cell to each row, from the tile's position range where
+                // that decides it for a whole row; skip the tile if no row sees any cell.
+                let kp = &self.p.kv_pos[j0..j0 + n];
+                let (kmin, kmax) = kp
+                    .iter()
+                    .fold((u32::MAX, 0), |(lo, hi), &x| (lo.min(x), hi.max(x)));
                 let mut any = false;
                 for (ri, r) in rows.clone().enumerate() {
                     let qp = self.p.q_pos[r];
-                    for jj in 0..n {
-                        let v = visible(self.p.mask, qp, self.p.kv_pos[j0 + jj]);
-                        b.vis[ri * TILE + jj] = v;
-                        any |= v;
+                    let rv = row_vis(self.p.mask, qp, kmin, kmax);
+                    let vis = &mut b.vis[ri * TILE..ri * TILE + n];
+                    match rv {
+                        RowVis::All => vis.fill(true),
+                        RowVis::None => vis.fill(false),
+                        RowVis::Some => {
+                            for (v, &k) in vis.iter_mut().zip(kp) {
+                                *v = visible(self.p.mask, qp, k);
+                            }
+                        }
                     }
+                    b.rv[ri] = rv;
+                    any |= rv != RowVis::None;
                 }
                 if !any {
                     j0 += n;
@@ -776,27 +826,46 @@ impl Ctx<'_> {
                         }
                     }
                 }
+                let (scale, softcap) = (self.p.scale, self.p.softcap);
                 for ri in 0..nr {
                     for hi in 0..nh {
                         let i = ri * nh + hi;
-                        for jj in 0..n {
-                            let x = &mut b.s[i * TILE + jj];
-                            *x = if b.vis[ri * TILE + jj] {
-                                let mut y = (*x + b.qm[i]) * self.p.scale;
-                                if let Some(c) = self.p.softcap {
-                                    y = c * (y / c).tanh();
+                        let (qm, s) = (b.qm[i], &mut b.s[i * TILE..i * TILE + n]);
+                        let vis = &b.vis[ri * TILE..ri * TILE + n];
+                        match (b.rv[ri], softcap) {
+                            (RowVis::None, _) => s.fill(f32::NEG_INFINITY),
+                            (RowVis::All, None) => {
+                                for x in s.iter_mut() {
+                                    *x = (*x + qm) * scale;
                                 }
-                                y
-                            } else {
-                                f32::NEG_INFINITY
-                            };
+                            }
+                            (RowVis::Some, None) => {
+                                for (x, &v) in s.iter_mut().zip(vis) {
+                                    *x = if v {
+                                        (*x + qm) * scale
+                                    } else {
+                                        f32::NEG_INFINITY
+                                    };
+                                }
+                            }
+                            (_, Some(c)) => {
+                                for (x, &v) in s.iter_mut().zip(vis) {
+                                    *x = if v {
+                                        c * ((*x + qm) * scale / c).tanh()
+                                    } else {
+                                        f32::NEG_INFINITY
+                                    };
+                                }
+                            }
                         }
                     }
                 }
-                // Online softmax: new maxima, rescaled accumulators, weights.
+                // Online softmax: new maxima, rescaled accumulators, weights; then the sums of
+                // the weights, each a sequential sum over the tile's cells, four queries at a
+                // time so that the four chains overlap.
                 for i in 0..nq {
                     let s = &mut b.s[i * TILE..i * TILE + n];
-                    let tmax = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    let tmax = (self.attn.max)(s);
                     if tmax == f32::NEG_INFINITY {
                         s.fill(0.0);
                         continue;
@@ -815,15 +884,24 @@ impl Ctx<'_> {
                         }
                         b.cm[i] = m_new;
                     }
-                    for x in s.iter_mut() {
-                        *x = if *x == f32::NEG_INFINITY {
-                            0.0
-                        } else {
-                            (*x - m_new).exp()
-                        };
+                    // A masked cell's −∞ gets e^−∞ = 0.
+                    (self.attn.exp_sub)(s, m_new);
+                }
+                let mut i = 0;
+                while i + 4 <= nq {
+                    let w = &b.s[i * TILE..(i + 4) * TILE];
+                    let mut l = [b.cl[i], b.cl[i + 1], b.cl[i + 2], b.cl[i + 3]];
+                    for jj in 0..n {
+                        for (q, l) in l.iter_mut().enumerate() {
+                            *l += w[q * TILE + jj];
+                        }
                     }
+                    b.cl[i..i + 4].copy_from_slice(&l);
+                    i += 4;
+                }
+                for i in i..nq {
                     let mut l = b.cl[i];
-                    for &x in s.iter() {
+                    for &x in &b.s[i * TILE..i * TILE + n] {
                         l += x;
                     }
                     b.cl[i] = l;
@@ -1118,6 +1196,38 @@ pub(crate) fn attention(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A row's visibility from a tile's position range agrees with [`visible`] for every cell
+    /// of the range, whenever it decides the row.
+    #[test]
+    fn row_visibility_agrees_with_the_cells() {
+        for mask in [
+            Mask::Causal,
+            Mask::None,
+            Mask::SlidingWindow(1),
+            Mask::SlidingWindow(5),
+            Mask::SlidingWindow(40),
+        ] {
+            for qp in 0..60u32 {
+                for kmin in 0..60u32 {
+                    for kmax in kmin..(kmin + 12).min(64) {
+                        let cells = (kmin..=kmax).map(|k| visible(mask, qp, k));
+                        match row_vis(mask, qp, kmin, kmax) {
+                            RowVis::All => assert!(cells.clone().all(|v| v), "{mask:?} {qp}"),
+                            RowVis::None => assert!(!cells.clone().any(|v| v), "{mask:?} {qp}"),
+                            RowVis::Some => {}
+                        }
+                    }
+                }
+            }
+        }
+        // The cases the fast path is for are decided.
+        assert_eq!(row_vis(Mask::Causal, 10, 0, 10), RowVis::All);
+        assert_eq!(row_vis(Mask::Causal, 3, 5, 9), RowVis::None);
+        assert_eq!(row_vis(Mask::SlidingWindow(5), 20, 16, 20), RowVis::All);
+        assert_eq!(row_vis(Mask::SlidingWindow(5), 20, 0, 10), RowVis::None);
+        assert_eq!(row_vis(Mask::SlidingWindow(5), 20, 10, 20), RowVis::Some);
+    }
 
     /// The SIMD turbo4 and f16 decoders give the bits of the reference dequantizers.
     #[test]

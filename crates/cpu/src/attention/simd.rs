@@ -25,6 +25,12 @@ pub(crate) struct AttnKernels {
     pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
     /// turbo4 blocks → `centroid · norm` values (the bits of the scalar decoder on every path).
     pub(crate) turbo4_decode: fn(&[BlockTurbo4], &mut [f32]),
+    /// `s[i] = e^(s[i] − m)`: the softmax weights (the bits of glibc's `expf` on FMA CPUs on
+    /// the AVX paths, [`super::expf`]; the C library's `expf` on the portable one).
+    pub(crate) exp_sub: fn(&mut [f32], f32),
+    /// The largest of the values, −∞ for none (NaN-free input: the maximum is exact, so every
+    /// path gives the same value).
+    pub(crate) max: fn(&[f32]) -> f32,
     /// The tile loops (AVX-512 only), with the bits of the loops above.
     pub(crate) tile: Option<super::tile::TileKernels>,
 }
@@ -63,6 +69,8 @@ const PORTABLE: AttnKernels = AttnKernels {
     axpy: axpy_portable,
     f16_to_f32: f16_to_f32_portable,
     turbo4_decode: turbo4_decode_portable,
+    exp_sub: super::expf::exp_sub_portable,
+    max: max_portable,
     tile: None,
 };
 
@@ -80,6 +88,11 @@ pub(crate) fn turbo4_decode_portable(x: &[BlockTurbo4], out: &mut [f32]) {
             o[1] = CENTROIDS_4[usize::from(q >> 4)] * n;
         }
     }
+}
+
+/// The largest value, −∞ for none.
+fn max_portable(s: &[f32]) -> f32 {
+    s.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
 
 /// `out[i] = f32(h[i])`.
@@ -131,6 +144,7 @@ pub(super) mod x86 {
     /// AVX-512 F/BW/VL with F16C and FMA (the tile loops check this too).
     pub(in crate::attention) fn avx512_supported() -> bool {
         is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("f16c")
@@ -176,6 +190,10 @@ pub(super) mod x86 {
                     // SAFETY: as above; `out` holds 128 values per block.
                     unsafe { $t4(x, out) }
                 },
+                // SAFETY: as above (both instruction sets include AVX2 and FMA).
+                exp_sub: |s, m| unsafe { crate::attention::expf::x86::exp_sub_256(s, m) },
+                // SAFETY: as above.
+                max: |s| unsafe { max_256(s) },
                 tile: None,
             }
         };
@@ -387,6 +405,24 @@ pub(super) mod x86 {
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)))
+    }
+
+    /// The largest value, eight lanes at a time (both instruction sets).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2.
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn max_256(s: &[f32]) -> f32 {
+        let (chunks, tail) = s.as_chunks::<8>();
+        let mut m = _mm256_set1_ps(f32::NEG_INFINITY);
+        for c in chunks {
+            // SAFETY: eight values of the chunk.
+            m = _mm256_max_ps(m, unsafe { _mm256_loadu_ps(c.as_ptr()) });
+        }
+        let h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps::<1>(m));
+        let h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        let h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        tail.iter().copied().fold(_mm_cvtss_f32(h), f32::max)
     }
 
     /// `acc += p·v`, vectorized by the compiler for AVX-512.
