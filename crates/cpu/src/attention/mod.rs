@@ -786,8 +786,30 @@ impl Ctx<'_> {
                 // (a decoded key that no row sees holds an older key's values: its score
                 // is replaced by −∞ below), else key by key.
                 let decoded = matches!(self.key, KeyDot::Decoded) && tile::fits(k_dim);
+                // Q8_0 keys in place, dotted with the Q8_0 queries by the tile loop.
+                let q8 = fast
+                    && self.k.ty() == QType::Q8_0
+                    && matches!(
+                        self.key,
+                        KeyDot::Quant {
+                            qty: QType::Q8_0,
+                            ..
+                        }
+                    )
+                    && self.k.head_bytes() == qbytes
+                    && qbytes.is_multiple_of(34)
+                    && qbytes / 34 <= tile::Q8_MAX_BLOCKS;
                 match (tile, k_rows) {
                     (Some(t), Some(rows)) => (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE),
+                    (Some(t), None) if q8 => {
+                        let rows = tile::Q8Rows {
+                            bytes: &self.k.bytes()[cell0 * self.k.row_bytes() + kvh * qbytes..],
+                            stride: self.k.row_bytes(),
+                            n,
+                            blocks: qbytes / 34,
+                        };
+                        (t.scores_q8_0)(&b.qb, qbytes, nq, rows, &mut b.s, TILE);
+                    }
                     (Some(t), None) if decoded => {
                         let rows = tile::Rows {
                             bytes: bytemuck::cast_slice(&b.kt[..n * k_dim]),
@@ -909,8 +931,30 @@ impl Ctx<'_> {
                 // Values: the tile loops over rows in place or decoded (a decoded row that
                 // no query sees has weight 0 for every query and is skipped), else key by key.
                 let v_rows = in_place(self.v, v_dim);
+                let v_q8 = fast
+                    && self.v.ty() == QType::Q8_0
+                    && tile::fits(v_dim)
+                    && self.v.head_bytes() == QType::Q8_0.row_bytes(v_dim).unwrap_or(0);
                 match (tile, v_rows) {
                     (Some(t), Some(rows)) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
+                    (Some(t), None) if v_q8 => {
+                        let hb = self.v.head_bytes();
+                        let src = tile::Q8Rows {
+                            bytes: &self.v.bytes()[cell0 * self.v.row_bytes() + kvh * hb..],
+                            stride: self.v.row_bytes(),
+                            n,
+                            blocks: v_dim / 32,
+                        };
+                        (t.widen_q8_0)(src, &mut b.vt, v_dim);
+                        let rows = tile::Rows {
+                            bytes: bytemuck::cast_slice(&b.vt[..n * v_dim]),
+                            stride: 4 * v_dim,
+                            n,
+                            dim: v_dim,
+                            f16: false,
+                        };
+                        (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
+                    }
                     _ => {
                         for jj in 0..n {
                             if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {

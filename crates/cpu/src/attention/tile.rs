@@ -38,6 +38,20 @@ impl Rows<'_> {
     }
 }
 
+/// Rows of Q8_0 blocks read in place: row `j < n` starts at `bytes[j · stride]` and holds
+/// `blocks` blocks of 34 bytes (an f16 scale, 32 signed bytes).
+#[derive(Clone, Copy)]
+pub(crate) struct Q8Rows<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) stride: usize,
+    pub(crate) n: usize,
+    pub(crate) blocks: usize,
+}
+
+/// The largest head a Q8_0 tile takes (blocks of 32 values): 256 values.
+pub(crate) const Q8_MAX_BLOCKS: usize = 8;
+const Q8_BLOCK: usize = 34;
+
 /// The tile loops of one instruction set.
 #[derive(Clone, Copy)]
 pub(crate) struct TileKernels {
@@ -46,6 +60,13 @@ pub(crate) struct TileKernels {
     /// `acc[a·as + d] += w[a·ws + j] · v_j[d]` for `a < nq`, keys `j < v.n` in order (zero
     /// weights skipped), `d < v.dim`.
     pub(crate) pv: fn(w: &[f32], ws: usize, nq: usize, v: Rows<'_>, acc: &mut [f32], as_: usize),
+    /// Q8_0 keys against queries quantized to Q8_0 (`nq` rows of `k.blocks` blocks at
+    /// `q[a · qs..]`): `out[a·os + j]` = the Q8_0 · Q8_0 dot product of the block kernels
+    /// (`Σ_b f32(isum_b) · (d_k · d_q)`, block after block from 0), for `j < k.n`.
+    pub(crate) scores_q8_0:
+        fn(q: &[u8], qs: usize, nq: usize, k: Q8Rows<'_>, out: &mut [f32], os: usize),
+    /// Q8_0 rows to f32: `out[j·os + i] = q_i · d` of row `j < v.n` (the dequantizer's bits).
+    pub(crate) widen_q8_0: fn(v: Q8Rows<'_>, out: &mut [f32], os: usize),
 }
 
 impl std::fmt::Debug for TileKernels {
@@ -82,7 +103,7 @@ pub(crate) fn fits(dim: usize) -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Rows, TileKernels, fits};
+    use super::{Q8_BLOCK, Q8_MAX_BLOCKS, Q8Rows, Rows, TileKernels, fits};
 
     /// The vector operations the loops are written in, for one instruction set. Every
     /// method is `#[inline(always)]` and only called from a function compiled with that
@@ -339,6 +360,35 @@ mod x86 {
                     // SAFETY: as above.
                     unsafe { pv_f(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
                 },
+                scores_q8_0: |q, qs, nq, k, out, os| {
+                    if nq == 0 || k.n == 0 {
+                        return;
+                    }
+                    assert!(
+                        k.blocks > 0
+                            && k.blocks <= Q8_MAX_BLOCKS
+                            && (k.n - 1) * k.stride + k.blocks * Q8_BLOCK <= k.bytes.len()
+                            && (nq - 1) * qs + k.blocks * Q8_BLOCK <= q.len()
+                            && (nq - 1) * os + k.n <= out.len(),
+                        "attention: Q8_0 score tile bounds"
+                    );
+                    // SAFETY: every CPU given a table has AVX2, FMA and F16C (`for_level`);
+                    // every block read and score written lies inside its slice (checked above).
+                    unsafe { scores_q8_0_256(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
+                },
+                widen_q8_0: |v, out, os| {
+                    if v.n == 0 {
+                        return;
+                    }
+                    assert!(
+                        v.blocks > 0
+                            && (v.n - 1) * v.stride + v.blocks * Q8_BLOCK <= v.bytes.len()
+                            && (v.n - 1) * os + v.blocks * 32 <= out.len(),
+                        "attention: Q8_0 value tile bounds"
+                    );
+                    // SAFETY: as above.
+                    unsafe { widen_q8_0_256(v, out.as_mut_ptr(), os) }
+                },
             }
         }};
     }
@@ -550,6 +600,137 @@ mod x86 {
             }
         }
     }
+
+    /// The f16 scale at the start of a Q8_0 block.
+    ///
+    /// # Safety
+    /// Two bytes at `p`.
+    #[inline(always)]
+    unsafe fn scale(p: *const u8) -> f32 {
+        // SAFETY: the caller's two bytes.
+        let b = unsafe { [*p, *p.add(1)] };
+        specula_quant::blocks::Half(b).to_f32()
+    }
+
+    /// Q8_0 rows to f32, eight values per conversion: `q · d` with one rounding, as the
+    /// dequantizer.
+    ///
+    /// # Safety
+    /// As the table's `widen_q8_0` checks; AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen_q8_0_256(v: Q8Rows<'_>, out: *mut f32, os: usize) {
+        for j in 0..v.n {
+            for b in 0..v.blocks {
+                // SAFETY: row j < v.n, block b < v.blocks, 32 outputs from j·os + 32·b:
+                // inside the checked slices.
+                unsafe {
+                    let p = v.bytes.as_ptr().add(j * v.stride + b * Q8_BLOCK);
+                    let d = _mm256_set1_ps(scale(p));
+                    let o = out.add(j * os + 32 * b);
+                    for c in 0..4 {
+                        let x = _mm_loadl_epi64(p.add(2 + 8 * c).cast());
+                        let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
+                        _mm256_storeu_ps(o.add(8 * c), _mm256_mul_ps(f, d));
+                    }
+                }
+            }
+        }
+    }
+
+    /// The lane sums of eight i32 vectors: lane `j` of the result is the sum of `v[j]`
+    /// (integer sums are exact, so the order is free).
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum8_epi32(v: [__m256i; 8]) -> __m256i {
+        let a01 = _mm256_hadd_epi32(v[0], v[1]);
+        let a23 = _mm256_hadd_epi32(v[2], v[3]);
+        let a45 = _mm256_hadd_epi32(v[4], v[5]);
+        let a67 = _mm256_hadd_epi32(v[6], v[7]);
+        let b03 = _mm256_hadd_epi32(a01, a23);
+        let b47 = _mm256_hadd_epi32(a45, a67);
+        let lo = _mm256_permute2x128_si256::<0x20>(b03, b47);
+        let hi = _mm256_permute2x128_si256::<0x31>(b03, b47);
+        _mm256_add_epi32(lo, hi)
+    }
+
+    /// Q8_0 scores of a tile, eight keys at a time: the keys' bytes widened to i16 once per
+    /// group and shared by every query; per query and block, the eight integer sums at once,
+    /// then `f32(isum) · (d_k · d_q)` added block after block in eight f32 lanes — each lane
+    /// the operations of the Q8_0 · Q8_0 block kernel for its key.
+    ///
+    /// # Safety
+    /// As the table's `scores_q8_0` checks; AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_q8_0_256(
+        q: *const u8,
+        qs: usize,
+        nq: usize,
+        k: Q8Rows<'_>,
+        out: *mut f32,
+        os: usize,
+    ) {
+        let nb = k.blocks;
+        let mut kw = [_mm256_setzero_si256(); 2 * 8 * Q8_MAX_BLOCKS];
+        let mut kd = [[0.0f32; 8]; Q8_MAX_BLOCKS];
+        let mut g = 0;
+        while g < k.n {
+            let m = (k.n - g).min(8);
+            for (b, kd) in kd.iter_mut().enumerate().take(nb) {
+                for (j, d) in kd.iter_mut().enumerate() {
+                    let i = (b * 8 + j) * 2;
+                    if j < m {
+                        // SAFETY: key g + j < k.n, block b < k.blocks: inside the checked
+                        // bytes.
+                        unsafe {
+                            let p = k.bytes.as_ptr().add((g + j) * k.stride + b * Q8_BLOCK);
+                            *d = scale(p);
+                            kw[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2).cast()));
+                            kw[i + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18).cast()));
+                        }
+                    } else {
+                        *d = 0.0;
+                        kw[i] = _mm256_setzero_si256();
+                        kw[i + 1] = _mm256_setzero_si256();
+                    }
+                }
+            }
+            for a in 0..nq {
+                let mut acc = _mm256_setzero_ps();
+                for (b, kd) in kd.iter().enumerate().take(nb) {
+                    // SAFETY: query a < nq, block b < k.blocks: inside the checked bytes.
+                    let (q0, q1, dq) = unsafe {
+                        let p = q.add(a * qs + b * Q8_BLOCK);
+                        (
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2).cast())),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18).cast())),
+                            scale(p),
+                        )
+                    };
+                    let mut v = [_mm256_setzero_si256(); 8];
+                    for (j, v) in v.iter_mut().enumerate() {
+                        let i = (b * 8 + j) * 2;
+                        *v = _mm256_add_epi32(
+                            _mm256_madd_epi16(q0, kw[i]),
+                            _mm256_madd_epi16(q1, kw[i + 1]),
+                        );
+                    }
+                    let isum = _mm256_cvtepi32_ps(hsum8_epi32(v));
+                    // SAFETY: eight f32 of the array.
+                    let d =
+                        _mm256_mul_ps(unsafe { _mm256_loadu_ps(kd.as_ptr()) }, _mm256_set1_ps(dq));
+                    acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, d));
+                }
+                let mut t = [0.0f32; 8];
+                // SAFETY: eight f32 of the array.
+                unsafe { _mm256_storeu_ps(t.as_mut_ptr(), acc) };
+                for (j, &x) in t.iter().enumerate().take(m) {
+                    // SAFETY: output row a < nq, key g + j < k.n: inside the checked slice.
+                    unsafe { *out.add(a * os + g + j) = x };
+                }
+            }
+            g += 8;
+        }
+    }
 }
 
 #[cfg(test)]
@@ -615,6 +796,99 @@ mod tests {
                                     "{dim} {a} {j}"
                                 );
                             }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Widened Q8_0 rows are the dequantizer's.
+    #[test]
+    fn widened_q8_0_rows_are_the_dequantizers() {
+        use specula_quant::QType;
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
+            let Some(t) = for_level(level) else { continue };
+            for dim in [32, 64, 128] {
+                let rb = QType::Q8_0.row_bytes(dim).unwrap();
+                let x = values(5 * dim, 9);
+                let mut b = vec![0u8; 5 * rb];
+                for (x, b) in x.chunks_exact(dim).zip(b.chunks_exact_mut(rb)) {
+                    specula_quant::quantize_row(QType::Q8_0, x, b).unwrap();
+                }
+                let mut want = vec![0.0; 5 * dim];
+                specula_quant::dequantize_row(QType::Q8_0, &b, &mut want).unwrap();
+                let mut got = vec![0.0; 5 * (dim + 3)];
+                let v = Q8Rows {
+                    bytes: &b,
+                    stride: rb,
+                    n: 5,
+                    blocks: dim / 32,
+                };
+                (t.widen_q8_0)(v, &mut got, dim + 3);
+                for j in 0..5 {
+                    assert_eq!(
+                        bits(&got[j * (dim + 3)..j * (dim + 3) + dim]),
+                        bits(&want[j * dim..(j + 1) * dim])
+                    );
+                }
+            }
+        }
+    }
+
+    /// Q8_0 score tiles are the block kernel's `q8_0_q8_0` bits for every head size and
+    /// block shape.
+    #[test]
+    fn q8_0_score_tiles_are_the_block_dot_products() {
+        use specula_quant::QType;
+        for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
+            let Some(t) = for_level(level) else { continue };
+            let Some(kernels) = specula_quant::dot::Kernels::for_level(level) else {
+                continue;
+            };
+            for dim in [32, 64, 128, 96, 256] {
+                let rb = QType::Q8_0.row_bytes(dim).unwrap();
+                for (nq, nk) in [(1, 1), (3, 8), (4, 5), (7, 32), (9, 3), (2, 17)] {
+                    let quant = |x: &[f32]| {
+                        let mut b = vec![0u8; x.len() / dim * rb];
+                        for (x, b) in x.chunks_exact(dim).zip(b.chunks_exact_mut(rb)) {
+                            specula_quant::quantize_row(QType::Q8_0, x, b).unwrap();
+                        }
+                        b
+                    };
+                    let q = quant(&values(nq * dim, 7));
+                    // Keys with a stride past the head (the other heads of a cell).
+                    let stride = rb + 34;
+                    let mut kb = vec![0u8; nk * stride];
+                    let keys = quant(
+                        &values(nk * dim, 8)
+                            .iter()
+                            .map(|x| x * 3.0)
+                            .collect::<Vec<_>>(),
+                    );
+                    for j in 0..nk {
+                        kb[j * stride..j * stride + rb]
+                            .copy_from_slice(&keys[j * rb..(j + 1) * rb]);
+                    }
+                    let k = Q8Rows {
+                        bytes: &kb,
+                        stride,
+                        n: nk,
+                        blocks: dim / 32,
+                    };
+                    let mut got = vec![0.0; nq * 40];
+                    (t.scores_q8_0)(&q, rb, nq, k, &mut got, 40);
+                    for a in 0..nq {
+                        for j in 0..nk {
+                            let want = kernels.q8_0_q8_0(
+                                bytemuck::cast_slice(&keys[j * rb..(j + 1) * rb]),
+                                bytemuck::cast_slice(&q[a * rb..(a + 1) * rb]),
+                            );
+                            assert_eq!(
+                                got[a * 40 + j].to_bits(),
+                                want.to_bits(),
+                                "{level:?} {dim} {a} {j}"
+                            );
                         }
                     }
                 }
