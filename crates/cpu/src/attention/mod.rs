@@ -61,8 +61,6 @@ pub(crate) const TILE: usize = 32;
 pub(crate) const CHUNK: usize = 256;
 /// Query rows per task when a batch has many.
 const ROWS_PER_TASK: usize = 16;
-/// Queries (rows × heads) from which a task widens f16 K/V tiles to f32 once per tile.
-const WIDEN_QUERIES: usize = 8;
 
 /// The K and V planes of one layer.
 #[derive(Clone, Debug)]
@@ -768,22 +766,10 @@ impl Ctx<'_> {
                 let contiguous = cell0 + n <= self.n_cells;
                 let fast = tile.is_some() && contiguous;
                 let in_place = |p, dim| fast.then(|| tile_rows(p, cell0, kvh, n, dim)).flatten();
-                // A task of many queries (prefill) widens an f16 tile to f32 once, instead
-                // of once per block of queries in the tile loops.
-                let widen = |rows: Option<tile::Rows<'_>>, buf: &'_ mut Vec<f32>, dim: usize| match (
-                    tile, rows,
-                ) {
-                    (Some(t), Some(r)) if r.f16 && nq >= WIDEN_QUERIES => {
-                        (t.widen_f16)(r, buf, dim);
-                        true
-                    }
-                    _ => false,
-                };
                 let k_rows = match self.key {
                     KeyDot::F32 | KeyDot::Decoded => in_place(self.k, k_dim),
                     KeyDot::Quant { .. } => None,
                 };
-                let k_wide = widen(k_rows, &mut b.kt, k_dim);
                 // Decode the tile's keys when their format is read in f32.
                 if matches!(self.key, KeyDot::Decoded) && k_rows.is_none() {
                     for jj in 0..n {
@@ -814,16 +800,6 @@ impl Ctx<'_> {
                     && qbytes.is_multiple_of(34)
                     && qbytes / 34 <= tile::Q8_MAX_BLOCKS;
                 match (tile, k_rows) {
-                    (Some(t), Some(_)) if k_wide => {
-                        (t.scores)(
-                            &b.qf,
-                            k_dim,
-                            nq,
-                            tile::Rows::f32(&b.kt, n, k_dim),
-                            &mut b.s,
-                            TILE,
-                        );
-                    }
                     (Some(t), Some(rows)) => (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE),
                     (Some(t), None) if q8 => {
                         let rows = tile::Q8Rows {
@@ -835,7 +811,13 @@ impl Ctx<'_> {
                         (t.scores_q8_0)(&b.qb, qbytes, nq, rows, &mut b.s, TILE);
                     }
                     (Some(t), None) if decoded => {
-                        let rows = tile::Rows::f32(&b.kt, n, k_dim);
+                        let rows = tile::Rows {
+                            bytes: bytemuck::cast_slice(&b.kt[..n * k_dim]),
+                            stride: 4 * k_dim,
+                            n,
+                            dim: k_dim,
+                            f16: false,
+                        };
                         (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
                     _ => {
@@ -949,22 +931,11 @@ impl Ctx<'_> {
                 // Values: the tile loops over rows in place or decoded (a decoded row that
                 // no query sees has weight 0 for every query and is skipped), else key by key.
                 let v_rows = in_place(self.v, v_dim);
-                let v_wide = widen(v_rows, &mut b.vt, v_dim);
                 let v_q8 = fast
                     && self.v.ty() == QType::Q8_0
                     && tile::fits(v_dim)
                     && self.v.head_bytes() == QType::Q8_0.row_bytes(v_dim).unwrap_or(0);
                 match (tile, v_rows) {
-                    (Some(t), Some(_)) if v_wide => {
-                        (t.pv)(
-                            &b.s,
-                            TILE,
-                            nq,
-                            tile::Rows::f32(&b.vt, n, v_dim),
-                            &mut b.cacc,
-                            v_dim,
-                        );
-                    }
                     (Some(t), Some(rows)) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
                     (Some(t), None) if v_q8 => {
                         let hb = self.v.head_bytes();
@@ -975,7 +946,13 @@ impl Ctx<'_> {
                             blocks: v_dim / 32,
                         };
                         (t.widen_q8_0)(src, &mut b.vt, v_dim);
-                        let rows = tile::Rows::f32(&b.vt, n, v_dim);
+                        let rows = tile::Rows {
+                            bytes: bytemuck::cast_slice(&b.vt[..n * v_dim]),
+                            stride: 4 * v_dim,
+                            n,
+                            dim: v_dim,
+                            f16: false,
+                        };
                         (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                     }
                     _ => {
@@ -1004,7 +981,13 @@ impl Ctx<'_> {
                             }
                         }
                         if let Some(t) = tile.filter(|_| tile::fits(v_dim)) {
-                            let rows = tile::Rows::f32(&b.vt, n, v_dim);
+                            let rows = tile::Rows {
+                                bytes: bytemuck::cast_slice(&b.vt[..n * v_dim]),
+                                stride: 4 * v_dim,
+                                n,
+                                dim: v_dim,
+                                f16: false,
+                            };
                             (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                         }
                     }

@@ -23,18 +23,7 @@ pub(crate) struct Rows<'a> {
     pub(crate) f16: bool,
 }
 
-impl<'a> Rows<'a> {
-    /// The first `n` rows of `dim` f32 values packed in `buf`.
-    pub(crate) fn f32(buf: &'a [f32], n: usize, dim: usize) -> Self {
-        Rows {
-            bytes: bytemuck::cast_slice(&buf[..n * dim]),
-            stride: 4 * dim,
-            n,
-            dim,
-            f16: false,
-        }
-    }
-
+impl Rows<'_> {
     /// Panics unless every row lies inside `bytes`.
     fn check(&self) {
         let esz = if self.f16 { 2 } else { 4 };
@@ -78,8 +67,6 @@ pub(crate) struct TileKernels {
         fn(q: &[u8], qs: usize, nq: usize, k: Q8Rows<'_>, out: &mut [f32], os: usize),
     /// Q8_0 rows to f32: `out[j·os + i] = q_i · d` of row `j < v.n` (the dequantizer's bits).
     pub(crate) widen_q8_0: fn(v: Q8Rows<'_>, out: &mut [f32], os: usize),
-    /// f16 rows to f32 (exact): `out[j·os + i] = f32(v_j[i])`.
-    pub(crate) widen_f16: fn(v: Rows<'_>, out: &mut [f32], os: usize),
 }
 
 impl std::fmt::Debug for TileKernels {
@@ -139,17 +126,6 @@ mod x86 {
         unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
         /// The lane sum of the path's `dot_f32`.
         unsafe fn reduce(v: Self::F) -> f32;
-        /// `out[i] = reduce(v[i])` for four vectors (an instruction set may share the work).
-        ///
-        /// # Safety
-        /// Four f32 at `out`; the features.
-        #[inline(always)]
-        unsafe fn reduce4(v: [Self::F; 4], out: *mut f32) {
-            for (i, &x) in v.iter().enumerate() {
-                // SAFETY: the caller's four values at out.
-                unsafe { *out.add(i) = Self::reduce(x) };
-            }
-        }
     }
 
     #[derive(Clone, Copy)]
@@ -323,38 +299,6 @@ mod x86 {
             // SAFETY: as `zero`.
             unsafe { V256::reduce(V256::add(v[0], v[1])) }
         }
-        /// [`Self::reduce`]'s tree for four vectors at once: every sum pairs the lanes it
-        /// pairs there (the 128-bit halves, then lanes 0+2 and 1+3, then those two), four
-        /// vectors per instruction.
-        #[inline(always)]
-        unsafe fn reduce4(v: [[__m256; 2]; 4], out: *mut f32) {
-            // SAFETY: as `zero`; four values at out (the caller's).
-            unsafe {
-                let u = v.map(|x| _mm256_add_ps(x[0], x[1]));
-                // [s(u0) | s(u1)] and [s(u2) | s(u3)], s(u) = lo(u) + hi(u).
-                let s01 = _mm256_add_ps(
-                    _mm256_permute2f128_ps::<0x20>(u[0], u[1]),
-                    _mm256_permute2f128_ps::<0x31>(u[0], u[1]),
-                );
-                let s23 = _mm256_add_ps(
-                    _mm256_permute2f128_ps::<0x20>(u[2], u[3]),
-                    _mm256_permute2f128_ps::<0x31>(u[2], u[3]),
-                );
-                // Per half h: [s0 + s2, s1 + s3] of u_h, then of u_{2+h}.
-                let t = _mm256_add_ps(
-                    _mm256_shuffle_ps::<0b01_00_01_00>(s01, s23),
-                    _mm256_shuffle_ps::<0b11_10_11_10>(s01, s23),
-                );
-                // Per half h: [r(u_h), r(u_{2+h}), …].
-                let r = _mm256_add_ps(
-                    _mm256_shuffle_ps::<0b10_00_10_00>(t, t),
-                    _mm256_shuffle_ps::<0b11_01_11_01>(t, t),
-                );
-                let lo = _mm256_castps256_ps128(r);
-                let hi = _mm256_extractf128_ps::<1>(r);
-                _mm_storeu_ps(out, _mm_unpacklo_ps(lo, hi));
-            }
-        }
     }
 
     /// Builds the table of one instruction set: entries check their slices, then call the
@@ -444,18 +388,6 @@ mod x86 {
                     );
                     // SAFETY: as above.
                     unsafe { widen_q8_0_256(v, out.as_mut_ptr(), os) }
-                },
-                widen_f16: |v, out, os| {
-                    v.check();
-                    if v.n == 0 {
-                        return;
-                    }
-                    assert!(
-                        v.f16 && fits(v.dim) && (v.n - 1) * os + v.dim <= out.len(),
-                        "attention: f16 tile bounds"
-                    );
-                    // SAFETY: as above.
-                    unsafe { widen_f16_256(v, out.as_mut_ptr(), os) }
                 },
             }
         }};
@@ -563,12 +495,8 @@ mod x86 {
                 d += I::LANES;
             }
             for (a, row) in acc.iter().enumerate() {
-                if let Ok(&four) = <&[I::F; 4]>::try_from(&row[..]) {
-                    I::reduce4(four, out.add(a * os));
-                } else {
-                    for (b, &v) in row.iter().enumerate() {
-                        *out.add(a * os + b) = I::reduce(v);
-                    }
+                for (b, &v) in row.iter().enumerate() {
+                    *out.add(a * os + b) = I::reduce(v);
                 }
             }
         }
@@ -682,25 +610,6 @@ mod x86 {
         // SAFETY: the caller's two bytes.
         let b = unsafe { [*p, *p.add(1)] };
         specula_quant::blocks::Half(b).to_f32()
-    }
-
-    /// f16 rows to f32, eight values per conversion (exact).
-    ///
-    /// # Safety
-    /// As the table's `widen_f16` checks; AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen_f16_256(v: Rows<'_>, out: *mut f32, os: usize) {
-        for j in 0..v.n {
-            let mut d = 0;
-            while d < v.dim {
-                // SAFETY: row j < v.n, values d..d + 8 ≤ v.dim: inside the checked slices.
-                unsafe {
-                    let x = _mm_loadu_si128(v.bytes.as_ptr().add(j * v.stride + 2 * d).cast());
-                    _mm256_storeu_ps(out.add(j * os + d), _mm256_cvtph_ps(x));
-                }
-                d += 8;
-            }
-        }
     }
 
     /// Q8_0 rows to f32, eight values per conversion: `q · d` with one rounding, as the
