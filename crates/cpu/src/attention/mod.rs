@@ -618,6 +618,16 @@ fn tile_rows(p: &Plane, cell0: usize, kvh: usize, n: usize, dim: usize) -> Optio
     })
 }
 
+/// Rows `cell0..cell0 + n` of head `kvh` of a Q8_0 plane, read in place.
+fn q8_rows(p: &Plane, cell0: usize, kvh: usize, n: usize) -> tile::Q8Rows<'_> {
+    tile::Q8Rows {
+        bytes: &p.bytes()[cell0 * p.row_bytes() + kvh * p.head_bytes()..],
+        stride: p.row_bytes(),
+        n,
+        blocks: p.head_bytes() / 34,
+    }
+}
+
 /// Everything a task reads.
 struct Ctx<'a> {
     q: &'a CpuTensor,
@@ -802,22 +812,11 @@ impl Ctx<'_> {
                 match (tile, k_rows) {
                     (Some(t), Some(rows)) => (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE),
                     (Some(t), None) if q8 => {
-                        let rows = tile::Q8Rows {
-                            bytes: &self.k.bytes()[cell0 * self.k.row_bytes() + kvh * qbytes..],
-                            stride: self.k.row_bytes(),
-                            n,
-                            blocks: qbytes / 34,
-                        };
+                        let rows = q8_rows(self.k, cell0, kvh, n);
                         (t.scores_q8_0)(&b.qb, qbytes, nq, rows, &mut b.s, TILE);
                     }
                     (Some(t), None) if decoded => {
-                        let rows = tile::Rows {
-                            bytes: bytemuck::cast_slice(&b.kt[..n * k_dim]),
-                            stride: 4 * k_dim,
-                            n,
-                            dim: k_dim,
-                            f16: false,
-                        };
+                        let rows = tile::Rows::f32(&b.kt, n, k_dim);
                         (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
                     _ => {
@@ -938,21 +937,9 @@ impl Ctx<'_> {
                 match (tile, v_rows) {
                     (Some(t), Some(rows)) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
                     (Some(t), None) if v_q8 => {
-                        let hb = self.v.head_bytes();
-                        let src = tile::Q8Rows {
-                            bytes: &self.v.bytes()[cell0 * self.v.row_bytes() + kvh * hb..],
-                            stride: self.v.row_bytes(),
-                            n,
-                            blocks: v_dim / 32,
-                        };
+                        let src = q8_rows(self.v, cell0, kvh, n);
                         (t.widen_q8_0)(src, &mut b.vt, v_dim);
-                        let rows = tile::Rows {
-                            bytes: bytemuck::cast_slice(&b.vt[..n * v_dim]),
-                            stride: 4 * v_dim,
-                            n,
-                            dim: v_dim,
-                            f16: false,
-                        };
+                        let rows = tile::Rows::f32(&b.vt, n, v_dim);
                         (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                     }
                     _ => {
@@ -981,13 +968,7 @@ impl Ctx<'_> {
                             }
                         }
                         if let Some(t) = tile.filter(|_| tile::fits(v_dim)) {
-                            let rows = tile::Rows {
-                                bytes: bytemuck::cast_slice(&b.vt[..n * v_dim]),
-                                stride: 4 * v_dim,
-                                n,
-                                dim: v_dim,
-                                f16: false,
-                            };
+                            let rows = tile::Rows::f32(&b.vt, n, v_dim);
                             (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                         }
                     }

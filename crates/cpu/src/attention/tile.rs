@@ -23,7 +23,18 @@ pub(crate) struct Rows<'a> {
     pub(crate) f16: bool,
 }
 
-impl Rows<'_> {
+impl<'a> Rows<'a> {
+    /// The first `n` rows of `dim` f32 values packed in `buf`.
+    pub(crate) fn f32(buf: &'a [f32], n: usize, dim: usize) -> Self {
+        Rows {
+            bytes: bytemuck::cast_slice(&buf[..n * dim]),
+            stride: 4 * dim,
+            n,
+            dim,
+            f16: false,
+        }
+    }
+
     /// Panics unless every row lies inside `bytes`.
     fn check(&self) {
         let esz = if self.f16 { 2 } else { 4 };
