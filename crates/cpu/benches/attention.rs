@@ -6,9 +6,12 @@
 //! `cargo bench -p specula-cpu --bench attention` (a filter such as `decode/f16` narrows it;
 //! `SPECULA_ATTN_DEPTH` sets the depth, default 16384).
 
+mod common;
+
 use std::hint::black_box;
 use std::time::Duration;
 
+use common::values;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use specula_cpu::{CpuBackend, CpuKv};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, QType};
@@ -18,19 +21,6 @@ const N_HEAD: usize = 9;
 const HD: usize = 64;
 const PREFILL_ROWS: usize = 64;
 const TYPES: &[QType] = &[QType::F16, QType::Q8_0, QType::Q4_0, QType::Turbo4];
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let top = u16::try_from(s >> 48).unwrap_or(0);
-            (f32::from(top) / 65_536.0 - 0.5) * 4.0
-        })
-        .collect()
-}
 
 fn depth() -> usize {
     std::env::var("SPECULA_ATTN_DEPTH")

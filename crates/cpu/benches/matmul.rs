@@ -6,10 +6,13 @@
 //!
 //! `cargo bench -p specula-cpu --bench matmul` (add a filter such as `gemv/q4_k` to narrow it).
 
+mod common;
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::values;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
 use specula_cpu::{CpuBackend, CpuWeight};
 use specula_tensor::{Backend, QType, WeightDesc};
@@ -19,19 +22,6 @@ const SHAPES: &[(&str, usize, usize)] = &[("1024x4864", 1024, 4864), ("4864x1024
 const TYPES: &[QType] = &[QType::Q4_K, QType::Q8_0, QType::Q4_1];
 const THREADS: &[usize] = &[1, 2];
 const GEMM_ROWS: usize = 64;
-
-fn values(n: usize, seed: u64) -> Vec<f32> {
-    let mut s = seed | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            let top = u16::try_from(s >> 48).unwrap_or(0);
-            (f32::from(top) / 65_536.0 - 0.5) * 4.0
-        })
-        .collect()
-}
 
 fn weight(be: &CpuBackend, ty: QType, n_in: usize, n_out: usize) -> (CpuWeight, usize) {
     let rb = ty.row_bytes(n_in).expect("whole blocks");
