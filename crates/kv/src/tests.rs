@@ -196,7 +196,7 @@ impl Swa {
                 self.cells
                     .visible(c, 0, q, Mask::SlidingWindow(self.window))
             })
-            .map(|c| (self.cells.pos(c).unwrap(), self.k.cell(c).to_vec()))
+            .map(|c| (self.cells.pos(c).unwrap(), self.k.cell_bytes(c)))
             .collect();
         v.sort_unstable_by_key(|e| e.0);
         v

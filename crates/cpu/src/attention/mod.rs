@@ -273,7 +273,7 @@ impl CpuKv {
 }
 
 fn row_of(p: &Plane, cell: usize) -> Vec<f32> {
-    let (n_head, hd, dim) = (p.row_bytes() / p.head_bytes(), p.head_dim(), p.dim());
+    let (n_head, hd, dim) = (p.n_head(), p.head_dim(), p.dim());
     let mut out = Vec::with_capacity(n_head * hd);
     let mut buf = vec![0.0; dim];
     for h in 0..n_head {
@@ -365,7 +365,7 @@ fn turbo4_lut() -> &'static [[f32; 2]; 256] {
 }
 
 /// One row to encode: its index in the batch, whether it is V, and the cell's bytes.
-type WriteItem<'a> = (usize, bool, &'a mut [u8]);
+type WriteItem<'a> = (usize, bool, Vec<&'a mut [u8]>);
 
 /// Writes K and V rows of `layer` into `cells`.
 pub(crate) fn kv_write(
@@ -427,9 +427,9 @@ pub(crate) fn kv_write(
         .collect();
     let write = |(t, is_v, dst): &mut WriteItem<'_>, pad: &mut Vec<f32>| {
         let r = if *is_v {
-            ev.encode(v.row(*t), dst, pad)
+            ev.encode_heads(v.row(*t), dst, pad)
         } else {
-            ek.encode(k.row(*t), dst, pad)
+            ek.encode_heads(k.row(*t), dst, pad)
         };
         if let Err(e) = r {
             panic!("kv_write: {}: {e}", if *is_v { "V" } else { "K" });
@@ -610,8 +610,8 @@ fn tile_rows(p: &Plane, cell0: usize, kvh: usize, n: usize, dim: usize) -> Optio
         _ => return None,
     };
     tile::fits(dim).then(|| tile::Rows {
-        bytes: &p.bytes()[cell0 * p.row_bytes() + kvh * p.head_bytes()..],
-        stride: p.row_bytes(),
+        bytes: p.head_cells(kvh, cell0),
+        stride: p.head_bytes(),
         n,
         dim,
         f16,
@@ -621,8 +621,8 @@ fn tile_rows(p: &Plane, cell0: usize, kvh: usize, n: usize, dim: usize) -> Optio
 /// Rows `cell0..cell0 + n` of head `kvh` of a Q8_0 plane, read in place.
 fn q8_rows(p: &Plane, cell0: usize, kvh: usize, n: usize) -> tile::Q8Rows<'_> {
     tile::Q8Rows {
-        bytes: &p.bytes()[cell0 * p.row_bytes() + kvh * p.head_bytes()..],
-        stride: p.row_bytes(),
+        bytes: p.head_cells(kvh, cell0),
+        stride: p.head_bytes(),
         n,
         blocks: p.head_bytes() / 34,
     }
@@ -1085,7 +1085,9 @@ pub(crate) fn attention(
     // (row block, K/V head, chunk) is a task that leaves its chunk's softmax state in `parts`,
     // and the states are merged in chunk order afterwards — the same merges, in the same order,
     // that a task over all chunks does, so the split changes no bit.
-    if n_chunks > 1 && n_rb * n_kv_head < 2 * nth {
+    // A single row block (decode) always splits: one thread then still reads each K/V head's
+    // cells once, where a split of the group's query heads would read them once per slice.
+    if n_chunks > 1 && (n_rb * n_kv_head < 2 * nth || n_rb == 1) {
         let nq_task = rows_per * group;
         let stride = nq_task * (ly.v_dim + 2);
         let n_tasks = n_rb * n_kv_head * n_chunks;
