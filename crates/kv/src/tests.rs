@@ -658,3 +658,76 @@ fn ring_layers_are_accounted_with_their_own_cells() {
         assert!(err.to_string().contains("sliding-window ring"), "{err}");
     }
 }
+
+/// Head-major planes: a head's cells are contiguous (`head_cells` steps `head_bytes` from cell to
+/// cell and agrees with `head`); rows written through `encoder_and_cells` equal rows written one
+/// by one; each cell's bytes are its heads' encodings; and an exported prefix is cell-major (each
+/// cell's heads in order), importing into a fresh plane to the same bytes.
+#[test]
+fn head_major_planes_write_read_and_export_by_head() {
+    for &ty in CACHE_TYPES {
+        let (n_head, hd, n_cells) = (3, 64, 5);
+        let dim = stored_head_dim("K", ty, hd).unwrap();
+        let mut a = Plane::new(ty, n_cells, n_head, hd, dim, k_rotation(ty, hd)).unwrap();
+        let mut b = a.clone();
+        let rows: Vec<Vec<f32>> = (0..n_cells)
+            .map(|c| row(u32::try_from(c).unwrap() + 7, n_head * hd))
+            .collect();
+        a.calibrate(&rows.concat()).unwrap();
+        b.calibrate(&rows.concat()).unwrap();
+        let mut pad = Vec::new();
+        for (c, r) in rows.iter().enumerate() {
+            a.write(c, r, &mut pad).unwrap();
+        }
+        // The same rows through the per-head destinations, cells named out of order.
+        let order = [3, 0, 4, 1, 2];
+        let (enc, mut dst) = b.encoder_and_cells(&order).unwrap();
+        for (i, &c) in order.iter().enumerate() {
+            assert_eq!(dst[i].len(), n_head, "{ty}");
+            enc.encode_heads(&rows[c], &mut dst[i], &mut pad).unwrap();
+        }
+        assert_eq!(a.bytes(), b.bytes(), "{ty}");
+
+        // Each cell holds its row's contiguous encoding (`RowEncoder::encode`), head by head.
+        let hb = a.head_bytes();
+        let mut one = vec![0u8; a.row_bytes()];
+        let mut same = a.clone();
+        let (enc, _) = same.encoder_and_cells(&[]).unwrap();
+        for (c, r) in rows.iter().enumerate() {
+            enc.encode(r, &mut one, &mut pad).unwrap();
+            assert_eq!(a.cell_bytes(c), one, "{ty} cell {c}");
+            for h in 0..n_head {
+                assert_eq!(
+                    &one[h * hb..(h + 1) * hb],
+                    a.head(c, h),
+                    "{ty} cell {c} head {h}"
+                );
+                let run = a.head_cells(h, c);
+                assert_eq!(run.len(), (n_cells - c) * hb, "{ty}");
+                for (k, cell) in (c..n_cells).enumerate() {
+                    assert_eq!(&run[k * hb..(k + 1) * hb], a.head(cell, h), "{ty}");
+                }
+            }
+        }
+        // The head-major bytes: head 1 of cell 0 comes after head 0 of every cell.
+        assert_eq!(
+            &a.bytes()[n_cells * hb..(n_cells + 1) * hb],
+            a.head(0, 1),
+            "{ty}"
+        );
+
+        let mut saved = Vec::new();
+        a.export_prefix(4, &mut saved).unwrap();
+        let cells: Vec<u8> = (0..4).flat_map(|c| a.cell_bytes(c)).collect();
+        assert_eq!(
+            &saved[saved.len() - cells.len()..],
+            &cells[..],
+            "{ty}: cell-major export"
+        );
+        let mut fresh = Plane::new(ty, n_cells, n_head, hd, dim, k_rotation(ty, hd)).unwrap();
+        assert_eq!(fresh.import_prefix(4, &saved).unwrap(), saved.len(), "{ty}");
+        for c in 0..4 {
+            assert_eq!(fresh.cell_bytes(c), a.cell_bytes(c), "{ty} cell {c}");
+        }
+    }
+}
