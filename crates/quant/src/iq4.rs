@@ -23,7 +23,7 @@ use crate::blocks::{BlockIq4Nl, BlockIq4Xs, Half, QK, QK_K};
 use crate::kquants::nearest_int;
 
 /// The IQ4_NL / IQ4_XS codebook (`kvalues_iq4nl`), ascending.
-pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
+pub const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 

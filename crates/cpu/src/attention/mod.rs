@@ -59,6 +59,11 @@ pub(crate) const TILE: usize = 32;
 /// split-K). The chunk grid is fixed in cell space, so a query's result does not depend on the
 /// cache length, the batch or how chunks are spread over threads.
 pub(crate) const CHUNK: usize = 256;
+/// Queries a score tile loop reads an f16 key row for (AVX2: one, each widening it again);
+/// above this the tile's keys are widened once.
+const SCORE_QUERIES: usize = 8;
+/// Queries a value tile loop reads an f16 value row for.
+const VALUE_QUERIES: usize = 8;
 /// Query rows per task when a batch has many.
 const ROWS_PER_TASK: usize = 16;
 
@@ -569,6 +574,9 @@ struct TaskBufs {
     kt: Vec<f32>,
     /// Decoded V tile (`TILE · v_dim`).
     vt: Vec<f32>,
+    /// f16 K and V tiles widened once for many queries (`TILE · k_dim`, `TILE · v_dim`).
+    kw: Vec<f32>,
+    vw: Vec<f32>,
     /// Scores, then weights (`rows · heads · TILE`).
     s: Vec<f32>,
     /// Accumulators of the merged chunks (`rows · heads · v_dim`).
@@ -618,14 +626,42 @@ fn tile_rows(p: &Plane, cell0: usize, kvh: usize, n: usize, dim: usize) -> Optio
     })
 }
 
-/// Rows `cell0..cell0 + n` of head `kvh` of a Q8_0 plane, read in place.
-fn q8_rows(p: &Plane, cell0: usize, kvh: usize, n: usize) -> tile::Q8Rows<'_> {
-    tile::Q8Rows {
-        bytes: p.head_cells(kvh, cell0),
-        stride: p.head_bytes(),
-        n,
-        blocks: p.head_bytes() / 34,
+/// Rows `cell0..cell0 + n` of head `kvh` of a block-format plane whose heads are whole
+/// blocks (at most [`tile::MAX_BLOCKS`]), read in place by the tile loops.
+fn block_rows(p: &Plane, cell0: usize, kvh: usize, n: usize) -> Option<tile::BlockRows<'_>> {
+    let fmt = tile::BlockFmt::of(p.ty())?;
+    let blocks = p.head_bytes() / fmt.bytes();
+    (blocks > 0 && blocks <= tile::MAX_BLOCKS && blocks * fmt.bytes() == p.head_bytes()).then(
+        || tile::BlockRows {
+            bytes: p.head_cells(kvh, cell0),
+            stride: p.head_bytes(),
+            n,
+            blocks,
+            fmt,
+        },
+    )
+}
+
+/// f16 rows read in place by a tile loop that would widen each row once per `per` queries:
+/// for more queries than that, widened once into `buf` (exact, so the scores and sums
+/// keep their bits) and read from there.
+fn widened<'b>(
+    ctx: &Ctx<'_>,
+    rows: tile::Rows<'b>,
+    nq: usize,
+    per: usize,
+    buf: &'b mut Vec<f32>,
+) -> tile::Rows<'b> {
+    if !rows.f16 || nq <= per {
+        return rows;
     }
+    let (n, dim) = (rows.n, rows.dim);
+    fit(buf, n * dim);
+    for (j, out) in buf[..n * dim].chunks_exact_mut(dim).enumerate() {
+        let src = &rows.bytes[j * rows.stride..j * rows.stride + 2 * dim];
+        (ctx.attn.f16_to_f32)(bytemuck::cast_slice(src), out);
+    }
+    tile::Rows::f32(buf, n, dim)
 }
 
 /// Everything a task reads.
@@ -777,7 +813,8 @@ impl Ctx<'_> {
                 let fast = tile.is_some() && contiguous;
                 let in_place = |p, dim| fast.then(|| tile_rows(p, cell0, kvh, n, dim)).flatten();
                 let k_rows = match self.key {
-                    KeyDot::F32 | KeyDot::Decoded => in_place(self.k, k_dim),
+                    KeyDot::F32 | KeyDot::Decoded => in_place(self.k, k_dim)
+                        .map(|r| widened(self, r, nq, SCORE_QUERIES, &mut b.kw)),
                     KeyDot::Quant { .. } => None,
                 };
                 // Decode the tile's keys when their format is read in f32.
@@ -796,26 +833,21 @@ impl Ctx<'_> {
                 // (a decoded key that no row sees holds an older key's values: its score
                 // is replaced by −∞ below), else key by key.
                 let decoded = matches!(self.key, KeyDot::Decoded) && tile::fits(k_dim);
-                // Q8_0 keys in place, dotted with the Q8_0 queries by the tile loop.
-                let q8 = fast
-                    && self.k.ty() == QType::Q8_0
-                    && matches!(
-                        self.key,
-                        KeyDot::Quant {
-                            qty: QType::Q8_0,
-                            ..
-                        }
-                    )
-                    && self.k.head_bytes() == qbytes
-                    && qbytes.is_multiple_of(34)
-                    && qbytes / 34 <= tile::Q8_MAX_BLOCKS;
-                match (tile, k_rows) {
-                    (Some(t), Some(rows)) => (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE),
-                    (Some(t), None) if q8 => {
-                        let rows = q8_rows(self.k, cell0, kvh, n);
-                        (t.scores_q8_0)(&b.qb, qbytes, nq, rows, &mut b.s, TILE);
+                // Block-format keys in place, dotted with the quantized queries by the tile
+                // loop.
+                let k_blocks = match self.key {
+                    KeyDot::Quant { .. } if fast => block_rows(self.k, cell0, kvh, n)
+                        .filter(|r| r.blocks * r.fmt.query_bytes() == qbytes),
+                    _ => None,
+                };
+                match (tile, k_rows, k_blocks) {
+                    (Some(t), Some(rows), _) => {
+                        (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
-                    (Some(t), None) if decoded => {
+                    (Some(t), None, Some(rows)) => {
+                        (t.scores_blocks)(&b.qb, qbytes, nq, rows, &mut b.s, TILE);
+                    }
+                    (Some(t), None, None) if decoded => {
                         let rows = tile::Rows::f32(&b.kt, n, k_dim);
                         (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
@@ -929,16 +961,16 @@ impl Ctx<'_> {
                 }
                 // Values: the tile loops over rows in place or decoded (a decoded row that
                 // no query sees has weight 0 for every query and is skipped), else key by key.
-                let v_rows = in_place(self.v, v_dim);
-                let v_q8 = fast
-                    && self.v.ty() == QType::Q8_0
-                    && tile::fits(v_dim)
-                    && self.v.head_bytes() == QType::Q8_0.row_bytes(v_dim).unwrap_or(0);
-                match (tile, v_rows) {
-                    (Some(t), Some(rows)) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
-                    (Some(t), None) if v_q8 => {
-                        let src = q8_rows(self.v, cell0, kvh, n);
-                        (t.widen_q8_0)(src, &mut b.vt, v_dim);
+                let v_rows =
+                    in_place(self.v, v_dim).map(|r| widened(self, r, nq, VALUE_QUERIES, &mut b.vw));
+                let v_blocks = fast
+                    .then(|| block_rows(self.v, cell0, kvh, n))
+                    .flatten()
+                    .filter(|r| r.blocks * 32 == v_dim);
+                match (tile, v_rows, v_blocks) {
+                    (Some(t), Some(rows), _) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
+                    (Some(t), None, Some(src)) => {
+                        (t.widen_blocks)(src, &mut b.vt, v_dim);
                         let rows = tile::Rows::f32(&b.vt, n, v_dim);
                         (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                     }

@@ -49,19 +49,69 @@ impl<'a> Rows<'a> {
     }
 }
 
-/// Rows of Q8_0 blocks read in place: row `j < n` starts at `bytes[j · stride]` and holds
-/// `blocks` blocks of 34 bytes (an f16 scale, 32 signed bytes).
+/// The block formats whose rows the tile loops read in place: each 32-value block holds an
+/// f16 scale `d` (an f16 offset `m` for `_1`), and values that are small integers (`q − 8`,
+/// `q`, `q − 16`, a table's entry) — a key's block dotted with a query's Q8_0 / Q8_1 block is
+/// an exact integer sum times the scales, a value's block widens to `v · d (+ m)`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum BlockFmt {
+    Q8_0,
+    Q4_0,
+    Q4_1,
+    Q5_0,
+    Q5_1,
+    Iq4Nl,
+}
+
+impl BlockFmt {
+    /// The format of a cache type, where the tile loops read it.
+    pub(crate) fn of(ty: specula_quant::QType) -> Option<Self> {
+        use specula_quant::QType;
+        Some(match ty {
+            QType::Q8_0 => Self::Q8_0,
+            QType::Q4_0 => Self::Q4_0,
+            QType::Q4_1 => Self::Q4_1,
+            QType::Q5_0 => Self::Q5_0,
+            QType::Q5_1 => Self::Q5_1,
+            QType::IQ4_NL => Self::Iq4Nl,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of one block.
+    pub(crate) const fn bytes(self) -> usize {
+        match self {
+            Self::Q8_0 => 34,
+            Self::Q4_0 | Self::Iq4Nl => 18,
+            Self::Q4_1 => 20,
+            Self::Q5_0 => 22,
+            Self::Q5_1 => 24,
+        }
+    }
+
+    /// Bytes of one block of the query a key block is dotted with: Q8_1 (`d`, `s = d·Σq`,
+    /// 32 bytes) for the formats with an offset, else Q8_0.
+    pub(crate) const fn query_bytes(self) -> usize {
+        match self {
+            Self::Q4_1 | Self::Q5_1 => 36,
+            _ => 34,
+        }
+    }
+}
+
+/// Rows of blocks read in place: row `j < n` starts at `bytes[j · stride]` and holds `blocks`
+/// blocks of `fmt`.
 #[derive(Clone, Copy)]
-pub(crate) struct Q8Rows<'a> {
+pub(crate) struct BlockRows<'a> {
     pub(crate) bytes: &'a [u8],
     pub(crate) stride: usize,
     pub(crate) n: usize,
     pub(crate) blocks: usize,
+    pub(crate) fmt: BlockFmt,
 }
 
-/// The largest head a Q8_0 tile takes (blocks of 32 values): 256 values.
-pub(crate) const Q8_MAX_BLOCKS: usize = 8;
-const Q8_BLOCK: usize = 34;
+/// The largest head a block tile takes (blocks of 32 values): 256 values.
+pub(crate) const MAX_BLOCKS: usize = 8;
 
 /// The tile loops of one instruction set.
 #[derive(Clone, Copy)]
@@ -71,13 +121,14 @@ pub(crate) struct TileKernels {
     /// `acc[a·as + d] += w[a·ws + j] · v_j[d]` for `a < nq`, keys `j < v.n` in order (zero
     /// weights skipped), `d < v.dim`.
     pub(crate) pv: fn(w: &[f32], ws: usize, nq: usize, v: Rows<'_>, acc: &mut [f32], as_: usize),
-    /// Q8_0 keys against queries quantized to Q8_0 (`nq` rows of `k.blocks` blocks at
-    /// `q[a · qs..]`): `out[a·os + j]` = the Q8_0 · Q8_0 dot product of the block kernels
-    /// (`Σ_b f32(isum_b) · (d_k · d_q)`, block after block from 0), for `j < k.n`.
-    pub(crate) scores_q8_0:
-        fn(q: &[u8], qs: usize, nq: usize, k: Q8Rows<'_>, out: &mut [f32], os: usize),
-    /// Q8_0 rows to f32: `out[j·os + i] = q_i · d` of row `j < v.n` (the dequantizer's bits).
-    pub(crate) widen_q8_0: fn(v: Q8Rows<'_>, out: &mut [f32], os: usize),
+    /// Block-format keys against queries quantized to the format's query type (`nq` rows of
+    /// `k.blocks` blocks at `q[a · qs..]`): `out[a·os + j]` = the block kernel's dot product
+    /// (`Σ_b term(isum_b, scales)`, block after block from 0, each term the kernel's
+    /// operations in its order), for `j < k.n`.
+    pub(crate) scores_blocks:
+        fn(q: &[u8], qs: usize, nq: usize, k: BlockRows<'_>, out: &mut [f32], os: usize),
+    /// Block rows to f32: `out[j·os + i]` = value `i` of row `j < v.n` (the dequantizer's bits).
+    pub(crate) widen_blocks: fn(v: BlockRows<'_>, out: &mut [f32], os: usize),
 }
 
 impl std::fmt::Debug for TileKernels {
@@ -114,7 +165,7 @@ pub(crate) fn fits(dim: usize) -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{Q8_BLOCK, Q8_MAX_BLOCKS, Q8Rows, Rows, TileKernels, fits};
+    use super::{BlockFmt, BlockRows, MAX_BLOCKS, Rows, TileKernels, fits};
 
     /// The vector operations the loops are written in, for one instruction set. Every
     /// method is `#[inline(always)]` and only called from a function compiled with that
@@ -371,34 +422,35 @@ mod x86 {
                     // SAFETY: as above.
                     unsafe { pv_f(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
                 },
-                scores_q8_0: |q, qs, nq, k, out, os| {
+                scores_blocks: |q, qs, nq, k, out, os| {
                     if nq == 0 || k.n == 0 {
                         return;
                     }
+                    let (kb, qb) = (k.fmt.bytes(), k.fmt.query_bytes());
                     assert!(
                         k.blocks > 0
-                            && k.blocks <= Q8_MAX_BLOCKS
-                            && (k.n - 1) * k.stride + k.blocks * Q8_BLOCK <= k.bytes.len()
-                            && (nq - 1) * qs + k.blocks * Q8_BLOCK <= q.len()
+                            && k.blocks <= MAX_BLOCKS
+                            && (k.n - 1) * k.stride + k.blocks * kb <= k.bytes.len()
+                            && (nq - 1) * qs + k.blocks * qb <= q.len()
                             && (nq - 1) * os + k.n <= out.len(),
-                        "attention: Q8_0 score tile bounds"
+                        "attention: block score tile bounds"
                     );
                     // SAFETY: every CPU given a table has AVX2, FMA and F16C (`for_level`);
                     // every block read and score written lies inside its slice (checked above).
-                    unsafe { scores_q8_0_256(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
+                    unsafe { scores_blocks_256(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
                 },
-                widen_q8_0: |v, out, os| {
+                widen_blocks: |v, out, os| {
                     if v.n == 0 {
                         return;
                     }
                     assert!(
                         v.blocks > 0
-                            && (v.n - 1) * v.stride + v.blocks * Q8_BLOCK <= v.bytes.len()
+                            && (v.n - 1) * v.stride + v.blocks * v.fmt.bytes() <= v.bytes.len()
                             && (v.n - 1) * os + v.blocks * 32 <= out.len(),
-                        "attention: Q8_0 value tile bounds"
+                        "attention: block value tile bounds"
                     );
                     // SAFETY: as above.
-                    unsafe { widen_q8_0_256(v, out.as_mut_ptr(), os) }
+                    unsafe { widen_blocks_256(v, out.as_mut_ptr(), os) }
                 },
             }
         }};
@@ -612,7 +664,104 @@ mod x86 {
         }
     }
 
-    /// The f16 scale at the start of a Q8_0 block.
+    /// The 32 values of a block as signed bytes (element `i` in byte `i`), its scale `d` and
+    /// its offset `m` (0 without one).
+    ///
+    /// # Safety
+    /// One block of `fmt` at `p`; AVX2.
+    #[inline(always)]
+    unsafe fn unpack(fmt: BlockFmt, p: *const u8) -> (__m256i, f32, f32) {
+        // SAFETY: the caller's block at p.
+        unsafe {
+            let nibbles = |qs: *const u8| {
+                let x = _mm_loadu_si128(qs.cast());
+                let lo = _mm_and_si128(x, _mm_set1_epi8(0x0F));
+                let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), _mm_set1_epi8(0x0F));
+                _mm256_set_m128i(hi, lo)
+            };
+            // Byte i all ones where bit i of the 32 bits at qh is set.
+            let high_bits = |qh: *const u8| {
+                let bits = u32::from_le_bytes([*qh, *qh.add(1), *qh.add(2), *qh.add(3)]);
+                let spread = _mm256_shuffle_epi8(
+                    _mm256_set1_epi32(i32::from_ne_bytes(bits.to_ne_bytes())),
+                    _mm256_setr_epi64x(
+                        0,
+                        0x0101_0101_0101_0101,
+                        0x0202_0202_0202_0202,
+                        0x0303_0303_0303_0303,
+                    ),
+                );
+                let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201_u64.cast_signed());
+                _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit)
+            };
+            match fmt {
+                BlockFmt::Q8_0 => (_mm256_loadu_si256(p.add(2).cast()), scale(p), 0.0),
+                BlockFmt::Q4_0 => (
+                    _mm256_sub_epi8(nibbles(p.add(2)), _mm256_set1_epi8(8)),
+                    scale(p),
+                    0.0,
+                ),
+                BlockFmt::Q4_1 => (nibbles(p.add(4)), scale(p), scale(p.add(2))),
+                BlockFmt::Q5_0 => {
+                    let hi = _mm256_and_si256(high_bits(p.add(2)), _mm256_set1_epi8(16));
+                    let v = _mm256_or_si256(nibbles(p.add(6)), hi);
+                    (_mm256_sub_epi8(v, _mm256_set1_epi8(16)), scale(p), 0.0)
+                }
+                BlockFmt::Q5_1 => {
+                    let hi = _mm256_and_si256(high_bits(p.add(4)), _mm256_set1_epi8(16));
+                    (
+                        _mm256_or_si256(nibbles(p.add(8)), hi),
+                        scale(p),
+                        scale(p.add(2)),
+                    )
+                }
+                BlockFmt::Iq4Nl => {
+                    let table = _mm256_broadcastsi128_si256(_mm_loadu_si128(
+                        specula_quant::iq4::KVALUES_IQ4NL.as_ptr().cast(),
+                    ));
+                    (_mm256_shuffle_epi8(table, nibbles(p.add(2))), scale(p), 0.0)
+                }
+            }
+        }
+    }
+
+    /// Block rows to f32, eight values per conversion: `v · d`, or `v · d + m` with the
+    /// multiply and the add rounded separately — the dequantizers' operations.
+    ///
+    /// # Safety
+    /// As the table's `widen_blocks` checks; AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen_blocks_256(v: BlockRows<'_>, out: *mut f32, os: usize) {
+        let offset = matches!(v.fmt, BlockFmt::Q4_1 | BlockFmt::Q5_1);
+        for j in 0..v.n {
+            for b in 0..v.blocks {
+                // SAFETY: row j < v.n, block b < v.blocks, 32 outputs from j·os + 32·b:
+                // inside the checked slices.
+                unsafe {
+                    let p = v.bytes.as_ptr().add(j * v.stride + b * v.fmt.bytes());
+                    let (x, d, m) = unpack(v.fmt, p);
+                    let (d, m) = (_mm256_set1_ps(d), _mm256_set1_ps(m));
+                    let o = out.add(j * os + 32 * b);
+                    let halves = [_mm256_castsi256_si128(x), _mm256_extracti128_si256::<1>(x)];
+                    for (h, half) in halves.into_iter().enumerate() {
+                        for c in 0..2 {
+                            let bytes = if c == 0 {
+                                half
+                            } else {
+                                _mm_srli_si128::<8>(half)
+                            };
+                            let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+                            let y = _mm256_mul_ps(f, d);
+                            let y = if offset { _mm256_add_ps(y, m) } else { y };
+                            _mm256_storeu_ps(o.add(16 * h + 8 * c), y);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The f16 scale at the start of a block (or at `p` in one).
     ///
     /// # Safety
     /// Two bytes at `p`.
@@ -621,31 +770,6 @@ mod x86 {
         // SAFETY: the caller's two bytes.
         let b = unsafe { [*p, *p.add(1)] };
         specula_quant::blocks::Half(b).to_f32()
-    }
-
-    /// Q8_0 rows to f32, eight values per conversion: `q · d` with one rounding, as the
-    /// dequantizer.
-    ///
-    /// # Safety
-    /// As the table's `widen_q8_0` checks; AVX2, FMA and F16C.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn widen_q8_0_256(v: Q8Rows<'_>, out: *mut f32, os: usize) {
-        for j in 0..v.n {
-            for b in 0..v.blocks {
-                // SAFETY: row j < v.n, block b < v.blocks, 32 outputs from j·os + 32·b:
-                // inside the checked slices.
-                unsafe {
-                    let p = v.bytes.as_ptr().add(j * v.stride + b * Q8_BLOCK);
-                    let d = _mm256_set1_ps(scale(p));
-                    let o = out.add(j * os + 32 * b);
-                    for c in 0..4 {
-                        let x = _mm_loadl_epi64(p.add(2 + 8 * c).cast());
-                        let f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(x));
-                        _mm256_storeu_ps(o.add(8 * c), _mm256_mul_ps(f, d));
-                    }
-                }
-            }
-        }
     }
 
     /// The lane sums of eight i32 vectors: lane `j` of the result is the sum of `v[j]`
@@ -664,42 +788,79 @@ mod x86 {
         _mm256_add_epi32(lo, hi)
     }
 
-    /// Q8_0 scores of a tile, eight keys at a time: the keys' bytes widened to i16 once per
-    /// group and shared by every query; per query and block, the eight integer sums at once,
-    /// then `f32(isum) · (d_k · d_q)` added block after block in eight f32 lanes — each lane
-    /// the operations of the Q8_0 · Q8_0 block kernel for its key.
+    /// One block's term of eight keys' dot products, in the operations and order of the
+    /// format's block kernel (`isum`: the integer sums; `dk`, `mk`: the keys' scales and
+    /// offsets; `dq`, `sq`: the query block's scale and `d·Σq`).
+    #[inline(always)]
+    unsafe fn term(
+        fmt: BlockFmt,
+        isum: __m256,
+        dk: __m256,
+        mk: __m256,
+        dq: f32,
+        sq: f32,
+    ) -> __m256 {
+        // SAFETY: AVX (the caller's features).
+        unsafe {
+            let dq = _mm256_set1_ps(dq);
+            match fmt {
+                BlockFmt::Q8_0 => _mm256_mul_ps(isum, _mm256_mul_ps(dk, dq)),
+                BlockFmt::Q4_0 => _mm256_mul_ps(_mm256_mul_ps(isum, dk), dq),
+                BlockFmt::Q5_0 | BlockFmt::Iq4Nl => _mm256_mul_ps(_mm256_mul_ps(dk, dq), isum),
+                BlockFmt::Q4_1 | BlockFmt::Q5_1 => _mm256_add_ps(
+                    _mm256_mul_ps(_mm256_mul_ps(dk, dq), isum),
+                    _mm256_mul_ps(mk, _mm256_set1_ps(sq)),
+                ),
+            }
+        }
+    }
+
+    /// Block-format scores of a tile, eight keys at a time: the keys' values unpacked and
+    /// widened to i16 once per group and shared by every query; per query and block, the
+    /// eight integer sums at once, then the format's term added block after block in eight
+    /// f32 lanes — each lane the operations of the block kernel for its key.
     ///
     /// # Safety
-    /// As the table's `scores_q8_0` checks; AVX2, FMA and F16C.
+    /// As the table's `scores_blocks` checks; AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scores_q8_0_256(
+    unsafe fn scores_blocks_256(
         q: *const u8,
         qs: usize,
         nq: usize,
-        k: Q8Rows<'_>,
+        k: BlockRows<'_>,
         out: *mut f32,
         os: usize,
     ) {
-        let nb = k.blocks;
-        let mut kw = [_mm256_setzero_si256(); 2 * 8 * Q8_MAX_BLOCKS];
-        let mut kd = [[0.0f32; 8]; Q8_MAX_BLOCKS];
+        let (nb, fmt) = (k.blocks, k.fmt);
+        // Query blocks: Q8_1 (`d`, `s`, values) or Q8_0 (`d`, values).
+        let (qb, q_vals) = if fmt.query_bytes() == 36 {
+            (36, 4)
+        } else {
+            (34, 2)
+        };
+        let mut kw = [_mm256_setzero_si256(); 2 * 8 * MAX_BLOCKS];
+        let mut kd = [[0.0f32; 8]; MAX_BLOCKS];
+        let mut km = [[0.0f32; 8]; MAX_BLOCKS];
         let mut g = 0;
         while g < k.n {
             let m = (k.n - g).min(8);
-            for (b, kd) in kd.iter_mut().enumerate().take(nb) {
-                for (j, d) in kd.iter_mut().enumerate() {
+            for b in 0..nb {
+                for j in 0..8 {
                     let i = (b * 8 + j) * 2;
                     if j < m {
                         // SAFETY: key g + j < k.n, block b < k.blocks: inside the checked
                         // bytes.
                         unsafe {
-                            let p = k.bytes.as_ptr().add((g + j) * k.stride + b * Q8_BLOCK);
-                            *d = scale(p);
-                            kw[i] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2).cast()));
-                            kw[i + 1] = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18).cast()));
+                            let p = k.bytes.as_ptr().add((g + j) * k.stride + b * fmt.bytes());
+                            let (x, d, o) = unpack(fmt, p);
+                            kd[b][j] = d;
+                            km[b][j] = o;
+                            kw[i] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x));
+                            kw[i + 1] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256::<1>(x));
                         }
                     } else {
-                        *d = 0.0;
+                        kd[b][j] = 0.0;
+                        km[b][j] = 0.0;
                         kw[i] = _mm256_setzero_si256();
                         kw[i + 1] = _mm256_setzero_si256();
                     }
@@ -707,14 +868,15 @@ mod x86 {
             }
             for a in 0..nq {
                 let mut acc = _mm256_setzero_ps();
-                for (b, kd) in kd.iter().enumerate().take(nb) {
+                for b in 0..nb {
                     // SAFETY: query a < nq, block b < k.blocks: inside the checked bytes.
-                    let (q0, q1, dq) = unsafe {
-                        let p = q.add(a * qs + b * Q8_BLOCK);
+                    let (q0, q1, dq, sq) = unsafe {
+                        let p = q.add(a * qs + b * qb);
                         (
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(2).cast())),
-                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(18).cast())),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(q_vals).cast())),
+                            _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(q_vals + 16).cast())),
                             scale(p),
+                            if q_vals == 4 { scale(p.add(2)) } else { 0.0 },
                         )
                     };
                     let mut v = [_mm256_setzero_si256(); 8];
@@ -726,10 +888,18 @@ mod x86 {
                         );
                     }
                     let isum = _mm256_cvtepi32_ps(hsum8_epi32(v));
-                    // SAFETY: eight f32 of the array.
-                    let d =
-                        _mm256_mul_ps(unsafe { _mm256_loadu_ps(kd.as_ptr()) }, _mm256_set1_ps(dq));
-                    acc = _mm256_add_ps(acc, _mm256_mul_ps(isum, d));
+                    // SAFETY: eight f32 of each array; AVX.
+                    let t = unsafe {
+                        term(
+                            fmt,
+                            isum,
+                            _mm256_loadu_ps(kd[b].as_ptr()),
+                            _mm256_loadu_ps(km[b].as_ptr()),
+                            dq,
+                            sq,
+                        )
+                    };
+                    acc = _mm256_add_ps(acc, t);
                 }
                 let mut t = [0.0f32; 8];
                 // SAFETY: eight f32 of the array.
@@ -814,92 +984,131 @@ mod tests {
         }
     }
 
-    /// Widened Q8_0 rows are the dequantizer's.
-    #[test]
-    fn widened_q8_0_rows_are_the_dequantizers() {
+    /// The cache types the block tiles read.
+    const BLOCK_TYPES: [specula_quant::QType; 6] = {
         use specula_quant::QType;
+        [
+            QType::Q8_0,
+            QType::Q4_0,
+            QType::Q4_1,
+            QType::Q5_0,
+            QType::Q5_1,
+            QType::IQ4_NL,
+        ]
+    };
+
+    /// `n` rows of `dim` values quantized to `ty`, packed.
+    fn quantized(ty: specula_quant::QType, x: &[f32], dim: usize) -> Vec<u8> {
+        let rb = ty.row_bytes(dim).unwrap();
+        let mut b = vec![0u8; x.len() / dim * rb];
+        for (x, b) in x.chunks_exact(dim).zip(b.chunks_exact_mut(rb)) {
+            specula_quant::quantize_row(ty, x, b).unwrap();
+        }
+        b
+    }
+
+    /// Widened block rows are the dequantizer's, for every block format.
+    #[test]
+    fn widened_block_rows_are_the_dequantizers() {
         for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
             let Some(t) = for_level(level) else { continue };
-            for dim in [32, 64, 128] {
-                let rb = QType::Q8_0.row_bytes(dim).unwrap();
-                let x = values(5 * dim, 9);
-                let mut b = vec![0u8; 5 * rb];
-                for (x, b) in x.chunks_exact(dim).zip(b.chunks_exact_mut(rb)) {
-                    specula_quant::quantize_row(QType::Q8_0, x, b).unwrap();
-                }
-                let mut want = vec![0.0; 5 * dim];
-                specula_quant::dequantize_row(QType::Q8_0, &b, &mut want).unwrap();
-                let mut got = vec![0.0; 5 * (dim + 3)];
-                let v = Q8Rows {
-                    bytes: &b,
-                    stride: rb,
-                    n: 5,
-                    blocks: dim / 32,
-                };
-                (t.widen_q8_0)(v, &mut got, dim + 3);
-                for j in 0..5 {
-                    assert_eq!(
-                        bits(&got[j * (dim + 3)..j * (dim + 3) + dim]),
-                        bits(&want[j * dim..(j + 1) * dim])
-                    );
+            for ty in BLOCK_TYPES {
+                let fmt = BlockFmt::of(ty).unwrap();
+                for dim in [32, 64, 128] {
+                    let rb = ty.row_bytes(dim).unwrap();
+                    let b = quantized(ty, &values(5 * dim, 9), dim);
+                    let mut want = vec![0.0; 5 * dim];
+                    specula_quant::dequantize_row(ty, &b, &mut want).unwrap();
+                    let mut got = vec![0.0; 5 * (dim + 3)];
+                    let v = BlockRows {
+                        bytes: &b,
+                        stride: rb,
+                        n: 5,
+                        blocks: dim / 32,
+                        fmt,
+                    };
+                    (t.widen_blocks)(v, &mut got, dim + 3);
+                    for j in 0..5 {
+                        assert_eq!(
+                            bits(&got[j * (dim + 3)..j * (dim + 3) + dim]),
+                            bits(&want[j * dim..(j + 1) * dim]),
+                            "{level:?} {ty} {dim} row {j}"
+                        );
+                    }
                 }
             }
         }
     }
 
-    /// Q8_0 score tiles are the block kernel's `q8_0_q8_0` bits for every head size and
-    /// block shape.
+    /// Block score tiles are the block kernels' bits (`q4_0_q8_0`, `q4_1_q8_1`, …) for
+    /// every format, head size and tile shape.
     #[test]
-    fn q8_0_score_tiles_are_the_block_dot_products() {
+    fn block_score_tiles_are_the_block_dot_products() {
         use specula_quant::QType;
         for level in [SimdLevel::Avx512, SimdLevel::Avx2] {
             let Some(t) = for_level(level) else { continue };
             let Some(kernels) = specula_quant::dot::Kernels::for_level(level) else {
                 continue;
             };
-            for dim in [32, 64, 128, 96, 256] {
-                let rb = QType::Q8_0.row_bytes(dim).unwrap();
-                for (nq, nk) in [(1, 1), (3, 8), (4, 5), (7, 32), (9, 3), (2, 17)] {
-                    let quant = |x: &[f32]| {
-                        let mut b = vec![0u8; x.len() / dim * rb];
-                        for (x, b) in x.chunks_exact(dim).zip(b.chunks_exact_mut(rb)) {
-                            specula_quant::quantize_row(QType::Q8_0, x, b).unwrap();
-                        }
-                        b
-                    };
-                    let q = quant(&values(nq * dim, 7));
-                    // Keys with a stride past the head (the other heads of a cell).
-                    let stride = rb + 34;
-                    let mut kb = vec![0u8; nk * stride];
-                    let keys = quant(
-                        &values(nk * dim, 8)
-                            .iter()
-                            .map(|x| x * 3.0)
-                            .collect::<Vec<_>>(),
-                    );
-                    for j in 0..nk {
-                        kb[j * stride..j * stride + rb]
-                            .copy_from_slice(&keys[j * rb..(j + 1) * rb]);
+            for ty in BLOCK_TYPES {
+                let fmt = BlockFmt::of(ty).unwrap();
+                let qty = ty.vec_dot_type();
+                let dot = |w: &[u8], a: &[u8]| {
+                    use bytemuck::cast_slice as c;
+                    match ty {
+                        QType::Q8_0 => kernels.q8_0_q8_0(c(w), c(a)),
+                        QType::Q4_0 => kernels.q4_0_q8_0(c(w), c(a)),
+                        QType::Q4_1 => kernels.q4_1_q8_1(c(w), c(a)),
+                        QType::Q5_0 => kernels.q5_0_q8_0(c(w), c(a)),
+                        QType::Q5_1 => kernels.q5_1_q8_1(c(w), c(a)),
+                        _ => kernels.iq4_nl_q8_0(c(w), c(a)),
                     }
-                    let k = Q8Rows {
-                        bytes: &kb,
-                        stride,
-                        n: nk,
-                        blocks: dim / 32,
-                    };
-                    let mut got = vec![0.0; nq * 40];
-                    (t.scores_q8_0)(&q, rb, nq, k, &mut got, 40);
-                    for a in 0..nq {
+                };
+                for dim in [32, 64, 128, 96, 256] {
+                    let (rb, qb) = (ty.row_bytes(dim).unwrap(), qty.row_bytes(dim).unwrap());
+                    for (nq, nk) in [(1, 1), (3, 8), (4, 5), (7, 32), (9, 3), (2, 17)] {
+                        // Queries along the keys (the same values), so that some integer
+                        // sums are large enough for the order of the scale products to show.
+                        // The first query and key are flat (every value near one number),
+                        // so that their integer sums are large.
+                        let flat = |x: &mut [f32]| {
+                            for (i, v) in x[..dim].iter_mut().enumerate() {
+                                *v = 0.37 * (0.6 + 0.2 * v.abs())
+                                    + 0.001 * f32::from(u8::try_from(i % 7).unwrap());
+                            }
+                        };
+                        let mut qx = values(nq * dim, 8);
+                        flat(&mut qx);
+                        let q = quantized(qty, &qx, dim);
+                        // Keys with a stride past the head (the other heads of a cell).
+                        let stride = rb + 34;
+                        let mut kb = vec![0u8; nk * stride];
+                        let mut x: Vec<f32> = values(nk * dim, 8).iter().map(|x| x * 3.0).collect();
+                        flat(&mut x);
+                        let keys = quantized(ty, &x, dim);
                         for j in 0..nk {
-                            let want = kernels.q8_0_q8_0(
-                                bytemuck::cast_slice(&keys[j * rb..(j + 1) * rb]),
-                                bytemuck::cast_slice(&q[a * rb..(a + 1) * rb]),
-                            );
-                            assert_eq!(
-                                got[a * 40 + j].to_bits(),
-                                want.to_bits(),
-                                "{level:?} {dim} {a} {j}"
-                            );
+                            kb[j * stride..j * stride + rb]
+                                .copy_from_slice(&keys[j * rb..(j + 1) * rb]);
+                        }
+                        let k = BlockRows {
+                            bytes: &kb,
+                            stride,
+                            n: nk,
+                            blocks: dim / 32,
+                            fmt,
+                        };
+                        let mut got = vec![0.0; nq * 40];
+                        (t.scores_blocks)(&q, qb, nq, k, &mut got, 40);
+                        for a in 0..nq {
+                            for j in 0..nk {
+                                let want =
+                                    dot(&keys[j * rb..(j + 1) * rb], &q[a * qb..(a + 1) * qb]);
+                                assert_eq!(
+                                    got[a * 40 + j].to_bits(),
+                                    want.to_bits(),
+                                    "{level:?} {ty} {dim} {a} {j}"
+                                );
+                            }
                         }
                     }
                 }
