@@ -6,7 +6,8 @@
 //! `cargo bench -p specula-cpu --bench attention` (a filter such as `decode/f16` narrows it;
 //! `SPECULA_ATTN_DEPTH` sets the depth, default 16384; `SPECULA_ATTN_HEADS=H/KVH/D` another
 //! model's heads, e.g. `14/2/64` for Qwen2.5-Coder-0.5B or `4/1/256` for Gemma-3-270M;
-//! `SPECULA_ATTN_TYPES=f16,q8_0` only those cache types; `SPECULA_ATTN_LAYERS=30` a step
+//! `SPECULA_ATTN_TYPES=f16,q8_0` those cache types (any of them; default f16, q8_0, q4_0,
+//! turbo4); `SPECULA_ATTN_LAYERS=30` a step
 //! through that many layers' caches, which at depth no longer fit in the last-level cache).
 
 mod common;
@@ -20,7 +21,22 @@ use specula_cpu::{CpuBackend, CpuKv};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, QType};
 
 const PREFILL_ROWS: usize = 64;
+/// The cache types measured by default.
 const TYPES: &[QType] = &[QType::F16, QType::Q8_0, QType::Q4_0, QType::Turbo4];
+/// Every cache type `SPECULA_ATTN_TYPES` may name.
+const ALL_TYPES: &[QType] = &[
+    QType::F16,
+    QType::BF16,
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::IQ4_NL,
+    QType::Turbo2,
+    QType::Turbo3,
+    QType::Turbo4,
+];
 
 fn depth() -> usize {
     std::env::var("SPECULA_ATTN_DEPTH")
@@ -107,11 +123,15 @@ fn bench(c: &mut Criterion) {
     let kv_pos: Vec<u32> = (0..u32::try_from(d).expect("depth")).collect();
     // `SPECULA_ATTN_TYPES=f16,q8_0` builds only those caches (turbo's take a while to fill).
     let only = std::env::var("SPECULA_ATTN_TYPES").ok();
-    let wanted = |ty: QType| {
-        only.as_deref()
-            .is_none_or(|o| o.split(',').any(|t| t == ty.to_string()))
+    let types: Vec<QType> = match only.as_deref() {
+        None => TYPES.to_vec(),
+        Some(o) => ALL_TYPES
+            .iter()
+            .copied()
+            .filter(|ty| o.split(',').any(|t| t == ty.to_string()))
+            .collect(),
     };
-    for &ty in TYPES.iter().filter(|&&t| wanted(t)) {
+    for ty in types {
         for nth in [1, 2] {
             let be = CpuBackend::with_simd(nth, None);
             let kv = cache(&be, ty, d, h, n_layer);

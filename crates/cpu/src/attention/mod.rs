@@ -688,6 +688,9 @@ impl Ctx<'_> {
         match ty {
             QType::F16 => (self.attn.f16_to_f32)(bytemuck::cast_slice(src), out),
             QType::Turbo4 => (self.attn.turbo4_decode)(bytemuck::cast_slice(src), out),
+            QType::Turbo3 => (self.attn.turbo3_decode)(bytemuck::cast_slice(src), out),
+            QType::Turbo2 => (self.attn.turbo2_decode)(bytemuck::cast_slice(src), out),
+            QType::BF16 => (self.attn.bf16_to_f32)(src, out),
             _ => decode_head(ty, src, out),
         }
     }
@@ -1295,10 +1298,15 @@ mod tests {
         let x: Vec<f32> = (0..256u16)
             .map(|i| (f32::from(i) * 0.61).cos() * (1.0 + f32::from(i % 5)))
             .collect();
-        let mut q = vec![0u8; QType::Turbo4.row_bytes(256).unwrap()];
-        specula_kv::quantize_head(QType::Turbo4, &x, &mut q).unwrap();
-        let mut want = vec![0f32; 256];
-        specula_quant::dequantize_row(QType::Turbo4, &q, &mut want).unwrap();
+        let coded = |ty: QType| {
+            let mut q = vec![0u8; ty.row_bytes(256).unwrap()];
+            specula_kv::quantize_head(ty, &x, &mut q).unwrap();
+            let mut want = vec![0f32; 256];
+            specula_quant::dequantize_row(ty, &q, &mut want).unwrap();
+            (q, want)
+        };
+        let (q, want) = coded(QType::Turbo4);
+        let bits = |v: &[f32]| v.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
         let h: Vec<specula_quant::blocks::Half> = x
             .iter()
             .map(|&v| specula_quant::blocks::Half::from_f32(v))
@@ -1312,6 +1320,16 @@ mod tests {
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{level:?}"
             );
+            for ty in [QType::Turbo2, QType::Turbo3, QType::BF16] {
+                let (q, want) = coded(ty);
+                got.fill(f32::NAN);
+                match ty {
+                    QType::Turbo2 => (k.turbo2_decode)(bytemuck::cast_slice(&q), &mut got),
+                    QType::Turbo3 => (k.turbo3_decode)(bytemuck::cast_slice(&q), &mut got),
+                    _ => (k.bf16_to_f32)(&q, &mut got),
+                }
+                assert_eq!(bits(&got), bits(&want), "{level:?} {ty}");
+            }
             (k.f16_to_f32)(&h, &mut got);
             assert!(
                 got.iter()

@@ -10,7 +10,8 @@
 //! same loop for each instruction set and does not contract it), so it gives the same bits
 //! everywhere.
 
-use specula_quant::blocks::{BlockTurbo4, Half, QK_TURBO};
+use specula_quant::QType;
+use specula_quant::blocks::{BlockTurbo2, BlockTurbo3, BlockTurbo4, Half, QK_TURBO};
 use specula_quant::dot::SimdLevel;
 use specula_quant::turbo::CENTROIDS_4;
 
@@ -25,6 +26,11 @@ pub(crate) struct AttnKernels {
     pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
     /// turbo4 blocks → `centroid · norm` values (the bits of the scalar decoder on every path).
     pub(crate) turbo4_decode: fn(&[BlockTurbo4], &mut [f32]),
+    /// turbo2 and turbo3 blocks → `centroid · norm` (the scalar decoder's bits).
+    pub(crate) turbo2_decode: fn(&[BlockTurbo2], &mut [f32]),
+    pub(crate) turbo3_decode: fn(&[BlockTurbo3], &mut [f32]),
+    /// bf16 values (little-endian byte pairs) → f32 (exact on every path).
+    pub(crate) bf16_to_f32: fn(&[u8], &mut [f32]),
     /// `s[i] = e^(s[i] − m)`: the softmax weights (the bits of glibc's `expf` on FMA CPUs on
     /// the AVX paths, [`super::expf`]; the C library's `expf` on the portable one).
     pub(crate) exp_sub: fn(&mut [f32], f32),
@@ -69,6 +75,9 @@ const PORTABLE: AttnKernels = AttnKernels {
     axpy: axpy_portable,
     f16_to_f32: f16_to_f32_portable,
     turbo4_decode: turbo4_decode_portable,
+    turbo2_decode: |x, out| super::decode_head(QType::Turbo2, bytemuck::cast_slice(x), out),
+    turbo3_decode: |x, out| super::decode_head(QType::Turbo3, bytemuck::cast_slice(x), out),
+    bf16_to_f32: |x, out| super::decode_head(QType::BF16, x, out),
     exp_sub: super::expf::exp_sub_portable,
     max: max_portable,
     tile: None,
@@ -139,7 +148,12 @@ fn dot_portable<K: Copy>(q: &[f32], k: &[K], f: impl Fn(K) -> f32) -> f32 {
 pub(super) mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{AttnKernels, BlockTurbo4, CENTROIDS_4, Half, QK_TURBO, axpy_portable};
+    use specula_quant::turbo::{CENTROIDS_2, CENTROIDS_3};
+
+    use super::{
+        AttnKernels, BlockTurbo2, BlockTurbo3, BlockTurbo4, CENTROIDS_4, Half, QK_TURBO,
+        axpy_portable,
+    };
 
     /// AVX-512 F/BW/VL with F16C and FMA (the tile loops check this too).
     pub(in crate::attention) fn avx512_supported() -> bool {
@@ -189,6 +203,30 @@ pub(super) mod x86 {
                     );
                     // SAFETY: as above; `out` holds 128 values per block.
                     unsafe { $t4(x, out) }
+                },
+                turbo2_decode: |x, out| {
+                    assert_eq!(
+                        x.len() * QK_TURBO,
+                        out.len(),
+                        "attention: turbo2 row length"
+                    );
+                    // SAFETY: as above (both instruction sets include AVX2); `out` holds 128
+                    // values per block.
+                    unsafe { turbo2_256(x, out) }
+                },
+                turbo3_decode: |x, out| {
+                    assert_eq!(
+                        x.len() * QK_TURBO,
+                        out.len(),
+                        "attention: turbo3 row length"
+                    );
+                    // SAFETY: as above.
+                    unsafe { turbo3_256(x, out) }
+                },
+                bf16_to_f32: |x, out| {
+                    assert_eq!(x.len(), 2 * out.len(), "attention: bf16 row length");
+                    // SAFETY: as above; two bytes per output.
+                    unsafe { bf16_256(x, out) }
                 },
                 // SAFETY: as above (both instruction sets include AVX2 and FMA).
                 exp_sub: |s, m| unsafe { crate::attention::expf::x86::exp_sub_256(s, m) },
@@ -316,6 +354,135 @@ pub(super) mod x86 {
                     }
                 }
             }
+        }
+    }
+
+    /// Sixteen codes (bytes, each below 8) of a turbo2 / turbo3 block looked up in `table`
+    /// and scaled by the norm, into `o[..16]`: `table[c] · n`, the scalar decoder's product.
+    ///
+    /// # Safety
+    /// AVX2; 16 values at `o`.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn lookup16(codes: __m128i, table: __m256, n: __m256, o: *mut f32) {
+        for h in 0..2 {
+            let c8 = if h == 0 {
+                codes
+            } else {
+                _mm_srli_si128::<8>(codes)
+            };
+            let y = _mm256_mul_ps(_mm256_permutevar8x32_ps(table, _mm256_cvtepu8_epi32(c8)), n);
+            // SAFETY: the caller's 16 values at o.
+            unsafe { _mm256_storeu_ps(o.add(8 * h), y) };
+        }
+    }
+
+    /// The 2-bit codes of 16 bytes (code `4i + k` at bits `2k` of byte `i`) as four vectors of
+    /// sixteen codes in code order.
+    #[inline]
+    #[target_feature(enable = "avx2,f16c,fma")]
+    fn crumbs(b: __m128i) -> [__m128i; 4] {
+        let m = _mm_set1_epi8(3);
+        let c0 = _mm_and_si128(b, m);
+        let c1 = _mm_and_si128(_mm_srli_epi16::<2>(b), m);
+        let c2 = _mm_and_si128(_mm_srli_epi16::<4>(b), m);
+        let c3 = _mm_and_si128(_mm_srli_epi16::<6>(b), m);
+        let (p01l, p01h) = (_mm_unpacklo_epi8(c0, c1), _mm_unpackhi_epi8(c0, c1));
+        let (p23l, p23h) = (_mm_unpacklo_epi8(c2, c3), _mm_unpackhi_epi8(c2, c3));
+        [
+            _mm_unpacklo_epi16(p01l, p23l),
+            _mm_unpackhi_epi16(p01l, p23l),
+            _mm_unpacklo_epi16(p01h, p23h),
+            _mm_unpackhi_epi16(p01h, p23h),
+        ]
+    }
+
+    /// turbo2 decode, 8 codes per `permutevar8x32` lookup.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `out.len() == 128 · x.len()`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn turbo2_256(x: &[BlockTurbo2], out: &mut [f32]) {
+        let t = CENTROIDS_2;
+        let table = _mm256_setr_ps(t[0], t[1], t[2], t[3], t[0], t[1], t[2], t[3]);
+        for (bi, b) in x.iter().enumerate() {
+            let n = _mm256_set1_ps(b.norm.to_f32());
+            for c in 0..2 {
+                // SAFETY: 16 bytes at 16·c inside the 32-byte `qs`.
+                let bytes = unsafe { _mm_loadu_si128(b.qs.as_ptr().add(16 * c).cast()) };
+                for (k, codes) in crumbs(bytes).into_iter().enumerate() {
+                    // SAFETY: 16 values at 64·c + 16·k inside this block's 128 of `out`.
+                    unsafe {
+                        lookup16(
+                            codes,
+                            table,
+                            n,
+                            out.as_mut_ptr().add(bi * QK_TURBO + 64 * c + 16 * k),
+                        )
+                    };
+                }
+            }
+        }
+    }
+
+    /// turbo3 decode: the low two bits of each code as turbo2's, the third from `signs`
+    /// (bit `j % 8` of byte `j / 8`), then one lookup per eight codes.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; `out.len() == 128 · x.len()`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn turbo3_256(x: &[BlockTurbo3], out: &mut [f32]) {
+        // SAFETY: CENTROIDS_3 holds 8 f32.
+        let table = unsafe { _mm256_loadu_ps(CENTROIDS_3.as_ptr()) };
+        let bit = _mm_set1_epi64x(0x8040_2010_0804_0201_u64.cast_signed());
+        for (bi, b) in x.iter().enumerate() {
+            let n = _mm256_set1_ps(b.norm.to_f32());
+            for c in 0..2 {
+                // SAFETY: 16 bytes at 16·c inside the 32-byte `qs`.
+                let bytes = unsafe { _mm_loadu_si128(b.qs.as_ptr().add(16 * c).cast()) };
+                for (k, codes) in crumbs(bytes).into_iter().enumerate() {
+                    // Codes 64·c + 16·k + i take bit i % 8 of sign byte 8·c + 2·k + i / 8.
+                    let g = 8 * c + 2 * k;
+                    let s = _mm_set_epi64x(
+                        i64::from(b.signs[g + 1]) * 0x0101_0101_0101_0101,
+                        i64::from(b.signs[g]) * 0x0101_0101_0101_0101,
+                    );
+                    let third =
+                        _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(s, bit), bit), _mm_set1_epi8(4));
+                    let codes = _mm_or_si128(codes, third);
+                    // SAFETY: 16 values at 64·c + 16·k inside this block's 128 of `out`.
+                    unsafe {
+                        lookup16(
+                            codes,
+                            table,
+                            n,
+                            out.as_mut_ptr().add(bi * QK_TURBO + 64 * c + 16 * k),
+                        )
+                    };
+                }
+            }
+        }
+    }
+
+    /// `out = f32(bf16)`: each value's two bytes as the high half of an f32, 8 at a time.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `x.len() == 2 · out.len()`.
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn bf16_256(x: &[u8], out: &mut [f32]) {
+        let n = out.len();
+        let mut i = 0;
+        while i + 8 <= n {
+            // SAFETY: i + 8 ≤ n: 16 bytes at 2·i inside `x`, 8 values at i inside `out`.
+            unsafe {
+                let h = _mm_loadu_si128(x.as_ptr().add(2 * i).cast());
+                let v = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h));
+                _mm256_storeu_ps(out.as_mut_ptr().add(i), _mm256_castsi256_ps(v));
+            }
+            i += 8;
+        }
+        for (o, b) in out[i..].iter_mut().zip(x[2 * i..].chunks_exact(2)) {
+            *o = f32::from_bits(u32::from(u16::from_le_bytes([b[0], b[1]])) << 16);
         }
     }
 
