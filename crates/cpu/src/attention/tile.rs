@@ -1,7 +1,9 @@
 //! Tile loops of attention on AVX-512 and AVX2: the scores of a block of queries against a
 //! block of keys, and `acc += p·v` for a block of queries with the accumulators in registers.
 //! f32 and f16 rows are read in place. One generic body per loop, written over the `Isa`
-//! vector operations, is compiled once per instruction set.
+//! vector operations, is compiled once per instruction set. Keys in a block format (Q8_0,
+//! Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) are scored in place against the quantized queries with
+//! integer sums, and such values are widened to f32 once per tile ([`BlockFmt`]).
 //!
 //! Each result is computed by the operations, in the order, of the per-key loops they replace
 //! ([`super::simd::AttnKernels`]): a score is `dot_f32`'s fused multiply-add chain over the
