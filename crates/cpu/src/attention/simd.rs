@@ -443,10 +443,9 @@ pub(super) mod x86 {
                 for (k, codes) in crumbs(bytes).into_iter().enumerate() {
                     // Codes 64·c + 16·k + i take bit i % 8 of sign byte 8·c + 2·k + i / 8.
                     let g = 8 * c + 2 * k;
-                    let s = _mm_set_epi64x(
-                        i64::from(b.signs[g + 1]) * 0x0101_0101_0101_0101,
-                        i64::from(b.signs[g]) * 0x0101_0101_0101_0101,
-                    );
+                    // Each sign byte repeated over eight bytes (u64: 0xFF · 0x0101… fits).
+                    let spread = |x: u8| (u64::from(x) * 0x0101_0101_0101_0101).cast_signed();
+                    let s = _mm_set_epi64x(spread(b.signs[g + 1]), spread(b.signs[g]));
                     let third =
                         _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(s, bit), bit), _mm_set1_epi8(4));
                     let codes = _mm_or_si128(codes, third);
