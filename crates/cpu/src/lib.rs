@@ -72,6 +72,7 @@ use specula_tensor::{AttentionParams, Backend, KvShape, Result, RopeConfig, Weig
 
 pub use attention::CpuKv;
 pub use ops::{gelu_tanh, gelu_tanh_f16, silu};
+pub use rope::angle_table;
 pub use tensor::{CpuTensor, CpuWeight};
 
 /// Values per thread below which a row-wise op runs on the calling thread alone.

@@ -187,3 +187,18 @@ pub(crate) fn rope(
         });
     });
 }
+
+/// The angles of every row, as ggml computes them: `n_rot` values per position
+/// (`cos θ_i`, `sin θ_i` of each rotated pair `i`), row after row. Backends that rotate on
+/// another device compute the table here, so their angles are these bits.
+#[must_use]
+pub fn angle_table(cfg: &RopeConfig, pos: &[u32]) -> Vec<f32> {
+    let p = RopeParams::new(cfg);
+    let mut t = vec![0f32; pos.len() * cfg.n_rot];
+    if cfg.n_rot > 0 {
+        for (&q, row) in pos.iter().zip(t.chunks_exact_mut(cfg.n_rot)) {
+            p.cache(q, row);
+        }
+    }
+    t
+}

@@ -43,6 +43,14 @@ pub enum TensorError {
         /// What it would be used for.
         op: &'static str,
     },
+    /// Something this backend cannot do (yet): a cache format, a layer kind.
+    #[error("the {backend} backend does not support {what}")]
+    Unsupported {
+        /// Backend name.
+        backend: &'static str,
+        /// What was asked for.
+        what: String,
+    },
     /// Shapes that do not fit together.
     #[error("{op}: shape mismatch: {detail}")]
     Shape {

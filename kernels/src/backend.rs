@@ -1,0 +1,987 @@
+//! [`CubeBackend`]: the `Backend` op set over a CubeCL client.
+
+use std::sync::Mutex;
+
+use cubecl::prelude::*;
+use cubecl::server::Handle;
+use specula_quant::QType;
+use specula_tensor::{
+    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, Result, RopeConfig, RopeKind,
+    TensorError, WeightDesc,
+};
+
+use crate::kernels::{attention as at, elementwise as ew, matmul as mm};
+use crate::layout::{self, ActQuant, GroupFormat};
+
+/// Scratch for attention scores is cut into launches of at most this many f32 values.
+const MAX_SCORES: usize = 1 << 26;
+
+/// The CubeCL backend on one device.
+pub struct CubeBackend {
+    client: Client,
+    name: &'static str,
+    /// Units per cube of the reducing kernels (a power of two).
+    units: usize,
+    /// Units per cube of the element-wise kernels.
+    ew: u32,
+    /// The last RoPE angle table (positions, config, device table): every layer of a forward
+    /// rotates its Q and K rows by the same positions, so the table is made once per forward.
+    rope: Mutex<Option<(Vec<u32>, RopeConfig, Handle)>>,
+}
+
+/// An f32 activation matrix on the device.
+#[derive(Debug)]
+pub struct CubeTensor {
+    h: Handle,
+    rows: usize,
+    cols: usize,
+    /// Values the allocation holds.
+    cap: usize,
+}
+
+/// A weight on the device: f32 values, or the group layout of an integer block format.
+#[derive(Debug)]
+pub struct CubeWeight {
+    name: String,
+    ty: QType,
+    n_in: usize,
+    n_out: usize,
+    data: WeightData,
+}
+
+#[derive(Debug)]
+enum WeightData {
+    F32(Handle),
+    Groups {
+        fmt: GroupFormat,
+        codes: Handle,
+        scales: Handle,
+        mins: Handle,
+    },
+}
+
+/// One layer's K and V cells.
+#[derive(Debug)]
+struct LayerKv {
+    k: Handle,
+    v: Handle,
+    f16: bool,
+    cells: usize,
+    n_kv_head: usize,
+    hd_k: usize,
+    hd_v: usize,
+}
+
+/// The KV cache of all layers, on the device.
+#[derive(Debug)]
+pub struct CubeKv {
+    layers: Vec<LayerKv>,
+}
+
+fn f32_bytes(v: &[f32]) -> &[u8] {
+    f32::as_bytes(v)
+}
+
+fn u32_bytes(v: &[u32]) -> &[u8] {
+    u32::as_bytes(v)
+}
+
+/// `n` as a kernel's u32 size argument.
+fn u(n: usize) -> u32 {
+    u32::try_from(n).expect("device sizes fit in u32")
+}
+
+impl std::fmt::Debug for CubeBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CubeBackend")
+            .field("name", &self.name)
+            .field("units", &self.units)
+            .field("ew", &self.ew)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CubeBackend {
+    /// A backend on `client`; `name` is what [`Backend::name`] reports (`cuda`, `cubecl-cpu`).
+    #[must_use]
+    pub fn new(client: Client, name: &'static str) -> Self {
+        let hw = &client.properties().hardware;
+        let (units, ew) = if hw.plane_size_max <= 1 {
+            // CubeCL's CPU runtime: one thread per unit of a cube.
+            let cores = hw.num_cpu_cores.unwrap_or(1).max(1) as usize;
+            let p = 1usize << cores.ilog2();
+            (p, u(p))
+        } else {
+            (128, 256)
+        };
+        Self {
+            client,
+            name,
+            units,
+            ew,
+            rope: Mutex::new(None),
+        }
+    }
+
+    /// The backend on CubeCL's CPU runtime (the CI target of the kernels).
+    ///
+    /// # Errors
+    /// When the CPU runtime is not compiled in (feature `cpu`).
+    pub fn cpu() -> Result<Self> {
+        let dev = cubecl::Device::cpu().map_err(|e| TensorError::Unsupported {
+            backend: "cubecl-cpu",
+            what: format!("this build ({e})"),
+        })?;
+        Ok(Self::new(dev.client(), "cubecl-cpu"))
+    }
+
+    /// The backend on CUDA device `index`.
+    ///
+    /// # Errors
+    /// When CUDA is not compiled in (feature `cuda`), or the machine has no such device (no
+    /// driver, no GPU): checked before any CUDA call, so it never panics.
+    pub fn cuda(index: usize) -> Result<Self> {
+        let dev = cubecl::Device::cuda(index).map_err(|e| TensorError::Unsupported {
+            backend: "cuda",
+            what: format!("device cuda:{index}: {e}"),
+        })?;
+        Ok(Self::new(dev.client(), "cuda"))
+    }
+
+    /// The CubeCL client (for benches that launch kernels themselves).
+    #[must_use]
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Waits for every launched kernel (a timing point).
+    pub fn sync(&self) {
+        cubecl::future::block_on(self.client.sync()).expect("device sync");
+    }
+
+    fn empty_f32(&self, n: usize) -> Handle {
+        self.client.empty(n.max(1) * 4)
+    }
+
+    fn upload_u32(&self, v: &[u32]) -> Handle {
+        if v.is_empty() {
+            return self.client.empty(4);
+        }
+        self.client.create_from_slice(u32_bytes(v))
+    }
+
+    fn upload_f32(&self, v: &[f32]) -> Handle {
+        if v.is_empty() {
+            return self.client.empty(4);
+        }
+        self.client.create_from_slice(f32_bytes(v))
+    }
+
+    fn ew_count(&self, n: usize) -> CubeCount {
+        CubeCount::Static(u(n.div_ceil(self.ew as usize)).max(1), 1, 1)
+    }
+
+    /// `out = op(a, b)` element-wise over `n` values ([`ew::elementwise`]).
+    #[allow(clippy::too_many_arguments, reason = "the op's operands")]
+    fn elementwise(
+        &self,
+        op: u32,
+        a: &Handle,
+        b: &Handle,
+        out: &Handle,
+        n: usize,
+        s: f32,
+        per: usize,
+    ) {
+        if n == 0 {
+            return;
+        }
+        // SAFETY: every handle holds at least the values the kernel indexes (`n`, or the
+        // broadcast operand's `per`-based range), checked by the callers' shapes.
+        unsafe {
+            ew::elementwise::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(a.clone(), n),
+                BufferArg::from_raw_parts(b.clone(), n),
+                BufferArg::from_raw_parts(out.clone(), n),
+                u(n),
+                s,
+                u(per.max(1)),
+                op,
+            );
+        }
+    }
+
+    /// Gathers `width` columns from each group of `stride` columns (starting at `start`) of
+    /// source rows `idx` into `out` (`cols` wide).
+    #[allow(clippy::too_many_arguments, reason = "a gather's shape")]
+    fn gather(
+        &self,
+        src: &Handle,
+        src_cols: usize,
+        idx: &[u32],
+        out: &Handle,
+        cols: usize,
+        width: usize,
+        stride: usize,
+        start: usize,
+    ) {
+        let n = idx.len() * cols;
+        if n == 0 {
+            return;
+        }
+        let ids = self.upload_u32(idx);
+        // SAFETY: `idx` rows lie inside `src` and `out` holds `idx.len() · cols` values.
+        unsafe {
+            ew::gather::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(src.clone(), 1),
+                BufferArg::from_raw_parts(ids, idx.len()),
+                BufferArg::from_raw_parts(out.clone(), n),
+                u(n),
+                u(cols),
+                u(src_cols),
+                u(width),
+                u(stride),
+                u(start),
+            );
+        }
+    }
+
+    fn check_same(op: &'static str, a: &CubeTensor, b: &CubeTensor) {
+        assert_eq!(
+            (a.rows, a.cols),
+            (b.rows, b.cols),
+            "{op}: operand shapes differ"
+        );
+    }
+
+    fn rope_table(&self, pos: &[u32], cfg: &RopeConfig) -> Handle {
+        let mut cache = self.rope.lock().expect("rope cache lock");
+        if let Some((p, c, h)) = cache.as_ref()
+            && p == pos
+            && c == cfg
+        {
+            return h.clone();
+        }
+        let t = specula_cpu::angle_table(cfg, pos);
+        let h = self.upload_f32(&t);
+        *cache = Some((pos.to_vec(), cfg.clone(), h.clone()));
+        h
+    }
+}
+
+impl Backend for CubeBackend {
+    type Tensor = CubeTensor;
+    type Weight = CubeWeight;
+    type Kv = CubeKv;
+
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn weight(&self, desc: WeightDesc<'_>) -> Result<CubeWeight> {
+        let n_in = desc.dims.first().copied().unwrap_or(1);
+        let n_out: usize = desc.dims.iter().skip(1).product();
+        let n = n_in * n_out;
+        let expected = desc.ty.row_bytes(n_in).map(|b| b * n_out)?;
+        if desc.data.len() != expected {
+            return Err(TensorError::WeightSize {
+                name: desc.name.to_owned(),
+                ty: desc.ty,
+                dims: desc.dims.to_vec(),
+                expected,
+                got: desc.data.len(),
+            });
+        }
+        let data = match desc.ty {
+            QType::F32 | QType::F16 | QType::BF16 => {
+                let mut v = vec![0f32; n];
+                specula_quant::dequantize_row(desc.ty, desc.data, &mut v)?;
+                WeightData::F32(self.upload_f32(&v))
+            }
+            ty => {
+                let Some(fmt) = GroupFormat::of(ty) else {
+                    return Err(TensorError::UnsupportedWeight {
+                        name: desc.name.to_owned(),
+                        ty,
+                        backend: self.name,
+                        op: "weights (formats on the device: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                    });
+                };
+                let g = layout::unpack(ty, desc.data);
+                WeightData::Groups {
+                    fmt,
+                    codes: self.upload_u32(&g.codes),
+                    scales: self.upload_f32(&g.scales),
+                    mins: self.upload_f32(&g.mins),
+                }
+            }
+        };
+        Ok(CubeWeight {
+            name: desc.name.to_owned(),
+            ty: desc.ty,
+            n_in,
+            n_out,
+            data,
+        })
+    }
+
+    fn zeros(&self, rows: usize, cols: usize) -> CubeTensor {
+        let n = rows * cols;
+        CubeTensor {
+            h: self.upload_f32(&vec![0f32; n.max(1)]),
+            rows,
+            cols,
+            cap: n.max(1),
+        }
+    }
+
+    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> CubeTensor {
+        assert_eq!(
+            data.len(),
+            rows * cols,
+            "from_host: {rows}×{cols} needs {} values",
+            rows * cols
+        );
+        CubeTensor {
+            h: self.upload_f32(data),
+            rows,
+            cols,
+            cap: data.len().max(1),
+        }
+    }
+
+    fn to_host(&self, t: &CubeTensor, out: &mut Vec<f32>) {
+        let n = t.rows * t.cols;
+        out.clear();
+        if n == 0 {
+            return;
+        }
+        let bytes = self
+            .client
+            .read_one(t.h.clone())
+            .unwrap_or_else(|e| panic!("{} backend: a kernel failed: {e:?}", self.name));
+        out.extend_from_slice(&f32::from_bytes(&bytes)[..n]);
+    }
+
+    fn shape(&self, t: &CubeTensor) -> (usize, usize) {
+        (t.rows, t.cols)
+    }
+
+    fn resize(&self, t: &mut CubeTensor, rows: usize, cols: usize) {
+        let n = rows * cols;
+        if n > t.cap {
+            t.h = self.empty_f32(n);
+            t.cap = n;
+        }
+        t.rows = rows;
+        t.cols = cols;
+    }
+
+    fn copy_rows(&self, src: &CubeTensor, rows: &[usize], out: &mut CubeTensor) {
+        self.resize(out, rows.len(), src.cols);
+        let idx: Vec<u32> = rows
+            .iter()
+            .map(|&r| {
+                assert!(r < src.rows, "copy_rows: row {r} of {}", src.rows);
+                u(r)
+            })
+            .collect();
+        self.gather(
+            &src.h, src.cols, &idx, &out.h, src.cols, src.cols, src.cols, 0,
+        );
+    }
+
+    fn get_rows(&self, table: &CubeWeight, ids: &[u32], out: &mut CubeTensor) {
+        let cols = table.n_in;
+        self.resize(out, ids.len(), cols);
+        for &i in ids {
+            assert!(
+                (i as usize) < table.n_out,
+                "get_rows: id {i} of {} rows in `{}`",
+                table.n_out,
+                table.name
+            );
+        }
+        match &table.data {
+            WeightData::F32(h) => self.gather(h, cols, ids, &out.h, cols, cols, cols, 0),
+            WeightData::Groups {
+                fmt,
+                codes,
+                scales,
+                mins,
+            } => {
+                let n = ids.len() * cols;
+                if n == 0 {
+                    return;
+                }
+                let idh = self.upload_u32(ids);
+                // SAFETY: the ids are rows of the table (checked above); `out` holds `n`.
+                unsafe {
+                    at::get_rows_groups::launch(
+                        &self.client,
+                        self.ew_count(n),
+                        CubeDim::new_1d(self.ew),
+                        BufferArg::from_raw_parts(codes.clone(), 1),
+                        BufferArg::from_raw_parts(scales.clone(), 1),
+                        BufferArg::from_raw_parts(mins.clone(), 1),
+                        BufferArg::from_raw_parts(idh, ids.len()),
+                        BufferArg::from_raw_parts(out.h.clone(), n),
+                        u(n),
+                        u(cols),
+                        fmt.bits,
+                        fmt.group,
+                        fmt.offset,
+                        fmt.has_min,
+                    );
+                }
+            }
+        }
+    }
+
+    fn matmul(&self, x: &CubeTensor, w: &CubeWeight, out: &mut CubeTensor) {
+        assert_eq!(
+            x.cols, w.n_in,
+            "matmul: x has {} columns, `{}` takes {}",
+            x.cols, w.name, w.n_in
+        );
+        let rows = x.rows;
+        self.resize(out, rows, w.n_out);
+        if rows == 0 || w.n_out == 0 {
+            return;
+        }
+        let tile = match rows {
+            1 => 1,
+            2 => 2,
+            3 | 4 => 4,
+            _ => 8,
+        };
+        let count = CubeCount::Static(u(w.n_out), u(rows.div_ceil(tile)), 1);
+        let dim = CubeDim::new_1d(u(self.units));
+        match &w.data {
+            WeightData::F32(h) => {
+                // SAFETY: `x` is `[rows, n_in]`, `h` `[n_out, n_in]`, `out` `[rows, n_out]`.
+                unsafe {
+                    mm::matmul_f32::launch(
+                        &self.client,
+                        count,
+                        dim,
+                        BufferArg::from_raw_parts(x.h.clone(), rows * w.n_in),
+                        BufferArg::from_raw_parts(h.clone(), w.n_in * w.n_out),
+                        BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
+                        u(w.n_in),
+                        u(w.n_out),
+                        u(rows),
+                        self.units,
+                        tile,
+                    );
+                }
+            }
+            WeightData::Groups {
+                fmt,
+                codes,
+                scales,
+                mins,
+            } => {
+                let ablk = fmt.act.block();
+                let n_blocks = rows * w.n_in / ablk;
+                let qa = self.client.empty(rows * w.n_in * 4);
+                let da = self.empty_f32(n_blocks);
+                let sa = self.empty_f32(n_blocks);
+                let kind = match fmt.act {
+                    ActQuant::Q8_0 => 0,
+                    ActQuant::Q8_1 => 1,
+                    ActQuant::Q8K => 2,
+                };
+                // SAFETY: `x` holds `n_blocks` whole activation blocks (`n_in` is a multiple
+                // of the format's block); the code and scale buffers hold `n_blocks` blocks.
+                unsafe {
+                    mm::quantize_act::launch(
+                        &self.client,
+                        self.ew_count(n_blocks),
+                        CubeDim::new_1d(self.ew),
+                        BufferArg::from_raw_parts(x.h.clone(), rows * w.n_in),
+                        BufferArg::from_raw_parts(qa.clone(), rows * w.n_in),
+                        BufferArg::from_raw_parts(da.clone(), n_blocks),
+                        BufferArg::from_raw_parts(sa.clone(), n_blocks),
+                        u(n_blocks),
+                        kind,
+                    );
+                    // SAFETY: the weight's groups cover `[n_out, n_in]`; activations as
+                    // above; `out` is `[rows, n_out]`.
+                    mm::matmul_groups::launch(
+                        &self.client,
+                        count,
+                        dim,
+                        BufferArg::from_raw_parts(qa, rows * w.n_in),
+                        BufferArg::from_raw_parts(da, n_blocks),
+                        BufferArg::from_raw_parts(sa, n_blocks),
+                        BufferArg::from_raw_parts(codes.clone(), 1),
+                        BufferArg::from_raw_parts(scales.clone(), 1),
+                        BufferArg::from_raw_parts(mins.clone(), 1),
+                        BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
+                        u(w.n_in),
+                        u(w.n_out),
+                        u(rows),
+                        fmt.bits,
+                        fmt.group,
+                        fmt.offset,
+                        fmt.has_min,
+                        u(ablk),
+                        self.units,
+                        tile,
+                    );
+                }
+            }
+        }
+    }
+
+    fn add_vector(&self, x: &mut CubeTensor, b: &CubeWeight) {
+        let WeightData::F32(bh) = &b.data else {
+            panic!(
+                "add_vector: bias `{}` is {}, not a float vector",
+                b.name, b.ty
+            );
+        };
+        assert_eq!(b.n_in * b.n_out, x.cols, "add_vector: bias length");
+        self.elementwise(6, &x.h, bh, &x.h, x.rows * x.cols, 0.0, x.cols);
+    }
+
+    fn rms_norm(&self, x: &CubeTensor, w: Option<&CubeWeight>, eps: f32, out: &mut CubeTensor) {
+        self.resize(out, x.rows, x.cols);
+        let wh = match w {
+            Some(w) => match &w.data {
+                WeightData::F32(h) => Some(h.clone()),
+                WeightData::Groups { .. } => panic!("rms_norm: weight `{}` is {}", w.name, w.ty),
+            },
+            None => None,
+        };
+        self.norm(&x.h, wh, &out.h, x.rows, x.cols, eps);
+    }
+
+    fn rms_norm_groups(&self, x: &mut CubeTensor, group: usize, w: &CubeWeight, eps: f32) {
+        let WeightData::F32(h) = &w.data else {
+            panic!("rms_norm_groups: weight `{}` is {}", w.name, w.ty);
+        };
+        assert!(
+            group > 0 && x.cols.is_multiple_of(group),
+            "rms_norm_groups: {} columns in groups of {group}",
+            x.cols
+        );
+        self.norm(
+            &x.h,
+            Some(h.clone()),
+            &x.h,
+            x.rows * x.cols / group,
+            group,
+            eps,
+        );
+    }
+
+    fn rope(&self, x: &mut CubeTensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig) {
+        assert_eq!(
+            pos.len(),
+            x.rows,
+            "rope: {} positions for {} rows",
+            pos.len(),
+            x.rows
+        );
+        assert!(
+            head_dim > 0 && x.cols.is_multiple_of(head_dim),
+            "rope: rows are not whole heads"
+        );
+        assert!(
+            cfg.n_rot.is_multiple_of(2) && cfg.n_rot <= head_dim,
+            "rope: n_rot {}",
+            cfg.n_rot
+        );
+        let heads = x.cols / head_dim;
+        let n = x.rows * heads * cfg.n_rot / 2;
+        if n == 0 {
+            return;
+        }
+        let table = self.rope_table(pos, cfg);
+        // SAFETY: the table holds `n_rot` values per row; pairs index inside each head.
+        unsafe {
+            ew::rope::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(x.h.clone(), x.rows * x.cols),
+                BufferArg::from_raw_parts(table, x.rows * cfg.n_rot),
+                u(n),
+                u(heads),
+                u(head_dim),
+                u(cfg.n_rot),
+                cfg.kind == RopeKind::Neox,
+            );
+        }
+    }
+
+    fn swiglu(&self, gate: &CubeTensor, up: &CubeTensor, out: &mut CubeTensor) {
+        Self::check_same("swiglu", gate, up);
+        self.resize(out, gate.rows, gate.cols);
+        self.elementwise(0, &gate.h, &up.h, &out.h, gate.rows * gate.cols, 0.0, 1);
+    }
+
+    fn geglu(&self, gate: &CubeTensor, up: &CubeTensor, out: &mut CubeTensor) {
+        Self::check_same("geglu", gate, up);
+        self.resize(out, gate.rows, gate.cols);
+        self.elementwise(1, &gate.h, &up.h, &out.h, gate.rows * gate.cols, 0.0, 1);
+    }
+
+    fn add(&self, a: &mut CubeTensor, b: &CubeTensor) {
+        Self::check_same("add", a, b);
+        self.elementwise(2, &a.h, &b.h, &a.h, a.rows * a.cols, 0.0, 1);
+    }
+
+    fn scale(&self, a: &mut CubeTensor, s: f32) {
+        self.elementwise(3, &a.h, &a.h, &a.h, a.rows * a.cols, s, 1);
+    }
+
+    fn softcap(&self, x: &mut CubeTensor, c: f32) {
+        self.elementwise(4, &x.h, &x.h, &x.h, x.rows * x.cols, c, 1);
+    }
+
+    fn silu(&self, x: &mut CubeTensor) {
+        self.elementwise(5, &x.h, &x.h, &x.h, x.rows * x.cols, 0.0, 1);
+    }
+
+    fn gate_mul(&self, x: &mut CubeTensor, gate: &CubeTensor, act: GateAct) {
+        assert_eq!(x.rows, gate.rows, "gate_mul: rows");
+        assert!(
+            gate.cols > 0 && x.cols.is_multiple_of(gate.cols),
+            "gate_mul: {} columns gated by {}",
+            x.cols,
+            gate.cols
+        );
+        let op = match act {
+            GateAct::Sigmoid => 7,
+            GateAct::Softplus => 8,
+        };
+        self.elementwise(
+            op,
+            &x.h,
+            &gate.h,
+            &x.h,
+            x.rows * x.cols,
+            0.0,
+            x.cols / gate.cols,
+        );
+    }
+
+    fn gather_cols(
+        &self,
+        src: &CubeTensor,
+        stride: usize,
+        range: std::ops::Range<usize>,
+        out: &mut CubeTensor,
+    ) {
+        assert!(
+            stride > 0 && src.cols.is_multiple_of(stride) && range.end <= stride,
+            "gather_cols: range {range:?} of groups of {stride}"
+        );
+        let width = range.len();
+        let cols = src.cols / stride * width;
+        self.resize(out, src.rows, cols);
+        let idx: Vec<u32> = (0..u(src.rows)).collect();
+        self.gather(
+            &src.h,
+            src.cols,
+            &idx,
+            &out.h,
+            cols,
+            width.max(1),
+            stride,
+            range.start,
+        );
+    }
+
+    fn add_rows_scaled(&self, dst: &mut CubeTensor, rows: &[usize], src: &CubeTensor, w: &[f32]) {
+        assert_eq!(rows.len(), src.rows, "add_rows_scaled: rows");
+        assert_eq!(w.len(), src.rows, "add_rows_scaled: weights");
+        assert_eq!(dst.cols, src.cols, "add_rows_scaled: columns");
+        if rows.is_empty() || dst.cols == 0 {
+            return;
+        }
+        let idx: Vec<u32> = rows
+            .iter()
+            .map(|&r| {
+                assert!(r < dst.rows, "add_rows_scaled: row {r} of {}", dst.rows);
+                u(r)
+            })
+            .collect();
+        let (ih, wh) = (self.upload_u32(&idx), self.upload_f32(w));
+        // SAFETY: destination rows are checked; `src` is `[rows.len(), cols]`.
+        unsafe {
+            ew::add_rows_scaled::launch(
+                &self.client,
+                self.ew_count(dst.cols),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(dst.h.clone(), dst.rows * dst.cols),
+                BufferArg::from_raw_parts(ih, rows.len()),
+                BufferArg::from_raw_parts(src.h.clone(), src.rows * src.cols),
+                BufferArg::from_raw_parts(wh, rows.len()),
+                u(rows.len()),
+                u(dst.cols),
+            );
+        }
+    }
+
+    fn kv_new(&self, shape: KvShape) -> Result<CubeKv> {
+        let unsupported = |what: String| TensorError::Unsupported {
+            backend: self.name,
+            what,
+        };
+        let mut layers = Vec::with_capacity(shape.n_layer);
+        for l in 0..shape.n_layer {
+            if shape.is_recurrent(l) {
+                return Err(unsupported(format!(
+                    "recurrent layers (layer {l} is a gated delta-net) yet"
+                )));
+            }
+            let (kt, vt) = shape.layer_types(l);
+            let f16 = match (kt, vt) {
+                (QType::F16, QType::F16) => true,
+                (QType::F32, QType::F32) => false,
+                _ => {
+                    return Err(unsupported(format!(
+                        "the cache formats -ctk {kt} -ctv {vt} (layer {l}) yet: its caches are f16 or f32, the same for K and V"
+                    )));
+                }
+            };
+            let hd = shape.layer_heads(l);
+            let cells = shape.layer_cells(l);
+            let esz = if f16 { 2 } else { 4 };
+            let (wk, wv) = (hd.n_kv_head * hd.head_dim_k, hd.n_kv_head * hd.head_dim_v);
+            layers.push(LayerKv {
+                k: self.client.empty((cells * wk * esz).max(4)),
+                v: self.client.empty((cells * wv * esz).max(4)),
+                f16,
+                cells,
+                n_kv_head: hd.n_kv_head,
+                hd_k: hd.head_dim_k,
+                hd_v: hd.head_dim_v,
+            });
+        }
+        Ok(CubeKv { layers })
+    }
+
+    fn kv_write(
+        &self,
+        kv: &mut CubeKv,
+        layer: usize,
+        cells: &[usize],
+        k: &CubeTensor,
+        v: &CubeTensor,
+    ) {
+        let l = &kv.layers[layer];
+        let idx: Vec<u32> = cells
+            .iter()
+            .map(|&c| {
+                assert!(
+                    c < l.cells,
+                    "kv_write: cell {c} of {} in layer {layer}",
+                    l.cells
+                );
+                u(c)
+            })
+            .collect();
+        let ih = self.upload_u32(&idx);
+        for (src, dst, width) in [
+            (k, &l.k, l.n_kv_head * l.hd_k),
+            (v, &l.v, l.n_kv_head * l.hd_v),
+        ] {
+            assert_eq!(
+                (src.rows, src.cols),
+                (cells.len(), width),
+                "kv_write: rows of layer {layer}"
+            );
+            let n = cells.len() * width;
+            if n == 0 {
+                continue;
+            }
+            // SAFETY: cells are inside the layer (checked); `src` is `[cells, width]`.
+            unsafe {
+                let args = (
+                    BufferArg::from_raw_parts(src.h.clone(), n),
+                    BufferArg::from_raw_parts(ih.clone(), cells.len()),
+                    BufferArg::from_raw_parts(dst.clone(), l.cells * width),
+                );
+                if l.f16 {
+                    at::kv_write::launch::<half::f16>(
+                        &self.client,
+                        self.ew_count(n),
+                        CubeDim::new_1d(self.ew),
+                        args.0,
+                        args.1,
+                        args.2,
+                        u(n),
+                        u(width),
+                    );
+                } else {
+                    at::kv_write::launch::<f32>(
+                        &self.client,
+                        self.ew_count(n),
+                        CubeDim::new_1d(self.ew),
+                        args.0,
+                        args.1,
+                        args.2,
+                        u(n),
+                        u(width),
+                    );
+                }
+            }
+        }
+    }
+
+    fn ssm_conv(
+        &self,
+        _: &mut CubeKv,
+        layer: usize,
+        _: usize,
+        _: &CubeTensor,
+        _: &CubeWeight,
+        _: &mut CubeTensor,
+    ) {
+        unreachable!("ssm_conv on layer {layer}: kv_new refuses recurrent layers on this backend")
+    }
+
+    fn gated_delta_net(
+        &self,
+        _: &mut CubeKv,
+        p: &DeltaNetParams,
+        _: &CubeTensor,
+        _: &CubeTensor,
+        _: &CubeTensor,
+        _: &CubeTensor,
+        _: &CubeTensor,
+        _: &CubeWeight,
+        _: &CubeWeight,
+        _: &mut CubeTensor,
+    ) {
+        unreachable!(
+            "gated_delta_net on layer {}: kv_new refuses recurrent layers on this backend",
+            p.layer
+        )
+    }
+
+    fn kv_holds(&self, _: &CubeKv, _: usize) -> bool {
+        true
+    }
+
+    fn attention(
+        &self,
+        q: &CubeTensor,
+        kv: &CubeKv,
+        p: &AttentionParams<'_>,
+        out: &mut CubeTensor,
+    ) {
+        let l = &kv.layers[p.layer];
+        assert_eq!(q.cols, p.n_head * l.hd_k, "attention: query columns");
+        assert_eq!(p.q_pos.len(), q.rows, "attention: query positions");
+        assert!(
+            p.n_head.is_multiple_of(l.n_kv_head),
+            "attention: {} heads over {} K/V heads",
+            p.n_head,
+            l.n_kv_head
+        );
+        self.resize(out, q.rows, p.n_head * l.hd_v);
+        let kv_len = p.kv_pos.len();
+        if q.rows == 0 {
+            return;
+        }
+        let (mask, window) = match p.mask {
+            Mask::Causal => (0, 0),
+            Mask::SlidingWindow(w) => (1, u32::try_from(w).unwrap_or(u32::MAX)),
+            Mask::None => (2, 0),
+        };
+        let qp = self.upload_u32(p.q_pos);
+        let kp = self.upload_u32(p.kv_pos);
+        let per_row = p.n_head * kv_len.max(1);
+        let chunk = (MAX_SCORES / per_row).max(1);
+        let scores = self.empty_f32(chunk.min(q.rows) * per_row);
+        let mut r0 = 0;
+        while r0 < q.rows {
+            let n = chunk.min(q.rows - r0);
+            macro_rules! launch {
+                ($e:ty) => {
+                    // SAFETY: rows `r0..r0 + n` of `q` and `out`; `kv_pos` entries map to
+                    // cells `j % cells`; `scores` holds `n · n_head · kv_len` values.
+                    unsafe {
+                        at::attention::launch::<$e>(
+                            &self.client,
+                            CubeCount::Static(u(n * p.n_head), 1, 1),
+                            CubeDim::new_1d(u(self.units)),
+                            BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
+                            BufferArg::from_raw_parts(l.k.clone(), 1),
+                            BufferArg::from_raw_parts(l.v.clone(), 1),
+                            BufferArg::from_raw_parts(qp.clone(), q.rows),
+                            BufferArg::from_raw_parts(kp.clone(), kv_len.max(1)),
+                            BufferArg::from_raw_parts(scores.clone(), n * per_row),
+                            BufferArg::from_raw_parts(out.h.clone(), q.rows * out.cols),
+                            u(r0),
+                            u(kv_len),
+                            u(l.cells),
+                            u(p.n_head),
+                            u(p.n_head / l.n_kv_head),
+                            u(l.hd_k),
+                            u(l.hd_v),
+                            p.scale,
+                            p.softcap.unwrap_or(1.0),
+                            window,
+                            mask,
+                            p.softcap.is_some(),
+                            self.units,
+                        );
+                    }
+                };
+            }
+            if l.f16 {
+                launch!(half::f16);
+            } else {
+                launch!(f32);
+            }
+            r0 += n;
+        }
+    }
+}
+
+impl CubeBackend {
+    /// RMS norm of `groups` consecutive runs of `group` values.
+    fn norm(
+        &self,
+        x: &Handle,
+        w: Option<Handle>,
+        out: &Handle,
+        groups: usize,
+        group: usize,
+        eps: f32,
+    ) {
+        if groups == 0 {
+            return;
+        }
+        let has_w = w.is_some();
+        let wh = w.unwrap_or_else(|| self.client.empty(4));
+        // SAFETY: `x` and `out` hold `groups · group` values, `w` `group` when present.
+        unsafe {
+            ew::rms_norm::launch(
+                &self.client,
+                CubeCount::Static(u(groups), 1, 1),
+                CubeDim::new_1d(u(self.units)),
+                BufferArg::from_raw_parts(x.clone(), groups * group),
+                BufferArg::from_raw_parts(wh, group),
+                BufferArg::from_raw_parts(out.clone(), groups * group),
+                u(group),
+                eps,
+                has_w,
+                self.units,
+            );
+        }
+    }
+}

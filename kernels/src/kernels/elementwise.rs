@@ -1,0 +1,198 @@
+//! Row-wise and element-wise ops: norms, RoPE, activations, gathers.
+
+use cubecl::prelude::*;
+
+/// Sum of `sm[0..units]` into `sm[0]` by a fixed tree (every unit calls it).
+#[cube]
+fn tree_sum(sm: &mut Shared<[f32]>, u: usize) {
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let o = sm[u + stride];
+            sm[u] += o;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
+/// `out[r] = x[r] · (1/√(mean(x[r]²) + eps)) · w` over groups of `group` columns: one cube
+/// per (row, group) (`CUBE_POS_X` = row · groups + group). `has_w`: multiply by `w`
+/// (`group` values).
+#[cube(launch)]
+pub fn rms_norm(
+    x: &[f32],
+    w: &[f32],
+    out: &mut [f32],
+    group: u32,
+    eps: f32,
+    #[comptime] has_w: bool,
+    #[comptime] units: usize,
+) {
+    let base = CUBE_POS_X as usize * group as usize;
+    let u = UNIT_POS_X as usize;
+    let group = group as usize;
+    let mut sm = Shared::<[f32]>::new_slice(units);
+    let mut s = 0.0f32;
+    let mut i = u;
+    while i < group {
+        let v = x[base + i];
+        s += v * v;
+        i += units;
+    }
+    sm[u] = s;
+    tree_sum(&mut sm, u);
+    let scale = 1.0f32 / (sm[0] / f32::cast_from(group) + eps).sqrt();
+    let mut i = u;
+    while i < group {
+        if comptime![has_w] {
+            out[base + i] = x[base + i] * scale * w[i];
+        } else {
+            out[base + i] = x[base + i] * scale;
+        }
+        i += units;
+    }
+}
+
+/// Rotates pairs of every head of every row: `table[r·n_rot + 2i]`, `[… + 2i + 1]` hold
+/// `cos θ_i`, `sin θ_i` of row `r` (computed on the host as ggml does). `neox`: pairs
+/// `(i, i + n_rot/2)`, else `(2i, 2i + 1)`. One unit per (row, head, pair).
+#[cube(launch)]
+pub fn rope(
+    x: &mut [f32],
+    table: &[f32],
+    n_pairs: u32,
+    heads: u32,
+    head_dim: u32,
+    n_rot: u32,
+    #[comptime] neox: bool,
+) {
+    let id = ABSOLUTE_POS;
+    let half = (n_rot / 2) as usize;
+    let per_row = heads as usize * half;
+    if id < n_pairs as usize {
+        let r = id / per_row;
+        let h = (id % per_row) / half;
+        let i = id % half;
+        let base = r * heads as usize * head_dim as usize + h * head_dim as usize;
+        let (a, b) = if comptime![neox] {
+            (base + i, base + i + half)
+        } else {
+            (base + 2 * i, base + 2 * i + 1)
+        };
+        let c = table[r * n_rot as usize + 2 * i];
+        let s = table[r * n_rot as usize + 2 * i + 1];
+        let x0 = x[a];
+        let x1 = x[b];
+        x[a] = x0 * c - x1 * s;
+        x[b] = x0 * s + x1 * c;
+    }
+}
+
+/// `x · σ(x)`.
+#[cube]
+fn silu_f(x: f32) -> f32 {
+    x / (1.0f32 + (-x).exp())
+}
+
+/// GELU as ggml-cpu computes it for f32 rows: 0 at or below −10, the identity at or above
+/// 10, else the tanh formula of the input rounded to f16, rounded to f16.
+#[cube]
+fn gelu_f16(x: f32) -> f32 {
+    let mut y = x;
+    if x <= -10.0f32 {
+        y = 0.0f32;
+    } else if x < 10.0f32 {
+        let h = f32::cast_from(half::f16::cast_from(x));
+        let g = 0.5f32 * h * (1.0f32 + (0.7978846f32 * h * (1.0f32 + 0.044715f32 * h * h)).tanh());
+        y = f32::cast_from(half::f16::cast_from(g));
+    }
+    y
+}
+
+/// Element-wise ops of one or two operands, by `op`: 0 `out = silu(a) · b`, 1
+/// `out = gelu(a) · b`, 2 `out = a + b`, 3 `out = a · s`, 4 `out = s · tanh(a / s)`, 5
+/// `out = silu(a)`, 6 `out = a + b[i % b_len]` (a bias), 7 `out = a · σ(b[i / per])`, 8
+/// `out = a · softplus(b[i / per])` (`per` consecutive values share one gate value).
+#[cube(launch)]
+pub fn elementwise(
+    a: &[f32],
+    b: &[f32],
+    out: &mut [f32],
+    n: u32,
+    s: f32,
+    per: u32,
+    #[comptime] op: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < n as usize {
+        let x = a[i];
+        let y = comptime![op];
+        if y == 0 {
+            out[i] = silu_f(x) * b[i];
+        } else if y == 1 {
+            out[i] = gelu_f16(x) * b[i];
+        } else if y == 2 {
+            out[i] = x + b[i];
+        } else if y == 3 {
+            out[i] = x * s;
+        } else if y == 4 {
+            out[i] = s * (x / s).tanh();
+        } else if y == 5 {
+            out[i] = silu_f(x);
+        } else if y == 6 {
+            out[i] = x + b[i % per as usize];
+        } else if y == 7 {
+            let g = b[i / per as usize];
+            out[i] = x * (1.0f32 / (1.0f32 + (-g).exp()));
+        } else {
+            let g = b[i / per as usize];
+            let mut sp = g;
+            if g <= 20.0 {
+                sp = (1.0f32 + g.exp()).ln();
+            }
+            out[i] = x * sp;
+        }
+    }
+}
+
+/// `out[r][c] = src[idx[r]][off + c]`-style gathers: row `r` of `out` (`cols` wide) takes,
+/// for each group `g` of `width` columns, `src[idx[r]][g·stride + start + j]`. Copying whole
+/// rows is `width = stride = cols`, `start = 0`.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, reason = "a gather's shape")]
+pub fn gather(
+    src: &[f32],
+    idx: &[u32],
+    out: &mut [f32],
+    n: u32,
+    cols: u32,
+    src_cols: u32,
+    width: u32,
+    stride: u32,
+    start: u32,
+) {
+    let i = ABSOLUTE_POS;
+    if i < n as usize {
+        let r = i / cols as usize;
+        let c = i % cols as usize;
+        let g = c / width as usize;
+        let j = c % width as usize;
+        let sr = idx[r] as usize;
+        out[i] = src[sr * src_cols as usize + g * stride as usize + start as usize + j];
+    }
+}
+
+/// `dst[rows[i]] += w[i] · src[i]` for each `i` in order: one unit per column, walking the
+/// rows in order (so repeated destination rows add in the order given).
+#[cube(launch)]
+pub fn add_rows_scaled(dst: &mut [f32], rows: &[u32], src: &[f32], w: &[f32], n: u32, cols: u32) {
+    let c = ABSOLUTE_POS;
+    if c < cols as usize {
+        for i in 0..n as usize {
+            let d = rows[i] as usize * cols as usize + c;
+            dst[d] += w[i] * src[i * cols as usize + c];
+        }
+    }
+}
