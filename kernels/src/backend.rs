@@ -13,7 +13,11 @@ use specula_tensor::{
 use crate::kernels::{attention as at, elementwise as ew, matmul as mm};
 use crate::layout::{self, ActQuant, GroupFormat};
 
-/// Scratch for attention scores is cut into launches of at most this many f32 values.
+/// Groups of a row whose integer sums a matmul cube keeps at once (the segment, in blocks,
+/// is this over the groups per block).
+const SEG_GROUPS: usize = 128;
+
+/// Attention's chunk states are cut into launches of at most this many f32 values.
 const MAX_SCORES: usize = 1 << 26;
 
 /// The CubeCL backend on one device.
@@ -27,6 +31,8 @@ pub struct CubeBackend {
     /// The last RoPE angle table (positions, config, device table): every layer of a forward
     /// rotates its Q and K rows by the same positions, so the table is made once per forward.
     rope: Mutex<Option<(Vec<u32>, RopeConfig, Handle)>>,
+    /// The table of the softmax's `e^x` ([`specula_cpu::expf::TAB`]).
+    exp_tab: Handle,
 }
 
 /// An f32 activation matrix on the device.
@@ -55,8 +61,14 @@ enum WeightData {
     Groups {
         fmt: GroupFormat,
         codes: Handle,
-        scales: Handle,
-        mins: Handle,
+        /// `d` per block.
+        bd: Handle,
+        /// `m` / `dmin` per block.
+        bm: Handle,
+        /// Integer scale per group (K-quants).
+        gsc: Handle,
+        /// Integer min per group (Q4_K, Q5_K).
+        gmn: Handle,
     },
 }
 
@@ -114,12 +126,14 @@ impl CubeBackend {
         } else {
             (128, 256)
         };
+        let exp_tab = client.create_from_slice(u64::as_bytes(&specula_cpu::expf::TAB));
         Self {
             client,
             name,
             units,
             ew,
             rope: Mutex::new(None),
+            exp_tab,
         }
     }
 
@@ -314,11 +328,20 @@ impl Backend for CubeBackend {
                     });
                 };
                 let g = layout::unpack(ty, desc.data);
+                let ints = |v: &[i32]| {
+                    if v.is_empty() {
+                        self.client.empty(4)
+                    } else {
+                        self.client.create_from_slice(i32::as_bytes(v))
+                    }
+                };
                 WeightData::Groups {
                     fmt,
                     codes: self.upload_u32(&g.codes),
-                    scales: self.upload_f32(&g.scales),
-                    mins: self.upload_f32(&g.mins),
+                    bd: self.upload_f32(&g.d),
+                    bm: self.upload_f32(&g.m),
+                    gsc: ints(&g.sc),
+                    gmn: ints(&g.mn),
                 }
             }
         };
@@ -413,8 +436,10 @@ impl Backend for CubeBackend {
             WeightData::Groups {
                 fmt,
                 codes,
-                scales,
-                mins,
+                bd,
+                bm,
+                gsc,
+                gmn,
             } => {
                 let n = ids.len() * cols;
                 if n == 0 {
@@ -423,21 +448,25 @@ impl Backend for CubeBackend {
                 let idh = self.upload_u32(ids);
                 // SAFETY: the ids are rows of the table (checked above); `out` holds `n`.
                 unsafe {
-                    at::get_rows_groups::launch(
+                    at::get_rows_blocks::launch(
                         &self.client,
                         self.ew_count(n),
                         CubeDim::new_1d(self.ew),
                         BufferArg::from_raw_parts(codes.clone(), 1),
-                        BufferArg::from_raw_parts(scales.clone(), 1),
-                        BufferArg::from_raw_parts(mins.clone(), 1),
+                        BufferArg::from_raw_parts(bd.clone(), 1),
+                        BufferArg::from_raw_parts(bm.clone(), 1),
+                        BufferArg::from_raw_parts(gsc.clone(), 1),
+                        BufferArg::from_raw_parts(gmn.clone(), 1),
                         BufferArg::from_raw_parts(idh, ids.len()),
                         BufferArg::from_raw_parts(out.h.clone(), n),
                         u(n),
                         u(cols),
+                        1,
                         fmt.bits,
                         fmt.group,
+                        fmt.block,
                         fmt.offset,
-                        fmt.has_min,
+                        fmt.term.code(),
                     );
                 }
             }
@@ -477,6 +506,7 @@ impl Backend for CubeBackend {
                         u(w.n_in),
                         u(w.n_out),
                         u(rows),
+                        1,
                         self.units,
                         tile,
                     );
@@ -485,8 +515,10 @@ impl Backend for CubeBackend {
             WeightData::Groups {
                 fmt,
                 codes,
-                scales,
-                mins,
+                bd,
+                bm,
+                gsc,
+                gmn,
             } => {
                 let ablk = fmt.act.block();
                 let n_blocks = rows * w.n_in / ablk;
@@ -514,7 +546,7 @@ impl Backend for CubeBackend {
                     );
                     // SAFETY: the weight's groups cover `[n_out, n_in]`; activations as
                     // above; `out` is `[rows, n_out]`.
-                    mm::matmul_groups::launch(
+                    mm::matmul_blocks::launch(
                         &self.client,
                         count,
                         dim,
@@ -522,19 +554,23 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(da, n_blocks),
                         BufferArg::from_raw_parts(sa, n_blocks),
                         BufferArg::from_raw_parts(codes.clone(), 1),
-                        BufferArg::from_raw_parts(scales.clone(), 1),
-                        BufferArg::from_raw_parts(mins.clone(), 1),
+                        BufferArg::from_raw_parts(bd.clone(), 1),
+                        BufferArg::from_raw_parts(bm.clone(), 1),
+                        BufferArg::from_raw_parts(gsc.clone(), 1),
+                        BufferArg::from_raw_parts(gmn.clone(), 1),
                         BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
                         u(w.n_in),
                         u(w.n_out),
                         u(rows),
+                        1,
                         fmt.bits,
                         fmt.group,
+                        fmt.block,
                         fmt.offset,
-                        fmt.has_min,
-                        u(ablk),
+                        fmt.term.code(),
                         self.units,
                         tile,
+                        SEG_GROUPS / (fmt.block / fmt.group) as usize,
                     );
                 }
             }
@@ -618,6 +654,7 @@ impl Backend for CubeBackend {
                 u(heads),
                 u(head_dim),
                 u(cfg.n_rot),
+                1,
                 cfg.kind == RopeKind::Neox,
             );
         }
@@ -626,7 +663,15 @@ impl Backend for CubeBackend {
     fn swiglu(&self, gate: &CubeTensor, up: &CubeTensor, out: &mut CubeTensor) {
         Self::check_same("swiglu", gate, up);
         self.resize(out, gate.rows, gate.cols);
-        self.elementwise(0, &gate.h, &up.h, &out.h, gate.rows * gate.cols, 0.0, 1);
+        self.elementwise(
+            0,
+            &gate.h,
+            &up.h,
+            &out.h,
+            gate.rows * gate.cols,
+            0.0,
+            gate.cols,
+        );
     }
 
     fn geglu(&self, gate: &CubeTensor, up: &CubeTensor, out: &mut CubeTensor) {
@@ -903,28 +948,30 @@ impl Backend for CubeBackend {
         };
         let qp = self.upload_u32(p.q_pos);
         let kp = self.upload_u32(p.kv_pos);
-        let per_row = p.n_head * kv_len.max(1);
-        let chunk = (MAX_SCORES / per_row).max(1);
-        let scores = self.empty_f32(chunk.min(q.rows) * per_row);
+        let n_chunks = kv_len.div_ceil(at::CHUNK).max(1);
+        let per_row = p.n_head * n_chunks * (l.hd_v + 2);
+        let rows_per_launch = (MAX_SCORES / per_row).max(1);
+        let states = self.empty_f32(rows_per_launch.min(q.rows) * per_row);
         let mut r0 = 0;
         while r0 < q.rows {
-            let n = chunk.min(q.rows - r0);
+            let n = rows_per_launch.min(q.rows - r0);
             macro_rules! launch {
                 ($e:ty) => {
                     // SAFETY: rows `r0..r0 + n` of `q` and `out`; `kv_pos` entries map to
-                    // cells `j % cells`; `scores` holds `n · n_head · kv_len` values.
+                    // cells `j % cells` of the layer; `states` holds
+                    // `n · n_head · n_chunks · (hd_v + 2)` values.
                     unsafe {
-                        at::attention::launch::<$e>(
+                        at::attn_chunk::launch::<$e>(
                             &self.client,
-                            CubeCount::Static(u(n * p.n_head), 1, 1),
+                            CubeCount::Static(u(n * p.n_head), u(n_chunks), 1),
                             CubeDim::new_1d(u(self.units)),
                             BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
                             BufferArg::from_raw_parts(l.k.clone(), 1),
                             BufferArg::from_raw_parts(l.v.clone(), 1),
                             BufferArg::from_raw_parts(qp.clone(), q.rows),
                             BufferArg::from_raw_parts(kp.clone(), kv_len.max(1)),
-                            BufferArg::from_raw_parts(scores.clone(), n * per_row),
-                            BufferArg::from_raw_parts(out.h.clone(), q.rows * out.cols),
+                            BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
+                            BufferArg::from_raw_parts(states.clone(), n * per_row),
                             u(r0),
                             u(kv_len),
                             u(l.cells),
@@ -935,6 +982,7 @@ impl Backend for CubeBackend {
                             p.scale,
                             p.softcap.unwrap_or(1.0),
                             window,
+                            1,
                             mask,
                             p.softcap.is_some(),
                             self.units,
@@ -946,6 +994,23 @@ impl Backend for CubeBackend {
                 launch!(half::f16);
             } else {
                 launch!(f32);
+            }
+            // SAFETY: `states` as written above; `out` holds `q.rows · n_head · hd_v`.
+            unsafe {
+                at::attn_merge::launch(
+                    &self.client,
+                    CubeCount::Static(u(n * p.n_head), 1, 1),
+                    CubeDim::new_1d(u(self.units)),
+                    BufferArg::from_raw_parts(states.clone(), n * per_row),
+                    BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
+                    BufferArg::from_raw_parts(out.h.clone(), q.rows * out.cols),
+                    u(r0),
+                    u(n_chunks),
+                    u(p.n_head),
+                    u(l.hd_v),
+                    1,
+                    self.units,
+                );
             }
             r0 += n;
         }

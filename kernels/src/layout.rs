@@ -1,23 +1,24 @@
 //! Weights on the device: every integer block format unpacked, once at upload, into one
-//! group layout the kernels share.
+//! layout the kernels share.
 //!
 //! A GGUF block format stores, per block, one or two f16 scales and bit-packed codes, in a
 //! byte layout of its own (a 34-byte `block_q8_0`, a 144-byte `block_q4_K` with 6-bit
-//! sub-block scales). On the device every such format becomes groups of `group` values
-//! (32, or 16 for Q6_K), each with
+//! sub-block scales). On the device every such format becomes
 //!
-//! - `scale` (f32): the group's step, already multiplied out as ggml's dequantizer does
-//!   (`d · sc` for the K-quants),
-//! - `min` (f32, formats with a min only): the offset added (`−dmin · m` for Q4_K/Q5_K, `m` for
-//!   Q4_1/Q5_1),
-//! - codes of `bits` bits each, packed little-endian into u32 words (`group · bits / 32` words
-//!   per group), stored unsigned with the format's `offset` subtracted when read.
+//! - codes of `bits` bits each, in groups of `group` values (32, or 16 for Q6_K), packed
+//!   little-endian into u32 words (`group · bits / 32` words per group), read unsigned with
+//!   the format's `offset` subtracted;
+//! - per block (`block` values: 32, or 256 for the K-quants) its f16 scales as f32: `d`, and
+//!   `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K);
+//! - per group of a K-quant its integer sub-block scale (and min).
 //!
-//! so that value `i` of a group is `scale · (code_i − offset) + min`, bit for bit what ggml's
-//! dequantizer computes. One kernel, specialised at compile time by [`GroupFormat`], then
-//! serves every format: the combinations are generated, not hand-copied. The price is a few
-//! bytes per group (an f32 scale instead of an f16; Q4_0 reads 5 bits per weight instead of
-//! 4.5) — measured in `docs/perf.md`.
+//! The integers stay integers, so the matmul kernels form exactly the integer sums of
+//! specula-quant's dot products and combine them with the same float operations in the same
+//! order: the device's products have the CPU backend's bits. One kernel, specialised at
+//! compile time by [`GroupFormat`], serves every format: the combinations are generated, not
+//! hand-copied. The price is a few bytes per block (f32 scales instead of f16, i32 sub-block
+//! scales instead of 6 bits): Q4_0 reads 5 bits per weight instead of 4.5, Q4_K 5.25 instead
+//! of 4.5 (`docs/perf.md`).
 
 use specula_quant::QType;
 
@@ -45,42 +46,75 @@ impl ActQuant {
     }
 }
 
-/// How a format's groups read: the compile-time parameters of the matmul and row kernels.
+/// How a block's float term is formed from its integer sums (specula-quant's `*_term`
+/// functions, one per formula).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Term {
+    /// `(isum · d_w) · d_a` (Q4_0).
+    Q4_0,
+    /// `isum · (d_w · d_a)` (Q8_0).
+    Q8_0,
+    /// `(d_w · d_a) · isum` (Q5_0, Q6_K).
+    Dd,
+    /// `(d_w · d_a) · isum + m_w · s_a` (Q4_1, Q5_1).
+    Min,
+    /// `(d_w · d_a) · isum − (dmin_w · d_a) · summs` (Q4_K, Q5_K).
+    KMin,
+}
+
+impl Term {
+    /// The kernels' compile-time code of the term.
+    #[must_use]
+    pub fn code(self) -> u32 {
+        match self {
+            Self::Q4_0 => 0,
+            Self::Q8_0 => 1,
+            Self::Dd => 2,
+            Self::Min => 3,
+            Self::KMin => 4,
+        }
+    }
+}
+
+/// How a format's blocks read: the compile-time parameters of the matmul and row kernels.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct GroupFormat {
     /// Bits per code.
     pub bits: u32,
-    /// Values per group (32, or 16 for Q6_K).
+    /// Values per group (32, or 16 for Q6_K): one integer scale each in a K-quant.
     pub group: u32,
+    /// Values per block (32, or 256 for the K-quants): one float term each.
+    pub block: u32,
     /// Subtracted from each code (8 for Q4_0, 128 for Q8_0's signed bytes stored biased).
     pub offset: u32,
-    /// Whether groups carry a min.
-    pub has_min: bool,
-    /// Activation quantization of the dot product.
+    /// The block term.
+    pub term: Term,
+    /// Activation quantization of the dot product (its block is `block` values).
     pub act: ActQuant,
 }
 
 impl GroupFormat {
-    /// The group layout of `ty`, or `None` for a format the device keeps as floats (f32,
-    /// f16, bf16) or does not support yet.
+    /// The layout of `ty`, or `None` for a format the device keeps as floats (f32, f16,
+    /// bf16) or does not support yet.
     #[must_use]
     pub fn of(ty: QType) -> Option<Self> {
-        let f = |bits, group, offset, has_min, act| Self {
+        let f = |bits, group, block, offset, term, act| Self {
             bits,
             group,
+            block,
             offset,
-            has_min,
+            term,
             act,
         };
         Some(match ty {
-            QType::Q8_0 => f(8, 32, 128, false, ActQuant::Q8_0),
-            QType::Q4_0 => f(4, 32, 8, false, ActQuant::Q8_0),
-            QType::Q5_0 => f(5, 32, 16, false, ActQuant::Q8_0),
-            QType::Q4_1 => f(4, 32, 0, true, ActQuant::Q8_1),
-            QType::Q5_1 => f(5, 32, 0, true, ActQuant::Q8_1),
-            QType::Q4_K => f(4, 32, 0, true, ActQuant::Q8K),
-            QType::Q5_K => f(5, 32, 0, true, ActQuant::Q8K),
-            QType::Q6_K => f(6, 16, 32, false, ActQuant::Q8K),
+            QType::Q8_0 => f(8, 32, 32, 128, Term::Q8_0, ActQuant::Q8_0),
+            QType::Q4_0 => f(4, 32, 32, 8, Term::Q4_0, ActQuant::Q8_0),
+            QType::Q5_0 => f(5, 32, 32, 16, Term::Dd, ActQuant::Q8_0),
+            QType::Q4_1 => f(4, 32, 32, 0, Term::Min, ActQuant::Q8_1),
+            QType::Q5_1 => f(5, 32, 32, 0, Term::Min, ActQuant::Q8_1),
+            QType::Q4_K => f(4, 32, 256, 0, Term::KMin, ActQuant::Q8K),
+            QType::Q5_K => f(5, 32, 256, 0, Term::KMin, ActQuant::Q8K),
+            QType::Q6_K => f(6, 16, 256, 32, Term::Dd, ActQuant::Q8K),
             _ => return None,
         })
     }
@@ -90,15 +124,31 @@ impl GroupFormat {
     pub fn words(self) -> usize {
         (self.group * self.bits / 32) as usize
     }
+
+    /// Whether groups carry integer scales (the K-quants).
+    #[must_use]
+    pub fn group_scales(self) -> bool {
+        self.block > self.group
+    }
+
+    /// Whether blocks carry a second float (`m` or `dmin`).
+    #[must_use]
+    pub fn block_min(self) -> bool {
+        matches!(self.term, Term::Min | Term::KMin)
+    }
 }
 
-/// One weight matrix in the group layout, on the host (before upload).
+/// One weight matrix in the device layout, on the host (before upload).
 #[derive(Clone, Debug, Default)]
 pub struct Groups {
-    /// Per group, its step.
-    pub scales: Vec<f32>,
-    /// Per group, its min (empty for formats without one).
-    pub mins: Vec<f32>,
+    /// Per block, `d`.
+    pub d: Vec<f32>,
+    /// Per block, `m` or `dmin` (empty for formats without).
+    pub m: Vec<f32>,
+    /// Per group of a K-quant, its integer scale (empty otherwise).
+    pub sc: Vec<i32>,
+    /// Per group of Q4_K / Q5_K, its integer min (empty otherwise).
+    pub mn: Vec<i32>,
     /// Codes, [`GroupFormat::words`] per group.
     pub codes: Vec<u32>,
 }
@@ -107,59 +157,59 @@ fn half(b: &[u8], at: usize) -> f32 {
     half::f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
 }
 
-/// Unpacks every block of `bytes` (whole blocks of `ty`) into the group layout.
+/// Unpacks every block of `bytes` (whole blocks of `ty`) into the device layout.
 ///
 /// # Panics
-/// If `ty` has no group layout ([`GroupFormat::of`]) or `bytes` is not whole blocks; the
+/// If `ty` has no device layout ([`GroupFormat::of`]) or `bytes` is not whole blocks; the
 /// backend checks both before calling.
 #[must_use]
 pub fn unpack(ty: QType, bytes: &[u8]) -> Groups {
-    let fmt = GroupFormat::of(ty).expect("a format with a group layout");
+    let fmt = GroupFormat::of(ty).expect("a format with a device layout");
     let bs = ty.type_size();
     assert_eq!(bytes.len() % bs, 0, "whole blocks");
     let mut g = Groups::default();
     let mut codes = [0u8; 256];
     for b in bytes.chunks_exact(bs) {
-        // (scale, min) per group of this block, codes into `codes`.
-        let mut groups: [(f32, f32); 16] = [(0.0, 0.0); 16];
-        let n_groups = match ty {
+        match ty {
             QType::Q8_0 => {
-                groups[0] = (half(b, 0), 0.0);
+                g.d.push(half(b, 0));
                 for (c, &q) in codes.iter_mut().zip(&b[2..34]) {
                     *c = q ^ 0x80; // two's complement byte + 128
                 }
-                1
             }
             QType::Q4_0 | QType::Q4_1 => {
-                let (qs, sm) = if ty == QType::Q4_0 {
-                    (&b[2..18], (half(b, 0), 0.0))
+                let qs = if ty == QType::Q4_0 {
+                    g.d.push(half(b, 0));
+                    &b[2..18]
                 } else {
-                    (&b[4..20], (half(b, 0), half(b, 2)))
+                    g.d.push(half(b, 0));
+                    g.m.push(half(b, 2));
+                    &b[4..20]
                 };
-                groups[0] = sm;
                 for (j, &q) in qs.iter().enumerate() {
                     codes[j] = q & 0xF;
                     codes[j + 16] = q >> 4;
                 }
-                1
             }
             QType::Q5_0 | QType::Q5_1 => {
-                let (qh, qs, sm) = if ty == QType::Q5_0 {
-                    (&b[2..6], &b[6..22], (half(b, 0), 0.0))
+                let (qh, qs) = if ty == QType::Q5_0 {
+                    g.d.push(half(b, 0));
+                    (&b[2..6], &b[6..22])
                 } else {
-                    (&b[4..8], &b[8..24], (half(b, 0), half(b, 2)))
+                    g.d.push(half(b, 0));
+                    g.m.push(half(b, 2));
+                    (&b[4..8], &b[8..24])
                 };
-                groups[0] = sm;
                 let qh = u32::from_le_bytes([qh[0], qh[1], qh[2], qh[3]]);
                 for (j, &q) in qs.iter().enumerate() {
                     let hi = |bit: usize| u8::from((qh >> bit) & 1 == 1) << 4;
                     codes[j] = (q & 0xF) | hi(j);
                     codes[j + 16] = (q >> 4) | hi(j + 16);
                 }
-                1
             }
             QType::Q4_K | QType::Q5_K => {
-                let (d, dmin) = (half(b, 0), half(b, 2));
+                g.d.push(half(b, 0));
+                g.m.push(half(b, 2));
                 let sc: &[u8; 12] = b[4..16].try_into().expect("12 scale bytes");
                 let (qh, qs) = if ty == QType::Q4_K {
                     (None, &b[16..144])
@@ -168,7 +218,8 @@ pub fn unpack(ty: QType, bytes: &[u8]) -> Groups {
                 };
                 for j in 0..8 {
                     let (s, m) = scale_min_k4(j, sc);
-                    groups[j] = (d * f32::from(s), -(dmin * f32::from(m)));
+                    g.sc.push(i32::from(s));
+                    g.mn.push(i32::from(m));
                 }
                 for c in 0..4 {
                     for l in 0..32 {
@@ -182,35 +233,27 @@ pub fn unpack(ty: QType, bytes: &[u8]) -> Groups {
                         codes[64 * c + 32 + l] = hi;
                     }
                 }
-                8
             }
             QType::Q6_K => {
                 let (ql, qh, sc) = (&b[0..128], &b[128..192], &b[192..208]);
-                let d = half(b, 208);
-                for (j, &s) in sc.iter().enumerate() {
-                    groups[j] = (d * f32::from(s.cast_signed()), 0.0);
-                }
+                g.d.push(half(b, 208));
+                g.sc.extend(sc.iter().map(|&s| i32::from(s.cast_signed())));
                 for n in 0..2 {
                     let (ql, qh) = (&ql[64 * n..], &qh[32 * n..]);
+                    let y = &mut codes[128 * n..];
                     for l in 0..32 {
-                        let y = &mut codes[128 * n..];
                         y[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
                         y[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
                         y[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
                         y[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
                     }
                 }
-                16
             }
             _ => unreachable!("GroupFormat::of covers the formats unpacked here"),
-        };
+        }
         let group = fmt.group as usize;
-        for (gi, &(s, m)) in groups[..n_groups].iter().enumerate() {
-            g.scales.push(s);
-            if fmt.has_min {
-                g.mins.push(m);
-            }
-            pack(&codes[gi * group..(gi + 1) * group], fmt.bits, &mut g.codes);
+        for c in codes[..fmt.block as usize].chunks_exact(group) {
+            pack(c, fmt.bits, &mut g.codes);
         }
     }
     g
@@ -244,10 +287,13 @@ fn pack(codes: &[u8], bits: u32, out: &mut Vec<u32>) {
     }
 }
 
-/// Value `i` of group `g`, as the kernels read it (the host mirror of the device decoder).
+/// Value `i` of the row data (counting from its first block), as the kernels read it: the
+/// host mirror of the device's dequantizer, ggml's formula for each format.
 #[must_use]
-pub fn value(fmt: GroupFormat, g: &Groups, gi: usize, i: usize) -> f32 {
-    let at = i * fmt.bits as usize;
+pub fn value(fmt: GroupFormat, g: &Groups, i: usize) -> f32 {
+    let (group, block) = (fmt.group as usize, fmt.block as usize);
+    let (gi, bi) = (i / group, i / block);
+    let at = (i % group) * fmt.bits as usize;
     let words = &g.codes[gi * fmt.words()..];
     let (w, sh) = (at / 32, (at % 32) as u32);
     let mut c = words[w] >> sh;
@@ -258,12 +304,25 @@ pub fn value(fmt: GroupFormat, g: &Groups, gi: usize, i: usize) -> f32 {
     #[allow(
         clippy::cast_precision_loss,
         clippy::cast_possible_wrap,
-        reason = "codes and offsets are below 256"
+        reason = "codes, offsets and sub-block scales are below 256"
     )]
-    let q = (c as i32 - fmt.offset as i32) as f32;
-    // Without a min nothing is added: `−0.0 + 0.0` would turn ggml's `−0` into `+0`.
-    let v = g.scales[gi] * q;
-    if fmt.has_min { v + g.mins[gi] } else { v }
+    let (q, sc) = (
+        (c as i32 - fmt.offset as i32) as f32,
+        g.sc.get(gi).map(|&s| s as f32),
+    );
+    let d = g.d[bi];
+    match (fmt.term, sc) {
+        // Q4_1, Q5_1: `q · d + m` (without a min nothing is added: `−0.0 + 0.0` would turn
+        // ggml's `−0` into `+0`).
+        (Term::Min, _) => q * d + g.m[bi],
+        // Q4_K, Q5_K: `(d · sc) · q − dmin · m`.
+        #[allow(clippy::cast_precision_loss, reason = "6-bit mins")]
+        (Term::KMin, Some(sc)) => d * sc * q - g.m[bi] * g.mn[gi] as f32,
+        // Q6_K: `(d · sc) · q`.
+        (_, Some(sc)) => d * sc * q,
+        // Q4_0, Q5_0, Q8_0: `q · d`.
+        (_, None) => q * d,
+    }
 }
 
 #[cfg(test)]
@@ -295,10 +354,9 @@ mod tests {
             specula_quant::dequantize_row(ty, &bytes, &mut want).unwrap();
             let fmt = GroupFormat::of(ty).unwrap();
             let g = unpack(ty, &bytes);
-            let group = fmt.group as usize;
-            assert_eq!(g.scales.len(), n / group, "{ty}");
+            assert_eq!(g.d.len(), n / fmt.block as usize, "{ty}");
             for (i, &w) in want.iter().enumerate() {
-                let got = value(fmt, &g, i / group, i % group);
+                let got = value(fmt, &g, i);
                 assert_eq!(got.to_bits(), w.to_bits(), "{ty} value {i}: {got} vs {w}");
             }
         }

@@ -28,6 +28,7 @@ use specula_models::Taps;
 use specula_quant::QType;
 use specula_spec::verify::Verdict;
 use specula_spec::{Drafter, One};
+use specula_tensor::Backend;
 
 use crate::load;
 use crate::run::SpecType;
@@ -102,6 +103,9 @@ pub struct Args {
     /// Output format.
     #[arg(short = 'o', long = "output", value_enum, default_value = "md")]
     pub output: Output,
+    /// Device: `cpu`, or `cuda[:N]` (the CubeCL backend; a build with `--features cuda`).
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: String,
     /// A DFlash or EAGLE-3 drafter (GGUF file or manifest name) attached to the target:
     /// `pp` tests then capture the drafter's taps and inject the prompt into its cache, and
     /// each `tg N` test runs N speculative rounds instead (draft `--spec-draft-n-max` tokens,
@@ -267,11 +271,12 @@ struct Attached {
     rounds: u128,
 }
 
-fn attach(
+fn attach<B: Backend + 'static>(
     args: &Args,
     spec: Option<SpecType>,
-    target: &Engine<CpuBackend>,
+    target: &Engine<B>,
     n_ctx: usize,
+    backend: impl FnOnce() -> Result<B>,
 ) -> Result<Option<Attached>> {
     let Some(spec) = spec else {
         return Ok(None);
@@ -281,7 +286,7 @@ fn attach(
         specula_gguf::Gguf::open(&path)
             .with_context(|| format!("cannot load the draft {}", path.display()))?,
     );
-    let be = CpuBackend::new(args.threads);
+    let be = backend()?;
     let (kind, drafter, n_max): (&'static str, Box<dyn Drafter>, usize) = match spec {
         SpecType::DraftDflash => {
             let policy = if args.dflash_defer_injection == 1 {
@@ -325,9 +330,9 @@ fn attach(
 /// One timed repetition with a drafter attached: `pp` prefills with taps and feeds the
 /// drafter; `tg` runs speculative rounds (every draft rejected, so each round has the same
 /// shape) after a BOS-and-random-token context.
-fn run_once_spec(
-    e: &Engine<CpuBackend>,
-    s: &mut Session<CpuBackend>,
+fn run_once_spec<B: Backend>(
+    e: &Engine<B>,
+    s: &mut Session<B>,
     a: &mut Attached,
     (pp, tg): (usize, usize),
     seed: &mut u64,
@@ -441,9 +446,9 @@ fn ids(n: usize, n_vocab: usize, seed: &mut u64) -> Vec<u32> {
 }
 
 /// Fills the first `depth` positions of the session (untimed part of a `-d` test).
-fn prefill_depth(
-    e: &Engine<CpuBackend>,
-    s: &mut Session<CpuBackend>,
+fn prefill_depth<B: Backend>(
+    e: &Engine<B>,
+    s: &mut Session<B>,
     depth: usize,
     seed: &mut u64,
 ) -> Result<()> {
@@ -460,9 +465,9 @@ fn prefill_depth(
 }
 
 /// One timed repetition after `depth` positions: returns its nanoseconds.
-fn run_once(
-    e: &Engine<CpuBackend>,
-    s: &mut Session<CpuBackend>,
+fn run_once<B: Backend>(
+    e: &Engine<B>,
+    s: &mut Session<B>,
     (pp, tg, depth): (usize, usize, usize),
     seed: &mut u64,
 ) -> Result<u64> {
@@ -513,8 +518,50 @@ pub fn run(args: &Args) -> Result<String> {
     let overrides = load::layer_types(&args.layer_types)?;
     // The drafter's kind before the model: a flag error should not wait for a load.
     let spec = args.kind.resolve(None, args.model_draft.as_deref())?;
+    let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path(args.model.as_deref())?;
-    let mut engine = load::cpu_engine(&path, args.threads)?;
+    match device {
+        crate::device::Device::Cpu => {
+            let engine = load::cpu_engine(&path, args.threads)?;
+            run_on(
+                args,
+                engine,
+                &path,
+                (k_type, v_type),
+                overrides,
+                spec,
+                || Ok(CpuBackend::new(args.threads)),
+            )
+        }
+        crate::device::Device::Cuda(i) => {
+            let engine = crate::device::cuda_engine(&path, i)?;
+            run_on(
+                args,
+                engine,
+                &path,
+                (k_type, v_type),
+                overrides,
+                spec,
+                || crate::device::cuda_backend(i),
+            )
+        }
+    }
+}
+
+/// The tests of `specula bench` on an engine of any backend.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one table of tests, record after record"
+)]
+fn run_on<B: Backend + 'static>(
+    args: &Args,
+    mut engine: Engine<B>,
+    path: &std::path::Path,
+    (k_type, v_type): (QType, QType),
+    overrides: Vec<specula_kv::LayerOverride>,
+    spec: Option<SpecType>,
+    drafter_backend: impl FnOnce() -> Result<B>,
+) -> Result<String> {
     engine.n_batch = args.batch_size;
     engine.swa_full = args.swa_full;
     let hp = engine.model.hparams().clone();
@@ -544,7 +591,7 @@ pub fn run(args: &Args) -> Result<String> {
         .max(1)
         + args.n_depth.iter().copied().max().unwrap_or(0);
     engine.kv_overrides = overrides;
-    let mut attached = attach(args, spec, &engine, n_ctx + 64)?;
+    let mut attached = attach(args, spec, &engine, n_ctx + 64, drafter_backend)?;
     if let Some(a) = &attached {
         if args.n_depth.iter().any(|&d| d > 0) {
             bail!("-d is not supported with -md yet");
@@ -571,7 +618,7 @@ pub fn run(args: &Args) -> Result<String> {
         .collect();
     for &depth in &args.n_depth {
         for &(pp, tg) in &tests {
-            let once = |session: &mut Session<CpuBackend>,
+            let once = |session: &mut Session<B>,
                         attached: &mut Option<Attached>,
                         seed: &mut u64| match attached.as_mut() {
                 Some(a) => run_once_spec(&engine, session, a, (pp, tg), seed),
@@ -608,8 +655,16 @@ pub fn run(args: &Args) -> Result<String> {
                 build_commit,
                 build_number,
                 cpu_info: cpu_info.clone(),
-                gpu_info: "",
-                backends: "CPU",
+                gpu_info: if engine.backend.name() == "cpu" {
+                    ""
+                } else {
+                    engine.backend.name()
+                },
+                backends: if engine.backend.name() == "cpu" {
+                    "CPU"
+                } else {
+                    "CUDA"
+                },
                 model_filename: path.display().to_string(),
                 model_type: model_type.clone(),
                 model_size: size,

@@ -57,11 +57,15 @@ pub fn cpu_engine(path: &Path, threads: usize) -> Result<Engine<CpuBackend>> {
     } else {
         threads
     };
+    engine_on(CpuBackend::new(threads), path)
+}
+
+/// Opens the model file and builds its engine on `backend`.
+pub fn engine_on<B: specula_tensor::Backend>(backend: B, path: &Path) -> Result<Engine<B>> {
     let file =
         Arc::new(Gguf::open(path).with_context(|| format!("cannot load {}", path.display()))?);
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
-    let backend = CpuBackend::new(threads);
     let model = Model::load(&backend, file)
         .with_context(|| format!("cannot load the model in {}", path.display()))?;
     Ok(Engine::new(backend, model, tokenizer))
@@ -125,8 +129,8 @@ pub fn layer_types(args: &LayerTypeArgs) -> Result<Vec<specula_kv::LayerOverride
 
 /// Checks that the model's heads can be stored in `k` / `v` (a clear error at start, before
 /// any work) and prints the turbo-K warning when it applies. Returns the cache layout.
-pub fn check_cache(
-    engine: &Engine<CpuBackend>,
+pub fn check_cache<B: specula_tensor::Backend>(
+    engine: &Engine<B>,
     n_ctx: usize,
     k: QType,
     v: QType,

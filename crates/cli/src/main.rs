@@ -19,6 +19,7 @@
 //! ([`draft_args::DraftKind`]); errors are printed with their whole cause chain.
 
 mod bench;
+mod device;
 mod draft_args;
 mod extract;
 mod inspect;

@@ -71,6 +71,9 @@ use specula_quant::dot::{Kernels, SimdLevel};
 use specula_tensor::{AttentionParams, Backend, KvShape, Result, RopeConfig, WeightDesc};
 
 pub use attention::CpuKv;
+/// The softmax's `e^x` (glibc's `__expf_fma` operations) and its constants, for backends that
+/// reproduce the CPU attention's bits.
+pub use attention::expf;
 pub use ops::{gelu_tanh, gelu_tanh_f16, silu};
 pub use rope::angle_table;
 pub use tensor::{CpuTensor, CpuWeight};

@@ -2,32 +2,39 @@
 
 use cubecl::prelude::*;
 
-/// `out[r] = table[ids[r]]` for a group-format table (`cols` values per row): one unit per
-/// output value, read as `scale · (code − offset) + min`.
+use super::matmul::exact;
+
+/// `out[r] = table[ids[r]]` for a table in the device layout (`cols` values per row): one
+/// unit per output value, dequantized by ggml's formula for the format (`layout::value`).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
-pub fn get_rows_groups(
+pub fn get_rows_blocks(
     codes: &[u32],
-    scales: &[f32],
-    mins: &[f32],
+    bd: &[f32],
+    bm: &[f32],
+    gsc: &[i32],
+    gmn: &[i32],
     ids: &[u32],
     out: &mut [f32],
     n: u32,
     cols: u32,
+    keep: u32,
     #[comptime] bits: u32,
     #[comptime] group: u32,
+    #[comptime] block: u32,
     #[comptime] offset: u32,
-    #[comptime] has_min: bool,
+    #[comptime] term: u32,
 ) {
     let id = ABSOLUTE_POS;
     if id < n as usize {
         let r = id / cols as usize;
         let c = id % cols as usize;
-        let groups = cols as usize / comptime![group as usize];
-        let g = ids[r] as usize * groups + c / comptime![group as usize];
-        let i = c % comptime![group as usize];
+        let gsz = comptime![group as usize];
+        let g = ids[r] as usize * (cols as usize / gsz) + c / gsz;
+        let b = ids[r] as usize * (cols as usize / comptime![block as usize])
+            + c / comptime![block as usize];
         let words = comptime![(group * bits / 32) as usize];
-        let at = i * comptime![bits as usize];
+        let at = (c % gsz) * comptime![bits as usize];
         let w = at / 32;
         let sh = (at % 32) as u32;
         let mut code = codes[g * words + w] >> sh;
@@ -37,11 +44,19 @@ pub fn get_rows_groups(
         let q = f32::cast_from(
             i32::cast_from(code & comptime![(1u32 << bits) - 1]) - comptime![offset as i32],
         );
-        let mut v = scales[g] * q;
-        if comptime![has_min] {
-            v += mins[g];
+        let d = bd[b];
+        if comptime![term == 3] {
+            out[id] = exact(q * d, keep) + bm[b];
+        } else if comptime![block > group] {
+            let s = d * f32::cast_from(gsc[g]);
+            if comptime![term == 4] {
+                out[id] = exact(s * q, keep) - exact(bm[b] * f32::cast_from(gmn[g]), keep);
+            } else {
+                out[id] = s * q;
+            }
+        } else {
+            out[id] = q * d;
         }
-        out[id] = v;
     }
 }
 
@@ -70,24 +85,66 @@ fn neg_inf() -> f32 {
     x
 }
 
-/// Attention of one query row and head per cube (`CUBE_POS_X` = (row − row0) · n_head + head,
-/// `scores` holding the launch's rows from `row0`) over
-/// `kv_len` cache entries (entry `j` is cell `j % cells`, at position `kv_pos[j]`).
-///
-/// Three passes, each a fixed order: scores (`scale · q·k`, soft-capped, masked) into
-/// `scores` and the running max; `exp(s − max)` and its sum; then each unit owns output
-/// dimensions and sums `p_j · v_j` over `j` in order. `mask`: 0 causal, 1 sliding window of
-/// `window`, 2 none. A row that sees no key gets zeros.
+/// `e^x` by the operations of glibc's `__expf_fma`, as the CPU backend's softmax computes it
+/// (`specula_cpu::expf`): in f64, `x·32/ln 2` rounded to an integer `k` by adding `1.5·2^52`,
+/// `2^(k/32)` from the 32-entry table `tab`, a cubic in three fused multiply-adds, one rounding
+/// to f32.
+#[cube]
+pub fn expf(x: f32, tab: &[u64]) -> f32 {
+    let mut e = 0.0f32;
+    if x != x {
+        e = x + x;
+    } else if x > f32::reinterpret(0x42b1_7217u32) {
+        e = f32::INFINITY;
+    } else if x >= f32::reinterpret(0xc2cf_f1b4u32) {
+        let n = f64::reinterpret(0x4047_1547_652b_82feu64);
+        let shift = f64::reinterpret(0x4338_0000_0000_0000u64);
+        let xd = f64::cast_from(x);
+        let kd0 = fma(n, xd, shift);
+        let ki = u64::reinterpret(kd0);
+        let kd = kd0 - shift;
+        let r = fma(n, xd, -kd);
+        let t = tab[(ki % 32) as usize] + (ki << 47u64);
+        let sc = f64::reinterpret(t);
+        let z = fma(
+            f64::reinterpret(0x3ebc_6af8_4b91_2394u64),
+            r,
+            f64::reinterpret(0x3f2e_bfce_50fa_c4f3u64),
+        );
+        let r2 = r * r;
+        let y0 = fma(f64::reinterpret(0x3f96_2e42_ff0c_52d6u64), r, 1.0f64);
+        let y = fma(z, r2, y0);
+        e = f32::cast_from(y * sc);
+    }
+    e
+}
+
+/// Cells per tile of the online softmax (the CPU backend's `TILE`).
+pub const TILE: usize = 32;
+/// Cells per chunk (the CPU backend's `CHUNK`): chunk states are merged in order.
+pub const CHUNK: usize = 256;
+
+/// The softmax state of one query row and head over one chunk of `CHUNK` cells, with the CPU
+/// backend's operations in its order (`docs/ARCHITECTURE.md`, attention): per 32-cell tile
+/// the scores (`q·k` in 16 fused lanes, reduced 8/4/2/1, `· scale`, soft-capped, −∞ where the
+/// mask hides the cell), the tile max, the rescale `e^(m − m_new)` when it grows, the weights
+/// `e^(s − m_new)`, `l` summed in cell order and `acc += w·v` per dimension in cell order
+/// (product and sum rounded apart). One cube per (row − row0, head) (`CUBE_POS_X`) and chunk
+/// (`CUBE_POS_Y`); `states` gets `[m, l, acc[hd_v]]` per (cube, chunk).
 #[cube(launch)]
-#[allow(clippy::too_many_arguments, reason = "attention's inputs and shape")]
-pub fn attention<E: Float>(
+#[allow(
+    clippy::too_many_arguments,
+    clippy::too_many_lines,
+    reason = "attention's inputs, shape and steps"
+)]
+pub fn attn_chunk<E: Float>(
     q: &[f32],
     k: &[E],
     v: &[E],
     q_pos: &[u32],
     kv_pos: &[u32],
-    scores: &mut [f32],
-    out: &mut [f32],
+    tab: &[u64],
+    states: &mut [f32],
     row0: u32,
     kv_len: u32,
     cells: u32,
@@ -98,11 +155,14 @@ pub fn attention<E: Float>(
     scale: f32,
     softcap: f32,
     window: u32,
+    keep: u32,
     #[comptime] mask: u32,
     #[comptime] use_softcap: bool,
     #[comptime] units: usize,
 ) {
     let cube = CUBE_POS_X as usize;
+    let c = CUBE_POS_Y as usize;
+    let n_chunks = CUBE_COUNT_Y as usize;
     let u = UNIT_POS_X as usize;
     let r = row0 as usize + cube / n_head as usize;
     let h = cube % n_head as usize;
@@ -112,92 +172,187 @@ pub fn attention<E: Float>(
     let hd_v = hd_v as usize;
     let kv_len = kv_len as usize;
     let qbase = (r * n_head as usize + h) * hd_k;
-    let sbase = cube * kv_len;
     let qp = q_pos[r];
-    let mut sm = Shared::<[f32]>::new_slice(units);
+    let sbase = (cube * n_chunks + c) * (hd_v + 2);
+    let mut s = Shared::<[f32]>::new_slice(TILE);
+    let mut w = Shared::<[f32]>::new_slice(TILE);
 
-    let mut mx = neg_inf();
-    let mut j = u;
-    while j < kv_len {
-        let kp = kv_pos[j];
-        let mut vis = true;
-        if comptime![mask == 0] {
-            vis = kp <= qp;
-        } else if comptime![mask == 1] {
-            vis = kp <= qp && qp - kp < window;
-        }
-        let mut s = neg_inf();
-        if vis {
-            let cell = j % cells as usize;
-            let kb = (cell * n_kv + kvh) * hd_k;
-            let mut d = 0.0f32;
-            for i in 0..hd_k {
-                d += q[qbase + i] * f32::cast_from(k[kb + i]);
-            }
-            s = d * scale;
-            if comptime![use_softcap] {
-                s = softcap * (s / softcap).tanh();
-            }
-            mx = max(mx, s);
-        }
-        scores[sbase + j] = s;
-        j += units;
-    }
-    sm[u] = mx;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if u < stride {
-            let o = sm[u + stride];
-            sm[u] = max(sm[u], o);
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let m = sm[0];
-    sync_cube();
-
-    let mut sum = 0.0f32;
-    let mut j = u;
-    while j < kv_len {
-        let s = scores[sbase + j];
-        let mut p = 0.0f32;
-        if s != f32::NEG_INFINITY {
-            p = (s - m).exp();
-        }
-        scores[sbase + j] = p;
-        sum += p;
-        j += units;
-    }
-    sm[u] = sum;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if u < stride {
-            let o = sm[u + stride];
-            sm[u] += o;
-        }
-        sync_cube();
-        stride /= 2;
-    }
-    let total = sm[0];
-    let mut inv = 0.0f32;
-    if total > 0.0 {
-        inv = 1.0f32 / total;
-    }
-
-    let obase = (r * n_head as usize + h) * hd_v;
+    let mut m = neg_inf();
+    let mut l = 0.0f32;
     let mut d = u;
     while d < hd_v {
-        let mut acc = 0.0f32;
-        for j in 0..kv_len {
-            let p = scores[sbase + j];
-            if p != 0.0 {
-                let cell = j % cells as usize;
-                acc += p * f32::cast_from(v[(cell * n_kv + kvh) * hd_v + d]);
+        states[sbase + 2 + d] = 0.0;
+        d += units;
+    }
+    let j_end = min((c + 1) * CHUNK, kv_len);
+    let mut j0 = c * CHUNK;
+    while j0 < j_end {
+        let n = min(TILE, j_end - j0);
+        let mut t = u;
+        while t < TILE {
+            let mut sv = neg_inf();
+            if t < n {
+                let j = j0 + t;
+                let kp = kv_pos[j];
+                let mut vis = true;
+                if comptime![mask == 0] {
+                    vis = kp <= qp;
+                } else if comptime![mask == 1] {
+                    vis = kp <= qp && qp - kp < window;
+                }
+                if vis {
+                    let kb = ((j % cells as usize) * n_kv + kvh) * hd_k;
+                    let mut a = Array::<f32>::new(16usize);
+                    for i in 0..16usize {
+                        a[i] = 0.0;
+                    }
+                    let nblk = hd_k.div_ceil(16);
+                    for b in 0..nblk {
+                        for i in 0..16usize {
+                            let dd = b * 16 + i;
+                            let mut x = 0.0f32;
+                            let mut y = 0.0f32;
+                            if dd < hd_k {
+                                x = q[qbase + dd];
+                                y = f32::cast_from(k[kb + dd]);
+                            }
+                            a[i] = fma(x, y, a[i]);
+                        }
+                    }
+                    let mut hh = Array::<f32>::new(8usize);
+                    for i in 0..8usize {
+                        hh[i] = a[i] + a[i + 8];
+                    }
+                    let g0 = hh[0] + hh[4];
+                    let g1 = hh[1] + hh[5];
+                    let g2 = hh[2] + hh[6];
+                    let g3 = hh[3] + hh[7];
+                    let dot = (g0 + g2) + (g1 + g3);
+                    sv = (dot + 0.0f32) * scale;
+                    if comptime![use_softcap] {
+                        sv = softcap * (sv / softcap).tanh();
+                    }
+                }
+            }
+            s[t] = sv;
+            t += units;
+        }
+        sync_cube();
+        let mut tmax = neg_inf();
+        for t in 0..n {
+            tmax = max(tmax, s[t]);
+        }
+        if tmax != f32::NEG_INFINITY {
+            let m_new = max(m, tmax);
+            if m_new > m {
+                let mut corr = 0.0f32;
+                if m != f32::NEG_INFINITY {
+                    corr = expf(m - m_new, tab);
+                }
+                l = l * corr;
+                let mut d = u;
+                while d < hd_v {
+                    states[sbase + 2 + d] = states[sbase + 2 + d] * corr;
+                    d += units;
+                }
+                m = m_new;
+            }
+            let mut t = u;
+            while t < n {
+                w[t] = expf(s[t] - m_new, tab);
+                t += units;
+            }
+            sync_cube();
+            for t in 0..n {
+                l = l + w[t];
+            }
+            let mut d = u;
+            while d < hd_v {
+                let mut acc = states[sbase + 2 + d];
+                for t in 0..n {
+                    let wt = w[t];
+                    if wt != 0.0 {
+                        let vb = (((j0 + t) % cells as usize) * n_kv + kvh) * hd_v;
+                        acc = acc + exact(wt * f32::cast_from(v[vb + d]), keep);
+                    }
+                }
+                states[sbase + 2 + d] = acc;
+                d += units;
             }
         }
-        out[obase + d] = acc * inv;
-        d += units;
+        sync_cube();
+        j0 += TILE;
+    }
+    if u == 0 {
+        states[sbase] = m;
+        states[sbase + 1] = l;
+    }
+}
+
+/// Merges the chunk states of one query row and head (`CUBE_POS_X` = (row − row0) · n_head +
+/// head) in chunk order and writes the output: `L = L·a + l·b`, `ACC = ACC·a + acc·b` with
+/// `a`, `b` the exps of the maxima less the new one; `out = ACC · (1/L)`, zeros for a row
+/// that sees no cell.
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, reason = "attention's shape")]
+pub fn attn_merge(
+    states: &[f32],
+    tab: &[u64],
+    out: &mut [f32],
+    row0: u32,
+    n_chunks: u32,
+    n_head: u32,
+    hd_v: u32,
+    keep: u32,
+    #[comptime] units: usize,
+) {
+    let cube = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let hd_v = hd_v as usize;
+    let r = row0 as usize + cube / n_head as usize;
+    let h = cube % n_head as usize;
+    let obase = (r * n_head as usize + h) * hd_v;
+    let mut big_m = neg_inf();
+    let mut big_l = 0.0f32;
+    for c in 0..n_chunks as usize {
+        let sb = (cube * n_chunks as usize + c) * (hd_v + 2);
+        let cm = states[sb];
+        let cl = states[sb + 1];
+        if cm != f32::NEG_INFINITY {
+            if big_m == f32::NEG_INFINITY {
+                big_m = cm;
+                big_l = cl;
+                let mut d = u;
+                while d < hd_v {
+                    out[obase + d] = states[sb + 2 + d];
+                    d += units;
+                }
+            } else {
+                let mn = max(big_m, cm);
+                let a = expf(big_m - mn, tab);
+                let b = expf(cm - mn, tab);
+                big_l = exact(big_l * a, keep) + exact(cl * b, keep);
+                let mut d = u;
+                while d < hd_v {
+                    out[obase + d] =
+                        exact(out[obase + d] * a, keep) + exact(states[sb + 2 + d] * b, keep);
+                    d += units;
+                }
+                big_m = mn;
+            }
+        }
+    }
+    let mut d = u;
+    if big_l == 0.0 {
+        while d < hd_v {
+            out[obase + d] = 0.0;
+            d += units;
+        }
+    } else {
+        let inv = 1.0f32 / big_l;
+        while d < hd_v {
+            out[obase + d] = out[obase + d] * inv;
+            d += units;
+        }
     }
 }

@@ -2,24 +2,13 @@
 
 use cubecl::prelude::*;
 
-/// Sum of `sm[0..units]` into `sm[0]` by a fixed tree (every unit calls it).
-#[cube]
-fn tree_sum(sm: &mut Shared<[f32]>, u: usize) {
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if u < stride {
-            let o = sm[u + stride];
-            sm[u] += o;
-        }
-        sync_cube();
-        stride /= 2;
-    }
-}
+use super::matmul::exact;
 
 /// `out[r] = x[r] · (1/√(mean(x[r]²) + eps)) · w` over groups of `group` columns: one cube
 /// per (row, group) (`CUBE_POS_X` = row · groups + group). `has_w`: multiply by `w`
-/// (`group` values).
+/// (`group` values). The squares (f32) are summed in f64, as ggml does: such a sum is exact
+/// whatever its order for any row whose squares span less than 2^29, so the scale has the
+/// CPU backend's bits.
 #[cube(launch)]
 pub fn rms_norm(
     x: &[f32],
@@ -33,17 +22,27 @@ pub fn rms_norm(
     let base = CUBE_POS_X as usize * group as usize;
     let u = UNIT_POS_X as usize;
     let group = group as usize;
-    let mut sm = Shared::<[f32]>::new_slice(units);
-    let mut s = 0.0f32;
+    let mut sm = Shared::<[f64]>::new_slice(units);
+    let mut s = 0.0f64;
     let mut i = u;
     while i < group {
         let v = x[base + i];
-        s += v * v;
+        s += f64::cast_from(v * v);
         i += units;
     }
     sm[u] = s;
-    tree_sum(&mut sm, u);
-    let scale = 1.0f32 / (sm[0] / f32::cast_from(group) + eps).sqrt();
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let o = sm[u + stride];
+            sm[u] += o;
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    let mean = f32::cast_from(sm[0] / f64::cast_from(group));
+    let scale = 1.0f32 / (mean + eps).sqrt();
     let mut i = u;
     while i < group {
         if comptime![has_w] {
@@ -66,6 +65,7 @@ pub fn rope(
     heads: u32,
     head_dim: u32,
     n_rot: u32,
+    keep: u32,
     #[comptime] neox: bool,
 ) {
     let id = ABSOLUTE_POS;
@@ -85,15 +85,56 @@ pub fn rope(
         let s = table[r * n_rot as usize + 2 * i + 1];
         let x0 = x[a];
         let x1 = x[b];
-        x[a] = x0 * c - x1 * s;
-        x[b] = x0 * s + x1 * c;
+        x[a] = exact(x0 * c, keep) - exact(x1 * s, keep);
+        x[b] = exact(x0 * s, keep) + exact(x1 * c, keep);
     }
 }
 
-/// `x · σ(x)`.
+/// `x · σ(x)` with the C library's `expf` (the CPU backend's scalar `silu`).
 #[cube]
 fn silu_f(x: f32) -> f32 {
     x / (1.0f32 + (-x).exp())
+}
+
+/// Round half to even of an f32 holding a value below 2^22 in magnitude.
+#[cube]
+fn round_even(v: f32) -> f32 {
+    let fl = v.floor();
+    let frac = v - fl;
+    let mut r = fl;
+    if frac > 0.5f32 {
+        r = fl + 1.0f32;
+    } else if frac == 0.5f32 {
+        let fi = i32::cast_from(fl);
+        if (fi & 1) == 1 {
+            r = fl + 1.0f32;
+        }
+    }
+    r
+}
+
+/// `e^x` as the CPU backend's vector activations compute it (`vexp`): `x` clamped to
+/// [−150, 128], `x = n·ln 2 + r` (Cody–Waite, two-part `ln 2`, fused), `e^r` by the degree-7
+/// Taylor polynomial in fused multiply-adds, times `2^⌊n/2⌋` then `2^(n − ⌊n/2⌋)`.
+#[cube]
+fn vexp(x: f32) -> f32 {
+    let xc = min(max(x, -150.0f32), 128.0f32);
+    let n = round_even(xc * 1.442695f32);
+    let r0 = fma(-n, 0.69314575f32, xc);
+    let r = fma(-n, 1.4286068e-6f32, r0);
+    let p1 = fma(r, 1.0f32 / 5040.0f32, 1.0f32 / 720.0f32);
+    let p2 = fma(p1, r, 1.0f32 / 120.0f32);
+    let p3 = fma(p2, r, 1.0f32 / 24.0f32);
+    let p4 = fma(p3, r, 1.0f32 / 6.0f32);
+    let p5 = fma(p4, r, 1.0f32 / 2.0f32);
+    let p6 = fma(p5, r, 1.0f32);
+    let p = fma(p6, r, 1.0f32);
+    let ni = i32::cast_from(n);
+    let a = ni >> 1;
+    let b = ni - a;
+    let pa = f32::reinterpret(u32::cast_from(a + 127) << 23u32);
+    let pb = f32::reinterpret(u32::cast_from(b + 127) << 23u32);
+    (p * pa) * pb
 }
 
 /// GELU as ggml-cpu computes it for f32 rows: 0 at or below −10, the identity at or above
@@ -130,7 +171,14 @@ pub fn elementwise(
         let x = a[i];
         let y = comptime![op];
         if y == 0 {
-            out[i] = silu_f(x) * b[i];
+            // The CPU backend's vector path covers each row's first whole multiple of 16
+            // values, its scalar `silu` the rest.
+            let col = i % per as usize;
+            if col < per as usize / 16 * 16 {
+                out[i] = (x / (1.0f32 + vexp(0.0f32 - x))) * b[i];
+            } else {
+                out[i] = silu_f(x) * b[i];
+            }
         } else if y == 1 {
             out[i] = gelu_f16(x) * b[i];
         } else if y == 2 {

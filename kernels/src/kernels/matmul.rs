@@ -49,10 +49,16 @@ pub fn quantize_act(
             } else {
                 let iscale = -127.0f32 / max;
                 for i in 0..blk {
-                    // ggml's nearest_int: the float's mantissa after adding 1.5·2^23.
-                    let f = iscale * x[base + i] + 12_582_912.0f32;
-                    let bits = u32::reinterpret(f) & 0x007F_FFFFu32;
-                    let q = i32::cast_from(bits) - 0x0040_0000i32;
+                    // ggml's nearest_int (round half to even, |v| ≤ 127 here), without its
+                    // `v + 1.5·2^23` trick: a compiler may fuse that add with the product
+                    // into an FMA and round differently.
+                    let v = iscale * x[base + i];
+                    let fl = v.floor();
+                    let frac = v - fl;
+                    let mut q = i32::cast_from(fl);
+                    if frac > 0.5 || (frac == 0.5 && (q & 1) == 1) {
+                        q += 1;
+                    }
                     qa[base + i] = min(q, 127i32);
                 }
                 da[b] = 1.0f32 / iscale;
@@ -89,101 +95,184 @@ pub fn quantize_act(
     }
 }
 
-/// `out[r][n] = Σ_g` (group `g` of weight row `n`) · (activation codes of row `r`), for a
-/// tile of `tile` rows per cube (`CUBE_POS_Y`) and one output column per cube
-/// (`CUBE_POS_X`).
+/// A product or sum that no compiler may fuse with the next addition (an FMA would round
+/// once where the CPU backend rounds twice): `keep` is always 1, but only at run time.
+#[cube]
+pub(crate) fn exact(x: f32, keep: u32) -> f32 {
+    select(keep == 1, x, f32::NAN)
+}
+
+/// `out[r][n]` = the dot product of weight row `n` with activation row `r`, with the bits of
+/// specula-quant's dot products: per block (`block` values) the integer sums of the codes
+/// (less `offset`) times the activation codes, times the groups' integer scales where the
+/// format has them; one float term per block by the format's formula (`term`, see
+/// `layout::Term`); the terms added in block order.
 ///
-/// Weights: `codes` (`words` u32 per group, `bits`-bit codes), `scales`, `mins` (read when
-/// `has_min`). Activations: `qa`, `da`, `sa` from [`quantize_act`] with blocks of `ablk`
-/// values (32 or 256).
+/// One cube per output column (`CUBE_POS_X`) and tile of `tile` activation rows
+/// (`CUBE_POS_Y`). The row is walked in segments of `seg` blocks: all units form the groups'
+/// integer sums, then each block's term, then one unit per activation row adds the terms in
+/// order. Weights: `codes`, `bd` (`d` per block), `bm` (`m` / `dmin`), `gsc`, `gmn` (integer
+/// scale and min per group); activations: `qa`, `da`, `sa` from [`quantize_act`].
 #[cube(launch)]
-#[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
-pub fn matmul_groups(
+#[allow(
+    clippy::too_many_arguments,
+    clippy::too_many_lines,
+    reason = "a kernel's buffers, sizes and phases"
+)]
+pub fn matmul_blocks(
     qa: &[i32],
     da: &[f32],
     sa: &[f32],
     codes: &[u32],
-    scales: &[f32],
-    mins: &[f32],
+    bd: &[f32],
+    bm: &[f32],
+    gsc: &[i32],
+    gmn: &[i32],
     out: &mut [f32],
     n_in: u32,
     n_out: u32,
     rows: u32,
+    keep: u32,
     #[comptime] bits: u32,
     #[comptime] group: u32,
+    #[comptime] block: u32,
     #[comptime] offset: u32,
-    #[comptime] has_min: bool,
-    #[comptime] ablk: u32,
+    #[comptime] term: u32,
     #[comptime] units: usize,
     #[comptime] tile: usize,
+    #[comptime] seg: usize,
 ) {
     let n = CUBE_POS_X as usize;
     let r0 = CUBE_POS_Y as usize * tile;
     let u = UNIT_POS_X as usize;
     let n_in = n_in as usize;
-    let groups = n_in / comptime![group as usize];
+    let rows = rows as usize;
+    let gsz = comptime![group as usize];
+    let gpb = comptime![(block / group) as usize];
     let words = comptime![(group * bits / 32) as usize];
     let mask = comptime![(1u32 << bits) - 1];
-    let g_per_blk = comptime![(ablk / group) as usize];
-    let rows = rows as usize;
-    let mut acc = Array::<f32>::new(tile);
+    let k_scales = comptime![block > group];
+    let k_min = comptime![term == 4];
+    let nb = n_in / comptime![block as usize];
+    let ng = n_in / gsz;
+    let mut gi_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
+    let mut ga_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
+    let mut terms = Shared::<[f32]>::new_slice(comptime![tile * seg]);
+    let mut sumf = Array::<f32>::new(tile);
     for t in 0..tile {
-        acc[t] = 0.0;
+        sumf[t] = 0.0;
     }
-    let mut gi = u;
-    while gi < groups {
-        let wg = n * groups + gi;
-        let mut isum = Array::<i32>::new(tile);
-        let mut asum = Array::<i32>::new(tile);
-        for t in 0..tile {
-            isum[t] = 0;
-            asum[t] = 0;
-        }
-        for i in 0..comptime![group as usize] {
-            let at = i * comptime![bits as usize];
-            let w = at / 32;
-            let sh = (at % 32) as u32;
-            let mut c = codes[wg * words + w] >> sh;
-            if sh + comptime![bits] > 32 {
-                c |= codes[wg * words + w + 1] << (32 - sh);
+    let mut s0 = 0usize;
+    while s0 < nb {
+        let nseg = min(comptime![seg], nb - s0);
+        // Integer sums of each group of the segment.
+        let mut c = u;
+        while c < nseg * gpb {
+            let g = s0 * gpb + c;
+            let wg = n * ng + g;
+            let mut isum = Array::<i32>::new(tile);
+            let mut asum = Array::<i32>::new(tile);
+            for t in 0..tile {
+                isum[t] = 0;
+                asum[t] = 0;
             }
-            let q = i32::cast_from(c & mask) - comptime![offset as i32];
+            for i in 0..gsz {
+                let at = i * comptime![bits as usize];
+                let w = at / 32;
+                let sh = (at % 32) as u32;
+                let mut code = codes[wg * words + w] >> sh;
+                if sh + comptime![bits] > 32 {
+                    code |= codes[wg * words + w + 1] << (32 - sh);
+                }
+                let q = i32::cast_from(code & mask) - comptime![offset as i32];
+                for t in 0..tile {
+                    let r = r0 + t;
+                    if r < rows {
+                        let a = qa[r * n_in + g * gsz + i];
+                        isum[t] += q * a;
+                        if k_min {
+                            asum[t] += a;
+                        }
+                    }
+                }
+            }
+            for t in 0..tile {
+                gi_sum[(t * comptime![seg] * gpb) + c] = isum[t];
+                ga_sum[(t * comptime![seg] * gpb) + c] = asum[t];
+            }
+            c += units;
+        }
+        sync_cube();
+        // One float term per block.
+        let mut bl = u;
+        while bl < nseg {
+            let b = s0 + bl;
+            let wb = n * nb + b;
+            let dw = bd[wb];
             for t in 0..tile {
                 let r = r0 + t;
+                let mut tv = 0.0f32;
                 if r < rows {
-                    let a = qa[r * n_in + gi * comptime![group as usize] + i];
-                    isum[t] += q * a;
-                    if comptime![has_min && ablk == 256] {
-                        asum[t] += a;
+                    let base = t * comptime![seg] * gpb + bl * gpb;
+                    let mut isum = 0i32;
+                    let mut summs = 0i32;
+                    for j in 0..gpb {
+                        if k_scales {
+                            isum += gsc[n * ng + b * gpb + j] * gi_sum[base + j];
+                            if k_min {
+                                summs += gmn[n * ng + b * gpb + j] * ga_sum[base + j];
+                            }
+                        } else {
+                            isum += gi_sum[base + j];
+                        }
                     }
-                }
-            }
-        }
-        let scale = scales[wg];
-        for t in 0..tile {
-            let r = r0 + t;
-            if r < rows {
-                let ab = r * (n_in / comptime![ablk as usize]) + gi / g_per_blk;
-                if comptime![has_min] {
-                    if comptime![ablk == 256] {
-                        acc[t] += da[ab]
-                            * (scale * f32::cast_from(isum[t])
-                                + mins[wg] * f32::cast_from(asum[t]));
+                    let ab = r * nb + b;
+                    let dav = da[ab];
+                    let fi = f32::cast_from(isum);
+                    if comptime![term == 0] {
+                        tv = exact(fi * dw, keep) * dav;
+                    } else if comptime![term == 1] {
+                        tv = fi * (dw * dav);
+                    } else if comptime![term == 2] {
+                        tv = (dw * dav) * fi;
+                    } else if comptime![term == 3] {
+                        tv = exact((dw * dav) * fi, keep) + exact(bm[wb] * sa[ab], keep);
                     } else {
-                        acc[t] += scale * da[ab] * f32::cast_from(isum[t]) + mins[wg] * sa[ab];
+                        let d = dw * dav;
+                        let dmin = bm[wb] * dav;
+                        tv = exact(d * fi, keep) - exact(dmin * f32::cast_from(summs), keep);
                     }
-                } else {
-                    acc[t] += scale * da[ab] * f32::cast_from(isum[t]);
                 }
+                terms[t * comptime![seg] + bl] = tv;
             }
+            bl += units;
         }
-        gi += units;
+        sync_cube();
+        // The terms added in block order, one unit per activation row.
+        let mut t = u;
+        while t < tile {
+            for k in 0..nseg {
+                sumf[t] += terms[t * comptime![seg] + k];
+            }
+            t += units;
+        }
+        sync_cube();
+        s0 += comptime![seg];
     }
-    reduce_out(&acc, out, n, r0, n_out as usize, rows, u, units, tile);
+    let mut t = u;
+    while t < tile {
+        let r = r0 + t;
+        if r < rows {
+            out[r * n_out as usize + n] = sumf[t];
+        }
+        t += units;
+    }
 }
 
-/// `out = x · wᵀ` for f32 weights (f16 and bf16 weights are widened at upload), same tiling
-/// as [`matmul_groups`].
+/// `out = x · wᵀ` for f32 weights (f16 and bf16 weights are widened at upload): each
+/// product rounded to f32 and summed in f64, rounded once at the end — specula-quant's
+/// scalar float dot product. Same tiling as [`matmul_blocks`], the units' partial sums
+/// added by a fixed tree.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn matmul_f32(
@@ -193,6 +282,7 @@ pub fn matmul_f32(
     n_in: u32,
     n_out: u32,
     rows: u32,
+    keep: u32,
     #[comptime] units: usize,
     #[comptime] tile: usize,
 ) {
@@ -201,7 +291,7 @@ pub fn matmul_f32(
     let u = UNIT_POS_X as usize;
     let n_in = n_in as usize;
     let rows = rows as usize;
-    let mut acc = Array::<f32>::new(tile);
+    let mut acc = Array::<f64>::new(tile);
     for t in 0..tile {
         acc[t] = 0.0;
     }
@@ -211,30 +301,12 @@ pub fn matmul_f32(
         for t in 0..tile {
             let r = r0 + t;
             if r < rows {
-                acc[t] += wv * x[r * n_in + i];
+                acc[t] += f64::cast_from(exact(wv * x[r * n_in + i], keep));
             }
         }
         i += units;
     }
-    reduce_out(&acc, out, n, r0, n_out as usize, rows, u, units, tile);
-}
-
-/// Sums each row's partial sums over the cube's units (a fixed tree in shared memory) and
-/// writes `out[r][n]`.
-#[cube]
-#[allow(clippy::too_many_arguments, reason = "the tile's coordinates")]
-fn reduce_out(
-    acc: &Array<f32>,
-    out: &mut [f32],
-    n: usize,
-    r0: usize,
-    n_out: usize,
-    rows: usize,
-    u: usize,
-    #[comptime] units: usize,
-    #[comptime] tile: usize,
-) {
-    let mut sm = Shared::<[f32]>::new_slice(comptime![units * tile]);
+    let mut sm = Shared::<[f64]>::new_slice(comptime![units * tile]);
     for t in 0..tile {
         sm[t * units + u] = acc[t];
     }
@@ -254,7 +326,7 @@ fn reduce_out(
     while t < tile {
         let r = r0 + t;
         if r < rows {
-            out[r * n_out + n] = sm[t * units];
+            out[r * n_out as usize + n] = f32::cast_from(sm[t * units]);
         }
         t += units;
     }

@@ -13,7 +13,7 @@
 //! its C library.
 
 /// `2^(i/32)` as f64 bits, minus `i << 47` (the exponent field gets `k << 47` added back).
-const TAB: [u64; 32] = [
+pub const TAB: [u64; 32] = [
     0x3ff0_0000_0000_0000,
     0x3fef_d9b0_d315_8574,
     0x3fef_b558_6cf9_890f,
@@ -49,17 +49,17 @@ const TAB: [u64; 32] = [
 ];
 /// `1.5 · 2^52`: adding it rounds a double of magnitude < 2^51 to an integer, kept in the low
 /// bits of the sum.
-const SHIFT: f64 = 6_755_399_441_055_744.0;
+pub const SHIFT: f64 = 6_755_399_441_055_744.0;
 /// `32 / ln 2`.
-const INV_LN2_N: f64 = f64::from_bits(0x4047_1547_652b_82fe);
+pub const INV_LN2_N: f64 = f64::from_bits(0x4047_1547_652b_82fe);
 /// The cubic of `2^(r/32)` for `|r| ≤ 1/2`: `C0·r³ + C1·r² + C2·r + 1`.
-const C0: f64 = f64::from_bits(0x3ebc_6af8_4b91_2394);
-const C1: f64 = f64::from_bits(0x3f2e_bfce_50fa_c4f3);
-const C2: f64 = f64::from_bits(0x3f96_2e42_ff0c_52d6);
+pub const C0: f64 = f64::from_bits(0x3ebc_6af8_4b91_2394);
+pub const C1: f64 = f64::from_bits(0x3f2e_bfce_50fa_c4f3);
+pub const C2: f64 = f64::from_bits(0x3f96_2e42_ff0c_52d6);
 /// Above this `e^x` overflows f32 (the largest f32 below `ln 2^128`).
-const OFLOW: f32 = f32::from_bits(0x42b1_7217);
+pub const OFLOW: f32 = f32::from_bits(0x42b1_7217);
 /// Below this `e^x` rounds to 0 (the largest f32 below `ln 2^−150`).
-const UFLOW: f32 = f32::from_bits(0xc2cf_f1b4);
+pub const UFLOW: f32 = f32::from_bits(0xc2cf_f1b4);
 
 /// `e^x` by the operations of glibc's `__expf_fma` (module docs): NaN stays NaN, above
 /// [`OFLOW`] is +∞, below [`UFLOW`] (and −∞) is 0.

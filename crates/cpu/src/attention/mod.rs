@@ -47,7 +47,7 @@ use crate::CpuBackend;
 use crate::pool::{Disjoint, split};
 use crate::recurrent::Recurrent;
 
-mod expf;
+pub mod expf;
 pub(crate) mod simd;
 mod tile;
 use crate::tensor::CpuTensor;

@@ -1,0 +1,109 @@
+//! `--device cpu|cuda[:N]`: which backend a command runs on.
+//!
+//! `cpu` is the CPU backend (`specula-cpu`). `cuda[:N]` is the CubeCL backend
+//! (`specula-kernels`) on CUDA device `N` (0 by default); it exists in builds with the `cuda`
+//! feature, and asking for it elsewhere, or on a machine without a CUDA driver or device, is a
+//! clear error before any work.
+
+use std::path::Path;
+
+use anyhow::{Result, bail};
+
+/// A device flag's value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU backend.
+    Cpu,
+    /// CUDA device `N`.
+    Cuda(usize),
+}
+
+impl Device {
+    /// Parses `cpu`, `cuda` or `cuda:N`.
+    ///
+    /// # Errors
+    /// Any other value.
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Self::Cpu),
+            "cuda" => Ok(Self::Cuda(0)),
+            _ => match s.strip_prefix("cuda:").map(str::parse) {
+                Some(Ok(n)) => Ok(Self::Cuda(n)),
+                _ => bail!("--device {s}: expected cpu, cuda or cuda:N"),
+            },
+        }
+    }
+}
+
+/// The CubeCL backend on CUDA device `index`.
+///
+/// # Errors
+/// A build without the `cuda` feature, or no such device.
+#[cfg(feature = "cuda")]
+pub fn cuda_backend(index: usize) -> Result<specula_kernels::CubeBackend> {
+    Ok(specula_kernels::CubeBackend::cuda(index)?)
+}
+
+/// The model at `path` on CUDA device `index`.
+///
+/// # Errors
+/// As [`cuda_backend`], and the model's load errors.
+#[cfg(feature = "cuda")]
+pub fn cuda_engine(
+    path: &Path,
+    index: usize,
+) -> Result<specula_engine::Engine<specula_kernels::CubeBackend>> {
+    crate::load::engine_on(cuda_backend(index)?, path)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn no_cuda(index: usize) -> anyhow::Error {
+    anyhow::anyhow!(
+        "--device cuda:{index}: this specula was built without CUDA (cargo build --release -p specula-cli --features cuda)"
+    )
+}
+
+/// Without the `cuda` feature: the error that says how to build with it.
+///
+/// # Errors
+/// Always.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_backend(index: usize) -> Result<specula_cpu::CpuBackend> {
+    Err(no_cuda(index))
+}
+
+/// Without the `cuda` feature: the error that says how to build with it.
+///
+/// # Errors
+/// Always.
+#[cfg(not(feature = "cuda"))]
+pub fn cuda_engine(
+    path: &Path,
+    index: usize,
+) -> Result<specula_engine::Engine<specula_cpu::CpuBackend>> {
+    let _ = path;
+    Err(no_cuda(index))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_flags_parse_and_bad_ones_are_named() {
+        assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
+        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
+        assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
+        for bad in ["gpu", "cuda:", "cuda:x", "CUDA"] {
+            let e = Device::parse(bad).unwrap_err().to_string();
+            assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");
+        }
+    }
+
+    #[cfg(not(feature = "cuda"))]
+    #[test]
+    fn cuda_without_the_feature_says_how_to_build_it() {
+        let e = cuda_backend(0).unwrap_err().to_string();
+        assert!(e.contains("--features cuda"), "{e}");
+    }
+}
