@@ -7,8 +7,12 @@
 //! - [`kernels`]: the kernels — activation quantization and group-format matmuls, norms,
 //!   RoPE, element-wise ops, gathers, cache writes, attention.
 //! - [`CubeBackend`]: the `Backend` implementation over a CubeCL client.
+//! - `conformance` (feature `conformance`, on by default): the suite every backend must pass
+//!   against the CPU backend.
 
 mod backend;
+#[cfg(feature = "conformance")]
+pub mod conformance;
 pub mod kernels;
 pub mod layout;
 

@@ -23,6 +23,7 @@ mod e2e;
 mod exp_spec;
 mod fuzz;
 mod golden;
+mod gpu;
 mod http;
 mod models;
 mod util;
@@ -59,6 +60,9 @@ enum Task {
     /// Experiments (results in `benches/results/`).
     #[command(subcommand)]
     Exp(ExpTask),
+    /// The prepared script for a lent GPU machine: build the CUDA bench bundle (conformance
+    /// on CUDA, GEMV/attention/model benches, one table) and run it.
+    Gpu(gpu::GpuArgs),
 }
 
 /// The experiments of `cargo xtask exp`.
@@ -266,6 +270,7 @@ fn main() -> ExitCode {
         Task::Fuzz(args) => fuzz::run(&args),
         Task::FetchModels(args) => models::run(&args),
         Task::Golden(args) => golden::run(&args),
+        Task::Gpu(args) => gpu::run(&args),
         Task::Bench(BenchTask::Kv(args)) => bench::run(&args),
         Task::Bench(BenchTask::Server(args)) => bench_server::run(&args),
         Task::E2e(args) => e2e::run(&args),

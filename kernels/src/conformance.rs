@@ -1,0 +1,433 @@
+//! The conformance suite: every op of a backend against the CPU backend (`specula-cpu`), on
+//! random shapes including odd sizes, every weight format the device holds and every cache
+//! format it keeps, by normalized MSE in named tolerance buckets; plus batch invariance (a
+//! row's bits do not depend on the other rows of its batch).
+//!
+//! [`conformance`] is written once against `Backend`: `tests/conformance.rs` runs it on
+//! CubeCL's CPU runtime (and on CUDA with `SPECULA_KERNELS_CUDA=1`), the GPU bench
+//! (`examples/gpu_bench.rs`, `cargo xtask gpu`) on the GPU it is given. Buckets: 0 where the
+//! device reproduces the CPU backend's operations in its order (integer-format matmuls, norms,
+//! attention without soft-capping, RoPE, SwiGLU), [`tol::REORDERED`] and [`tol::LIBM`] where it
+//! does not (float-weight sums, the C library's `tanhf`, `expf` of the scalar activations).
+
+use std::sync::Arc;
+
+use specula_cpu::CpuBackend;
+use specula_quant::QType;
+use specula_tensor::{
+    AttentionParams, Backend, GateAct, KvShape, Mask, RopeConfig, RopeKind, WeightDesc, Yarn,
+};
+use specula_testkit::values;
+
+/// Tolerance buckets (normalized MSE against the CPU backend).
+pub mod tol {
+    /// Same operations in another order (sums of products of equal inputs).
+    pub const REORDERED: f64 = 1e-10;
+    /// Transcendental functions of another libm (exp, tanh, cos) on top of reordering.
+    pub const LIBM: f64 = 1e-9;
+}
+
+fn nmse(got: &[f32], want: &[f32]) -> f64 {
+    assert_eq!(got.len(), want.len(), "lengths");
+    let (mut num, mut den) = (0f64, 0f64);
+    for (&g, &w) in got.iter().zip(want) {
+        let d = f64::from(g) - f64::from(w);
+        num += d * d;
+        den += f64::from(w) * f64::from(w);
+    }
+    if den == 0.0 { num } else { num / den }
+}
+
+fn check(what: &str, got: &[f32], want: &[f32], bound: f64) {
+    assert!(
+        got.iter().all(|x| x.is_finite()),
+        "{what}: non-finite output"
+    );
+    let e = nmse(got, want);
+    if std::env::var_os("SPECULA_CONFORMANCE_VERBOSE").is_some() {
+        eprintln!("{what}: NMSE {e:.3e}");
+    }
+    assert!(e <= bound, "{what}: NMSE {e:.3e} > {bound:.0e}");
+}
+
+/// The matmul bound of a weight format: integer formats form the same integer sums and the
+/// same float operations in the same order as the CPU backend, so they give its bits; float
+/// weights are summed in f64 here and in the CPU's SIMD lanes there.
+fn exact_bound(ty: QType) -> f64 {
+    if matches!(ty, QType::F32 | QType::F16 | QType::BF16) {
+        tol::REORDERED
+    } else {
+        0.0
+    }
+}
+
+/// A weight of `ty` with `n_out` rows of `n_in` random values, made by each backend from
+/// the same bytes.
+#[derive(Debug)]
+pub struct Weights {
+    /// The bytes (an owner weights may borrow from).
+    pub bytes: Arc<Vec<u8>>,
+    /// Their format.
+    pub ty: QType,
+    /// Their dims, ggml order.
+    pub dims: Vec<usize>,
+}
+
+impl Weights {
+    /// `n_out` rows of `n_in` pseudo-random values quantized to `ty`.
+    ///
+    /// # Panics
+    /// If `n_in` is not whole blocks of `ty`.
+    #[must_use]
+    pub fn new(ty: QType, n_in: usize, n_out: usize, seed: u64) -> Self {
+        let x = values(seed, n_in * n_out, 1.0);
+        let row = ty.row_bytes(n_in).unwrap();
+        let mut bytes = vec![0u8; row * n_out];
+        for (src, dst) in x.chunks_exact(n_in).zip(bytes.chunks_exact_mut(row)) {
+            specula_quant::quantize_row(ty, src, dst).unwrap();
+        }
+        Self {
+            bytes: Arc::new(bytes),
+            ty,
+            dims: if n_out == 1 {
+                vec![n_in]
+            } else {
+                vec![n_in, n_out]
+            },
+        }
+    }
+
+    /// The weight on `be` (prepared for its matmuls when `matmul`).
+    ///
+    /// # Panics
+    /// If the backend refuses it.
+    pub fn on<B: Backend>(&self, be: &B, matmul: bool) -> B::Weight {
+        let mut w = be
+            .weight(WeightDesc {
+                name: "w",
+                ty: self.ty,
+                dims: &self.dims,
+                data: &self.bytes,
+                owner: self.bytes.clone(),
+            })
+            .unwrap();
+        if matmul {
+            be.prepare_matmul(&mut w);
+        }
+        w
+    }
+}
+
+fn host<B: Backend>(be: &B, t: &B::Tensor) -> Vec<f32> {
+    let mut v = Vec::new();
+    be.to_host(t, &mut v);
+    v
+}
+
+/// Runs `f` on the backend under test and on the CPU backend with the same inputs.
+struct Pair<'a, B: Backend> {
+    be: &'a B,
+    cpu: CpuBackend,
+}
+
+impl<B: Backend> Pair<'_, B> {
+    fn tensors(
+        &self,
+        rows: usize,
+        cols: usize,
+        seed: u64,
+        scale: f32,
+    ) -> (B::Tensor, specula_cpu::CpuTensor) {
+        let v = values(seed, rows * cols, scale);
+        (
+            self.be.from_host(rows, cols, &v),
+            self.cpu.from_host(rows, cols, &v),
+        )
+    }
+}
+
+/// The whole op-level suite on `be`.
+///
+/// # Panics
+/// At the first op outside its bucket (naming the op, shape and NMSE).
+#[allow(clippy::too_many_lines, reason = "one suite, op after op")]
+pub fn conformance<B: Backend>(be: &B) {
+    let p = Pair {
+        be,
+        cpu: CpuBackend::new(2),
+    };
+    let cpu = &p.cpu;
+
+    // Matmul: every weight format, odd row counts and output widths.
+    for ty in [
+        QType::F32,
+        QType::F16,
+        QType::BF16,
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+        QType::Q4_K,
+        QType::Q5_K,
+        QType::Q6_K,
+    ] {
+        for &(rows, n_in, n_out) in &[(1, 256, 37), (3, 512, 64), (13, 256, 9), (40, 256, 33)] {
+            let w = Weights::new(ty, n_in, n_out, 7 + rows as u64);
+            let (wb, wc) = (w.on(be, true), w.on(cpu, true));
+            let (xb, xc) = p.tensors(rows, n_in, 11, 1.0);
+            let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+            be.matmul(&xb, &wb, &mut ob);
+            cpu.matmul(&xc, &wc, &mut oc);
+            assert_eq!(be.shape(&ob), (rows, n_out));
+            check(
+                &format!("matmul {ty} {rows}×{n_in}→{n_out}"),
+                &host(be, &ob),
+                &host(cpu, &oc),
+                exact_bound(ty),
+            );
+
+            // Batch invariance: each row alone gives the bits it had in the batch.
+            let all = host(be, &ob);
+            let xs = host(be, &xb);
+            for r in [0, rows - 1] {
+                let x1 = be.from_host(1, n_in, &xs[r * n_in..(r + 1) * n_in]);
+                let mut o1 = be.zeros(0, 0);
+                be.matmul(&x1, &wb, &mut o1);
+                let one = host(be, &o1);
+                assert!(
+                    one.iter()
+                        .zip(&all[r * n_out..(r + 1) * n_out])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "matmul {ty}: row {r} alone differs from the batch"
+                );
+            }
+
+            // get_rows dequantizes rows exactly (the same dequantizer).
+            let ids = [0u32, (n_out - 1) as u32, 2];
+            let (mut gb, mut gc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+            be.get_rows(&wb, &ids, &mut gb);
+            cpu.get_rows(&wc, &ids, &mut gc);
+            check(
+                &format!("get_rows {ty}"),
+                &host(be, &gb),
+                &host(cpu, &gc),
+                0.0,
+            );
+        }
+    }
+
+    // Norms.
+    for &(rows, cols) in &[(1, 64), (5, 576), (3, 100)] {
+        let w = Weights::new(QType::F32, cols, 1, 3);
+        let (wb, wc) = (w.on(be, false), w.on(cpu, false));
+        let (xb, xc) = p.tensors(rows, cols, 5, 2.0);
+        let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+        be.rms_norm(&xb, Some(&wb), 1e-6, &mut ob);
+        cpu.rms_norm(&xc, Some(&wc), 1e-6, &mut oc);
+        check(
+            &format!("rms_norm {rows}×{cols}"),
+            &host(be, &ob),
+            &host(cpu, &oc),
+            0.0,
+        );
+        be.rms_norm(&xb, None, 1e-5, &mut ob);
+        cpu.rms_norm(&xc, None, 1e-5, &mut oc);
+        check(
+            "rms_norm without weight",
+            &host(be, &ob),
+            &host(cpu, &oc),
+            0.0,
+        );
+    }
+    {
+        let w = Weights::new(QType::F32, 32, 1, 9);
+        let (wb, wc) = (w.on(be, false), w.on(cpu, false));
+        let (mut xb, mut xc) = p.tensors(3, 32 * 6, 13, 1.5);
+        be.rms_norm_groups(&mut xb, 32, &wb, 1e-6);
+        cpu.rms_norm_groups(&mut xc, 32, &wc, 1e-6);
+        check("rms_norm_groups", &host(be, &xb), &host(cpu, &xc), 0.0);
+    }
+
+    // RoPE: both pairings, partial rotation, YaRN, frequency factors.
+    let yarn = RopeConfig {
+        freq_scale: 0.25,
+        yarn: Some(Yarn {
+            orig_ctx: 4096,
+            ext_factor: 1.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }),
+        ..RopeConfig::new(RopeKind::Neox, 64, 1e6)
+    };
+    let factors = RopeConfig {
+        freq_factors: Some(
+            (0..16)
+                .map(|i| 1.0 + i as f32 * 0.5)
+                .collect::<Vec<_>>()
+                .into(),
+        ),
+        ..RopeConfig::new(RopeKind::Neox, 32, 1e4)
+    };
+    for (cfg, hd) in [
+        (RopeConfig::new(RopeKind::Normal, 64, 1e4), 64),
+        (RopeConfig::new(RopeKind::Neox, 64, 1e6), 64),
+        (RopeConfig::new(RopeKind::Neox, 32, 1e4), 80),
+        (yarn, 64),
+        (factors, 48),
+    ] {
+        let pos = [0u32, 7, 1000, 31_999];
+        let (mut xb, mut xc) = p.tensors(4, hd * 3, 17, 1.0);
+        be.rope(&mut xb, hd, &pos, &cfg);
+        cpu.rope(&mut xc, hd, &pos, &cfg);
+        check(
+            &format!("rope {:?} n_rot {} hd {hd}", cfg.kind, cfg.n_rot),
+            &host(be, &xb),
+            &host(cpu, &xc),
+            tol::REORDERED,
+        );
+    }
+
+    // Element-wise ops.
+    {
+        let (rows, cols) = (3, 130);
+        let (gb, gc) = p.tensors(rows, cols, 21, 4.0);
+        let (ub, uc) = p.tensors(rows, cols, 22, 1.0);
+        let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+        be.swiglu(&gb, &ub, &mut ob);
+        cpu.swiglu(&gc, &uc, &mut oc);
+        check("swiglu", &host(be, &ob), &host(cpu, &oc), tol::LIBM);
+        be.geglu(&gb, &ub, &mut ob);
+        cpu.geglu(&gc, &uc, &mut oc);
+        check("geglu", &host(be, &ob), &host(cpu, &oc), tol::LIBM);
+
+        let (mut ab, mut ac) = p.tensors(rows, cols, 23, 30.0);
+        be.add(&mut ab, &ub);
+        cpu.add(&mut ac, &uc);
+        check("add", &host(be, &ab), &host(cpu, &ac), 0.0);
+        be.scale(&mut ab, 0.37);
+        cpu.scale(&mut ac, 0.37);
+        check("scale", &host(be, &ab), &host(cpu, &ac), 0.0);
+        be.softcap(&mut ab, 5.0);
+        cpu.softcap(&mut ac, 5.0);
+        check("softcap", &host(be, &ab), &host(cpu, &ac), tol::LIBM);
+        be.silu(&mut ab);
+        cpu.silu(&mut ac);
+        check("silu", &host(be, &ab), &host(cpu, &ac), tol::LIBM);
+        // Equal inputs again for the exact ops below.
+        let (mut ab, mut ac) = p.tensors(rows, cols, 28, 3.0);
+
+        let b = Weights::new(QType::F32, cols, 1, 24);
+        be.add_vector(&mut ab, &b.on(be, false));
+        cpu.add_vector(&mut ac, &b.on(cpu, false));
+        check("add_vector", &host(be, &ab), &host(cpu, &ac), 0.0);
+
+        for (gcols, act) in [
+            (cols, GateAct::Sigmoid),
+            (10, GateAct::Softplus),
+            (1, GateAct::Sigmoid),
+        ] {
+            let (gb, gc) = p.tensors(rows, gcols, 25, 30.0);
+            be.gate_mul(&mut ab, &gb, act);
+            cpu.gate_mul(&mut ac, &gc, act);
+            check(
+                &format!("gate_mul {act:?} /{gcols}"),
+                &host(be, &ab),
+                &host(cpu, &ac),
+                tol::LIBM,
+            );
+        }
+        let (ab, ac) = p.tensors(rows, cols, 29, 3.0);
+
+        be.gather_cols(&ab, 13, 2..7, &mut ob);
+        cpu.gather_cols(&ac, 13, 2..7, &mut oc);
+        assert_eq!(be.shape(&ob), cpu.shape(&oc));
+        check("gather_cols", &host(be, &ob), &host(cpu, &oc), 0.0);
+
+        be.copy_rows(&ab, &[2, 0, 2], &mut ob);
+        cpu.copy_rows(&ac, &[2, 0, 2], &mut oc);
+        check("copy_rows", &host(be, &ob), &host(cpu, &oc), 0.0);
+
+        let (sb, sc) = p.tensors(4, cols, 26, 1.0);
+        let (mut db, mut dc) = p.tensors(3, cols, 27, 1.0);
+        be.add_rows_scaled(&mut db, &[1, 0, 1, 2], &sb, &[0.5, 2.0, -1.0, 0.25]);
+        cpu.add_rows_scaled(&mut dc, &[1, 0, 1, 2], &sc, &[0.5, 2.0, -1.0, 0.25]);
+        check("add_rows_scaled", &host(be, &db), &host(cpu, &dc), 0.0);
+    }
+
+    // Attention: each cache format the device keeps, GQA, every mask, soft-capping, rings.
+    for ty in [QType::F16, QType::F32] {
+        for &(mask, softcap, n_head, n_kv, hd) in &[
+            (Mask::Causal, None, 4, 2, 64),
+            (Mask::SlidingWindow(5), None, 2, 2, 32),
+            (Mask::None, Some(50.0), 6, 1, 128),
+        ] {
+            let (n_ctx, depth, n_q) = (600, 530, 37);
+            let shape = KvShape {
+                n_layer: 2,
+                n_ctx,
+                n_kv_head: n_kv,
+                head_dim_k: hd,
+                head_dim_v: hd,
+                k_type: ty,
+                v_type: ty,
+                overrides: Vec::new(),
+                swa: None,
+                recurrent: None,
+                heads: Vec::new(),
+            };
+            let (mut kb, mut kc) = (
+                be.kv_new(shape.clone()).unwrap(),
+                cpu.kv_new(shape).unwrap(),
+            );
+            let cells: Vec<usize> = (0..depth + n_q).collect();
+            let (knb, knc) = p.tensors(cells.len(), n_kv * hd, 31, 1.0);
+            let (vnb, vnc) = p.tensors(cells.len(), n_kv * hd, 32, 1.0);
+            be.kv_write(&mut kb, 1, &cells, &knb, &vnb);
+            cpu.kv_write(&mut kc, 1, &cells, &knc, &vnc);
+            let (qb, qc) = p.tensors(n_q, n_head * hd, 33, 1.0);
+            let q_pos: Vec<u32> = (depth as u32..(depth + n_q) as u32).collect();
+            let kv_pos: Vec<u32> = (0..(depth + n_q) as u32).collect();
+            let params = AttentionParams {
+                layer: 1,
+                n_head,
+                q_pos: &q_pos,
+                kv_pos: &kv_pos,
+                scale: 1.0 / (hd as f32).sqrt(),
+                mask,
+                softcap,
+            };
+            // Without soft-capping: the CPU backend's operations in its order, so its bits
+            // (soft-capping calls the C library's tanhf, which the device does not reproduce).
+            let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+            be.attention(&qb, &kb, &params, &mut ob);
+            cpu.attention(&qc, &kc, &params, &mut oc);
+            check(
+                &format!("attention {ty} {mask:?} {softcap:?} {n_head}/{n_kv}×{hd}"),
+                &host(be, &ob),
+                &host(cpu, &oc),
+                if softcap.is_some() { tol::LIBM } else { 0.0 },
+            );
+
+            // Batch invariance: the last query row alone.
+            let all = host(be, &ob);
+            let qs = host(be, &qb);
+            let w = n_head * hd;
+            let q1 = be.from_host(1, w, &qs[(n_q - 1) * w..]);
+            let p1 = AttentionParams {
+                q_pos: &q_pos[n_q - 1..],
+                ..params
+            };
+            let mut o1 = be.zeros(0, 0);
+            be.attention(&q1, &kb, &p1, &mut o1);
+            assert!(
+                host(be, &o1)
+                    .iter()
+                    .zip(&all[(n_q - 1) * w..])
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "attention {ty} {mask:?}: the last row alone differs from the batch"
+            );
+        }
+    }
+}
