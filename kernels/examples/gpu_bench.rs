@@ -212,6 +212,25 @@ fn main() -> Res<()> {
         }
     }
 
+    // GEMV against units per cube (the same bits: only the reductions' split changes).
+    if !cpu {
+        for units in [32usize, 64, 256] {
+            let be = CubeBackend::cuda(0)?.with_units(units);
+            for ty in [QType::Q4_0, QType::Q4_K] {
+                let (w, gguf) = weight(&be, ty, a, b)?;
+                let xv: Vec<f32> = (0..a).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect();
+                let x = be.from_host(1, a, &xv);
+                let mut o = be.zeros(1, b);
+                let s = time(&be, 20, || be.matmul(&x, &w, &mut o));
+                row(
+                    format!("gemv {ty} {a}→{b} units {units}"),
+                    format!("{:.1} µs", s * 1e6),
+                    format!("{:.0} GB/s of GGUF bytes", gguf as f64 / s / 1e9),
+                );
+            }
+        }
+    }
+
     // Prefill matmul.
     {
         let rows_n = if small { 16 } else { 512 };

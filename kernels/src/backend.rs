@@ -162,6 +162,18 @@ impl CubeBackend {
         Ok(Self::new(dev.client(), "cuda"))
     }
 
+    /// The backend with `units` units per cube in its reducing kernels (a power of two; the
+    /// default is 128 on a GPU, the core count on the CPU runtime): for benches that sweep it.
+    ///
+    /// # Panics
+    /// If `units` is not a power of two.
+    #[must_use]
+    pub fn with_units(mut self, units: usize) -> Self {
+        assert!(units.is_power_of_two(), "units per cube: a power of two");
+        self.units = units;
+        self
+    }
+
     /// The CubeCL client (for benches that launch kernels themselves).
     #[must_use]
     pub fn client(&self) -> &Client {
@@ -461,7 +473,7 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(out.h.clone(), n),
                         u(n),
                         u(cols),
-                        1,
+                        0,
                         fmt.bits,
                         fmt.group,
                         fmt.block,
@@ -506,7 +518,7 @@ impl Backend for CubeBackend {
                         u(w.n_in),
                         u(w.n_out),
                         u(rows),
-                        1,
+                        0,
                         self.units,
                         tile,
                     );
@@ -542,7 +554,10 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(da.clone(), n_blocks),
                         BufferArg::from_raw_parts(sa.clone(), n_blocks),
                         u(n_blocks),
+                        u(w.n_in),
+                        0,
                         kind,
+                        fmt.group,
                     );
                     // SAFETY: the weight's groups cover `[n_out, n_in]`; activations as
                     // above; `out` is `[rows, n_out]`.
@@ -562,7 +577,7 @@ impl Backend for CubeBackend {
                         u(w.n_in),
                         u(w.n_out),
                         u(rows),
-                        1,
+                        0,
                         fmt.bits,
                         fmt.group,
                         fmt.block,
@@ -654,7 +669,7 @@ impl Backend for CubeBackend {
                 u(heads),
                 u(head_dim),
                 u(cfg.n_rot),
-                1,
+                0,
                 cfg.kind == RopeKind::Neox,
             );
         }
@@ -982,7 +997,7 @@ impl Backend for CubeBackend {
                             p.scale,
                             p.softcap.unwrap_or(1.0),
                             window,
-                            1,
+                            0,
                             mask,
                             p.softcap.is_some(),
                             self.units,
@@ -1008,7 +1023,7 @@ impl Backend for CubeBackend {
                     u(n_chunks),
                     u(p.n_head),
                     u(l.hd_v),
-                    1,
+                    0,
                     self.units,
                 );
             }

@@ -18,7 +18,7 @@ pub fn get_rows_blocks(
     out: &mut [f32],
     n: u32,
     cols: u32,
-    keep: u32,
+    zero: u32,
     #[comptime] bits: u32,
     #[comptime] group: u32,
     #[comptime] block: u32,
@@ -46,11 +46,11 @@ pub fn get_rows_blocks(
         );
         let d = bd[b];
         if comptime![term == 3] {
-            out[id] = exact(q * d, keep) + bm[b];
+            out[id] = exact(q * d, zero) + bm[b];
         } else if comptime![block > group] {
             let s = d * f32::cast_from(gsc[g]);
             if comptime![term == 4] {
-                out[id] = exact(s * q, keep) - exact(bm[b] * f32::cast_from(gmn[g]), keep);
+                out[id] = exact(s * q, zero) - exact(bm[b] * f32::cast_from(gmn[g]), zero);
             } else {
                 out[id] = s * q;
             }
@@ -155,7 +155,7 @@ pub fn attn_chunk<E: Float>(
     scale: f32,
     softcap: f32,
     window: u32,
-    keep: u32,
+    zero: u32,
     #[comptime] mask: u32,
     #[comptime] use_softcap: bool,
     #[comptime] units: usize,
@@ -176,6 +176,7 @@ pub fn attn_chunk<E: Float>(
     let sbase = (cube * n_chunks + c) * (hd_v + 2);
     let mut s = Shared::<[f32]>::new_slice(TILE);
     let mut w = Shared::<[f32]>::new_slice(TILE);
+    let mut lanes = Shared::<[f32]>::new_slice(TILE * 16);
 
     let mut m = neg_inf();
     let mut l = 0.0f32;
@@ -188,12 +189,37 @@ pub fn attn_chunk<E: Float>(
     let mut j0 = c * CHUNK;
     while j0 < j_end {
         let n = min(TILE, j_end - j0);
+        // The 16 fused lanes of every cell's q·k, one (cell, lane) pair per unit at a time
+        // (a warp reads a cell's 16 consecutive values of each block together).
+        let mut it = u;
+        while it < TILE * 16 {
+            let t = it / 16;
+            let lane = it % 16;
+            if t < n {
+                let j = j0 + t;
+                let kb = ((j % cells as usize) * n_kv + kvh) * hd_k;
+                let mut a = 0.0f32;
+                let nblk = hd_k.div_ceil(16);
+                for b in 0..nblk {
+                    let dd = b * 16 + lane;
+                    let mut x = 0.0f32;
+                    let mut y = 0.0f32;
+                    if dd < hd_k {
+                        x = q[qbase + dd];
+                        y = f32::cast_from(k[kb + dd]);
+                    }
+                    a = fma(x, y, a);
+                }
+                lanes[it] = a;
+            }
+            it += units;
+        }
+        sync_cube();
         let mut t = u;
         while t < TILE {
             let mut sv = neg_inf();
             if t < n {
-                let j = j0 + t;
-                let kp = kv_pos[j];
+                let kp = kv_pos[j0 + t];
                 let mut vis = true;
                 if comptime![mask == 0] {
                     vis = kp <= qp;
@@ -201,27 +227,12 @@ pub fn attn_chunk<E: Float>(
                     vis = kp <= qp && qp - kp < window;
                 }
                 if vis {
-                    let kb = ((j % cells as usize) * n_kv + kvh) * hd_k;
-                    let mut a = Array::<f32>::new(16usize);
-                    for i in 0..16usize {
-                        a[i] = 0.0;
-                    }
-                    let nblk = hd_k.div_ceil(16);
-                    for b in 0..nblk {
-                        for i in 0..16usize {
-                            let dd = b * 16 + i;
-                            let mut x = 0.0f32;
-                            let mut y = 0.0f32;
-                            if dd < hd_k {
-                                x = q[qbase + dd];
-                                y = f32::cast_from(k[kb + dd]);
-                            }
-                            a[i] = fma(x, y, a[i]);
-                        }
-                    }
+                    // The lanes reduced 8/4/2/1 as the CPU backend's 512-bit reduction.
+                    let lb = t * 16;
                     let mut hh = Array::<f32>::new(8usize);
+                    #[unroll]
                     for i in 0..8usize {
-                        hh[i] = a[i] + a[i + 8];
+                        hh[i] = lanes[lb + i] + lanes[lb + i + 8];
                     }
                     let g0 = hh[0] + hh[4];
                     let g1 = hh[1] + hh[5];
@@ -273,7 +284,7 @@ pub fn attn_chunk<E: Float>(
                     let wt = w[t];
                     if wt != 0.0 {
                         let vb = (((j0 + t) % cells as usize) * n_kv + kvh) * hd_v;
-                        acc = acc + exact(wt * f32::cast_from(v[vb + d]), keep);
+                        acc = acc + exact(wt * f32::cast_from(v[vb + d]), zero);
                     }
                 }
                 states[sbase + 2 + d] = acc;
@@ -303,7 +314,7 @@ pub fn attn_merge(
     n_chunks: u32,
     n_head: u32,
     hd_v: u32,
-    keep: u32,
+    zero: u32,
     #[comptime] units: usize,
 ) {
     let cube = CUBE_POS_X as usize;
@@ -331,11 +342,11 @@ pub fn attn_merge(
                 let mn = max(big_m, cm);
                 let a = expf(big_m - mn, tab);
                 let b = expf(cm - mn, tab);
-                big_l = exact(big_l * a, keep) + exact(cl * b, keep);
+                big_l = exact(big_l * a, zero) + exact(cl * b, zero);
                 let mut d = u;
                 while d < hd_v {
                     out[obase + d] =
-                        exact(out[obase + d] * a, keep) + exact(states[sb + 2 + d] * b, keep);
+                        exact(out[obase + d] * a, zero) + exact(states[sb + 2 + d] * b, zero);
                     d += units;
                 }
                 big_m = mn;

@@ -65,7 +65,7 @@ pub fn rope(
     heads: u32,
     head_dim: u32,
     n_rot: u32,
-    keep: u32,
+    zero: u32,
     #[comptime] neox: bool,
 ) {
     let id = ABSOLUTE_POS;
@@ -85,8 +85,8 @@ pub fn rope(
         let s = table[r * n_rot as usize + 2 * i + 1];
         let x0 = x[a];
         let x1 = x[b];
-        x[a] = exact(x0 * c, keep) - exact(x1 * s, keep);
-        x[b] = exact(x0 * s, keep) + exact(x1 * c, keep);
+        x[a] = exact(x0 * c, zero) - exact(x1 * s, zero);
+        x[b] = exact(x0 * s, zero) + exact(x1 * c, zero);
     }
 }
 

@@ -14,6 +14,10 @@ use cubecl::prelude::*;
 
 /// `(row, block)`-wise quantization of `x` (`[rows, cols]`) into codes `qa` (one i32 per
 /// value), scales `da` and, for Q8_1 (`kind` 1), `sa = f16(d · Σq)` per block.
+///
+/// `qa` is laid out for the matmul's reads: within a row, value `i` of weight group `g`
+/// (groups of `gsz` values, `ng` per row) is at `i · ng + g`, so the units of a warp, which
+/// take consecutive groups, read consecutive words.
 /// `kind`: 0 = Q8_0, 1 = Q8_1 (32-value blocks, `d = amax/127` rounded to f16 for the dot,
 /// codes `round(x/d)` half away from zero), 2 = Q8_K (256-value blocks,
 /// `d = 1 / (−127/max)`, codes `nearest_int`, at most 127).
@@ -24,12 +28,20 @@ pub fn quantize_act(
     da: &mut [f32],
     sa: &mut [f32],
     n_blocks: u32,
+    n_in: u32,
+    zero: u32,
     #[comptime] kind: u32,
+    #[comptime] gsz: u32,
 ) {
     let b = ABSOLUTE_POS;
     if b < n_blocks as usize {
         let blk = comptime![if kind == 2 { 256usize } else { 32usize }];
         let base = b * blk;
+        let n_in = n_in as usize;
+        let ng = n_in / comptime![gsz as usize];
+        // Where value `base + i` goes: row, then (position in group, group).
+        let row0 = (base / n_in) * n_in;
+        let c0 = base % n_in;
         let mut amax = 0.0f32;
         let mut max = 0.0f32;
         for i in 0..blk {
@@ -43,7 +55,8 @@ pub fn quantize_act(
         if comptime![kind == 2] {
             if amax == 0.0 {
                 for i in 0..blk {
-                    qa[base + i] = 0;
+                    let c = c0 + i;
+                    qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] = 0;
                 }
                 da[b] = 0.0;
             } else {
@@ -52,14 +65,16 @@ pub fn quantize_act(
                     // ggml's nearest_int (round half to even, |v| ≤ 127 here), without its
                     // `v + 1.5·2^23` trick: a compiler may fuse that add with the product
                     // into an FMA and round differently.
-                    let v = iscale * x[base + i];
+                    let v = exact(iscale * x[base + i], zero);
                     let fl = v.floor();
                     let frac = v - fl;
                     let mut q = i32::cast_from(fl);
                     if frac > 0.5 || (frac == 0.5 && (q & 1) == 1) {
                         q += 1;
                     }
-                    qa[base + i] = min(q, 127i32);
+                    let c = c0 + i;
+                    qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] =
+                        min(q, 127i32);
                 }
                 da[b] = 1.0f32 / iscale;
             }
@@ -72,7 +87,7 @@ pub fn quantize_act(
             let mut sum = 0i32;
             for i in 0..blk {
                 // roundf: half away from zero, exactly (x − trunc(x) is exact).
-                let v = x[base + i] * id;
+                let v = exact(x[base + i] * id, zero);
                 let av = v.abs();
                 let t = av.trunc();
                 let mut r = t;
@@ -83,7 +98,8 @@ pub fn quantize_act(
                 if v < 0.0 {
                     q = -q;
                 }
-                qa[base + i] = q;
+                let c = c0 + i;
+                qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] = q;
                 sum += q;
             }
             let dh = f32::cast_from(half::f16::cast_from(d));
@@ -95,11 +111,13 @@ pub fn quantize_act(
     }
 }
 
-/// A product or sum that no compiler may fuse with the next addition (an FMA would round
-/// once where the CPU backend rounds twice): `keep` is always 1, but only at run time.
+/// A product that no compiler may fuse with the next addition (an FMA would round
+/// once where the CPU backend rounds twice): its bits go through an integer XOR with `zero`,
+/// a kernel argument that is 0 but unknown to the compiler (a `select` on such an argument
+/// was not enough: LLVM moves the addition into the select's arms and fuses it there).
 #[cube]
-pub(crate) fn exact(x: f32, keep: u32) -> f32 {
-    select(keep == 1, x, f32::NAN)
+pub(crate) fn exact(x: f32, zero: u32) -> f32 {
+    f32::reinterpret(u32::reinterpret(x) ^ zero)
 }
 
 /// `out[r][n]` = the dot product of weight row `n` with activation row `r`, with the bits of
@@ -132,7 +150,7 @@ pub fn matmul_blocks(
     n_in: u32,
     n_out: u32,
     rows: u32,
-    keep: u32,
+    zero: u32,
     #[comptime] bits: u32,
     #[comptime] group: u32,
     #[comptime] block: u32,
@@ -159,6 +177,7 @@ pub fn matmul_blocks(
     let mut ga_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
     let mut terms = Shared::<[f32]>::new_slice(comptime![tile * seg]);
     let mut sumf = Array::<f32>::new(tile);
+    #[unroll]
     for t in 0..tile {
         sumf[t] = 0.0;
     }
@@ -172,10 +191,12 @@ pub fn matmul_blocks(
             let wg = n * ng + g;
             let mut isum = Array::<i32>::new(tile);
             let mut asum = Array::<i32>::new(tile);
+            #[unroll]
             for t in 0..tile {
                 isum[t] = 0;
                 asum[t] = 0;
             }
+            #[unroll]
             for i in 0..gsz {
                 let at = i * comptime![bits as usize];
                 let w = at / 32;
@@ -185,10 +206,11 @@ pub fn matmul_blocks(
                     code |= codes[wg * words + w + 1] << (32 - sh);
                 }
                 let q = i32::cast_from(code & mask) - comptime![offset as i32];
+                #[unroll]
                 for t in 0..tile {
                     let r = r0 + t;
                     if r < rows {
-                        let a = qa[r * n_in + g * gsz + i];
+                        let a = qa[r * n_in + i * ng + g];
                         isum[t] += q * a;
                         if k_min {
                             asum[t] += a;
@@ -196,6 +218,7 @@ pub fn matmul_blocks(
                     }
                 }
             }
+            #[unroll]
             for t in 0..tile {
                 gi_sum[(t * comptime![seg] * gpb) + c] = isum[t];
                 ga_sum[(t * comptime![seg] * gpb) + c] = asum[t];
@@ -209,6 +232,7 @@ pub fn matmul_blocks(
             let b = s0 + bl;
             let wb = n * nb + b;
             let dw = bd[wb];
+            #[unroll]
             for t in 0..tile {
                 let r = r0 + t;
                 let mut tv = 0.0f32;
@@ -216,6 +240,7 @@ pub fn matmul_blocks(
                     let base = t * comptime![seg] * gpb + bl * gpb;
                     let mut isum = 0i32;
                     let mut summs = 0i32;
+                    #[unroll]
                     for j in 0..gpb {
                         if k_scales {
                             isum += gsc[n * ng + b * gpb + j] * gi_sum[base + j];
@@ -230,17 +255,17 @@ pub fn matmul_blocks(
                     let dav = da[ab];
                     let fi = f32::cast_from(isum);
                     if comptime![term == 0] {
-                        tv = exact(fi * dw, keep) * dav;
+                        tv = exact(fi * dw, zero) * dav;
                     } else if comptime![term == 1] {
                         tv = fi * (dw * dav);
                     } else if comptime![term == 2] {
                         tv = (dw * dav) * fi;
                     } else if comptime![term == 3] {
-                        tv = exact((dw * dav) * fi, keep) + exact(bm[wb] * sa[ab], keep);
+                        tv = exact((dw * dav) * fi, zero) + exact(bm[wb] * sa[ab], zero);
                     } else {
                         let d = dw * dav;
                         let dmin = bm[wb] * dav;
-                        tv = exact(d * fi, keep) - exact(dmin * f32::cast_from(summs), keep);
+                        tv = exact(d * fi, zero) - exact(dmin * f32::cast_from(summs), zero);
                     }
                 }
                 terms[t * comptime![seg] + bl] = tv;
@@ -282,7 +307,7 @@ pub fn matmul_f32(
     n_in: u32,
     n_out: u32,
     rows: u32,
-    keep: u32,
+    zero: u32,
     #[comptime] units: usize,
     #[comptime] tile: usize,
 ) {
@@ -292,21 +317,24 @@ pub fn matmul_f32(
     let n_in = n_in as usize;
     let rows = rows as usize;
     let mut acc = Array::<f64>::new(tile);
+    #[unroll]
     for t in 0..tile {
         acc[t] = 0.0;
     }
     let mut i = u;
     while i < n_in {
         let wv = w[n * n_in + i];
+        #[unroll]
         for t in 0..tile {
             let r = r0 + t;
             if r < rows {
-                acc[t] += f64::cast_from(exact(wv * x[r * n_in + i], keep));
+                acc[t] += f64::cast_from(exact(wv * x[r * n_in + i], zero));
             }
         }
         i += units;
     }
     let mut sm = Shared::<[f64]>::new_slice(comptime![units * tile]);
+    #[unroll]
     for t in 0..tile {
         sm[t * units + u] = acc[t];
     }
@@ -314,6 +342,7 @@ pub fn matmul_f32(
     let mut stride = CUBE_DIM_X as usize / 2;
     while stride > 0 {
         if u < stride {
+            #[unroll]
             for t in 0..tile {
                 let o = sm[t * units + u + stride];
                 sm[t * units + u] += o;
