@@ -174,7 +174,7 @@ fn main() -> Res<()> {
     row(
         "peak (in-place scale, read+write)".into(),
         format!("{peak:.0} GB/s"),
-        format!("{} MiB", n * 4 >> 20),
+        format!("{} MiB", (n * 4) >> 20),
     );
     drop(x);
 
@@ -348,7 +348,7 @@ fn main() -> Res<()> {
         format!("{} layers", d.n_layer),
     );
     let (pp, tg) = if small { (32, 8) } else { (512, 128) };
-    let ids: Vec<u32> = (0..pp as u32).map(|i| i * 7 % 32).collect();
+    let ids: Vec<u32> = (0..u32::try_from(pp)?).map(|i| i * 7 % 32).collect();
     let mut s = engine.session(pp + tg + 8, QType::F16, QType::F16)?;
     engine.prefill(&mut s, &ids[..8], false)?; // warm-up: every kernel compiled
     s.truncate(0);

@@ -56,6 +56,10 @@ pub struct CubeWeight {
 }
 
 #[derive(Debug)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one per weight matrix: five handles beside one are not worth a box"
+)]
 enum WeightData {
     F32(Handle),
     Groups {

@@ -218,7 +218,7 @@ pub fn conformance<B: Backend>(be: &B) {
             }
 
             // get_rows dequantizes rows exactly (the same dequantizer).
-            let ids = [0u32, (n_out - 1) as u32, 2];
+            let ids = [0u32, u32::try_from(n_out - 1).unwrap(), 2];
             let (mut gb, mut gc) = (be.zeros(0, 0), cpu.zeros(0, 0));
             be.get_rows(&wb, &ids, &mut gb);
             cpu.get_rows(&wc, &ids, &mut gc);
@@ -401,8 +401,12 @@ pub fn conformance<B: Backend>(be: &B) {
             be.kv_write(&mut kb, 1, &cells, &knb, &vnb);
             cpu.kv_write(&mut kc, 1, &cells, &knc, &vnc);
             let (qb, qc) = p.tensors(n_q, n_head * hd, 33, 1.0);
-            let q_pos: Vec<u32> = (depth as u32..(depth + n_q) as u32).collect();
-            let kv_pos: Vec<u32> = (0..(depth + n_q) as u32).collect();
+            let (lo, hi) = (
+                u32::try_from(depth).unwrap(),
+                u32::try_from(depth + n_q).unwrap(),
+            );
+            let q_pos: Vec<u32> = (lo..hi).collect();
+            let kv_pos: Vec<u32> = (0..hi).collect();
             let params = AttentionParams {
                 layer: 1,
                 n_head,

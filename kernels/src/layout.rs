@@ -279,7 +279,7 @@ fn pack(codes: &[u8], bits: u32, out: &mut Vec<u32>) {
     let words = &mut out[start..];
     for (i, &c) in codes.iter().enumerate() {
         let at = i * bits as usize;
-        let (w, sh) = (at / 32, (at % 32) as u32);
+        let (w, sh) = (at / 32, u32::try_from(at % 32).expect("below 32"));
         words[w] |= u32::from(c) << sh;
         if sh + bits > 32 {
             words[w + 1] |= u32::from(c) >> (32 - sh);
@@ -295,7 +295,7 @@ pub fn value(fmt: GroupFormat, g: &Groups, i: usize) -> f32 {
     let (gi, bi) = (i / group, i / block);
     let at = (i % group) * fmt.bits as usize;
     let words = &g.codes[gi * fmt.words()..];
-    let (w, sh) = (at / 32, (at % 32) as u32);
+    let (w, sh) = (at / 32, u32::try_from(at % 32).expect("below 32"));
     let mut c = words[w] >> sh;
     if sh + fmt.bits > 32 {
         c |= words[w + 1] << (32 - sh);

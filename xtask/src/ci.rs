@@ -47,6 +47,23 @@ pub fn run(args: &CiArgs) -> Result<()> {
             "-D",
             "warnings",
         ]))?;
+        // The CLI with the CUDA backend compiled in (`--device cuda`): builds without a CUDA
+        // toolkit; cudarc's bindings pinned to the CUDA 13.0 API `cargo xtask gpu` uses.
+        run_cmd(
+            cargo([
+                "clippy",
+                "-p",
+                "specula-cli",
+                "--features",
+                "cuda",
+                "--all-targets",
+                "--locked",
+                "--",
+                "-D",
+                "warnings",
+            ])
+            .env("CUDARC_CUDA_VERSION", "13000"),
+        )?;
         // The CLI with drafter training (burn) compiled in.
         run_cmd(&mut cargo([
             "clippy",

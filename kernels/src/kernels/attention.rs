@@ -36,13 +36,13 @@ pub fn get_rows_blocks(
         let words = comptime![(group * bits / 32) as usize];
         let at = (c % gsz) * comptime![bits as usize];
         let w = at / 32;
-        let sh = (at % 32) as u32;
+        let sh = u32::cast_from(at % 32);
         let mut code = codes[g * words + w] >> sh;
         if sh + comptime![bits] > 32 {
             code |= codes[g * words + w + 1] << (32 - sh);
         }
         let q = f32::cast_from(
-            i32::cast_from(code & comptime![(1u32 << bits) - 1]) - comptime![offset as i32],
+            i32::cast_from(code & comptime![(1u32 << bits) - 1]) - comptime![offset.cast_signed()],
         );
         let d = bd[b];
         if comptime![term == 3] {
@@ -92,7 +92,7 @@ fn neg_inf() -> f32 {
 #[cube]
 pub fn expf(x: f32, tab: &[u64]) -> f32 {
     let mut e = 0.0f32;
-    if x != x {
+    if x.is_nan() {
         e = x + x;
     } else if x > f32::reinterpret(0x42b1_7217u32) {
         e = f32::INFINITY;
@@ -260,10 +260,10 @@ pub fn attn_chunk<E: Float>(
                 if m != f32::NEG_INFINITY {
                     corr = expf(m - m_new, tab);
                 }
-                l = l * corr;
+                l *= corr;
                 let mut d = u;
                 while d < hd_v {
-                    states[sbase + 2 + d] = states[sbase + 2 + d] * corr;
+                    states[sbase + 2 + d] *= corr;
                     d += units;
                 }
                 m = m_new;
@@ -275,7 +275,7 @@ pub fn attn_chunk<E: Float>(
             }
             sync_cube();
             for t in 0..n {
-                l = l + w[t];
+                l += w[t];
             }
             let mut d = u;
             while d < hd_v {
@@ -284,7 +284,7 @@ pub fn attn_chunk<E: Float>(
                     let wt = w[t];
                     if wt != 0.0 {
                         let vb = (((j0 + t) % cells as usize) * n_kv + kvh) * hd_v;
-                        acc = acc + exact(wt * f32::cast_from(v[vb + d]), zero);
+                        acc += exact(wt * f32::cast_from(v[vb + d]), zero);
                     }
                 }
                 states[sbase + 2 + d] = acc;
@@ -362,7 +362,7 @@ pub fn attn_merge(
     } else {
         let inv = 1.0f32 / big_l;
         while d < hd_v {
-            out[obase + d] = out[obase + d] * inv;
+            out[obase + d] *= inv;
             d += units;
         }
     }

@@ -119,7 +119,7 @@ fn round_even(v: f32) -> f32 {
 #[cube]
 fn vexp(x: f32) -> f32 {
     let xc = min(max(x, -150.0f32), 128.0f32);
-    let n = round_even(xc * 1.442695f32);
+    let n = round_even(xc * core::f32::consts::LOG2_E);
     let r0 = fma(-n, 0.69314575f32, xc);
     let r = fma(-n, 1.4286068e-6f32, r0);
     let p1 = fma(r, 1.0f32 / 5040.0f32, 1.0f32 / 720.0f32);

@@ -200,12 +200,12 @@ pub fn matmul_blocks(
             for i in 0..gsz {
                 let at = i * comptime![bits as usize];
                 let w = at / 32;
-                let sh = (at % 32) as u32;
+                let sh = u32::cast_from(at % 32);
                 let mut code = codes[wg * words + w] >> sh;
                 if sh + comptime![bits] > 32 {
                     code |= codes[wg * words + w + 1] << (32 - sh);
                 }
-                let q = i32::cast_from(code & mask) - comptime![offset as i32];
+                let q = i32::cast_from(code & mask) - comptime![offset.cast_signed()];
                 #[unroll]
                 for t in 0..tile {
                     let r = r0 + t;
@@ -256,9 +256,9 @@ pub fn matmul_blocks(
                     let fi = f32::cast_from(isum);
                     if comptime![term == 0] {
                         tv = exact(fi * dw, zero) * dav;
-                    } else if comptime![term == 1] {
-                        tv = fi * (dw * dav);
-                    } else if comptime![term == 2] {
+                    } else if comptime![term == 1 || term == 2] {
+                        // `isum · (d_w · d_a)` (Q8_0) and `(d_w · d_a) · isum` (Q5_0,
+                        // Q6_K): one product of the same two floats.
                         tv = (dw * dav) * fi;
                     } else if comptime![term == 3] {
                         tv = exact((dw * dav) * fi, zero) + exact(bm[wb] * sa[ab], zero);
