@@ -549,19 +549,20 @@ impl Backend for CubeBackend {
                 // SAFETY: `x` holds `n_blocks` whole activation blocks (`n_in` is a multiple
                 // of the format's block); the code and scale buffers hold `n_blocks` blocks.
                 unsafe {
+                    let qunits = self.units.min(ablk);
                     mm::quantize_act::launch(
                         &self.client,
-                        self.ew_count(n_blocks),
-                        CubeDim::new_1d(self.ew),
+                        CubeCount::Static(u(n_blocks), 1, 1),
+                        CubeDim::new_1d(u(qunits)),
                         BufferArg::from_raw_parts(x.h.clone(), rows * w.n_in),
                         BufferArg::from_raw_parts(qa.clone(), rows * w.n_in),
                         BufferArg::from_raw_parts(da.clone(), n_blocks),
                         BufferArg::from_raw_parts(sa.clone(), n_blocks),
-                        u(n_blocks),
                         u(w.n_in),
                         0,
                         kind,
                         fmt.group,
+                        qunits,
                     );
                     // SAFETY: the weight's groups cover `[n_out, n_in]`; activations as
                     // above; `out` is `[rows, n_out]`.

@@ -13,99 +13,153 @@
 use cubecl::prelude::*;
 
 /// `(row, block)`-wise quantization of `x` (`[rows, cols]`) into codes `qa` (one i32 per
-/// value), scales `da` and, for Q8_1 (`kind` 1), `sa = f16(d · Σq)` per block.
+/// value), scales `da` and, for Q8_1 (`kind` 1), `sa = f16(d · Σq)` per block — one cube per
+/// block (`CUBE_POS_X`), its `units` units taking the block's values in turn.
+///
+/// `kind`: 0 = Q8_0, 1 = Q8_1 (32-value blocks, `d = amax/127` rounded to f16 for the dot,
+/// codes `round(x/d)` half away from zero), 2 = Q8_K (256-value blocks,
+/// `d = 1 / (−127/max)` with `max` the first value of largest magnitude, codes `nearest_int`,
+/// at most 127). The block's maximum is reduced with its first index, so it is the value the
+/// CPU backend's sequential scan keeps.
 ///
 /// `qa` is laid out for the matmul's reads: within a row, value `i` of weight group `g`
 /// (groups of `gsz` values, `ng` per row) is at `i · ng + g`, so the units of a warp, which
 /// take consecutive groups, read consecutive words.
-/// `kind`: 0 = Q8_0, 1 = Q8_1 (32-value blocks, `d = amax/127` rounded to f16 for the dot,
-/// codes `round(x/d)` half away from zero), 2 = Q8_K (256-value blocks,
-/// `d = 1 / (−127/max)`, codes `nearest_int`, at most 127).
 #[cube(launch)]
+#[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn quantize_act(
     x: &[f32],
     qa: &mut [i32],
     da: &mut [f32],
     sa: &mut [f32],
-    n_blocks: u32,
     n_in: u32,
     zero: u32,
     #[comptime] kind: u32,
     #[comptime] gsz: u32,
+    #[comptime] units: usize,
 ) {
-    let b = ABSOLUTE_POS;
-    if b < n_blocks as usize {
-        let blk = comptime![if kind == 2 { 256usize } else { 32usize }];
-        let base = b * blk;
-        let n_in = n_in as usize;
-        let ng = n_in / comptime![gsz as usize];
-        // Where value `base + i` goes: row, then (position in group, group).
-        let row0 = (base / n_in) * n_in;
-        let c0 = base % n_in;
-        let mut amax = 0.0f32;
-        let mut max = 0.0f32;
-        for i in 0..blk {
-            let v = x[base + i];
-            let av = v.abs();
-            if av > amax {
-                amax = av;
-                max = v;
+    let b = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let blk = comptime![if kind == 2 { 256usize } else { 32usize }];
+    let base = b * blk;
+    let n_in = n_in as usize;
+    let ng = n_in / comptime![gsz as usize];
+    // Where value `base + i` goes: row, then (position in group, group).
+    let row0 = (base / n_in) * n_in;
+    let c0 = base % n_in;
+    let mut s_amax = Shared::<[f32]>::new_slice(units);
+    let mut s_idx = Shared::<[u32]>::new_slice(units);
+    let mut s_sum = Shared::<[i32]>::new_slice(units);
+
+    // The first value of largest magnitude: per unit over its values in order, then reduced
+    // keeping the larger magnitude, the smaller index on ties.
+    let mut amax = 0.0f32;
+    let mut idx = u32::cast_from(blk);
+    let mut i = u;
+    while i < blk {
+        let av = x[base + i].abs();
+        if av > amax {
+            amax = av;
+            idx = u32::cast_from(i);
+        }
+        i += units;
+    }
+    s_amax[u] = amax;
+    s_idx[u] = idx;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let (a, ia) = (s_amax[u], s_idx[u]);
+            let (o, io) = (s_amax[u + stride], s_idx[u + stride]);
+            if o > a || (o == a && io < ia) {
+                s_amax[u] = o;
+                s_idx[u] = io;
             }
         }
-        if comptime![kind == 2] {
-            if amax == 0.0 {
-                for i in 0..blk {
-                    let c = c0 + i;
-                    qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] = 0;
+        sync_cube();
+        stride /= 2;
+    }
+    let amax = s_amax[0];
+    let first = s_idx[0] as usize;
+    let mut max = 0.0f32;
+    if first < blk {
+        max = x[base + first];
+    }
+
+    if comptime![kind == 2] {
+        let mut iscale = 0.0f32;
+        if amax != 0.0 {
+            iscale = -127.0f32 / max;
+        }
+        let mut i = u;
+        while i < blk {
+            let mut q = 0i32;
+            if amax != 0.0 {
+                // ggml's nearest_int (round half to even, |v| ≤ 127 here), without its
+                // `v + 1.5·2^23` trick: a compiler may fuse that add with the product into
+                // an FMA and round differently.
+                let v = exact(iscale * x[base + i], zero);
+                let fl = v.floor();
+                let frac = v - fl;
+                q = i32::cast_from(fl);
+                if frac > 0.5 || (frac == 0.5 && (q & 1) == 1) {
+                    q += 1;
                 }
+                q = min(q, 127i32);
+            }
+            let c = c0 + i;
+            qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] = q;
+            i += units;
+        }
+        if u == 0 {
+            if amax == 0.0 {
                 da[b] = 0.0;
             } else {
-                let iscale = -127.0f32 / max;
-                for i in 0..blk {
-                    // ggml's nearest_int (round half to even, |v| ≤ 127 here), without its
-                    // `v + 1.5·2^23` trick: a compiler may fuse that add with the product
-                    // into an FMA and round differently.
-                    let v = exact(iscale * x[base + i], zero);
-                    let fl = v.floor();
-                    let frac = v - fl;
-                    let mut q = i32::cast_from(fl);
-                    if frac > 0.5 || (frac == 0.5 && (q & 1) == 1) {
-                        q += 1;
-                    }
-                    let c = c0 + i;
-                    qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] =
-                        min(q, 127i32);
-                }
                 da[b] = 1.0f32 / iscale;
             }
-        } else {
-            let d = amax / 127.0f32;
-            let mut id = 0.0f32;
-            if d != 0.0 {
-                id = 1.0f32 / d;
+        }
+    } else {
+        let d = amax / 127.0f32;
+        let mut id = 0.0f32;
+        if d != 0.0 {
+            id = 1.0f32 / d;
+        }
+        let mut sum = 0i32;
+        let mut i = u;
+        while i < blk {
+            // roundf: half away from zero, exactly (x − trunc(x) is exact).
+            let v = exact(x[base + i] * id, zero);
+            let av = v.abs();
+            let t = av.trunc();
+            let mut r = t;
+            if av - t >= 0.5 {
+                r = t + 1.0;
             }
-            let mut sum = 0i32;
-            for i in 0..blk {
-                // roundf: half away from zero, exactly (x − trunc(x) is exact).
-                let v = exact(x[base + i] * id, zero);
-                let av = v.abs();
-                let t = av.trunc();
-                let mut r = t;
-                if av - t >= 0.5 {
-                    r = t + 1.0;
-                }
-                let mut q = i32::cast_from(r);
-                if v < 0.0 {
-                    q = -q;
-                }
-                let c = c0 + i;
-                qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] = q;
-                sum += q;
+            let mut q = i32::cast_from(r);
+            if v < 0.0 {
+                q = -q;
             }
-            let dh = f32::cast_from(half::f16::cast_from(d));
-            da[b] = dh;
+            let c = c0 + i;
+            qa[row0 + (c % comptime![gsz as usize]) * ng + c / comptime![gsz as usize]] = q;
+            sum += q;
+            i += units;
+        }
+        s_sum[u] = sum;
+        sync_cube();
+        let mut stride = CUBE_DIM_X as usize / 2;
+        while stride > 0 {
+            if u < stride {
+                let o = s_sum[u + stride];
+                s_sum[u] += o;
+            }
+            sync_cube();
+            stride /= 2;
+        }
+        if u == 0 {
+            da[b] = f32::cast_from(half::f16::cast_from(d));
             if comptime![kind == 1] {
-                sa[b] = f32::cast_from(half::f16::cast_from(f32::cast_from(sum) * d));
+                sa[b] = f32::cast_from(half::f16::cast_from(f32::cast_from(s_sum[0]) * d));
             }
         }
     }
