@@ -13,7 +13,8 @@ use crate::util::{Steps, cargo, display, run_cmd, succeeds};
 use crate::{CiArgs, FuzzArgs, fuzz};
 
 pub fn run(args: &CiArgs) -> Result<()> {
-    let mut steps = Steps::new(8);
+    let mut steps = Steps::new(9);
+    steps.step("llvm for cubecl", ensure_llvm)?;
     steps.step("fmt", || {
         run_cmd(&mut cargo(["fmt", "--all", "--", "--check"]))?;
         run_cmd(&mut cargo([
@@ -141,6 +142,22 @@ pub fn run(args: &CiArgs) -> Result<()> {
     steps.summary();
     println!("ci: all checks passed");
     Ok(())
+}
+
+/// Makes sure cubecl-llvm's build finds an LLVM without downloading one: nothing to do when
+/// `.ci/install-llvm.sh` (or a download) already filled the bundler's directory, else runs
+/// the script (Debian's `llvm-22-dev`; needs root and apt).
+fn ensure_llvm() -> Result<()> {
+    let data = std::env::var_os("XDG_DATA_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".local/share")))
+        .context("neither XDG_DATA_HOME nor HOME is set")?;
+    let marker = data.join("tracel/tracel-llvm-23.1.0-4/.tracel-llvm-installed");
+    if marker.exists() {
+        println!("LLVM for cubecl: {}", marker.parent().unwrap_or(&marker).display());
+        return Ok(());
+    }
+    run_cmd(Command::new("bash").arg(crate::util::repo_root().join(".ci/install-llvm.sh")))
 }
 
 /// Runs nextest with its log forwarded through [`SuccessOutput`].
