@@ -154,7 +154,10 @@ fn ensure_llvm() -> Result<()> {
         .context("neither XDG_DATA_HOME nor HOME is set")?;
     let marker = data.join("tracel/tracel-llvm-23.1.0-4/.tracel-llvm-installed");
     if marker.exists() {
-        println!("LLVM for cubecl: {}", marker.parent().unwrap_or(&marker).display());
+        println!(
+            "LLVM for cubecl: {}",
+            marker.parent().unwrap_or(&marker).display()
+        );
         return Ok(());
     }
     run_cmd(Command::new("bash").arg(crate::util::repo_root().join(".ci/install-llvm.sh")))
