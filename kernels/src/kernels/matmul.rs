@@ -184,7 +184,7 @@ pub(crate) fn exact(x: f32, zero: u32) -> f32 {
 /// (`CUBE_POS_Y`). The row is walked in segments of `seg` blocks: all units form the groups'
 /// integer sums, then each block's term, then one unit per activation row adds the terms in
 /// order. Weights: `codes`, `bd` (`d` per block), `bm` (`m` / `dmin`), `gsc`, `gmn` (integer
-/// scale and min per group); activations: `qa`, `da`, `sa` from [`quantize_act`].
+/// scale and min per group); activations: `qa`, `da`, `sa` from [`quantize_act()`].
 #[cube(launch)]
 #[allow(
     clippy::too_many_arguments,
@@ -350,7 +350,7 @@ pub fn matmul_blocks(
 
 /// `out = x · wᵀ` for f32 weights (f16 and bf16 weights are widened at upload): each
 /// product rounded to f32 and summed in f64, rounded once at the end — specula-quant's
-/// scalar float dot product. Same tiling as [`matmul_blocks`], the units' partial sums
+/// scalar float dot product. Same tiling as [`matmul_blocks()`], the units' partial sums
 /// added by a fixed tree.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
