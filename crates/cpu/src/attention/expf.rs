@@ -6,8 +6,8 @@
 //! entries' exponent fields take `k / 32`, and `2^(r/32)` a cubic, the result rounded once to
 //! f32. With FMA (glibc's `__expf_fma`, which x86-64 CPUs with FMA run) the multiply of `x` by
 //! `32/ln 2` is fused into both the rounding and the reduction, and the cubic is three fused
-//! multiply-adds; [`expf`] writes down exactly those operations, and the AVX2 loop
-//! ([`x86::exp_sub_256`]) does them in four double lanes. So the weights are those the scalar
+//! multiply-adds; `expf` writes down exactly those operations, and the AVX2 loop
+//! (`x86::exp_sub_256`) does them in four double lanes. So the weights are those the scalar
 //! `f32::exp` gave on such machines (the tests compare with it wherever the C library is glibc
 //! on an FMA CPU), and they are the same bits on every CPU the AVX2 path runs on, whatever
 //! its C library.
@@ -106,7 +106,7 @@ pub(crate) mod x86 {
 
     use super::{C0, C1, C2, INV_LN2_N, OFLOW, SHIFT, TAB, UFLOW, expf};
 
-    /// `e^x` of four f32 in double lanes: [`expf`]'s operations, without its special cases.
+    /// `e^x` of four f32 in double lanes: `expf`'s operations, without its special cases.
     #[inline]
     #[target_feature(enable = "avx2,fma")]
     fn exp4(x: __m128) -> __m128 {
@@ -128,7 +128,7 @@ pub(crate) mod x86 {
         _mm256_cvtpd_ps(_mm256_mul_pd(y, s))
     }
 
-    /// `e^x` of eight f32: [`expf`], its special cases by blends (NaN stays NaN through the
+    /// `e^x` of eight f32: `expf`, its special cases by blends (NaN stays NaN through the
     /// arithmetic).
     #[inline]
     #[target_feature(enable = "avx2,fma")]
@@ -142,7 +142,7 @@ pub(crate) mod x86 {
         _mm256_andnot_ps(under, y)
     }
 
-    /// `s[i] = e^(s[i] − m)`, eight at a time, the tail by [`expf`].
+    /// `s[i] = e^(s[i] − m)`, eight at a time, the tail by `expf`.
     ///
     /// # Safety
     /// The CPU must support AVX2 and FMA.
