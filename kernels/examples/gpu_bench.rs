@@ -259,19 +259,7 @@ fn main() -> Res<()> {
     let depths: &[usize] = if small { &[1, 512] } else { &[1, 8192, 32768] };
     for ty in [QType::F16, QType::F32] {
         for &depth in depths {
-            let shape = KvShape {
-                n_layer: 1,
-                n_ctx: depth + 1,
-                n_kv_head: n_kv,
-                head_dim_k: hd,
-                head_dim_v: hd,
-                k_type: ty,
-                v_type: ty,
-                overrides: Vec::new(),
-                swa: None,
-                recurrent: None,
-                heads: Vec::new(),
-            };
+            let shape = KvShape::uniform(1, depth + 1, n_kv, hd, ty, ty);
             let mut kv = be.kv_new(shape)?;
             let kvv: Vec<f32> = (0..(depth + 1) * n_kv * hd)
                 .map(|i| ((i % 29) as f32 - 14.0) / 14.0)

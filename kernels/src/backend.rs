@@ -328,6 +328,16 @@ impl Backend for CubeBackend {
                 got: desc.data.len(),
             });
         }
+        if u32::try_from(n).is_err() {
+            return Err(TensorError::Unsupported {
+                backend: self.name,
+                what: format!(
+                    "weight `{}` of {n} values (the kernels index with 32 bits: at most {})",
+                    desc.name,
+                    u32::MAX
+                ),
+            });
+        }
         let data = match desc.ty {
             QType::F32 | QType::F16 | QType::BF16 => {
                 let mut v = vec![0f32; n];

@@ -378,19 +378,7 @@ pub fn conformance<B: Backend>(be: &B) {
             (Mask::None, Some(50.0), 6, 1, 128),
         ] {
             let (n_ctx, depth, n_q) = (600, 530, 37);
-            let shape = KvShape {
-                n_layer: 2,
-                n_ctx,
-                n_kv_head: n_kv,
-                head_dim_k: hd,
-                head_dim_v: hd,
-                k_type: ty,
-                v_type: ty,
-                overrides: Vec::new(),
-                swa: None,
-                recurrent: None,
-                heads: Vec::new(),
-            };
+            let shape = KvShape::uniform(2, n_ctx, n_kv, hd, ty, ty);
             let (mut kb, mut kc) = (
                 be.kv_new(shape.clone()).unwrap(),
                 cpu.kv_new(shape).unwrap(),

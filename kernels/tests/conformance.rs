@@ -25,19 +25,7 @@ fn cuda_conforms_when_asked() {
 #[test]
 fn unsupported_caches_and_devices_are_precise_errors() {
     let be = CubeBackend::cpu().unwrap();
-    let shape = KvShape {
-        n_layer: 1,
-        n_ctx: 8,
-        n_kv_head: 1,
-        head_dim_k: 32,
-        head_dim_v: 32,
-        k_type: QType::Q8_0,
-        v_type: QType::F16,
-        overrides: Vec::new(),
-        swa: None,
-        recurrent: None,
-        heads: Vec::new(),
-    };
+    let shape = KvShape::uniform(1, 8, 1, 32, QType::Q8_0, QType::F16);
     let Err(e) = be.kv_new(shape) else {
         panic!("a q8_0 cache was accepted")
     };

@@ -358,6 +358,33 @@ pub struct SwaCells {
 }
 
 impl KvShape {
+    /// A cache whose every layer has `n_ctx` cells of `n_kv_head` heads of `head_dim` values
+    /// for K and V, in `k_type` / `v_type` (no overrides, rings, recurrent layers or per-layer
+    /// heads).
+    #[must_use]
+    pub fn uniform(
+        n_layer: usize,
+        n_ctx: usize,
+        n_kv_head: usize,
+        head_dim: usize,
+        k_type: QType,
+        v_type: QType,
+    ) -> Self {
+        Self {
+            n_layer,
+            n_ctx,
+            n_kv_head,
+            head_dim_k: head_dim,
+            head_dim_v: head_dim,
+            k_type,
+            v_type,
+            overrides: Vec::new(),
+            swa: None,
+            recurrent: None,
+            heads: Vec::new(),
+        }
+    }
+
     /// The K and V formats of layer `l`.
     #[must_use]
     pub fn layer_types(&self, l: usize) -> (QType, QType) {

@@ -2,7 +2,7 @@
 
 use cubecl::prelude::*;
 
-use super::matmul::exact;
+use super::matmul::{exact, tree_sum};
 
 /// `out[r] = x[r] · (1/√(mean(x[r]²) + eps)) · w` over groups of `group` columns: one cube
 /// per (row, group) (`CUBE_POS_X` = row · groups + group). `has_w`: multiply by `w`
@@ -31,16 +31,7 @@ pub fn rms_norm(
         i += units;
     }
     sm[u] = s;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if u < stride {
-            let o = sm[u + stride];
-            sm[u] += o;
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    tree_sum(&mut sm, u);
     let mean = f32::cast_from(sm[0] / f64::cast_from(group));
     let scale = 1.0f32 / (mean + eps).sqrt();
     let mut i = u;

@@ -146,22 +146,29 @@ pub fn quantize_act(
             i += units;
         }
         s_sum[u] = sum;
-        sync_cube();
-        let mut stride = CUBE_DIM_X as usize / 2;
-        while stride > 0 {
-            if u < stride {
-                let o = s_sum[u + stride];
-                s_sum[u] += o;
-            }
-            sync_cube();
-            stride /= 2;
-        }
+        tree_sum(&mut s_sum, u);
         if u == 0 {
             da[b] = f32::cast_from(half::f16::cast_from(d));
             if comptime![kind == 1] {
                 sa[b] = f32::cast_from(half::f16::cast_from(f32::cast_from(s_sum[0]) * d));
             }
         }
+    }
+}
+
+/// `sm[0] = Σ sm[0..CUBE_DIM_X]` by a fixed tree (strides halving from `CUBE_DIM_X / 2`, a
+/// power of two); every unit of the cube calls it, after writing its own `sm[u]`.
+#[cube]
+pub(crate) fn tree_sum<N: Numeric>(sm: &mut Shared<[N]>, u: usize) {
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let o = sm[u + stride];
+            sm[u] += o;
+        }
+        sync_cube();
+        stride /= 2;
     }
 }
 
