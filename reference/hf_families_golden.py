@@ -486,23 +486,36 @@ def meta_qwen35(cfg, name, moe=False):
 # ----------------------------------------------------------------------------------------------
 
 GEMMA4_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+GEMMA4_PLE_LAYERS = ["sliding_attention", "sliding_attention", "full_attention"] * 2
 
 
-def config_gemma4(tf):
-    return tf.Gemma4TextConfig(
-        vocab_size=N_VOCAB, hidden_size=N_EMBD, intermediate_size=64, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=32,
-        num_global_key_value_heads=1, attention_k_eq_v=True, sliding_window=8,
-        layer_types=list(GEMMA4_LAYERS),
+def config_gemma4(tf, variant="moe"):
+    kw = dict(
+        vocab_size=N_VOCAB, hidden_size=N_EMBD, intermediate_size=64,
+        num_attention_heads=4, head_dim=16, global_head_dim=32, sliding_window=8,
         rope_parameters={
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
             "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                "rope_theta": 1e6}},
-        final_logit_softcapping=30.0, enable_moe_block=True, num_experts=4, top_k_experts=2,
-        moe_intermediate_size=32, hidden_size_per_layer_input=0, vocab_size_per_layer_input=N_VOCAB,
-        num_kv_shared_layers=0, use_double_wide_mlp=False, tie_word_embeddings=True,
-        max_position_embeddings=N_CTX, rms_norm_eps=RMS_EPS, hidden_activation="gelu_pytorch_tanh",
-        attention_bias=False, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        final_logit_softcapping=30.0, vocab_size_per_layer_input=N_VOCAB,
+        tie_word_embeddings=True, max_position_embeddings=N_CTX, rms_norm_eps=RMS_EPS,
+        hidden_activation="gelu_pytorch_tanh", attention_bias=False, bos_token_id=0,
+        eos_token_id=0, pad_token_id=0)
+    if variant == "moe":
+        # 26B-A4B / 31B-like: K = V on the global layers, experts beside the MLP
+        kw.update(
+            num_hidden_layers=4, num_key_value_heads=2, num_global_key_value_heads=1,
+            attention_k_eq_v=True, layer_types=list(GEMMA4_LAYERS), enable_moe_block=True,
+            num_experts=4, top_k_experts=2, moe_intermediate_size=32,
+            hidden_size_per_layer_input=0, num_kv_shared_layers=0, use_double_wide_mlp=False)
+    else:
+        # E2B / E4B-like: per-layer inputs, the last 3 layers read the K/V of the last earlier
+        # layer of their type (1 for sliding, 2 for global), whose MLPs are twice as wide
+        kw.update(
+            num_hidden_layers=6, num_key_value_heads=1, num_global_key_value_heads=1,
+            attention_k_eq_v=False, layer_types=list(GEMMA4_PLE_LAYERS), enable_moe_block=False,
+            hidden_size_per_layer_input=8, num_kv_shared_layers=3, use_double_wide_mlp=True)
+    return tf.Gemma4TextConfig(**kw)
 
 
 def gemma4_layer_dims(cfg, b):
@@ -511,6 +524,27 @@ def gemma4_layer_dims(cfg, b):
     hd, kv = lc.head_dim, lc.num_key_value_heads
     full = cfg.layer_types[b] == "full_attention"
     return hd, kv, not (full and cfg.attention_k_eq_v)
+
+
+def gemma4_global_kv_named(cfg):
+    """Whether config.json gives the global layers' K/V heads (num_global_key_value_heads, or
+    num_key_value_heads in a full-attention layer's per_layer_config)."""
+    d = json.loads(cfg.to_json_string(use_diff=False))
+    if d.get("num_global_key_value_heads") is not None:
+        return True
+    plc = d.get("per_layer_config") or {}
+    return any(int(i) < len(cfg.layer_types) and cfg.layer_types[int(i)] == "full_attention"
+               and "num_key_value_heads" in c for i, c in plc.items())
+
+
+def gemma4_shared(cfg, b):
+    """Whether layer b reads an earlier layer's K/V (Gemma4TextConfig.kv_sharing_modes)."""
+    return cfg.kv_sharing_modes[b] == "reuse"
+
+
+def gemma4_ff(cfg, b):
+    """The MLP width of layer b: doubled on the KV-shared layers with use_double_wide_mlp."""
+    return cfg.intermediate_size * (2 if cfg.use_double_wide_mlp and gemma4_shared(cfg, b) else 1)
 
 
 def gemma4_rope_freqs(cfg):
@@ -524,38 +558,65 @@ def gemma4_rope_freqs(cfg):
 
 
 def layout_gemma4(cfg):
-    E, I, F = cfg.num_experts, cfg.moe_intermediate_size, cfg.intermediate_size
-    nh = cfg.num_attention_heads
+    E, I = cfg.num_experts, cfg.moe_intermediate_size
+    nh, L, P = cfg.num_attention_heads, cfg.num_hidden_layers, cfg.hidden_size_per_layer_input
+    moe = cfg.enable_moe_block
     rf = gemma4_rope_freqs(cfg)
-    # generate_extra_tensors first, then the checkpoint tensors sorted by name (tied: no output)
+    # generate_extra_tensors first, then the checkpoint tensors sorted by HF name (tied: no
+    # output): embed_tokens, embed_tokens_per_layer, layers.*, norm, per_layer_model_projection,
+    # per_layer_projection_norm
     out = [T("rope_freqs.weight", (len(rf),), "derived", None, rf),
            T("token_embd.weight", (N_VOCAB, N_EMBD))]
-    for b in range(cfg.num_hidden_layers):
+    if P:
+        out.append(T("per_layer_token_embd.weight", (N_VOCAB, L * P)))
+    for b in range(L):
         p = f"blk.{b}."
         hd, kv, has_v = gemma4_layer_dims(cfg, b)
+        F = gemma4_ff(cfg, b)
         attn = attn_tensors(b, nh * hd, kv * hd, nh * hd, hd)
-        if not has_v:
+        if gemma4_shared(cfg, b):  # no k_proj, v_proj, k_norm (nor v_norm, weightless)
+            attn = [t for t in attn if ".attn_k" not in t["name"] and ".attn_v." not in t["name"]]
+        elif not has_v:
             attn = attn[:-1]
-        out += [
+        experts = [
             T(p + "ffn_down_exps.weight", (E, N_EMBD, I)),      # experts.down_proj
             T(p + "ffn_gate_up_exps.weight", (E, 2 * I, N_EMBD)),  # experts.gate_up_proj (fused)
+        ] if moe else []
+        ple = [
+            T(p + "inp_gate.weight", (P, N_EMBD)),              # per_layer_input_gate
+            T(p + "proj.weight", (N_EMBD, P)),                  # per_layer_projection
+        ] if P else []
+        out += [
+            *experts,
             T(p + "attn_norm.weight", (N_EMBD,)),               # input_layernorm
             T(p + "layer_output_scale.weight", (1,)),            # layer_scalar
             T(p + "ffn_down.weight", (N_EMBD, F)),
             T(p + "ffn_gate.weight", (F, N_EMBD)),
             T(p + "ffn_up.weight", (F, N_EMBD)),
+            *ple,
             T(p + "post_attention_norm.weight", (N_EMBD,)),     # post_attention_layernorm
             T(p + "post_ffw_norm.weight", (N_EMBD,)),           # post_feedforward_layernorm
-            T(p + "post_ffw_norm_1.weight", (N_EMBD,)),         # post_feedforward_layernorm_1
-            T(p + "post_ffw_norm_2.weight", (N_EMBD,)),         # post_feedforward_layernorm_2
-            T(p + "ffn_norm.weight", (N_EMBD,)),                # pre_feedforward_layernorm
-            T(p + "pre_ffw_norm_2.weight", (N_EMBD,)),          # pre_feedforward_layernorm_2
-            T(p + "ffn_down_exps.scale", (E,)),                 # router.per_expert_scale
-            T(p + "ffn_gate_inp.weight", (E, N_EMBD)),          # router.proj
-            T(p + "ffn_gate_inp.scale", (N_EMBD,)),             # router.scale
-            *attn,
         ]
+        if moe:
+            out += [
+                T(p + "post_ffw_norm_1.weight", (N_EMBD,)),     # post_feedforward_layernorm_1
+                T(p + "post_ffw_norm_2.weight", (N_EMBD,)),     # post_feedforward_layernorm_2
+            ]
+        if P:
+            out.append(T(p + "post_norm.weight", (N_EMBD,)))  # post_per_layer_input_norm
+        out.append(T(p + "ffn_norm.weight", (N_EMBD,)))       # pre_feedforward_layernorm
+        if moe:
+            out += [
+                T(p + "pre_ffw_norm_2.weight", (N_EMBD,)),      # pre_feedforward_layernorm_2
+                T(p + "ffn_down_exps.scale", (E,)),             # router.per_expert_scale
+                T(p + "ffn_gate_inp.weight", (E, N_EMBD)),      # router.proj
+                T(p + "ffn_gate_inp.scale", (N_EMBD,)),         # router.scale
+            ]
+        out += attn
     out.append(T("output_norm.weight", (N_EMBD,)))
+    if P:
+        out += [T("per_layer_model_proj.weight", (L * P, N_EMBD)),
+                T("per_layer_proj_norm.weight", (P,))]
     return out
 
 
@@ -572,6 +633,8 @@ GEMMA4_HF = {
     "pre_ffw_norm_2.weight": "pre_feedforward_layernorm_2.weight",
     "ffn_down_exps.scale": "router.per_expert_scale", "ffn_gate_inp.weight": "router.proj.weight",
     "ffn_gate_inp.scale": "router.scale",
+    "inp_gate.weight": "per_layer_input_gate.weight", "proj.weight": "per_layer_projection.weight",
+    "post_norm.weight": "post_per_layer_input_norm.weight",
     **{k + ".weight": f"self_attn.{v}.weight" for k, v in ATTN_HF.items()},
 }
 
@@ -581,10 +644,15 @@ def hf_gemma4(np, cfg, g):
     # the checkpoint as in the GGUF, rope_freqs is not a weight of HF (derived from the config).
     out = {}
     hf_common(np, g, out)
+    ple = {"per_layer_token_embd.weight": "model.embed_tokens_per_layer.weight",
+           "per_layer_model_proj.weight": "model.per_layer_model_projection.weight",
+           "per_layer_proj_norm.weight": "model.per_layer_projection_norm.weight"}
     for name, x in g.items():
         if name.startswith("blk."):
             _, b, rest = name.split(".", 2)
             out[f"model.layers.{b}.{GEMMA4_HF[rest]}"] = x
+        elif name in ple:
+            out[ple[name]] = x
     return out
 
 
@@ -595,20 +663,26 @@ def meta_gemma4(cfg, name):
     dims = [gemma4_layer_dims(cfg, b) for b in range(cfg.num_hidden_layers)]
     hd_full = dims[cfg.layer_types.index("full_attention")][0]
     hd_swa = dims[cfg.layer_types.index("sliding_attention")][0]  # the global head_dim
+    ff = [gemma4_ff(cfg, b) for b in range(cfg.num_hidden_layers)]
     # Keys in the order of their first insertion: TextModel.set_gguf_parameters, then
     # Gemma3Model and Gemma4Model overwrite some (key_length, head_count_kv) in place.
     return head_meta(a, name) + [
         U32(f"{a}.block_count", cfg.num_hidden_layers),
         U32(f"{a}.context_length", N_CTX),
         U32(f"{a}.embedding_length", N_EMBD),
-        U32(f"{a}.feed_forward_length", cfg.intermediate_size),
+        # Gemma4Model replaces it in place by an array when use_double_wide_mlp
+        ARR(f"{a}.feed_forward_length", "INT32", ff) if cfg.use_double_wide_mlp
+        else U32(f"{a}.feed_forward_length", cfg.intermediate_size),
         U32(f"{a}.attention.head_count", cfg.num_attention_heads),
-        ARR(f"{a}.attention.head_count_kv", "INT32", [d[1] for d in dims]),
+        # an array where the saved config names the global layers' K/V heads, as
+        # Gemma4Model.set_gguf_parameters reads it (else TextModel's one value stays)
+        ARR(f"{a}.attention.head_count_kv", "INT32", [d[1] for d in dims])
+        if gemma4_global_kv_named(cfg) else U32(f"{a}.attention.head_count_kv", dims[0][1]),
         F32(f"{a}.rope.freq_base", rp["full_attention"]["rope_theta"]),
         F32(f"{a}.rope.freq_base_swa", rp["sliding_attention"]["rope_theta"]),
         F32(f"{a}.attention.layer_norm_rms_epsilon", RMS_EPS),
-        U32(f"{a}.expert_count", cfg.num_experts),
-        U32(f"{a}.expert_used_count", cfg.top_k_experts),
+        *([U32(f"{a}.expert_count", cfg.num_experts),
+           U32(f"{a}.expert_used_count", cfg.top_k_experts)] if cfg.enable_moe_block else []),
         U32(f"{a}.attention.key_length", hd_full),
         U32(f"{a}.attention.value_length", hd_full),
         U32("general.file_type", 0),
@@ -619,7 +693,8 @@ def meta_gemma4(cfg, name):
         ARR(f"{a}.attention.sliding_window_pattern", "BOOL", swa),
         U32(f"{a}.attention.key_length_swa", hd_swa),
         U32(f"{a}.attention.value_length_swa", hd_swa),
-        U32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size),
+        *([U32(f"{a}.expert_feed_forward_length", cfg.moe_intermediate_size)]
+          if cfg.enable_moe_block else []),
         U32(f"{a}.rope.dimension_count", hd_full),
         U32(f"{a}.rope.dimension_count_swa",
             int(hd_swa * rp.get("partial_rotary_factor", 1.0))),
@@ -812,6 +887,14 @@ MODELS = {
         "converter": "conversion/gemma.py Gemma4Model (Gemma3Model.modify_tensors, "
                      "generate_extra_tensors)",
         "router": ("router", "probs"),
+    },
+    "gemma4_ple": {
+        "arch": "gemma4", "hf_class": "Gemma4ForCausalLM",
+        "config": lambda tf: config_gemma4(tf, "ple"),
+        "layout": layout_gemma4, "to_hf": hf_gemma4, "meta": meta_gemma4,
+        "converter": "conversion/gemma.py Gemma4Model (Gemma3Model.modify_tensors, "
+                     "generate_extra_tensors)",
+        "router": None,
     },
     "laguna": {
         "arch": "laguna", "hf_class": "LagunaForCausalLM",

@@ -99,6 +99,7 @@ fn cache(be: &CpuBackend, ty: QType, n: usize, h: Heads, n_layer: usize) -> CpuK
         swa: None,
         recurrent: None,
         heads: Vec::new(),
+        shared: Vec::new(),
     };
     let mut kv = be.kv_new(shape).expect("cache");
     let w = h.n_kv_head * h.hd;

@@ -30,6 +30,7 @@ fn shape(c: &Case, n_ctx: usize) -> KvShape {
         swa: None,
         recurrent: None,
         heads: Vec::new(),
+        shared: Vec::new(),
     }
 }
 

@@ -28,6 +28,7 @@ fn shape(k: QType, v: QType, n_ctx: usize) -> KvShape {
         swa: None,
         recurrent: None,
         heads: Vec::new(),
+        shared: Vec::new(),
     }
 }
 

@@ -158,6 +158,7 @@ fn attention_is_batch_invariant() {
                 swa: None,
                 recurrent: None,
                 heads: Vec::new(),
+                shared: Vec::new(),
             };
             let mut kv = one.kv_new(shape).unwrap();
             let kw = n_kv_head * hd;

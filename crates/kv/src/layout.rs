@@ -295,6 +295,26 @@ impl KvLayout {
                 shape.n_layer
             )));
         }
+        if !shape.shared.is_empty() && shape.shared.len() != shape.n_layer {
+            return Err(KvError::Shape(format!(
+                "KV sharing given for {} of {} layers",
+                shape.shared.len(),
+                shape.n_layer
+            )));
+        }
+        for (l, src) in shape.shared.iter().enumerate() {
+            if let Some(src) = *src
+                && (src >= l
+                    || shape.shared_source(src).is_some()
+                    || shape.is_recurrent(src)
+                    || shape.is_recurrent(l)
+                    || shape.layer_heads(src) != shape.layer_heads(l))
+            {
+                return Err(KvError::Shape(format!(
+                    "layer {l} reads the cells of layer {src}, which must be an earlier layer with cells of its own and the same heads"
+                )));
+            }
+        }
         let layers = types
             .iter()
             .enumerate()
@@ -325,6 +345,9 @@ impl KvLayout {
     /// Bytes one token (cell) takes in layer `l`, K and V together.
     #[must_use]
     pub fn bytes_per_token_layer(&self, l: usize) -> usize {
+        if self.shape.shared_source(l).is_some() {
+            return 0;
+        }
         let ly = &self.layers[l];
         self.shape.layer_heads(l).n_kv_head * (ly.k_head_bytes + ly.v_head_bytes)
     }
@@ -377,6 +400,7 @@ impl KvLayout {
     )]
     pub fn bits_per_value(&self) -> f64 {
         let values: usize = (0..self.layers.len())
+            .filter(|&l| self.shape.shared_source(l).is_none())
             .map(|l| {
                 let h = self.shape.layer_heads(l);
                 h.n_kv_head * (h.head_dim_k + h.head_dim_v)

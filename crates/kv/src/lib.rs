@@ -26,7 +26,7 @@
 //! let shape = KvShape {
 //!     n_layer: 30, n_ctx: 4096, n_kv_head: 3, head_dim_k: 64, head_dim_v: 64,
 //!     k_type: parse_cache_type("q8_0")?, v_type: parse_cache_type("turbo4")?,
-//!     overrides: Vec::new(), swa: None, recurrent: None, heads: Vec::new(),
+//!     overrides: Vec::new(), swa: None, recurrent: None, heads: Vec::new(), shared: Vec::new(),
 //! };
 //! let layout = KvLayout::new(&shape)?;
 //! // q8_0: 34 bytes per 32 values; turbo4: 66 bytes per 128 values, 64-wide heads padded.

@@ -16,6 +16,7 @@ fn shape(hd: usize, k: QType, v: QType) -> KvShape {
         swa: None,
         recurrent: None,
         heads: Vec::new(),
+        shared: Vec::new(),
     }
 }
 

@@ -769,6 +769,7 @@ impl<B: Backend> Dflash<B> {
             swa: None,
             recurrent: None,
             heads: Vec::new(),
+            shared: Vec::new(),
         }
     }
 

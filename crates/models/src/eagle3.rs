@@ -333,6 +333,7 @@ impl<B: Backend> Eagle3<B> {
             swa: None,
             recurrent: None,
             heads: Vec::new(),
+            shared: Vec::new(),
         }
     }
 

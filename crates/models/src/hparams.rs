@@ -136,6 +136,9 @@ pub struct Hparams {
     /// Multi-token-prediction blocks stored after the `n_layer` trunk blocks
     /// (`nextn_predict_layers`): their tensors are in the file, unused here.
     pub n_mtp: usize,
+    /// Values of each layer's per-layer input (Gemma 4 E2B / E4B,
+    /// `embedding_length_per_layer_input`); `None` when the model has none.
+    pub per_layer_input: Option<usize>,
 }
 
 /// The sliding-window layers of a model and their attention window (llama.cpp
@@ -573,6 +576,17 @@ impl Hparams {
             Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::Laguna => {
                 opt_usize(md, &k("feed_forward_length"))?.unwrap_or(0)
             }
+            // One width per layer where the KV-shared layers' MLPs are twice as wide
+            // (`use_double_wide_mlp`): the first here, each layer's in its spec.
+            Arch::Gemma4 => match first_count(md, &k("feed_forward_length"))? {
+                Some(0) => return Err(int_bound(&k("feed_forward_length"), 0, "at least 1")),
+                Some(n) => n,
+                None => {
+                    return Err(ModelError::MissingKey {
+                        key: k("feed_forward_length"),
+                    });
+                }
+            },
             _ => count(md, &k("feed_forward_length"))?,
         };
         let mut hp = Self {
@@ -595,6 +609,12 @@ impl Hparams {
             swa,
             layers: Vec::new(),
             n_mtp,
+            per_layer_input: match arch {
+                Arch::Gemma4 => {
+                    opt_usize(md, &k("embedding_length_per_layer_input"))?.filter(|&n| n > 0)
+                }
+                _ => None,
+            },
             final_softcap: match arch {
                 Arch::Gemma4 => scale_f32(md, &k("final_logit_softcapping"))?
                     .filter(|&c| c != 0.0)

@@ -364,6 +364,31 @@ struct Layer<W> {
     ffn_norm: W,
     ffn: Ffn<W>,
     post_ffw_norm: Option<W>,
+    /// The layer's per-layer input gate (Gemma 4 E2B / E4B, [`Hparams::per_layer_input`]).
+    input: Option<LayerInput<W>>,
+}
+
+/// How a layer takes in its per-layer input after its FFN (llama.cpp `gemma4.cpp`):
+/// `x += post_norm(proj(gelu(inp_gate · x) ⊙ input))`.
+#[derive(Debug)]
+struct LayerInput<W> {
+    gate: Linear<W>,
+    proj: Linear<W>,
+    post_norm: W,
+}
+
+/// The model-wide tensors of per-layer inputs (Gemma 4 E2B / E4B): every layer's input of
+/// `width` values is `(rms_norm(proj · x₀ / √n_embd) + embd[token] · √width) / √2`, from the
+/// scaled token embedding `x₀` (llama.cpp `project_per_layer_inputs`).
+#[derive(Debug)]
+struct PerLayerInputs<W> {
+    /// `per_layer_token_embd`: `n_layer · width` values per token.
+    embd: W,
+    /// `per_layer_model_proj`: `n_embd → n_layer · width`.
+    proj: Linear<W>,
+    /// `per_layer_proj_norm`: the norm of each layer's `width` projected values.
+    norm: W,
+    width: usize,
 }
 
 /// The weights of a layer's mixer.
@@ -397,8 +422,10 @@ struct AttnWeights<W> {
     /// `attn_gate`: Laguna's softplus output gate.
     gate: Option<Linear<W>>,
     wq: Linear<W>,
-    wk: Linear<W>,
-    /// `None` where V is the K projection ([`AttnSpec::v_from_k`]).
+    /// `None` in a layer that reads another layer's K/V ([`AttnSpec::kv_source`]).
+    wk: Option<Linear<W>>,
+    /// `None` where V is the K projection ([`AttnSpec::v_from_k`]) or comes from another
+    /// layer.
     wv: Option<Linear<W>>,
     /// Ones of a V head's size: the weight of the unweighted V norm ([`AttnSpec::v_norm`]).
     v_norm: Option<W>,
@@ -492,6 +519,19 @@ pub struct Scratch<B: Backend> {
     dn: DeltaBuffers<B>,
     /// The buffers of Gemma 4's parallel FFN.
     par: ParallelBuffers<B>,
+    /// The buffers of per-layer inputs.
+    inputs: InputBuffers<B>,
+}
+
+/// Per-layer inputs: every layer's (`[n_tokens, n_layer · width]`), the token part of them,
+/// and one layer's gate, slice and gated product.
+#[derive(Debug)]
+struct InputBuffers<B: Backend> {
+    all: B::Tensor,
+    embd: B::Tensor,
+    gate: B::Tensor,
+    slice: B::Tensor,
+    act: B::Tensor,
 }
 
 /// Gemma 4's parallel FFN: the dense MLP's normed output, the router's input, the experts'.
@@ -585,6 +625,8 @@ pub struct Model<B: Backend> {
     /// ([`Model::restrict_head`]); `None` when row `i` is token `i`.
     head_ids: Option<Vec<u32>>,
     layers: Vec<Layer<B::Weight>>,
+    /// Per-layer inputs (Gemma 4 E2B / E4B).
+    inputs: Option<PerLayerInputs<B::Weight>>,
     file: Arc<Gguf>,
 }
 
@@ -690,7 +732,14 @@ impl<'a, B: Backend> Loader<'a, B> {
     }
 
     /// The tensors of layer `il` that `spec` names (`blk.<il>.…`).
-    fn layer(&self, arch: &str, il: usize, e: usize, spec: &LayerSpec) -> Result<Layer<B::Weight>> {
+    fn layer(
+        &self,
+        arch: &str,
+        il: usize,
+        e: usize,
+        spec: &LayerSpec,
+        input_width: Option<usize>,
+    ) -> Result<Layer<B::Weight>> {
         let n = |s: &str| format!("blk.{il}.{s}");
         let post = |name: &str| -> Result<Option<B::Weight>> {
             if spec.post_norms {
@@ -726,6 +775,14 @@ impl<'a, B: Backend> Loader<'a, B> {
         } else {
             None
         };
+        let input = match input_width {
+            Some(w) => Some(LayerInput {
+                gate: self.linear(&n("inp_gate"), &[e, w])?,
+                proj: self.linear(&n("proj"), &[w, e])?,
+                post_norm: self.req(&n("post_norm.weight"), &[e])?,
+            }),
+            None => None,
+        };
         Ok(Layer {
             out_scale,
             attn_norm: self.req(&n("attn_norm.weight"), &[e])?,
@@ -734,6 +791,7 @@ impl<'a, B: Backend> Loader<'a, B> {
             ffn_norm: self.req(&n(&format!("{}.weight", spec.ffn_norm)), &[e])?,
             ffn,
             post_ffw_norm: post("post_ffw_norm.weight")?,
+            input,
         })
     }
 
@@ -909,10 +967,29 @@ impl<'a, B: Backend> Loader<'a, B> {
             }
             _ => None,
         };
+        let wq = self.linear(&n("attn_q"), &[e, q_out])?;
+        let wo = self.linear(&n("attn_output"), &[od, e])?;
+        let q_norm = qk_norm("attn_q_norm.weight")?;
+        if a.kv_source.is_some() {
+            // K and V come from the source layer's cache.
+            return Ok(AttnWeights {
+                gate,
+                wq,
+                wk: None,
+                wv: None,
+                v_norm: None,
+                wo,
+                bq: bias("attn_q.bias", qd)?,
+                bk: None,
+                bv: None,
+                q_norm,
+                k_norm: None,
+            });
+        }
         Ok(AttnWeights {
             gate,
-            wq: self.linear(&n("attn_q"), &[e, q_out])?,
-            wk: self.linear(&n("attn_k"), &[e, kd])?,
+            wq,
+            wk: Some(self.linear(&n("attn_k"), &[e, kd])?),
             wv: if a.v_from_k {
                 None
             } else {
@@ -923,11 +1000,11 @@ impl<'a, B: Backend> Loader<'a, B> {
             } else {
                 None
             },
-            wo: self.linear(&n("attn_output"), &[od, e])?,
+            wo,
             bq: bias("attn_q.bias", qd)?,
             bk: bias("attn_k.bias", kd)?,
             bv: bias("attn_v.bias", vd)?,
-            q_norm: qk_norm("attn_q_norm.weight")?,
+            q_norm,
             k_norm: qk_norm("attn_k_norm.weight")?,
         })
     }
@@ -1180,9 +1257,25 @@ impl<B: Backend> Model<B> {
         }
         // The layers' tensors were counted above: a huge `block_count` is a missing tensor,
         // not an allocation.
+        let inputs = match hp.per_layer_input {
+            Some(width) => {
+                let all = mul(
+                    &format!("{}.embedding_length_per_layer_input", hp.arch.name()),
+                    width,
+                    hp.n_layer,
+                )?;
+                Some(PerLayerInputs {
+                    embd: l.req("per_layer_token_embd.weight", &[all, n_vocab])?,
+                    proj: l.linear("per_layer_model_proj", &[e, all])?,
+                    norm: l.req("per_layer_proj_norm.weight", &[width])?,
+                    width,
+                })
+            }
+            None => None,
+        };
         let mut layers = Vec::with_capacity(hp.n_layer.min(file.tensors().len()));
         for (il, spec) in hp.layers.iter().enumerate() {
-            layers.push(l.layer(hp.arch.name(), il, e, spec)?);
+            layers.push(l.layer(hp.arch.name(), il, e, spec, hp.per_layer_input)?);
         }
         l.scales.check(&file)?;
         let output_scale = output.as_ref().and_then(|o| o.scale);
@@ -1194,6 +1287,7 @@ impl<B: Backend> Model<B> {
             output_scale,
             head_ids: None,
             layers,
+            inputs,
             file,
         })
     }
@@ -1355,6 +1449,37 @@ impl<B: Backend> Model<B> {
             swa,
             recurrent: self.recurrent_layers(),
             heads: self.layer_heads(),
+            shared: self.shared_layers(),
+        }
+    }
+
+    /// Per layer, the layer whose K/V it reads ([`spec::Memory::Shared`]); empty when every
+    /// layer keeps its own.
+    fn shared_layers(&self) -> Vec<Option<usize>> {
+        let shared: Vec<Option<usize>> = self
+            .hp
+            .layers
+            .iter()
+            .map(|l| match l.memory() {
+                spec::Memory::Shared { source } => Some(source),
+                spec::Memory::Kv { .. } | spec::Memory::Recurrent(_) => None,
+            })
+            .collect();
+        if shared.iter().any(Option::is_some) {
+            shared
+        } else {
+            Vec::new()
+        }
+    }
+
+    /// The layer whose cache layer `il` attends over: its own, or its source.
+    fn kv_layer(&self, il: usize) -> usize {
+        match &self.hp.layers[il].mixer {
+            MixerSpec::Attention(AttnSpec {
+                kv_source: Some(src),
+                ..
+            }) => *src,
+            _ => il,
         }
     }
 
@@ -1364,19 +1489,15 @@ impl<B: Backend> Model<B> {
             .hp
             .layers
             .iter()
-            .map(|l| match l.memory() {
-                spec::Memory::Kv {
-                    n_head_kv,
-                    head_dim_k,
-                    head_dim_v,
-                    ..
-                } => specula_tensor::LayerHeads {
-                    n_kv_head: n_head_kv,
-                    head_dim_k,
-                    head_dim_v,
+            .map(|l| match &l.mixer {
+                // A shared layer's heads are its source's (the spec checks it).
+                MixerSpec::Attention(a) => specula_tensor::LayerHeads {
+                    n_kv_head: a.n_head_kv,
+                    head_dim_k: a.head_dim_k,
+                    head_dim_v: a.head_dim_v,
                 },
                 // A recurrent layer keeps no cells: the model-wide shape stands in.
-                spec::Memory::Recurrent(_) => specula_tensor::LayerHeads {
+                MixerSpec::DeltaNet(_) => specula_tensor::LayerHeads {
                     n_kv_head: self.hp.n_head_kv,
                     head_dim_k: self.hp.head_dim_k,
                     head_dim_v: self.hp.head_dim_v,
@@ -1399,7 +1520,7 @@ impl<B: Backend> Model<B> {
             .iter()
             .map(|l| match l.memory() {
                 spec::Memory::Recurrent(r) => Some(r),
-                spec::Memory::Kv { .. } => None,
+                spec::Memory::Kv { .. } | spec::Memory::Shared { .. } => None,
             })
             .collect();
         layers
@@ -1450,6 +1571,13 @@ impl<B: Backend> Model<B> {
                 dense: z(),
                 router: z(),
                 experts: z(),
+            },
+            inputs: InputBuffers {
+                all: z(),
+                embd: z(),
+                gate: z(),
+                slice: z(),
+                act: z(),
             },
             dn: DeltaBuffers {
                 mixed: z(),
@@ -1558,7 +1686,7 @@ impl<B: Backend> Model<B> {
     ) -> AttentionParams<'p> {
         let a = self.attn_spec(il);
         AttentionParams {
-            layer: il,
+            layer: self.kv_layer(il),
             n_head: a.n_head,
             q_pos,
             kv_pos,
@@ -1671,7 +1799,9 @@ impl<B: Backend> Model<B> {
                 Some(r) if self.hp.is_swa(il) => (r.cells, r.kv_pos),
                 _ => (&s.cells[..], &s.kv_pos[..]),
             };
-            be.kv_write(kv, il, cells, &s.k, &s.v);
+            if self.kv_layer(il) == il {
+                be.kv_write(kv, il, cells, &s.k, &s.v);
+            }
             be.attention(&s.q, kv, &self.attn_params(il, pos, kv_pos), &mut s.attn);
         })?;
         Ok(&s.host)
@@ -1809,8 +1939,11 @@ impl<B: Backend> Model<B> {
                     s.seq_rows.extend(off..off + n);
                     off += n;
                     be.copy_rows(&s.q, &s.seq_rows, &mut s.seq_q);
-                    be.copy_rows(&s.k, &s.seq_rows, &mut s.seq_k);
-                    be.copy_rows(&s.v, &s.seq_rows, &mut s.seq_v);
+                    let own = self.kv_layer(il) == il;
+                    if own {
+                        be.copy_rows(&s.k, &s.seq_rows, &mut s.seq_k);
+                        be.copy_rows(&s.v, &s.seq_rows, &mut s.seq_v);
+                    }
                     s.cells.clear();
                     s.cells.extend(q.pos.iter().map(|&p| p as usize));
                     let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
@@ -1821,7 +1954,9 @@ impl<B: Backend> Model<B> {
                         Some(r) if hp.is_swa(il) => (r.cells, r.kv_pos),
                         _ => (&s.cells[..], &s.kv_pos[..]),
                     };
-                    be.kv_write(q.kv, il, cells, &s.seq_k, &s.seq_v);
+                    if own {
+                        be.kv_write(q.kv, il, cells, &s.seq_k, &s.seq_v);
+                    }
                     be.attention(
                         &s.seq_q,
                         q.kv,
@@ -1881,7 +2016,18 @@ impl<B: Backend> Model<B> {
         } else {
             w.wq.matmul(be, &s.cur, &mut s.q);
         }
-        w.wk.matmul(be, &s.cur, &mut s.k);
+        if let Some(b) = &w.bq {
+            be.add_vector(&mut s.q, b);
+        }
+        if let Some(qn) = &w.q_norm {
+            be.rms_norm_groups(&mut s.q, a.head_dim_k, qn, eps);
+        }
+        be.rope(&mut s.q, a.head_dim_k, pos, &a.rope);
+        // A KV-shared layer reads K and V from its source's cache.
+        let Some(wk) = &w.wk else {
+            return;
+        };
+        wk.matmul(be, &s.cur, &mut s.k);
         match &w.wv {
             Some(wv) => wv.matmul(be, &s.cur, &mut s.v),
             // V is K's projection, before K's norm and RoPE.
@@ -1890,24 +2036,44 @@ impl<B: Backend> Model<B> {
                 be.gather_cols(&s.k, cols, 0..cols, &mut s.v);
             }
         }
-        if let Some(b) = &w.bq {
-            be.add_vector(&mut s.q, b);
-        }
         if let Some(b) = &w.bk {
             be.add_vector(&mut s.k, b);
         }
         if let Some(b) = &w.bv {
             be.add_vector(&mut s.v, b);
         }
-        if let (Some(qn), Some(kn)) = (&w.q_norm, &w.k_norm) {
-            be.rms_norm_groups(&mut s.q, a.head_dim_k, qn, eps);
+        if let Some(kn) = &w.k_norm {
             be.rms_norm_groups(&mut s.k, a.head_dim_k, kn, eps);
         }
         if let Some(ones) = &w.v_norm {
             be.rms_norm_groups(&mut s.v, a.head_dim_v, ones, eps);
         }
-        be.rope(&mut s.q, a.head_dim_k, pos, &a.rope);
         be.rope(&mut s.k, a.head_dim_k, pos, &a.rope);
+    }
+
+    /// Every layer's input from the scaled token embeddings in `s.x` into `s.inputs.all`:
+    /// `(rms_norm(proj · x / √n_embd) + embd[token] · √width) / √2`, normed per layer
+    /// (llama.cpp `build_inp_per_layer`, `project_per_layer_inputs`).
+    fn per_layer_inputs(
+        &self,
+        be: &B,
+        s: &mut Scratch<B>,
+        p: &PerLayerInputs<B::Weight>,
+        tokens: &[u32],
+    ) {
+        let b = &mut s.inputs;
+        #[allow(
+            clippy::cast_precision_loss,
+            reason = "widths, as llama.cpp converts them"
+        )]
+        let (width, n_embd) = (p.width as f32, self.hp.n_embd as f32);
+        be.get_rows(&p.embd, tokens, &mut b.embd);
+        be.scale(&mut b.embd, width.sqrt());
+        p.proj.matmul(be, &s.x, &mut b.all);
+        be.scale(&mut b.all, 1.0 / n_embd.sqrt());
+        be.rms_norm_groups(&mut b.all, p.width, &p.norm, self.hp.rms_eps);
+        be.add(&mut b.all, &b.embd);
+        be.scale(&mut b.all, 1.0 / 2f32.sqrt());
     }
 
     /// `x += proj`, through the sandwich norm `post` when the layer has one.
@@ -1946,6 +2112,9 @@ impl<B: Backend> Model<B> {
         be.get_rows(&self.tok_embd, tokens, &mut s.x);
         if let Some(f) = hp.embd_scale {
             be.scale(&mut s.x, f);
+        }
+        if let Some(p) = &self.inputs {
+            self.per_layer_inputs(be, s, p, tokens);
         }
         for (il, (layer, spec)) in self.layers.iter().zip(&hp.layers).enumerate() {
             if let Some(f) = tap.as_deref_mut() {
@@ -2029,6 +2198,16 @@ impl<B: Backend> Model<B> {
                 _ => unreachable!("layer {il}: the weights were loaded from this spec"),
             }
             Self::residual(be, s, layer.post_ffw_norm.as_ref(), hp.rms_eps);
+            if let (Some(w), Some(p)) = (&layer.input, &self.inputs) {
+                // x += post_norm(proj(gelu(inp_gate · x) ⊙ the layer's input))
+                let b = &mut s.inputs;
+                w.gate.matmul(be, &s.x, &mut b.gate);
+                let all = p.width * hp.n_layer;
+                be.gather_cols(&b.all, all, il * p.width..(il + 1) * p.width, &mut b.slice);
+                be.geglu(&b.gate, &b.slice, &mut b.act);
+                w.proj.matmul(be, &b.act, &mut s.proj);
+                Self::residual(be, s, Some(&w.post_norm), hp.rms_eps);
+            }
             if let Some(f) = layer.out_scale {
                 be.scale(&mut s.x, f);
             }

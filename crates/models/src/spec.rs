@@ -90,6 +90,9 @@ pub struct AttnSpec {
     pub v_from_k: bool,
     /// An RMS norm without weight on each V head (Gemma 4).
     pub v_norm: bool,
+    /// The earlier layer whose K/V this one attends over (Gemma 4's KV-shared layers, E2B /
+    /// E4B): it has no K/V projections and writes nothing; `None`: its own.
+    pub kv_source: Option<usize>,
 }
 
 /// How an attention output is gated.
@@ -201,6 +204,11 @@ pub enum Memory {
     },
     /// A recurrent state of fixed size.
     Recurrent(RecurrentShape),
+    /// Nothing: the layer attends over the K/V of an earlier layer (`source`).
+    Shared {
+        /// The layer that keeps the K/V.
+        source: usize,
+    },
 }
 
 impl LayerSpec {
@@ -217,6 +225,10 @@ impl LayerSpec {
     #[must_use]
     pub fn memory(&self) -> Memory {
         match &self.mixer {
+            MixerSpec::Attention(AttnSpec {
+                kv_source: Some(source),
+                ..
+            }) => Memory::Shared { source: *source },
             MixerSpec::Attention(a) => Memory::Kv {
                 n_head_kv: a.n_head_kv,
                 head_dim_k: a.head_dim_k,

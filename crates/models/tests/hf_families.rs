@@ -513,3 +513,11 @@ fn laguna_per_element_gate_matches_transformers() {
 fn gemma4_matches_transformers() {
     check("gemma4", Arch::Gemma4);
 }
+
+/// gemma4 (E2B / E4B-like): layers [sliding, sliding, global]×2, one K/V head, per-layer inputs
+/// of 8 values gated in after each FFN, the last three layers reading the K/V of layers 1
+/// (sliding) and 2 (global) with no cache of their own and MLPs twice as wide.
+#[test]
+fn gemma4_per_layer_inputs_and_shared_kv_match_transformers() {
+    check("gemma4_ple", Arch::Gemma4);
+}

@@ -295,7 +295,8 @@ fn invalid_drafter_hyperparameters_name_the_key() {
 
 /// Variants specula does not run are refused by name, not half-run: a multimodal projector file,
 /// vision-tower tensors in a text model, a Laguna attention gate of neither width llama.cpp
-/// knows, an unknown expert gating function, Gemma 4's per-layer inputs. A Qwen3.5 file with a
+/// knows, an unknown expert gating function, Gemma 4 per-layer inputs without their tensors or
+/// KV sharing with no earlier layer of the kind to share with. A Qwen3.5 file with a
 /// multi-token-prediction block after its trunk (as Qwen3.6 ships) loads and runs the trunk:
 /// the same logits as the file without the block.
 #[test]
@@ -326,7 +327,18 @@ fn unsupported_variants_are_refused_by_name() {
         (
             "gemma4",
             Box::new(|g| g.set("gemma4.embedding_length_per_layer_input", Value::U32(8))),
-            "`gemma4.embedding_length_per_layer_input` = 8: expected 0 (per-layer inputs",
+            "per_layer_token_embd.weight",
+        ),
+        (
+            // Layer 1 (global) would share K/V, but no global layer comes before it.
+            "gemma4",
+            Box::new(|g| g.set("gemma4.attention.shared_kv_layers", Value::U32(1))),
+            "`gemma4.attention.shared_kv_layers` = 1: expected a count that leaves a global layer before layer 1 to share K/V with",
+        ),
+        (
+            "gemma4",
+            Box::new(|g| g.set("gemma4.attention.shared_kv_layers", Value::U32(2))),
+            "`gemma4.attention.shared_kv_layers` = 2: expected fewer than the 2 layers",
         ),
     ];
     for (arch, edit, needle) in cases {

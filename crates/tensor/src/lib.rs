@@ -265,6 +265,10 @@ pub struct KvShape {
     /// have fewer, wider heads than its sliding ones); empty: `n_kv_head`, `head_dim_k`,
     /// `head_dim_v` in every layer.
     pub heads: Vec<LayerHeads>,
+    /// Per layer: the earlier layer whose cells it attends over instead of keeping its own
+    /// (Gemma 4's KV-shared layers; `None`: its own cells); empty: every layer keeps its own.
+    /// A shared layer has no cells and is never written.
+    pub shared: Vec<Option<usize>>,
 }
 
 /// The K/V heads of one layer of a cache ([`KvShape::heads`]).
@@ -382,6 +386,7 @@ impl KvShape {
             swa: None,
             recurrent: None,
             heads: Vec::new(),
+            shared: Vec::new(),
         }
     }
 
@@ -416,11 +421,18 @@ impl KvShape {
             .is_some_and(|r| r.layers.get(l).is_some_and(Option::is_some))
     }
 
-    /// Cells of layer `l`: none for a recurrent layer, the ring's for a sliding-window layer of
-    /// [`KvShape::swa`], else `n_ctx`.
+    /// The layer whose cells layer `l` attends over ([`KvShape::shared`]), when not its own.
+    #[must_use]
+    pub fn shared_source(&self, l: usize) -> Option<usize> {
+        self.shared.get(l).copied().flatten()
+    }
+
+    /// Cells of layer `l`: none for a recurrent layer or one that reads another layer's
+    /// ([`KvShape::shared`]), the ring's for a sliding-window layer of [`KvShape::swa`], else
+    /// `n_ctx`.
     #[must_use]
     pub fn layer_cells(&self, l: usize) -> usize {
-        if self.is_recurrent(l) {
+        if self.is_recurrent(l) || self.shared_source(l).is_some() {
             return 0;
         }
         match &self.swa {
@@ -433,7 +445,8 @@ impl KvShape {
 /// One attention call: `n_head` query heads over the cache cells of `layer`.
 #[derive(Clone, Copy, Debug)]
 pub struct AttentionParams<'a> {
-    /// Layer index into the cache.
+    /// Layer index into the cache: the layer whose cells are read (for a KV-shared layer, its
+    /// source, [`KvShape::shared`]).
     pub layer: usize,
     /// Query heads (a multiple of the cache's K/V heads: grouped-query attention).
     pub n_head: usize,

@@ -8,8 +8,14 @@
 //! experts (softmax, renormalized, per-expert output scales) whose router reads the residual
 //! stream; a learned scalar on each layer's output (`layer_output_scale`); embeddings ×√n_embd,
 //! final logits soft-capped (llama.cpp `src/models/gemma4.cpp`). Norm weights are stored as
-//! multipliers (unlike Gemma 3, not shifted by one). Per-layer inputs and shared KV layers
-//! (E2B / E4B) are refused by name.
+//! multipliers (unlike Gemma 3, not shifted by one).
+//!
+//! E2B / E4B add per-layer inputs (`embedding_length_per_layer_input`: a second embedding
+//! and a projection of the first give each layer a small input it gates in after its FFN;
+//! the forward in `lib.rs`) and KV-shared layers: the last `attention.shared_kv_layers`
+//! layers attend over the K/V of the last earlier layer of their kind (sliding or global) and
+//! own no cache (transformers' `kv_sharing_modes`; llama.cpp's `layer_reuse_cb`), and with
+//! `use_double_wide_mlp` their MLPs are twice as wide (`feed_forward_length` per layer).
 
 use specula_gguf::{Gguf, Metadata};
 use specula_tensor::RopeConfig;
@@ -22,19 +28,46 @@ use crate::{Hparams, ModelError, Result, int_bound, moe, opt_usize};
 pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
     let a = hp.arch.name();
     let k = |s: &str| format!("{a}.{s}");
-    for key in [
-        "embedding_length_per_layer_input",
-        "attention.shared_kv_layers",
-    ] {
-        if let Some(n) = opt_usize(md, &k(key))?
-            && n > 0
-        {
-            return Err(int_bound(
-                &k(key),
-                n,
-                "0 (per-layer inputs and shared KV layers, Gemma 4 E2B / E4B, are not implemented)",
-            ));
+    let n_shared = opt_usize(md, &k("attention.shared_kv_layers"))?.unwrap_or(0);
+    if n_shared >= hp.n_layer {
+        return Err(int_bound(
+            &k("attention.shared_kv_layers"),
+            n_shared,
+            format!(
+                "fewer than the {} layers (a shared layer reads an earlier layer's K/V)",
+                hp.n_layer
+            ),
+        ));
+    }
+    let first_shared = hp.n_layer - n_shared;
+    // The layer whose K/V a shared layer reads: the last one of its kind before the shared ones.
+    let source = |il: usize| -> Result<Option<usize>> {
+        if il < first_shared {
+            return Ok(None);
         }
+        (0..first_shared)
+            .rev()
+            .find(|&j| hp.is_swa(j) == hp.is_swa(il))
+            .map(Some)
+            .ok_or_else(|| {
+                int_bound(
+                    &k("attention.shared_kv_layers"),
+                    n_shared,
+                    format!(
+                        "a count that leaves a {} layer before layer {il} to share K/V with",
+                        if hp.is_swa(il) { "sliding" } else { "global" }
+                    ),
+                )
+            })
+    };
+    let n_ff = per_layer(md, &k("feed_forward_length"), hp.n_layer)?
+        .unwrap_or_else(|| vec![hp.n_ff; hp.n_layer]);
+    if let Some(il) = n_ff.iter().position(|&n| n == 0) {
+        return Err(int_bound(
+            &k("feed_forward_length"),
+            0,
+            format!("at least 1 in every layer (layer {il})"),
+        ));
     }
     let kv_heads = per_layer(md, &k("attention.head_count_kv"), hp.n_layer)?
         .unwrap_or_else(|| vec![hp.n_head_kv; hp.n_layer]);
@@ -74,6 +107,19 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
                     format!("a divisor of the {} query heads in every layer", hp.n_head),
                 ));
             }
+            let kv_source = source(il)?;
+            if let Some(src) = kv_source
+                && kv_heads[src] != kvh
+            {
+                return Err(int_bound(
+                    &k("attention.head_count_kv"),
+                    kvh,
+                    format!(
+                        "{} in layer {il}, as in layer {src} whose K/V it reads",
+                        kv_heads[src]
+                    ),
+                ));
+            }
             let attn = AttnSpec {
                 n_head_kv: kvh,
                 head_dim_k: hd,
@@ -86,16 +132,17 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
                 scale: 1.0,
                 qk_norm: true,
                 v_norm: true,
+                kv_source,
                 ..attention(hp, il)
             };
             let ffn = match &experts {
                 Some(e) => FfnSpec::Parallel {
-                    n_ff: hp.n_ff,
+                    n_ff: n_ff[il],
                     act: Act::GeluTanh,
                     moe: e.spec(il, Gating::Softmax, true, Act::GeluTanh),
                 },
                 None => FfnSpec::Dense {
-                    n_ff: hp.n_ff,
+                    n_ff: n_ff[il],
                     act: Act::GeluTanh,
                 },
             };
@@ -125,8 +172,9 @@ pub(super) fn finish(hp: &mut Hparams, file: &Gguf) -> Result<()> {
         let MixerSpec::Attention(a) = &mut l.mixer else {
             continue;
         };
-        a.v_from_k = v_from_k;
-        if v_from_k && a.head_dim_k != a.head_dim_v {
+        // A KV-shared layer has neither K nor V projection: it reads its source's cache.
+        a.v_from_k = v_from_k && a.kv_source.is_none();
+        if a.v_from_k && a.head_dim_k != a.head_dim_v {
             return Err(ModelError::MissingTensor {
                 name: format!("blk.{il}.attn_v.weight"),
             });

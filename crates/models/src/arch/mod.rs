@@ -67,6 +67,7 @@ fn attention(hp: &Hparams, il: usize) -> AttnSpec {
         gate: None,
         v_from_k: false,
         v_norm: false,
+        kv_source: None,
     }
 }
 
