@@ -520,4 +520,28 @@ fn gemma4_matches_transformers() {
 #[test]
 fn gemma4_per_layer_inputs_and_shared_kv_match_transformers() {
     check("gemma4_ple", Arch::Gemma4);
+    // The shared layers keep no cells: the cache is the first three layers' alone.
+    let g = common::golden("hf_families", "gemma4_ple", "hf_families_golden.py");
+    let be = CpuBackend::new(1);
+    let model = Model::load(
+        &be,
+        Arc::new(Gguf::from_bytes(rebuild(&g["gguf"])).unwrap()),
+    )
+    .unwrap();
+    let shape = model.kv_shape(N_CTX, QType::F16, QType::F16);
+    assert_eq!(shape.shared, [None, None, None, Some(1), Some(1), Some(2)]);
+    let layout = specula_kv::KvLayout::new(&shape).unwrap();
+    let per_layer: Vec<usize> = (0..6).map(|l| layout.bytes_per_token_layer(l)).collect();
+    // One K/V head of 16 (sliding) or 32 (global) f16 values, K and V.
+    assert_eq!(per_layer, [64, 64, 128, 0, 0, 0]);
+    let widths: Vec<usize> = model
+        .hparams()
+        .layers
+        .iter()
+        .map(|l| match l.ffn {
+            specula_models::spec::FfnSpec::Dense { n_ff, .. } => n_ff,
+            _ => 0,
+        })
+        .collect();
+    assert_eq!(widths, [64, 64, 64, 128, 128, 128]);
 }

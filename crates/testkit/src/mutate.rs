@@ -27,8 +27,8 @@ pub enum Subject {
 }
 
 impl Subject {
-    /// Every subject: the nine architectures and the three drafters.
-    pub const ALL: [Self; 12] = [
+    /// Every subject: the ten tiny targets and the three drafters.
+    pub const ALL: [Self; 13] = [
         Self::Target(0),
         Self::Target(1),
         Self::Target(2),
@@ -38,6 +38,7 @@ impl Subject {
         Self::Target(6),
         Self::Target(7),
         Self::Target(8),
+        Self::Target(9),
         Self::Drafter(Drafter::Dflash),
         Self::Drafter(Drafter::Dflash2),
         Self::Drafter(Drafter::Eagle3),
@@ -57,7 +58,7 @@ impl Subject {
     /// The key prefix of the subject's hyperparameters.
     fn prefix(self) -> &'static str {
         match self {
-            Self::Target(i) => tiny::ARCHS[i % tiny::ARCHS.len()],
+            Self::Target(i) => tiny::arch_of(tiny::ARCHS[i % tiny::ARCHS.len()]),
             Self::Drafter(Drafter::Dflash | Drafter::Dflash2) => "dflash",
             Self::Drafter(Drafter::Eagle3) => "eagle3",
         }

@@ -191,8 +191,9 @@ fn tensor_bytes(t: &Tensor, max_elements: u64) -> Option<Vec<u8>> {
     (out.len() == bytes).then_some(out)
 }
 
-/// The four target architectures.
-pub const ARCHS: [&str; 9] = [
+/// The tiny targets: one per architecture, and `gemma4-e`, Gemma 4 as E2B / E4B lay it out
+/// ([`arch_of`] gives a target's architecture).
+pub const ARCHS: [&str; 10] = [
     "llama",
     "qwen2",
     "qwen3",
@@ -202,7 +203,17 @@ pub const ARCHS: [&str; 9] = [
     "qwen35moe",
     "laguna",
     "gemma4",
+    "gemma4-e",
 ];
+
+/// The architecture of the tiny target `label` (one of [`ARCHS`]): `gemma4-e` is a `gemma4`.
+#[must_use]
+pub fn arch_of(label: &str) -> &str {
+    label.strip_suffix("-e").unwrap_or(label)
+}
+
+/// Values of each layer's per-layer input in the tiny `gemma4-e`.
+pub const PER_LAYER_INPUT: usize = 8;
 
 /// The sizes of a generated target ([`target_sized`]): [`Dims::TINY`] for [`target`], larger
 /// ones for benchmarks of the same architectures.
@@ -264,7 +275,10 @@ impl Dims {
 /// YaRN, then a sliding-window MoE layer of twice as many with a correction bias and a shared
 /// expert, both softplus-gated per head; gemma4: a sliding layer of [`HEAD_DIM`]-value heads,
 /// then a global one of twice as wide heads with V from K and `rope_freqs`, each with a GELU
-/// MLP beside experts), F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
+/// MLP beside experts; gemma4-e: twice as many layers, [sliding, global]×[`N_LAYER`], dense
+/// GELU MLPs, per-layer inputs of [`PER_LAYER_INPUT`] values, and the second half of the
+/// layers sharing the K/V of the last earlier layer of their kind, with MLPs twice as wide),
+/// F32, with a byte-level vocabulary of [`N_VOCAB`] tokens.
 ///
 /// # Panics
 /// For an architecture not in [`ARCHS`].
@@ -280,6 +294,16 @@ pub fn target(arch: &str) -> TinyGguf {
 #[must_use]
 pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
     assert!(ARCHS.contains(&arch), "no tiny {arch}");
+    let edge = arch == "gemma4-e";
+    let arch = arch_of(arch);
+    let d = &Dims {
+        n_layer: if edge { 2 * d.n_layer } else { d.n_layer },
+        ..*d
+    };
+    // Gemma 4 E: the layers from `first_shared` on read an earlier layer's K/V.
+    let first_shared = if edge { d.n_layer / 2 } else { d.n_layer };
+    let shared = |i: usize| i >= first_shared;
+    let ff = |i: usize| if shared(i) { 2 * d.n_ff } else { d.n_ff };
     let mut g = TinyGguf::default();
     let k = |s: &str| format!("{arch}.{s}");
     g.set("general.architecture", Value::String(arch.into()));
@@ -299,7 +323,7 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
         g.set(&k("attention.sliding_window_pattern"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
     }
-    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "laguna" | "gemma4");
+    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "laguna") || (arch == "gemma4" && !edge);
     let gemma4 = arch == "gemma4";
     // Values per head of each layer (Gemma 4's global layer is wider).
     let hd = |i: usize| {
@@ -323,6 +347,17 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
         );
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
         g.set(&k("final_logit_softcapping"), Value::F32(30.0));
+    }
+    if edge {
+        g.set(&k("embedding_length_per_layer_input"), u(PER_LAYER_INPUT));
+        g.set(
+            &k("attention.shared_kv_layers"),
+            u(d.n_layer - first_shared),
+        );
+        let widths: Vec<i32> = (0..d.n_layer)
+            .map(|i| i32::try_from(ff(i)).expect("tiny"))
+            .collect();
+        g.set(&k("feed_forward_length"), Value::Array(Array::I32(widths)));
     }
     let laguna = arch == "laguna";
     // Query heads of each layer (Laguna's differ).
@@ -374,6 +409,12 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
     }
     g.tensor("token_embd.weight", &[e, N_VOCAB], false);
     g.tensor("output_norm.weight", &[e], true);
+    if edge {
+        let all = PER_LAYER_INPUT * d.n_layer;
+        g.tensor("per_layer_token_embd.weight", &[all, N_VOCAB], false);
+        g.tensor("per_layer_model_proj.weight", &[e, all], false);
+        g.tensor("per_layer_proj_norm.weight", &[PER_LAYER_INPUT], true);
+    }
     if matches!(
         arch,
         "llama" | "qwen3" | "qwen3moe" | "qwen35moe" | "laguna"
@@ -404,9 +445,12 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
             let (q, kv) = (heads(i) * hd(i), d.n_head_kv * hd(i));
             let q_out = if hybrid { 2 * q } else { q };
             g.tensor(&n("attn_q.weight"), &[e, q_out], false);
-            g.tensor(&n("attn_k.weight"), &[e, kv], false);
+            // Gemma 4's KV-shared layers have no K/V projections.
+            if !shared(i) {
+                g.tensor(&n("attn_k.weight"), &[e, kv], false);
+            }
             // Gemma 4's global layers take V from K.
-            if !(gemma4 && i % 2 == 1) {
+            if !(gemma4 && i % 2 == 1) && !shared(i) {
                 g.tensor(&n("attn_v.weight"), &[e, kv], false);
             }
             g.tensor(&n("attn_output.weight"), &[q, e], false);
@@ -423,14 +467,23 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
             || (hybrid && i % 2 == 1)
         {
             g.tensor(&n("attn_q_norm.weight"), &[hd(i)], true);
-            g.tensor(&n("attn_k_norm.weight"), &[hd(i)], true);
+            if !shared(i) {
+                g.tensor(&n("attn_k_norm.weight"), &[hd(i)], true);
+            }
         }
         if matches!(arch, "gemma3" | "gemma4") {
             g.tensor(&n("post_attention_norm.weight"), &[e], true);
             g.tensor(&n("post_ffw_norm.weight"), &[e], true);
         }
+        if edge {
+            g.tensor(&n("inp_gate.weight"), &[e, PER_LAYER_INPUT], false);
+            g.tensor(&n("proj.weight"), &[PER_LAYER_INPUT, e], false);
+            g.tensor(&n("post_norm.weight"), &[e], true);
+        }
         if gemma4 {
             g.tensor(&n("layer_output_scale.weight"), &[1], true);
+        }
+        if gemma4 && moe {
             g.tensor(&n("post_ffw_norm_1.weight"), &[e], true);
             g.tensor(&n("pre_ffw_norm_2.weight"), &[e], true);
             g.tensor(&n("post_ffw_norm_2.weight"), &[e], true);
@@ -484,9 +537,9 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
             }
         }
         if !moe || (laguna && i == 0) || gemma4 {
-            g.tensor(&n("ffn_gate.weight"), &[e, d.n_ff], false);
-            g.tensor(&n("ffn_up.weight"), &[e, d.n_ff], false);
-            g.tensor(&n("ffn_down.weight"), &[d.n_ff, e], false);
+            g.tensor(&n("ffn_gate.weight"), &[e, ff(i)], false);
+            g.tensor(&n("ffn_up.weight"), &[e, ff(i)], false);
+            g.tensor(&n("ffn_down.weight"), &[ff(i), e], false);
         }
     }
     g
