@@ -2,7 +2,7 @@
 """Golden logits of Hugging Face transformers for tiny qwen3moe, qwen35, qwen35moe, gemma4 and laguna models.
 
 Writes OUT/hf_families/<name>.json for the models of MODELS (in this order): qwen3moe, qwen35,
-qwen35moe, gemma4, laguna, laguna_perelem. Oracle: transformers' own modelling code
+qwen35moe, gemma4, gemma4_ple, laguna, laguna_perelem. Oracle: transformers' own modelling code
 (Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Gemma4ForCausalLM,
 LagunaForCausalLM) in float32 on the CPU (eager attention, one thread), never specula's code.
 Needs torch and transformers (reference/requirements-hf.txt); without them (as a plain
