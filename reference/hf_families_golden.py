@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Golden logits of Hugging Face transformers for tiny qwen3moe, qwen35, qwen35moe, gemma4 and laguna models.
+"""Golden logits of Hugging Face transformers for tiny qwen3moe, qwen35, qwen35moe, qwen3next, gemma4 and laguna models.
 
 Writes OUT/hf_families/<name>.json for the models of MODELS (in this order): qwen3moe, qwen35,
-qwen35moe, gemma4, gemma4_ple, laguna, laguna_perelem. Oracle: transformers' own modelling code
-(Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Gemma4ForCausalLM,
+qwen35moe, qwen3next, gemma4, gemma4_ple, laguna, laguna_perelem. Oracle: transformers' own
+modelling code (Qwen3MoeForCausalLM, Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM,
+Qwen3NextForCausalLM, Gemma4ForCausalLM,
 LagunaForCausalLM) in float32 on the CPU (eager attention, one thread), never specula's code.
 Needs torch and transformers (reference/requirements-hf.txt); without them (as a plain
 `cargo xtask golden` runs it, from reference/.venv) the script prints `skipped: ...` and exits
@@ -306,6 +307,21 @@ def meta_qwen3moe(cfg, name):
 QWEN35_LAYERS = ["linear_attention"] * 3 + ["full_attention"]
 
 
+def config_qwen3next(tf):
+    """Qwen3-Next-80B-A3B-like: qwen35moe's layers with HF's fused projections (in_proj_qkvz,
+    in_proj_ba, grouped by key head), plain partial RoPE (no sections) and a dense width."""
+    return tf.Qwen3NextConfig(
+        vocab_size=N_VOCAB, hidden_size=N_EMBD, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, hidden_act="silu", max_position_embeddings=N_CTX,
+        rms_norm_eps=RMS_EPS, tie_word_embeddings=False, layer_types=list(QWEN35_LAYERS),
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        linear_conv_kernel_dim=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, attention_bias=False,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[],
+        norm_topk_prob=True, intermediate_size=128, bos_token_id=0, eos_token_id=0)
+
+
 def config_qwen35(tf, moe=False):
     kw = dict(
         vocab_size=N_VOCAB, hidden_size=N_EMBD, num_hidden_layers=4, num_attention_heads=4,
@@ -324,7 +340,7 @@ def config_qwen35(tf, moe=False):
     return tf.Qwen3_5TextConfig(**kw)
 
 
-def layout_qwen35(cfg, moe=False):
+def layout_qwen35(cfg, moe=False, nxt=False):
     hd = cfg.head_dim
     q, kv = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -350,7 +366,22 @@ def layout_qwen35(cfg, moe=False):
             ffn = [T(p + "ffn_down.weight", (N_EMBD, F)), T(p + "ffn_gate.weight", (F, N_EMBD)),
                    T(p + "ffn_up.weight", (F, N_EMBD))]
         out.append(T(p + "attn_norm.weight", (N_EMBD,)))
-        if lt == "linear_attention":
+        if lt == "linear_attention" and nxt:
+            # sorted: linear_attn.{A_log, conv1d, dt_bias, in_proj_ba, in_proj_qkvz (the
+            # converter emits attn_qkv, then attn_gate), norm, out_proj}
+            out += [
+                T(p + "ssm_a", (Hv,)),
+                T(p + "ssm_conv1d.weight", (conv_dim, K)),
+                T(p + "ssm_dt.bias", (Hv,)),
+                T(p + "ssm_ba.weight", (2 * Hv, N_EMBD)),
+                T(p + "attn_qkv.weight", (conv_dim, N_EMBD)),
+                T(p + "attn_gate.weight", (Hv * dv, N_EMBD)),
+                T(p + "ssm_norm.weight", (dv,)),
+                T(p + "ssm_out.weight", (N_EMBD, Hv * dv)),
+                *ffn,
+                T(p + "post_attention_norm.weight", (N_EMBD,)),
+            ]
+        elif lt == "linear_attention":
             # sorted: linear_attn.{A_log, conv1d, dt_bias, in_proj_a, in_proj_b, in_proj_qkv,
             # in_proj_z, norm, out_proj}, then mlp.*, then post_attention_layernorm
             out += [
@@ -387,7 +418,31 @@ def untile_v_heads(np, x, axis, n_k, n_v_per_k, head_dim):
     return np.ascontiguousarray(np.moveaxis(x, 0, axis))
 
 
-def hf_qwen35(np, cfg, g, moe=False):
+def hf_qwen3next_mixer(np, cfg, g, p, la):
+    """The linear attention of qwen3next: no V reordering (HF's grouped order stays), the
+    converter's split of in_proj_qkvz (per key head [q, k, v, z]) into attn_qkv ([q | k | v])
+    and attn_gate (z) undone; in_proj_ba (per key head [b, a]) is ssm_ba as it is."""
+    Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    r = Hv // Hk
+    out = {}
+    a = -g[p + "ssm_a"].astype(np.float64)
+    out[la + "A_log"] = np.log(a).astype(np.float32)
+    out[la + "dt_bias"] = g[p + "ssm_dt.bias"]
+    out[la + "conv1d.weight"] = g[p + "ssm_conv1d.weight"][:, None, :]
+    out[la + "in_proj_ba.weight"] = g[p + "ssm_ba.weight"]
+    qkv, z = g[p + "attn_qkv.weight"], g[p + "attn_gate.weight"]
+    q, k, v = qkv[:Hk * dk], qkv[Hk * dk:2 * Hk * dk], qkv[2 * Hk * dk:]
+    w = r * dv
+    out[la + "in_proj_qkvz.weight"] = np.concatenate([
+        np.concatenate([q[i * dk:(i + 1) * dk], k[i * dk:(i + 1) * dk], v[i * w:(i + 1) * w],
+                        z[i * w:(i + 1) * w]], 0) for i in range(Hk)], 0)
+    out[la + "norm.weight"] = g[p + "ssm_norm.weight"]  # gated norm: not shifted
+    out[la + "out_proj.weight"] = g[p + "ssm_out.weight"]
+    return out
+
+
+def hf_qwen35(np, cfg, g, moe=False, nxt=False):
     Hk, Hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     r = Hv // Hk
@@ -406,7 +461,9 @@ def hf_qwen35(np, cfg, g, moe=False):
         p, hb = f"blk.{b}.", f"model.layers.{b}."
         out[hb + "input_layernorm.weight"] = m1(g[p + "attn_norm.weight"])
         out[hb + "post_attention_layernorm.weight"] = m1(g[p + "post_attention_norm.weight"])
-        if lt == "linear_attention":
+        if lt == "linear_attention" and nxt:
+            out.update(hf_qwen3next_mixer(np, cfg, g, p, hb + "linear_attn."))
+        elif lt == "linear_attention":
             la = hb + "linear_attn."
             a = -g[p + "ssm_a"].astype(np.float64)
             out[la + "A_log"] = vt(np.log(a).astype(np.float32), 0, 1)
@@ -439,20 +496,23 @@ def hf_qwen35(np, cfg, g, moe=False):
     return out
 
 
-def meta_qwen35(cfg, name, moe=False):
-    a = "qwen35moe" if moe else "qwen35"
+def meta_qwen35(cfg, name, moe=False, nxt=False):
+    a = "qwen3next" if nxt else "qwen35moe" if moe else "qwen35"
     rp = cfg.rope_parameters
     m = head_meta(a, name) + [
         U32(f"{a}.block_count", cfg.num_hidden_layers),
         U32(f"{a}.context_length", N_CTX),
         U32(f"{a}.embedding_length", N_EMBD),
     ]
-    if not moe:
+    if not moe or nxt:
         m.append(U32(f"{a}.feed_forward_length", cfg.intermediate_size))
     m += [
         U32(f"{a}.attention.head_count", cfg.num_attention_heads),
         U32(f"{a}.attention.head_count_kv", cfg.num_key_value_heads),
-        ARR(f"{a}.rope.dimension_sections", "INT32", list(rp["mrope_section"]) + [0]),
+    ]
+    if not nxt:  # qwen3next has no multi-section RoPE
+        m.append(ARR(f"{a}.rope.dimension_sections", "INT32", list(rp["mrope_section"]) + [0]))
+    m += [
         F32(f"{a}.rope.freq_base", rp["rope_theta"]),
         F32(f"{a}.attention.layer_norm_rms_epsilon", RMS_EPS),
     ]
@@ -879,6 +939,15 @@ MODELS = {
         "meta": lambda cfg, name: meta_qwen35(cfg, name, moe=True),
         "converter": "conversion/qwen.py Qwen3_5MoeTextModel (_LinearAttentionVReorderBase, "
                      "Qwen3NextModel / Qwen2MoeModel.modify_tensors), no_mtp",
+        "router": ("mlp.gate", "softmax"),
+    },
+    "qwen3next": {
+        "arch": "qwen3next", "hf_class": "Qwen3NextForCausalLM", "config": config_qwen3next,
+        "layout": lambda cfg: layout_qwen35(cfg, moe=True, nxt=True),
+        "to_hf": lambda np, cfg, g: hf_qwen35(np, cfg, g, moe=True, nxt=True),
+        "meta": lambda cfg, name: meta_qwen35(cfg, name, moe=True, nxt=True),
+        "converter": "conversion/qwen.py Qwen3NextModel (modify_tensors: in_proj_qkvz split, "
+                     "Qwen2MoeModel experts), no_mtp",
         "router": ("mlp.gate", "softmax"),
     },
     "gemma4": {

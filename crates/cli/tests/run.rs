@@ -96,21 +96,21 @@ fn bad_flags_are_one_line_errors() {
 }
 
 /// The architecture check: a small, otherwise loadable GGUF (a SentencePiece vocabulary of
-/// four tokens and a token embedding) of an architecture specula does not run — `gemma4`,
+/// four tokens and a token embedding) of an architecture specula does not run — `falcon-h1`,
 /// which llama.cpp runs — is refused with the name and the list of the supported ones.
 #[test]
 fn unsupported_architecture_is_named() {
     use specula_gguf::{Array, GgmlType, GgufWriter, Value};
     let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("qwen3next.gguf");
+    let path = dir.path().join("falcon-h1.gguf");
     let mut w = GgufWriter::new();
     let tokens = ["<unk>", "<s>", "</s>", "\u{2581}a"]
         .map(String::from)
         .to_vec();
     for (k, v) in [
-        ("general.architecture", Value::String("qwen3next".into())),
-        ("qwen3next.block_count", Value::U32(1)),
-        ("qwen3next.embedding_length", Value::U32(8)),
+        ("general.architecture", Value::String("falcon-h1".into())),
+        ("falcon-h1.block_count", Value::U32(1)),
+        ("falcon-h1.embedding_length", Value::U32(8)),
         ("tokenizer.ggml.model", Value::String("llama".into())),
         ("tokenizer.ggml.tokens", Value::Array(Array::String(tokens))),
         (
@@ -137,7 +137,7 @@ fn unsupported_architecture_is_named() {
     let out = specula(&["run", "-m", path.to_str().unwrap(), "-p", "a", "-n", "1"]);
     assert_clean_error(
         &out,
-        "unsupported architecture `qwen3next` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, laguna, gemma4)",
+        "unsupported architecture `falcon-h1` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, qwen3next, laguna, gemma4)",
     );
 }
 

@@ -275,7 +275,7 @@ pub(crate) fn gated_delta_net(
         }
         let o = out.row_mut(r);
         for h in 0..hv {
-            let kh = h % hk;
+            let kh = if sh.grouped { h / (hv / hk) } else { h % hk };
             let (qh, khv) = (&qn[kh * d..(kh + 1) * d], &kn[kh * d..(kh + 1) * d]);
             // s[i][j]: i the key index, j the value index.
             let s = &mut t.cur[h * d * d..(h + 1) * d * d];

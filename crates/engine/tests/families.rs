@@ -192,7 +192,12 @@ fn hybrid_rollback_at_every_position_keeps_the_output() {
         p_min: 0.0,
         adaptive: false,
     };
-    for (arch, snapshots) in [("qwen35", 16), ("qwen35moe", 16), ("qwen35", 2)] {
+    for (arch, snapshots) in [
+        ("qwen35", 16),
+        ("qwen35moe", 16),
+        ("qwen3next", 16),
+        ("qwen35", 2),
+    ] {
         let mut e = engine(&tiny::target(arch));
         e.recurrent_snapshots = snapshots;
         let mut s = e.session(N_CTX, QType::F32, QType::F32).expect("session");

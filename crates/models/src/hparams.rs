@@ -28,6 +28,12 @@ pub enum Arch {
     /// qwen35moe (Qwen3.5 / Qwen3.6 MoE, e.g. 35B-A3B): qwen35 with a mixture of experts and a
     /// sigmoid-gated shared expert in every layer (llama.cpp `src/models/qwen35moe.cpp`).
     Qwen35Moe,
+    /// qwen3next (Qwen3-Next-80B-A3B, Qwen3.5's older sibling): qwen35moe's layers with the
+    /// delta-net's value heads in Hugging Face's order — grouped by key head, so value head `h`
+    /// reads key head `h / (n_head_v / n_head_k)` — and β and α in one fused projection
+    /// (`ssm_ba`, per key head `[β…, α…]`); plain partial RoPE (llama.cpp
+    /// `src/models/qwen3next.cpp`).
+    Qwen3Next,
     /// laguna (Poolside Laguna XS / S / M): per-layer query-head counts, a softplus attention
     /// gate, YaRN on the global layers and plain RoPE on the sliding-window ones, a sigmoid
     /// router with a correction bias and a shared expert after leading dense layers (llama.cpp
@@ -51,6 +57,7 @@ impl Arch {
             Self::Qwen3Moe => "qwen3moe",
             Self::Qwen35 => "qwen35",
             Self::Qwen35Moe => "qwen35moe",
+            Self::Qwen3Next => "qwen3next",
             Self::Laguna => "laguna",
             Self::Gemma4 => "gemma4",
         }
@@ -65,6 +72,7 @@ impl Arch {
             "qwen3moe" => Some(Self::Qwen3Moe),
             "qwen35" => Some(Self::Qwen35),
             "qwen35moe" => Some(Self::Qwen35Moe),
+            "qwen3next" => Some(Self::Qwen3Next),
             "laguna" => Some(Self::Laguna),
             "gemma4" => Some(Self::Gemma4),
             _ => None,
@@ -84,6 +92,7 @@ impl Arch {
             | Self::Qwen3Moe
             | Self::Qwen35
             | Self::Qwen35Moe
+            | Self::Qwen3Next
             | Self::Laguna
             | Self::Gemma4 => RopeKind::Neox,
         }
@@ -573,7 +582,7 @@ impl Hparams {
         };
         let n_ff = match arch {
             // Every layer is MoE: the dense width is optional (it sizes no tensor).
-            Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::Laguna => {
+            Arch::Qwen3Moe | Arch::Qwen35Moe | Arch::Qwen3Next | Arch::Laguna => {
                 opt_usize(md, &k("feed_forward_length"))?.unwrap_or(0)
             }
             // One width per layer where the KV-shared layers' MLPs are twice as wide

@@ -71,7 +71,7 @@ pub use linear::Linear;
 pub enum ModelError {
     /// `general.architecture` names an architecture this crate does not run.
     #[error(
-        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, laguna, gemma4)"
+        "unsupported architecture `{arch}` (supported: llama, qwen2, qwen3, gemma3, qwen3moe, qwen35, qwen35moe, qwen3next, laguna, gemma4)"
     )]
     UnsupportedArch {
         /// The name found.
@@ -1014,17 +1014,74 @@ impl<'a, B: Backend> Loader<'a, B> {
         let n = |s: &str| format!("blk.{il}.{s}");
         let ch = d.conv_channels();
         let vd = d.n_head_v * d.head_dim;
+        let (beta, alpha) = if d.fused_beta_alpha {
+            // `ssm_ba`: per key head, its value heads' β rows, then their α rows.
+            let base = n("ssm_ba");
+            let hv = d.n_head_v;
+            let r = hv / d.n_head_k;
+            let ba = |alpha: bool| -> Vec<usize> {
+                (0..hv)
+                    .map(|h| (h / r) * 2 * r + usize::from(alpha) * r + h % r)
+                    .collect()
+            };
+            let scale = self.scales.read(self.file, &base)?;
+            let name = format!("{base}.weight");
+            (
+                Linear {
+                    w: self.rows_of(&name, e, 2 * hv, &ba(false))?,
+                    scale,
+                },
+                Linear {
+                    w: self.rows_of(&name, e, 2 * hv, &ba(true))?,
+                    scale,
+                },
+            )
+        } else {
+            (
+                self.linear(&n("ssm_beta"), &[e, d.n_head_v])?,
+                self.linear(&n("ssm_alpha"), &[e, d.n_head_v])?,
+            )
+        };
         Ok(DeltaWeights {
             qkv: self.linear(&n("attn_qkv"), &[e, ch])?,
             z: self.linear(&n("attn_gate"), &[e, vd])?,
             conv: self.req(&n("ssm_conv1d.weight"), &[d.conv_kernel, ch])?,
             dt_bias: self.req(&n("ssm_dt.bias"), &[d.n_head_v])?,
             a: self.req(&n("ssm_a"), &[d.n_head_v])?,
-            beta: self.linear(&n("ssm_beta"), &[e, d.n_head_v])?,
-            alpha: self.linear(&n("ssm_alpha"), &[e, d.n_head_v])?,
+            beta,
+            alpha,
             norm: self.req(&n("ssm_norm.weight"), &[d.head_dim])?,
             out: self.linear(&n("ssm_out"), &[vd, e])?,
         })
+    }
+
+    /// The matrix of the rows `rows` (in that order) of matrix `name` (`[n_in, n_rows]`), as a
+    /// weight of its own over a copy of those rows' bytes: a row's bits, and so its products,
+    /// are the fused matrix's.
+    fn rows_of(&self, name: &str, n_in: usize, n_rows: usize, rows: &[usize]) -> Result<B::Weight> {
+        // Shape and type checked as any tensor's.
+        drop(self.req(name, &[n_in, n_rows])?);
+        let (idx, ty) = self.find(name)?;
+        let row = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
+            name: name.to_owned(),
+            source,
+        })?;
+        let data = self.file.tensor_data(idx);
+        let bytes: Arc<Vec<u8>> = Arc::new(
+            rows.iter()
+                .flat_map(|&r| &data[r * row..(r + 1) * row])
+                .copied()
+                .collect(),
+        );
+        let mut w = self.backend.weight(WeightDesc {
+            name,
+            ty,
+            dims: &[n_in, rows.len()],
+            data: bytes.as_slice(),
+            owner: Arc::clone(&bytes) as Arc<dyn ByteSource>,
+        })?;
+        self.backend.prepare_matmul(&mut w);
+        Ok(w)
     }
 
     /// A vector of `n` ones (the weight of a norm without one).

@@ -46,12 +46,19 @@ pub enum MixerSpec {
 pub struct DeltaNetSpec {
     /// Key heads (`ssm.group_count`).
     pub n_head_k: usize,
-    /// Value heads (`ssm.time_step_rank`); value head `h` reads key head `h % n_head_k`.
+    /// Value heads (`ssm.time_step_rank`); value head `h` reads key head `h % n_head_k`, or
+    /// `h / (n_head_v / n_head_k)` when [`DeltaNetSpec::grouped`].
     pub n_head_v: usize,
     /// Values per key and value head (`ssm.state_size`).
     pub head_dim: usize,
     /// Taps of the convolution (`ssm.conv_kernel`).
     pub conv_kernel: usize,
+    /// The value heads are grouped by key head (Qwen3-Next, Hugging Face's order) rather than
+    /// tiled over them (Qwen3.5's converter reorders them).
+    pub grouped: bool,
+    /// β and α come from one projection `ssm_ba` (per key head, its value heads' β then their
+    /// α: Qwen3-Next) rather than `ssm_beta` and `ssm_alpha`.
+    pub fused_beta_alpha: bool,
 }
 
 impl DeltaNetSpec {
@@ -244,6 +251,7 @@ impl LayerSpec {
                 n_head_k: d.n_head_k,
                 n_head_v: d.n_head_v,
                 head_dim: d.head_dim,
+                grouped: d.grouped,
             }),
         }
     }

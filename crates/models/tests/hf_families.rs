@@ -545,3 +545,11 @@ fn gemma4_per_layer_inputs_and_shared_kv_match_transformers() {
         .collect();
     assert_eq!(widths, [64, 64, 64, 128, 128, 128]);
 }
+
+/// qwen3next (Qwen3-Next-like): qwen35moe's layers with the delta-net's value heads grouped by
+/// key head (2 key heads, 4 value heads: value head h reads key head h / 2, not h % 2), β and
+/// α split from the fused `ssm_ba` (per key head [β, β, α, α]), plain partial RoPE.
+#[test]
+fn qwen3next_matches_transformers() {
+    check("qwen3next", Arch::Qwen3Next);
+}

@@ -54,7 +54,7 @@ const C: &str = "a b c d q r s";
 
 #[test]
 fn hybrid_slots_answer_as_a_fresh_server() {
-    for arch in ["qwen35", "qwen35moe"] {
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
         let bytes = model(arch);
         let fresh = |prompt: &str| {
             let s = server_on(bytes.clone(), cfg(1), Draft::None, 512);

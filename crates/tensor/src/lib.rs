@@ -307,12 +307,15 @@ pub struct RecurrentShape {
     pub conv_kernel: usize,
     /// Channels it convolves (Q, K and V side by side).
     pub conv_channels: usize,
-    /// Key heads (a divisor of `n_head_v`; value head `h` reads key head `h % n_head_k`).
+    /// Key heads (a divisor of `n_head_v`; value head `h` reads key head `h % n_head_k`, or
+    /// `h / (n_head_v / n_head_k)` when `grouped`).
     pub n_head_k: usize,
     /// Value heads (one state matrix each).
     pub n_head_v: usize,
     /// Values per key and per value head.
     pub head_dim: usize,
+    /// Value heads grouped by key head (Qwen3-Next) rather than tiled over them (Qwen3.5).
+    pub grouped: bool,
 }
 
 impl RecurrentShape {

@@ -27,8 +27,8 @@ pub enum Subject {
 }
 
 impl Subject {
-    /// Every subject: the ten tiny targets and the three drafters.
-    pub const ALL: [Self; 13] = [
+    /// Every subject: the eleven tiny targets and the three drafters.
+    pub const ALL: [Self; 14] = [
         Self::Target(0),
         Self::Target(1),
         Self::Target(2),
@@ -39,6 +39,7 @@ impl Subject {
         Self::Target(7),
         Self::Target(8),
         Self::Target(9),
+        Self::Target(10),
         Self::Drafter(Drafter::Dflash),
         Self::Drafter(Drafter::Dflash2),
         Self::Drafter(Drafter::Eagle3),

@@ -193,7 +193,7 @@ fn tensor_bytes(t: &Tensor, max_elements: u64) -> Option<Vec<u8>> {
 
 /// The tiny targets: one per architecture, and `gemma4-e`, Gemma 4 as E2B / E4B lay it out
 /// ([`arch_of`] gives a target's architecture).
-pub const ARCHS: [&str; 10] = [
+pub const ARCHS: [&str; 11] = [
     "llama",
     "qwen2",
     "qwen3",
@@ -201,6 +201,7 @@ pub const ARCHS: [&str; 10] = [
     "qwen3moe",
     "qwen35",
     "qwen35moe",
+    "qwen3next",
     "laguna",
     "gemma4",
     "gemma4-e",
@@ -323,7 +324,8 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
         g.set(&k("attention.sliding_window_pattern"), u(2));
         g.set(&k("rope.freq_base_swa"), Value::F32(10_000.0));
     }
-    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "laguna") || (arch == "gemma4" && !edge);
+    let moe = matches!(arch, "qwen3moe" | "qwen35moe" | "qwen3next" | "laguna")
+        || (arch == "gemma4" && !edge);
     let gemma4 = arch == "gemma4";
     // Values per head of each layer (Gemma 4's global layer is wider).
     let hd = |i: usize| {
@@ -383,13 +385,15 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
         g.set(&k("expert_weights_scale"), Value::F32(2.5));
         g.set(&k("expert_gating_func"), u(2));
     }
-    let hybrid = matches!(arch, "qwen35" | "qwen35moe");
+    let hybrid = matches!(arch, "qwen35" | "qwen35moe" | "qwen3next");
+    // Qwen3-Next: β and α in one projection, its experts with a gated shared expert.
+    let next = arch == "qwen3next";
     if moe {
         g.set(&k("expert_count"), u(d.n_expert));
         g.set(&k("expert_used_count"), u(d.n_expert_used));
         g.set(&k("expert_feed_forward_length"), u(d.n_ff_exp));
     }
-    if arch == "qwen35moe" {
+    if matches!(arch, "qwen35moe" | "qwen3next") {
         g.set(&k("expert_shared_feed_forward_length"), u(d.n_ff_exp));
     }
     if hybrid {
@@ -417,7 +421,7 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
     }
     if matches!(
         arch,
-        "llama" | "qwen3" | "qwen3moe" | "qwen35moe" | "laguna"
+        "llama" | "qwen3" | "qwen3moe" | "qwen35moe" | "qwen3next" | "laguna"
     ) {
         g.tensor("output.weight", &[e, N_VOCAB], false);
     }
@@ -436,8 +440,12 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
             g.tensor(&n("ssm_conv1d.weight"), &[d.ssm_conv, ch], false);
             g.tensor(&n("ssm_dt.bias"), &[d.ssm_heads_v], false);
             g.tensor(&n("ssm_a"), &[d.ssm_heads_v], false);
-            g.tensor(&n("ssm_beta.weight"), &[e, d.ssm_heads_v], false);
-            g.tensor(&n("ssm_alpha.weight"), &[e, d.ssm_heads_v], false);
+            if next {
+                g.tensor(&n("ssm_ba.weight"), &[e, 2 * d.ssm_heads_v], false);
+            } else {
+                g.tensor(&n("ssm_beta.weight"), &[e, d.ssm_heads_v], false);
+                g.tensor(&n("ssm_alpha.weight"), &[e, d.ssm_heads_v], false);
+            }
             g.tensor(&n("ssm_norm.weight"), &[d.ssm_head_dim], true);
             g.tensor(&n("ssm_out.weight"), &[vd, e], false);
         } else {
@@ -450,7 +458,7 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
                 g.tensor(&n("attn_k.weight"), &[e, kv], false);
             }
             // Gemma 4's global layers take V from K.
-            if !(gemma4 && i % 2 == 1) && !shared(i) {
+            if !(shared(i) || gemma4 && i % 2 == 1) {
                 g.tensor(&n("attn_v.weight"), &[e, kv], false);
             }
             g.tensor(&n("attn_output.weight"), &[q, e], false);
@@ -524,12 +532,12 @@ pub fn target_sized(arch: &str, d: &Dims) -> TinyGguf {
                 &[d.n_ff_exp, e, d.n_expert],
                 false,
             );
-            if matches!(arch, "qwen35moe" | "laguna") {
+            if matches!(arch, "qwen35moe" | "qwen3next" | "laguna") {
                 g.tensor(&n("ffn_gate_shexp.weight"), &[e, d.n_ff_exp], false);
                 g.tensor(&n("ffn_up_shexp.weight"), &[e, d.n_ff_exp], false);
                 g.tensor(&n("ffn_down_shexp.weight"), &[d.n_ff_exp, e], false);
             }
-            if arch == "qwen35moe" {
+            if matches!(arch, "qwen35moe" | "qwen3next") {
                 g.tensor(&n("ffn_gate_inp_shexp.weight"), &[e], false);
             }
             if laguna {

@@ -25,7 +25,7 @@ pub(crate) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
         Arch::Qwen3 => qwen3::layers(hp),
         Arch::Gemma3 => gemma3::layers(hp),
         Arch::Qwen3Moe => qwen3moe::layers(hp, md)?,
-        Arch::Qwen35 | Arch::Qwen35Moe => qwen35::layers(hp, md)?,
+        Arch::Qwen35 | Arch::Qwen35Moe | Arch::Qwen3Next => qwen35::layers(hp, md)?,
         Arch::Laguna => laguna::layers(hp, md)?,
         Arch::Gemma4 => gemma4::layers(hp, md)?,
     })

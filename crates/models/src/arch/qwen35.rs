@@ -8,6 +8,11 @@
 //! stores the HF zero-centred norm weights `w` as `1 + w` and `A_log` as `ssm_a = −e^{A_log}`
 //! (the converter's work); the text positions' RoPE sections are equal, so the interleaved
 //! multi-section RoPE is NeoX RoPE over `rope.dimension_count` dimensions.
+//!
+//! `qwen3next` (Qwen3-Next) is the same block with two layouts of its own (llama.cpp
+//! `src/models/qwen3next.cpp`): the delta-net's value heads stay grouped by key head as Hugging
+//! Face stores them (Qwen3.5's converter tiles them), and β and α come from one projection
+//! (`ssm_beta_alpha`, per key head `[β…, α…]`) that the loader splits by rows.
 
 use specula_gguf::Metadata;
 
@@ -46,11 +51,14 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
             ),
         ));
     }
+    let next = hp.arch == Arch::Qwen3Next;
     let delta = DeltaNetSpec {
         n_head_k,
         n_head_v,
         head_dim,
         conv_kernel,
+        grouped: next,
+        fused_beta_alpha: next,
     };
     let recurrent = match per_layer_bools(md, &k("attention.recurrent_layers"), hp.n_layer)? {
         Some(v) => v,
@@ -63,7 +71,7 @@ pub(super) fn layers(hp: &Hparams, md: &Metadata) -> Result<Vec<LayerSpec>> {
         }
     };
     let ffn = match hp.arch {
-        Arch::Qwen35Moe => {
+        Arch::Qwen35Moe | Arch::Qwen3Next => {
             let e = moe::ExpertKeys::read(md, hp)?;
             let shared = opt_usize(md, &k("expert_shared_feed_forward_length"))?
                 .filter(|&n| n > 0)
