@@ -1042,9 +1042,44 @@ impl<'a, B: Backend> Loader<'a, B> {
                 self.linear(&n("ssm_alpha"), &[e, d.n_head_v])?,
             )
         };
+        let (qkv, z) = if d.grouped && self.file.tensor(&n("attn_qkv.weight")).is_none() {
+            // Qwen3-Next GGUFs of the first converters keep Hugging Face's fused `ssm_in`:
+            // per key head its Q, K, V and Z rows (llama.cpp's legacy path); the same rows,
+            // regrouped, are `attn_qkv` and `attn_gate`.
+            let (dk, r) = (d.head_dim, d.n_head_v / d.n_head_k);
+            let (dv, hk) = (r * d.head_dim, d.n_head_k);
+            let group = 2 * dk + 2 * dv;
+            let part = |off: usize, len: usize| {
+                (0..hk).flat_map(move |g| g * group + off..g * group + off + len)
+            };
+            let qkv_rows: Vec<usize> = part(0, dk)
+                .chain(part(dk, dk))
+                .chain(part(2 * dk, dv))
+                .collect();
+            let z_rows: Vec<usize> = part(2 * dk + dv, dv).collect();
+            let base = n("ssm_in");
+            let scale = self.scales.read(self.file, &base)?;
+            let name = format!("{base}.weight");
+            let rows = hk * group;
+            (
+                Linear {
+                    w: self.rows_of(&name, e, rows, &qkv_rows)?,
+                    scale,
+                },
+                Linear {
+                    w: self.rows_of(&name, e, rows, &z_rows)?,
+                    scale,
+                },
+            )
+        } else {
+            (
+                self.linear(&n("attn_qkv"), &[e, ch])?,
+                self.linear(&n("attn_gate"), &[e, vd])?,
+            )
+        };
         Ok(DeltaWeights {
-            qkv: self.linear(&n("attn_qkv"), &[e, ch])?,
-            z: self.linear(&n("attn_gate"), &[e, vd])?,
+            qkv,
+            z,
             conv: self.req(&n("ssm_conv1d.weight"), &[d.conv_kernel, ch])?,
             dt_bias: self.req(&n("ssm_dt.bias"), &[d.n_head_v])?,
             a: self.req(&n("ssm_a"), &[d.n_head_v])?,

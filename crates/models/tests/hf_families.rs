@@ -553,3 +553,83 @@ fn gemma4_per_layer_inputs_and_shared_kv_match_transformers() {
 fn qwen3next_matches_transformers() {
     check("qwen3next", Arch::Qwen3Next);
 }
+
+/// A Qwen3-Next GGUF of the first converters keeps Hugging Face's fused `ssm_in` (per key head
+/// its Q, K, V and Z rows) instead of `attn_qkv` and `attn_gate`: loaded from the same weights
+/// so laid out, the model gives the same logits bit for bit.
+#[test]
+fn qwen3next_legacy_fused_ssm_in_gives_the_same_bits() {
+    let g = common::golden("hf_families", "qwen3next", "hf_families_golden.py");
+    let file = Gguf::from_bytes(rebuild(&g["gguf"])).unwrap();
+    let md = file.metadata();
+    let int = |k: &str| usize::try_from(md.get(k).unwrap().as_u64().unwrap()).unwrap();
+    let (dk, hk, hv) = (
+        int("qwen3next.ssm.state_size"),
+        int("qwen3next.ssm.group_count"),
+        int("qwen3next.ssm.time_step_rank"),
+    );
+    let dv = hv / hk * dk;
+    let mut w = GgufWriter::new();
+    for (k, v) in md.iter() {
+        w.add(k.to_owned(), v.clone()).unwrap();
+    }
+    let mut data: Vec<Vec<u8>> = Vec::new();
+    for (i, t) in file.tensors().iter().enumerate() {
+        let bytes = file.tensor_data(i);
+        if t.name.ends_with("attn_gate.weight") && t.name.starts_with("blk.0") {
+            continue;
+        }
+        if let Some(blk) = t.name.strip_suffix(".attn_qkv.weight")
+            && blk == "blk.0"
+        {
+            // Rows of `n_embd` f32 values: per key head [q, k, v, z].
+            let row = usize::try_from(t.dims[0]).unwrap() * 4;
+            let z = file
+                .tensor_data_by_name(&format!("{blk}.attn_gate.weight"))
+                .unwrap();
+            let rows = |b: &[u8], from: usize, n: usize| b[from * row..(from + n) * row].to_vec();
+            let mut fused = Vec::new();
+            for h in 0..hk {
+                fused.extend(rows(bytes, h * dk, dk));
+                fused.extend(rows(bytes, hk * dk + h * dk, dk));
+                fused.extend(rows(bytes, 2 * hk * dk + h * dv, dv));
+                fused.extend(rows(z, h * dv, dv));
+            }
+            let n = u64::try_from(fused.len() / row).unwrap();
+            w.add_tensor(
+                &format!("{blk}.ssm_in.weight"),
+                GgmlType::F32,
+                &[t.dims[0], n],
+            )
+            .unwrap();
+            data.push(fused);
+            continue;
+        }
+        w.add_tensor(&t.name, t.ty, &t.dims).unwrap();
+        data.push(bytes.to_vec());
+    }
+    let slices: Vec<&[u8]> = data.iter().map(Vec::as_slice).collect();
+    let legacy = w.to_vec(&slices).unwrap();
+    let be = CpuBackend::new(1);
+    let tokens = &sequences(&g)[0].tokens;
+    let n = tokens.len();
+    let logits = |bytes: Vec<u8>| {
+        let model = Model::load(&be, Arc::new(Gguf::from_bytes(bytes).unwrap())).unwrap();
+        let mut kv = model.new_kv(&be, N_CTX, QType::F32, QType::F32).unwrap();
+        let mut s = model.scratch(&be);
+        let pos: Vec<u32> = (0..u32::try_from(n).unwrap()).collect();
+        let rows: Vec<usize> = (0..n).collect();
+        model
+            .forward(&be, &mut kv, &mut s, tokens, &pos, &rows, None)
+            .unwrap()
+            .to_vec()
+    };
+    let a = logits(rebuild(&g["gguf"]));
+    let b = logits(legacy);
+    assert_same_bits(
+        "qwen3next: fused ssm_in vs attn_qkv + attn_gate",
+        &b,
+        &a,
+        256,
+    );
+}
