@@ -597,7 +597,7 @@ fn qwen3next_legacy_fused_ssm_in_gives_the_same_bits() {
             }
             let n = u64::try_from(fused.len() / row).unwrap();
             w.add_tensor(
-                &format!("{blk}.ssm_in.weight"),
+                format!("{blk}.ssm_in.weight"),
                 GgmlType::F32,
                 &[t.dims[0], n],
             )
