@@ -22,16 +22,21 @@ impl Device {
     /// Parses `cpu`, `cuda` or `cuda:N`.
     ///
     /// # Errors
-    /// Any other value.
+    /// Any other value, and CUDA in a build without the `cuda` feature (before any work).
     pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "cpu" => Ok(Self::Cpu),
-            "cuda" => Ok(Self::Cuda(0)),
+        let d = match s {
+            "cpu" => Self::Cpu,
+            "cuda" => Self::Cuda(0),
             _ => match s.strip_prefix("cuda:").map(str::parse) {
-                Some(Ok(n)) => Ok(Self::Cuda(n)),
+                Some(Ok(n)) => Self::Cuda(n),
                 _ => bail!("--device {s}: expected cpu, cuda or cuda:N"),
             },
+        };
+        #[cfg(not(feature = "cuda"))]
+        if let Self::Cuda(i) = d {
+            return Err(no_cuda(i));
         }
+        Ok(d)
     }
 }
 

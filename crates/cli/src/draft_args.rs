@@ -223,8 +223,8 @@ const AUTO_DRAFT_VOCAB_OVER: usize = 65_536;
 ///
 /// # Errors
 /// Errors cutting the head.
-pub fn restrict_draft_vocab(
-    draft: &mut specula_engine::Engine<specula_cpu::CpuBackend>,
+pub fn restrict_draft_vocab<B: specula_tensor::Backend>(
+    draft: &mut specula_engine::Engine<B>,
     args: &DraftArgs,
 ) -> Result<Option<String>> {
     let n_vocab = draft.model.hparams().n_vocab;

@@ -52,12 +52,17 @@ pub fn model_path_with(arg: Option<&str>, offline: bool) -> Result<PathBuf> {
 
 /// Opens the model file and builds the CPU engine with `threads` threads (0 = all cores).
 pub fn cpu_engine(path: &Path, threads: usize) -> Result<Engine<CpuBackend>> {
-    let threads = if threads == 0 {
+    engine_on(CpuBackend::new(self::threads(threads)), path)
+}
+
+/// A `-t` value: itself, or every core for 0.
+#[must_use]
+pub fn threads(threads: usize) -> usize {
+    if threads == 0 {
         std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
     } else {
         threads
-    };
-    engine_on(CpuBackend::new(threads), path)
+    }
 }
 
 /// Opens the model file and builds its engine on `backend`.

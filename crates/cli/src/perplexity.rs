@@ -44,6 +44,9 @@ pub struct Args {
     /// Threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
+    /// Device: `cpu`, or `cuda[:N]` (the CubeCL backend; a build with `--features cuda`).
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: String,
     /// Tokens per forward batch.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
@@ -110,16 +113,44 @@ pub fn run(args: &Args) -> Result<String> {
     let overrides = load::layer_types(&args.layer_types)?;
     let text = std::fs::read_to_string(&args.file)
         .with_context(|| format!("cannot read {}", args.file.display()))?;
+    let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path(args.model.as_deref())?;
-    let mut engine = load::cpu_engine(&path, args.threads)?;
+    match device {
+        crate::device::Device::Cpu => score(
+            args,
+            load::cpu_engine(&path, args.threads)?,
+            &text,
+            (k_type, v_type),
+            overrides,
+        ),
+        crate::device::Device::Cuda(i) => score(
+            args,
+            crate::device::cuda_engine(&path, i)?,
+            &text,
+            (k_type, v_type),
+            overrides,
+        ),
+    }
+}
+
+/// Scores `text` with the engine of any backend.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the windows, the KL comparison and the report in one pass"
+)]
+fn score<B: specula_tensor::Backend>(
+    args: &Args,
+    mut engine: specula_engine::Engine<B>,
+    text: &str,
+    (k_type, v_type): (specula_quant::QType, specula_quant::QType),
+    overrides: Vec<specula_tensor::LayerOverride>,
+) -> Result<String> {
     engine.kv_overrides = overrides;
     engine.swa_full = args.swa_full;
     engine.n_batch = args.batch_size.max(1);
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let n_ctx = args.ctx_size;
-    let tokens = engine
-        .tokenizer
-        .encode_with(&text, EncodeOptions::default());
+    let tokens = engine.tokenizer.encode_with(text, EncodeOptions::default());
     if tokens.len() < 2 * n_ctx {
         bail!(
             "{} tokenizes to {} tokens; perplexity with a context of {n_ctx} needs at least {}",

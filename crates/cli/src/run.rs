@@ -59,6 +59,10 @@ pub struct Args {
     /// Threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
+    /// Device: `cpu`, or `cuda[:N]` (the CubeCL backend; a build with `--features cuda`). A
+    /// DFlash / EAGLE-3 drafter or a draft model runs on the same device.
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: String,
     /// Tokens per prefill batch.
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch_size: usize,
@@ -231,8 +235,69 @@ pub fn run(args: &Args) -> Result<String> {
         .resolve(args.spec_type, args.model_draft.as_deref())?
         .unwrap_or(SpecType::NgramSimple);
     let structured = structured_spec(args)?;
+    let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path(args.model.as_deref())?;
-    let mut engine = load::cpu_engine(&path, args.threads)?;
+    let threads = load::threads(args.threads);
+    let ready = Ready {
+        prompt,
+        k_type,
+        v_type,
+        overrides,
+        spec_kind,
+        structured,
+    };
+    match device {
+        crate::device::Device::Cpu => run_on(
+            args,
+            load::cpu_engine(&path, threads)?,
+            &path,
+            ready,
+            &|t| Ok(specula_cpu::CpuBackend::new(t)),
+        ),
+        crate::device::Device::Cuda(i) => run_on(
+            args,
+            crate::device::cuda_engine(&path, i)?,
+            &path,
+            ready,
+            &|_| crate::device::cuda_backend(i),
+        ),
+    }
+}
+
+/// What `run` read from its flags before the model loads.
+struct Ready {
+    prompt: String,
+    k_type: specula_quant::QType,
+    v_type: specula_quant::QType,
+    overrides: Vec<specula_tensor::LayerOverride>,
+    spec_kind: SpecType,
+    structured: Option<Spec>,
+}
+
+/// A backend like the target's for a drafter, given its thread count.
+type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
+
+/// `specula run` on an engine of any backend; drafters get a backend from `backend`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one generation, from the prompt to the report"
+)]
+fn run_on<B: specula_tensor::Backend + 'static>(
+    args: &Args,
+    mut engine: specula_engine::Engine<B>,
+    path: &std::path::Path,
+    ready: Ready,
+    backend: BackendFor<'_, B>,
+) -> Result<String> {
+    let Ready {
+        prompt,
+        k_type,
+        v_type,
+        overrides,
+        spec_kind,
+        structured,
+    } = ready;
+    let path = path.to_path_buf();
     engine.n_batch = args.batch_size;
     engine.swa_full = args.swa_full;
 
@@ -291,7 +356,7 @@ pub fn run(args: &Args) -> Result<String> {
     if args.draft.force_replay() {
         session.force_replay();
     }
-    let (kind, mut drafter, n_max) = drafter(args, spec_kind, &engine)?;
+    let (kind, mut drafter, n_max) = drafter(args, spec_kind, &engine, backend)?;
     let spec = SpecOptions {
         n_max,
         n_min: args.draft.spec_n_min,
@@ -455,10 +520,11 @@ type Chosen = (String, Option<Box<dyn Drafter>>, usize);
 
 /// The drafter the flags ask for (`None`: no speculation), with its `--spec-type` name and the
 /// draft length per round (`--spec-draft-n-max`, clamped to what the drafter can make).
-fn drafter(
+fn drafter<B: specula_tensor::Backend + 'static>(
     args: &Args,
     kind: SpecType,
-    target: &specula_engine::Engine<specula_cpu::CpuBackend>,
+    target: &specula_engine::Engine<B>,
+    backend: BackendFor<'_, B>,
 ) -> Result<Chosen> {
     if args.draft.spec_n_max == 0 && args.spec_type.is_some_and(|t| t != SpecType::None) {
         bail!("--spec-draft-n-max must be at least 1 for speculative decoding");
@@ -470,12 +536,7 @@ fn drafter(
         );
     }
     let name = crate::draft_args::spec_name(kind);
-    let threads = args.draft.threads(args.threads);
-    let threads = if threads == 0 {
-        std::thread::available_parallelism().map_or(1, std::num::NonZero::get)
-    } else {
-        threads
-    };
+    let threads = load::threads(args.draft.threads(args.threads));
     let draft_ctx = if args.draft.ctx_size_draft == 0 {
         args.ctx_size
     } else {
@@ -493,7 +554,7 @@ fn drafter(
                     .with_context(|| format!("cannot load the draft {}", path.display()))?,
             );
             let d = Eagle3Drafter::new(
-                specula_cpu::CpuBackend::new(threads),
+                backend(threads)?,
                 file,
                 target,
                 draft_ctx.max(args.ctx_size),
@@ -515,7 +576,7 @@ fn drafter(
                 Injection::Eager
             };
             let d = DflashDrafter::new(
-                specula_cpu::CpuBackend::new(threads),
+                backend(threads)?,
                 file,
                 target,
                 draft_ctx.max(args.ctx_size),
@@ -536,7 +597,7 @@ fn drafter(
         }
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
-            let mut draft = load::cpu_engine(&path, threads)?;
+            let mut draft = load::engine_on(backend(threads)?, &path)?;
             draft.n_batch = args.batch_size;
             draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {

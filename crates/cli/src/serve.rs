@@ -40,6 +40,10 @@ pub struct Args {
     /// Threads (0 = all cores).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: usize,
+    /// Device: `cpu`, or `cuda[:N]` (the CubeCL backend; a build with `--features cuda`);
+    /// drafters run on the same device.
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: String,
     /// Logical batch (llama-server's default 2048): the `/infill` budgets read it; a prompt
     /// chunk is min(-b, -ub).
     #[arg(short = 'b', long = "batch-size", default_value_t = 2048)]
@@ -441,17 +445,80 @@ pub fn run(args: &Args) -> Result<String> {
     let spec_kind = args
         .kind
         .resolve(args.spec_type, args.model_draft.as_deref())?;
+    let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path_with(args.model.as_deref(), args.llama.offline)?;
-    let mut engine = load::cpu_engine(&path, args.threads)?;
+    let ready = Ready {
+        template,
+        keys,
+        sampler,
+        k_type,
+        v_type,
+        spec_kind,
+    };
+    match device {
+        crate::device::Device::Cpu => serve_on(
+            args,
+            load::cpu_engine(&path, args.threads)?,
+            &path,
+            ready,
+            &|t| Ok(CpuBackend::new(t)),
+        ),
+        crate::device::Device::Cuda(i) => serve_on(
+            args,
+            crate::device::cuda_engine(&path, i)?,
+            &path,
+            ready,
+            &|_| crate::device::cuda_backend(i),
+        ),
+    }
+}
+
+/// What `serve` read from its flags before the model loads.
+struct Ready {
+    template: Option<String>,
+    keys: Vec<String>,
+    sampler: specula_sampling::SamplerParams,
+    k_type: specula_quant::QType,
+    v_type: specula_quant::QType,
+    spec_kind: Option<SpecType>,
+}
+
+/// A backend like the target's for a drafter, given its thread count.
+type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
+
+/// `specula serve` on an engine of any backend; drafters get a backend from `backend`.
+#[allow(
+    clippy::too_many_lines,
+    reason = "the server's whole configuration, field by field"
+)]
+fn serve_on<B>(
+    args: &Args,
+    mut engine: Engine<B>,
+    path: &std::path::Path,
+    ready: Ready,
+    backend: BackendFor<'_, B>,
+) -> Result<String>
+where
+    B: specula_tensor::Backend + Send + Sync + 'static,
+    Engine<B>: Send + Sync,
+{
+    let Ready {
+        template,
+        keys,
+        sampler,
+        k_type,
+        v_type,
+        spec_kind,
+    } = ready;
     engine.n_batch = args.batch_size.min(args.ubatch_size);
     engine.swa_full = args.swa_full;
     let n_ctx_slot = args.ctx_size / args.parallel;
     load::check_cache(&engine, n_ctx_slot, k_type, v_type)?;
-    let file = specula_gguf::Gguf::open(&path)
+    let file = specula_gguf::Gguf::open(path)
         .with_context(|| format!("cannot load {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
-    let spec = speculative(args, spec_kind, &engine, n_ctx_slot)?;
+    let spec = speculative(args, spec_kind, &engine, n_ctx_slot, backend)?;
     let aliases = model_aliases(args.alias.as_deref());
     let name = aliases.first().cloned().unwrap_or_else(|| {
         path.file_name()
@@ -502,12 +569,17 @@ pub fn run(args: &Args) -> Result<String> {
 /// nothing speculative is set up or logged.
 /// Model drafters are loaded once and shared by the slots' drafters, each with its own cache
 /// and state.
-fn speculative(
+fn speculative<B>(
     args: &Args,
     kind: Option<SpecType>,
-    target: &Engine<CpuBackend>,
+    target: &Engine<B>,
     n_ctx_slot: usize,
-) -> Result<Option<Speculative>> {
+    backend: BackendFor<'_, B>,
+) -> Result<Option<Speculative>>
+where
+    B: specula_tensor::Backend + Send + Sync + 'static,
+    Engine<B>: Send + Sync,
+{
     let kind = match kind {
         None | Some(SpecType::None) => return Ok(None),
         Some(kind) => kind,
@@ -526,7 +598,7 @@ fn speculative(
         SpecType::NgramCache => Box::new(|| Ok(Box::new(NgramCache::default()) as _)),
         SpecType::DraftDflash => {
             let (path, file) = draft_file(args)?;
-            let backend = CpuBackend::new(args.draft.threads(args.threads));
+            let backend = backend(load::threads(args.draft.threads(args.threads)))?;
             let net = Dflash::load(&backend, file, &target.model)
                 .with_context(|| format!("cannot use {} as a DFlash drafter", path.display()))?;
             let block = net.hparams().block_size;
@@ -553,7 +625,7 @@ fn speculative(
         }
         SpecType::DraftEagle3 => {
             let (path, file) = draft_file(args)?;
-            let backend = CpuBackend::new(args.draft.threads(args.threads));
+            let backend = backend(load::threads(args.draft.threads(args.threads)))?;
             let net = Eagle3::load(&backend, file, &target.model)
                 .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
             let (backend, net) = (Arc::new(backend), Arc::new(net));
@@ -566,8 +638,8 @@ fn speculative(
         }
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
-            let threads = args.draft.threads(args.threads);
-            let mut draft = load::cpu_engine(&path, threads)?;
+            let threads = load::threads(args.draft.threads(args.threads));
+            let mut draft = load::engine_on(backend(threads)?, &path)?;
             draft.n_batch = args.batch_size.min(args.ubatch_size);
             draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {

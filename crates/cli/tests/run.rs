@@ -353,3 +353,37 @@ fn every_architecture_runs_from_the_cli_with_and_without_a_drafter() {
         }
     }
 }
+
+/// `--device` on every subcommand that runs a model: a bad value, and CUDA in a build without
+/// the `cuda` feature, are one-line errors before any model loads (the model path here does
+/// not exist, so reaching the load would say so instead).
+#[test]
+fn device_flags_are_checked_before_the_model_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("text.txt");
+    std::fs::write(&text, "some text to score").unwrap();
+    let text = text.to_str().unwrap();
+    let missing = dir.path().join("missing.gguf");
+    let m = missing.to_str().unwrap();
+    let commands: [Vec<&str>; 4] = [
+        vec!["run", "-m", m, "-p", "a", "-n", "1"],
+        vec!["bench", "-m", m, "-p", "8", "-n", "0"],
+        vec!["perplexity", "-m", m, "-f", text],
+        vec!["serve", "-m", m, "--port", "0"],
+    ];
+    for cmd in &commands {
+        let mut bad = cmd.clone();
+        bad.extend(["--device", "gpu"]);
+        assert_clean_error(&specula(&bad), "--device gpu: expected cpu, cuda or cuda:N");
+        let mut cuda = cmd.clone();
+        cuda.extend(["--device", "cuda:1"]);
+        let out = specula(&cuda);
+        if cfg!(feature = "cuda") {
+            continue;
+        }
+        assert_clean_error(
+            &out,
+            "--device cuda:1: this specula was built without CUDA (cargo build --release -p specula-cli --features cuda)",
+        );
+    }
+}
