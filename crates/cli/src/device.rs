@@ -97,8 +97,11 @@ mod tests {
     #[test]
     fn device_flags_parse_and_bad_ones_are_named() {
         assert_eq!(Device::parse("cpu").unwrap(), Device::Cpu);
-        assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
-        assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
+        // Without the `cuda` feature a CUDA device is refused at parse time (next test).
+        if cfg!(feature = "cuda") {
+            assert_eq!(Device::parse("cuda").unwrap(), Device::Cuda(0));
+            assert_eq!(Device::parse("cuda:3").unwrap(), Device::Cuda(3));
+        }
         for bad in ["gpu", "cuda:", "cuda:x", "CUDA"] {
             let e = Device::parse(bad).unwrap_err().to_string();
             assert!(e.contains(bad) && e.contains("cuda:N"), "{e}");
@@ -110,5 +113,12 @@ mod tests {
     fn cuda_without_the_feature_says_how_to_build_it() {
         let e = cuda_backend(0).unwrap_err().to_string();
         assert!(e.contains("--features cuda"), "{e}");
+        for (flag, n) in [("cuda", 0), ("cuda:3", 3)] {
+            let e = Device::parse(flag).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("--device cuda:{n}")) && e.contains("--features cuda"),
+                "{e}"
+            );
+        }
     }
 }
