@@ -446,6 +446,41 @@ impl Backend for CubeBackend {
         );
     }
 
+    fn put_rows(&self, src: &CubeTensor, rows: &[usize], dst: &mut CubeTensor) {
+        assert!(
+            src.rows == rows.len() && src.cols == dst.cols,
+            "put_rows: {} rows of {} values into rows of {}",
+            src.rows,
+            src.cols,
+            dst.cols
+        );
+        let idx: Vec<u32> = rows
+            .iter()
+            .map(|&r| {
+                assert!(r < dst.rows, "put_rows: row {r} of {}", dst.rows);
+                u(r)
+            })
+            .collect();
+        let n = src.rows * src.cols;
+        if n == 0 {
+            return;
+        }
+        let ids = self.upload_u32(&idx);
+        // SAFETY: every `idx` row lies inside `dst` (checked) and `src` holds `n` values.
+        unsafe {
+            ew::scatter::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(src.h.clone(), n),
+                BufferArg::from_raw_parts(ids, idx.len()),
+                BufferArg::from_raw_parts(dst.h.clone(), dst.rows * dst.cols),
+                u(n),
+                u(src.cols),
+            );
+        }
+    }
+
     fn get_rows(&self, table: &CubeWeight, ids: &[u32], out: &mut CubeTensor) {
         let cols = table.n_in;
         self.resize(out, ids.len(), cols);

@@ -368,6 +368,14 @@ pub fn conformance<B: Backend>(be: &B) {
         be.add_rows_scaled(&mut db, &[1, 0, 1, 2], &sb, &[0.5, 2.0, -1.0, 0.25]);
         cpu.add_rows_scaled(&mut dc, &[1, 0, 1, 2], &sc, &[0.5, 2.0, -1.0, 0.25]);
         check("add_rows_scaled", &host(be, &db), &host(cpu, &dc), 0.0);
+
+        // Two of the four rows scattered into the middle of a five-row tensor, the rest kept.
+        let (mut pb, mut pc) = p.tensors(5, cols, 28, 1.0);
+        let (rb, rc) = p.tensors(2, cols, 29, 1.0);
+        be.put_rows(&rb, &[3, 1], &mut pb);
+        cpu.put_rows(&rc, &[3, 1], &mut pc);
+        assert_eq!(be.shape(&pb), (5, cols));
+        check("put_rows", &host(be, &pb), &host(cpu, &pc), 0.0);
     }
 
     // Attention: each cache format the device keeps, GQA, every mask, soft-capping, rings.

@@ -254,6 +254,10 @@ impl Backend for CpuBackend {
         ops::copy_rows(src, rows, out);
     }
 
+    fn put_rows(&self, src: &CpuTensor, rows: &[usize], dst: &mut CpuTensor) {
+        ops::put_rows(src, rows, dst);
+    }
+
     fn get_rows(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
         ops::get_rows(self, table, ids, out);
     }

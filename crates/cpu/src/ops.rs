@@ -23,6 +23,25 @@ pub(crate) fn copy_rows(src: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
     }
 }
 
+/// `dst[rows[i]] = src[i]`.
+pub(crate) fn put_rows(src: &CpuTensor, rows: &[usize], dst: &mut CpuTensor) {
+    assert!(
+        src.rows() == rows.len() && src.cols() == dst.cols(),
+        "put_rows: {} rows of {} values into rows of {}",
+        src.rows(),
+        src.cols(),
+        dst.cols()
+    );
+    for (i, &r) in rows.iter().enumerate() {
+        assert!(
+            r < dst.rows(),
+            "put_rows: row {r} of a {}-row tensor",
+            dst.rows()
+        );
+        dst.row_mut(r).copy_from_slice(src.row(i));
+    }
+}
+
 /// `out[r] = dequantize(table row ids[r])`.
 pub(crate) fn get_rows(be: &CpuBackend, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
     let n = table.row_len();

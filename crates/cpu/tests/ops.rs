@@ -61,6 +61,23 @@ fn copy_rows_gathers_rows() {
 }
 
 #[test]
+fn put_rows_scatters_rows_and_keeps_the_others() {
+    let be = CpuBackend::new(1);
+    let dst: Vec<f32> = (0..15u8).map(f32::from).collect();
+    let mut d = be.from_host(5, 3, &dst);
+    let src = be.from_host(2, 3, &[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]);
+    be.put_rows(&src, &[3, 0], &mut d);
+    let mut got = Vec::new();
+    be.to_host(&d, &mut got);
+    assert_eq!(
+        got,
+        [
+            -4.0, -5.0, -6.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, -1.0, -2.0, -3.0, 12.0, 13.0, 14.0
+        ]
+    );
+}
+
+#[test]
 fn add_vector_add_and_scale_are_exact() {
     for threads in [1, 3] {
         let be = CpuBackend::new(threads);

@@ -497,7 +497,7 @@ pub struct Scratch<B: Backend> {
     cells: Vec<usize>,
     host: Vec<f32>,
     /// [`Model::forward_multi`]: one sequence's q/k/v/attention rows, the batch's tokens,
-    /// positions and logits rows, and the attention output gathered on the host.
+    /// positions and logits rows.
     seq_q: B::Tensor,
     seq_k: B::Tensor,
     seq_v: B::Tensor,
@@ -506,8 +506,6 @@ pub struct Scratch<B: Backend> {
     all_tokens: Vec<u32>,
     all_pos: Vec<u32>,
     all_logits_rows: Vec<usize>,
-    attn_host: Vec<f32>,
-    seq_host: Vec<f32>,
     /// One sequence's rows of a tapped hidden state ([`Model::forward_multi`]).
     tap_rows: B::Tensor,
     /// The buffers of a mixture-of-experts FFN.
@@ -1653,8 +1651,6 @@ impl<B: Backend> Model<B> {
             all_tokens: Vec::new(),
             all_pos: Vec::new(),
             all_logits_rows: Vec::new(),
-            attn_host: Vec::new(),
-            seq_host: Vec::new(),
             tap_rows: z(),
             moe: moe::MoeScratch::new(backend),
             qg: z(),
@@ -1987,6 +1983,7 @@ impl<B: Backend> Model<B> {
         };
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
         let hp = &self.hp;
+        let all_len = all_tokens.len();
         let result = self.layers_and_head(
             be,
             s,
@@ -1995,7 +1992,7 @@ impl<B: Backend> Model<B> {
             &all_rows,
             tap,
             &mut |be, s, il| {
-                s.attn_host.clear();
+                let total = all_len;
                 let mut off = 0;
                 if let MixerSpec::DeltaNet(_) = &hp.layers[il].mixer {
                     for q in seqs.iter_mut() {
@@ -2018,11 +2015,13 @@ impl<B: Backend> Model<B> {
                             &dn.seq_beta,
                             &mut dn.seq_out,
                         );
-                        be.to_host(&dn.seq_out, &mut s.seq_host);
-                        s.attn_host.extend_from_slice(&s.seq_host);
+                        // Into the batch's rows, on the backend.
+                        if s.seq_rows[0] == 0 {
+                            let cols = be.shape(&dn.seq_out).1;
+                            be.resize(&mut dn.out, total, cols);
+                        }
+                        be.put_rows(&dn.seq_out, &s.seq_rows, &mut dn.out);
                     }
-                    let cols = s.attn_host.len() / off.max(1);
-                    s.dn.out = be.from_host(off, cols, &s.attn_host);
                     return;
                 }
                 for q in seqs.iter_mut() {
@@ -2055,11 +2054,13 @@ impl<B: Backend> Model<B> {
                         &self.attn_params(il, q.pos, kv_pos),
                         &mut s.seq_attn,
                     );
-                    be.to_host(&s.seq_attn, &mut s.seq_host);
-                    s.attn_host.extend_from_slice(&s.seq_host);
+                    // Into the batch's rows, on the backend (sized by the first sequence).
+                    if s.seq_rows[0] == 0 {
+                        let cols = be.shape(&s.seq_attn).1;
+                        be.resize(&mut s.attn, total, cols);
+                    }
+                    be.put_rows(&s.seq_attn, &s.seq_rows, &mut s.attn);
                 }
-                let cols = s.attn_host.len() / off.max(1);
-                s.attn = be.from_host(off, cols, &s.attn_host);
             },
         );
         s.all_tokens = all_tokens;

@@ -513,6 +513,10 @@ pub trait Backend: Send + Sync {
 
     /// `out[i] = src[rows[i]]`: gathers rows (e.g. the rows whose logits are wanted).
     fn copy_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor);
+    /// `dst[rows[i]] = src[i]`: scatters rows into a tensor of the same width, leaving its
+    /// other rows as they are (one sequence's attention output into the batch's, with no
+    /// trip through the host). `rows` are distinct and below `dst`'s row count.
+    fn put_rows(&self, src: &Self::Tensor, rows: &[usize], dst: &mut Self::Tensor);
     /// `out[r] = table[ids[r]]` (dequantized embedding rows).
     fn get_rows(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
     /// `out = x · wᵀ`: `x` is `[rows, n_in]`, `out` is `[rows, n_out]`.

@@ -223,6 +223,17 @@ pub fn gather(
     }
 }
 
+/// `dst[idx[r]] = src[r]` for rows of `cols` values: one unit per value.
+#[cube(launch)]
+pub fn scatter(src: &[f32], idx: &[u32], dst: &mut [f32], n: u32, cols: u32) {
+    let i = ABSOLUTE_POS;
+    if i < n as usize {
+        let r = i / cols as usize;
+        let c = i % cols as usize;
+        dst[idx[r] as usize * cols as usize + c] = src[i];
+    }
+}
+
 /// `dst[rows[i]] += w[i] · src[i]` for each `i` in order: one unit per column, walking the
 /// rows in order (so repeated destination rows add in the order given).
 #[cube(launch)]
