@@ -351,12 +351,15 @@ fn run_on<B: specula_tensor::Backend + 'static>(
         stop_at_eog: !args.ignore_eos,
     };
     engine.kv_overrides = overrides;
+    let (kind, mut drafter, n_max) = drafter(args, spec_kind, &engine, backend)?;
+    // A hybrid model's recurrent layers keep a state after each row a rejection can take
+    // back: at most the draft length, none without drafts.
+    engine.recurrent_snapshots = if drafter.is_some() { n_max } else { 0 };
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let mut session = engine.session(args.ctx_size, k_type, v_type)?;
     if args.draft.force_replay() {
         session.force_replay();
     }
-    let (kind, mut drafter, n_max) = drafter(args, spec_kind, &engine, backend)?;
     let spec = SpecOptions {
         n_max,
         n_min: args.draft.spec_n_min,

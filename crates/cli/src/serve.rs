@@ -513,12 +513,16 @@ where
     engine.n_batch = args.batch_size.min(args.ubatch_size);
     engine.swa_full = args.swa_full;
     let n_ctx_slot = args.ctx_size / args.parallel;
-    load::check_cache(&engine, n_ctx_slot, k_type, v_type)?;
     let file = specula_gguf::Gguf::open(path)
         .with_context(|| format!("cannot load {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
     let spec = speculative(args, spec_kind, &engine, n_ctx_slot, backend)?;
+    // A hybrid model's recurrent layers keep a state after each row a rejection can take
+    // back: the default draft length's (a request asking for more rolls back by replay),
+    // none without drafts.
+    engine.recurrent_snapshots = spec.as_ref().map_or(0, |s| s.options.n_max);
+    load::check_cache(&engine, n_ctx_slot, k_type, v_type)?;
     let aliases = model_aliases(args.alias.as_deref());
     let name = aliases.first().cloned().unwrap_or_else(|| {
         path.file_name()

@@ -387,3 +387,48 @@ fn device_flags_are_checked_before_the_model_loads() {
         );
     }
 }
+
+/// A hybrid model's recurrent layers keep one state per row a rejection can take back: as
+/// many as the draft length, none without drafts (the cache `--json` reports grows by one
+/// recurrent state per draft token), and the output does not depend on it.
+#[test]
+fn recurrent_snapshots_follow_the_draft_length() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("qwen35.gguf");
+    std::fs::write(
+        &path,
+        specula_testkit::tiny::target("qwen35").to_bytes().unwrap(),
+    )
+    .unwrap();
+    let m = path.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut args = vec![
+            "run",
+            "-m",
+            m,
+            "-p",
+            "a b c a b c a b c",
+            "-n",
+            "10",
+            "--temp",
+            "0",
+            "--json",
+            "-t",
+            "1",
+            "--ignore-eos",
+        ];
+        args.extend(extra);
+        let j = common::json_of(&args);
+        (
+            j["kv"]["bytes"].as_u64().unwrap(),
+            j["generated_ids"].clone(),
+        )
+    };
+    let (none, want) = run(&["--spec-type", "none"]);
+    let (three, got3) = run(&["--spec-type", "ngram-simple", "--spec-draft-n-max", "3"]);
+    let (twelve, got12) = run(&["--spec-type", "ngram-simple", "--spec-draft-n-max", "12"]);
+    assert_eq!((&got3, &got12), (&want, &want));
+    assert!(none < three && three < twelve, "{none} {three} {twelve}");
+    // One recurrent state per draft token.
+    assert_eq!((twelve - three) * 3, (three - none) * 9);
+}
