@@ -603,6 +603,9 @@ fn run_on<B: Backend + 'static>(
         }
     }
     let n_ctx = n_ctx + if attached.is_some() { 64 } else { 0 };
+    // A hybrid model's recurrent snapshots: as many as a round's draft, none without one
+    // (as `specula run` keeps them).
+    engine.recurrent_snapshots = attached.as_ref().map_or(0, |a| a.n_max);
     let layout = load::check_cache(&engine, n_ctx, k_type, v_type)?;
     let mut session = engine.session(n_ctx, k_type, v_type)?;
     let mut seed = 0x2545_f491_4f6c_dd1du64;
