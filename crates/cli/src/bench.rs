@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
-use specula_cpu::CpuBackend;
 use specula_engine::{
     DflashDrafter, Eagle3Drafter, Engine, Injection, PlanEntry, RoundCost, Session, SpecOptions,
     SpecSeq, plan,
@@ -520,31 +519,43 @@ pub fn run(args: &Args) -> Result<String> {
     let spec = args.kind.resolve(None, args.model_draft.as_deref())?;
     let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path(args.model.as_deref())?;
-    match device {
-        crate::device::Device::Cpu => {
-            let engine = load::cpu_engine(&path, args.threads)?;
-            run_on(
-                args,
-                engine,
-                &path,
-                (k_type, v_type),
-                overrides,
-                spec,
-                || Ok(CpuBackend::new(args.threads)),
-            )
-        }
-        crate::device::Device::Cuda(i) => {
-            let engine = crate::device::cuda_engine(&path, i)?;
-            run_on(
-                args,
-                engine,
-                &path,
-                (k_type, v_type),
-                overrides,
-                spec,
-                || crate::device::cuda_backend(i),
-            )
-        }
+    let work = Benching {
+        args,
+        path: path.clone(),
+        types: (k_type, v_type),
+        overrides,
+        spec,
+    };
+    crate::device::on_device(device, &path, args.threads, work)
+}
+
+/// What `bench` read before the model loads.
+struct Benching<'a> {
+    args: &'a Args,
+    path: std::path::PathBuf,
+    types: (QType, QType),
+    overrides: Vec<specula_kv::LayerOverride>,
+    spec: Option<SpecType>,
+}
+
+impl crate::device::OnDevice for Benching<'_> {
+    type Out = String;
+
+    fn run<B>(self, engine: Engine<B>, backend: crate::device::BackendFor<'_, B>) -> Result<String>
+    where
+        B: Backend + Send + Sync + 'static,
+        Engine<B>: Send + Sync,
+    {
+        let threads = self.args.threads;
+        run_on(
+            self.args,
+            engine,
+            &self.path,
+            self.types,
+            self.overrides,
+            self.spec,
+            || backend(threads),
+        )
     }
 }
 

@@ -40,6 +40,48 @@ impl Device {
     }
 }
 
+/// A backend like the target's for a drafter, given its thread count (`-td`; the CPU's).
+pub type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
+
+/// A command's work on an engine of whichever backend `--device` picks: written once, run on
+/// the CPU backend or the CubeCL one ([`on_device`]).
+pub trait OnDevice {
+    /// What the command returns.
+    type Out;
+
+    /// Runs on `engine`; `backend` makes a drafter's backend on the same device.
+    ///
+    /// # Errors
+    /// The command's.
+    fn run<B>(
+        self,
+        engine: specula_engine::Engine<B>,
+        backend: BackendFor<'_, B>,
+    ) -> Result<Self::Out>
+    where
+        B: specula_tensor::Backend + Send + Sync + 'static,
+        specula_engine::Engine<B>: Send + Sync;
+}
+
+/// Loads the model at `path` on `device` (the CPU backend with `threads`, 0 = every core) and
+/// runs `work` on it.
+///
+/// # Errors
+/// The load's, and `work`'s.
+pub fn on_device<W: OnDevice>(
+    device: Device,
+    path: &Path,
+    threads: usize,
+    work: W,
+) -> Result<W::Out> {
+    match device {
+        Device::Cpu => work.run(crate::load::cpu_engine(path, threads)?, &|t| {
+            Ok(specula_cpu::CpuBackend::new(crate::load::threads(t)))
+        }),
+        Device::Cuda(i) => work.run(cuda_engine(path, i)?, &|_| cuda_backend(i)),
+    }
+}
+
 /// The CubeCL backend on CUDA device `index`.
 ///
 /// # Errors

@@ -115,42 +115,65 @@ pub fn run(args: &Args) -> Result<String> {
         .with_context(|| format!("cannot read {}", args.file.display()))?;
     let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path(args.model.as_deref())?;
-    match device {
-        crate::device::Device::Cpu => score(
-            args,
-            load::cpu_engine(&path, args.threads)?,
-            &text,
-            (k_type, v_type),
-            overrides,
-        ),
-        crate::device::Device::Cuda(i) => score(
-            args,
-            crate::device::cuda_engine(&path, i)?,
-            &text,
-            (k_type, v_type),
-            overrides,
-        ),
+    let work = Scoring {
+        args,
+        text,
+        k_type,
+        v_type,
+        overrides,
+    };
+    crate::device::on_device(device, &path, args.threads, work)
+}
+
+/// What `perplexity` read before the model loads.
+struct Scoring<'a> {
+    args: &'a Args,
+    text: String,
+    k_type: specula_quant::QType,
+    v_type: specula_quant::QType,
+    overrides: Vec<specula_tensor::LayerOverride>,
+}
+
+impl crate::device::OnDevice for Scoring<'_> {
+    type Out = String;
+
+    fn run<B>(
+        self,
+        engine: specula_engine::Engine<B>,
+        _: crate::device::BackendFor<'_, B>,
+    ) -> Result<String>
+    where
+        B: specula_tensor::Backend + Send + Sync + 'static,
+        specula_engine::Engine<B>: Send + Sync,
+    {
+        score(engine, self)
     }
 }
 
-/// Scores `text` with the engine of any backend.
+/// Scores the text with the engine of any backend.
 #[allow(
     clippy::too_many_lines,
     reason = "the windows, the KL comparison and the report in one pass"
 )]
 fn score<B: specula_tensor::Backend>(
-    args: &Args,
     mut engine: specula_engine::Engine<B>,
-    text: &str,
-    (k_type, v_type): (specula_quant::QType, specula_quant::QType),
-    overrides: Vec<specula_tensor::LayerOverride>,
+    work: Scoring<'_>,
 ) -> Result<String> {
+    let Scoring {
+        args,
+        text,
+        k_type,
+        v_type,
+        overrides,
+    } = work;
     engine.kv_overrides = overrides;
     engine.swa_full = args.swa_full;
     engine.n_batch = args.batch_size.max(1);
     load::check_cache(&engine, args.ctx_size, k_type, v_type)?;
     let n_ctx = args.ctx_size;
-    let tokens = engine.tokenizer.encode_with(text, EncodeOptions::default());
+    let tokens = engine
+        .tokenizer
+        .encode_with(&text, EncodeOptions::default());
     if tokens.len() < 2 * n_ctx {
         bail!(
             "{} tokenizes to {} tokens; perplexity with a context of {n_ctx} needs at least {}",

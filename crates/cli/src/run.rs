@@ -14,6 +14,7 @@ use specula_spec::ngram::{NgramCache, NgramSimple};
 use specula_spec::{Drafter, SpecStats};
 use specula_tokenizer::{ChatMessage, EncodeOptions};
 
+use crate::device::{BackendFor, OnDevice};
 use crate::load;
 
 /// Arguments of `specula run` (llama.cpp flag names).
@@ -237,8 +238,9 @@ pub fn run(args: &Args) -> Result<String> {
     let structured = structured_spec(args)?;
     let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path(args.model.as_deref())?;
-    let threads = load::threads(args.threads);
     let ready = Ready {
+        args,
+        path: path.clone(),
         prompt,
         k_type,
         v_type,
@@ -246,26 +248,13 @@ pub fn run(args: &Args) -> Result<String> {
         spec_kind,
         structured,
     };
-    match device {
-        crate::device::Device::Cpu => run_on(
-            args,
-            load::cpu_engine(&path, threads)?,
-            &path,
-            ready,
-            &|t| Ok(specula_cpu::CpuBackend::new(t)),
-        ),
-        crate::device::Device::Cuda(i) => run_on(
-            args,
-            crate::device::cuda_engine(&path, i)?,
-            &path,
-            ready,
-            &|_| crate::device::cuda_backend(i),
-        ),
-    }
+    crate::device::on_device(device, &path, args.threads, ready)
 }
 
 /// What `run` read from its flags before the model loads.
-struct Ready {
+struct Ready<'a> {
+    args: &'a Args,
+    path: std::path::PathBuf,
     prompt: String,
     k_type: specula_quant::QType,
     v_type: specula_quant::QType,
@@ -274,8 +263,17 @@ struct Ready {
     structured: Option<Spec>,
 }
 
-/// A backend like the target's for a drafter, given its thread count.
-type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
+impl OnDevice for Ready<'_> {
+    type Out = String;
+
+    fn run<B>(self, engine: specula_engine::Engine<B>, backend: BackendFor<'_, B>) -> Result<String>
+    where
+        B: specula_tensor::Backend + Send + Sync + 'static,
+        specula_engine::Engine<B>: Send + Sync,
+    {
+        run_on(engine, self, backend)
+    }
+}
 
 /// `specula run` on an engine of any backend; drafters get a backend from `backend`.
 #[allow(
@@ -283,13 +281,13 @@ type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
     reason = "one generation, from the prompt to the report"
 )]
 fn run_on<B: specula_tensor::Backend + 'static>(
-    args: &Args,
     mut engine: specula_engine::Engine<B>,
-    path: &std::path::Path,
-    ready: Ready,
+    ready: Ready<'_>,
     backend: BackendFor<'_, B>,
 ) -> Result<String> {
     let Ready {
+        args,
+        path,
         prompt,
         k_type,
         v_type,
@@ -297,7 +295,6 @@ fn run_on<B: specula_tensor::Backend + 'static>(
         spec_kind,
         structured,
     } = ready;
-    let path = path.to_path_buf();
     engine.n_batch = args.batch_size;
     engine.swa_full = args.swa_full;
 

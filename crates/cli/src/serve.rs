@@ -4,7 +4,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use specula_cpu::CpuBackend;
 use specula_engine::{DflashDrafter, DraftModel, Eagle3Drafter, Engine, Injection, SpecOptions};
 use specula_models::dflash::Dflash;
 use specula_models::eagle3::Eagle3;
@@ -12,6 +11,7 @@ use specula_server::{ServerConfig, Speculative};
 use specula_spec::ngram::{NgramCache, NgramSimple};
 use specula_tokenizer::Tokenizer;
 
+use crate::device::{BackendFor, OnDevice};
 use crate::load;
 use crate::run::SpecType;
 
@@ -448,6 +448,8 @@ pub fn run(args: &Args) -> Result<String> {
     let device = crate::device::Device::parse(&args.device)?;
     let path = load::model_path_with(args.model.as_deref(), args.llama.offline)?;
     let ready = Ready {
+        args,
+        path: path.clone(),
         template,
         keys,
         sampler,
@@ -455,26 +457,13 @@ pub fn run(args: &Args) -> Result<String> {
         v_type,
         spec_kind,
     };
-    match device {
-        crate::device::Device::Cpu => serve_on(
-            args,
-            load::cpu_engine(&path, args.threads)?,
-            &path,
-            ready,
-            &|t| Ok(CpuBackend::new(t)),
-        ),
-        crate::device::Device::Cuda(i) => serve_on(
-            args,
-            crate::device::cuda_engine(&path, i)?,
-            &path,
-            ready,
-            &|_| crate::device::cuda_backend(i),
-        ),
-    }
+    crate::device::on_device(device, &path, args.threads, ready)
 }
 
 /// What `serve` read from its flags before the model loads.
-struct Ready {
+struct Ready<'a> {
+    args: &'a Args,
+    path: std::path::PathBuf,
     template: Option<String>,
     keys: Vec<String>,
     sampler: specula_sampling::SamplerParams,
@@ -483,8 +472,17 @@ struct Ready {
     spec_kind: Option<SpecType>,
 }
 
-/// A backend like the target's for a drafter, given its thread count.
-type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
+impl OnDevice for Ready<'_> {
+    type Out = String;
+
+    fn run<B>(self, engine: Engine<B>, backend: BackendFor<'_, B>) -> Result<String>
+    where
+        B: specula_tensor::Backend + Send + Sync + 'static,
+        Engine<B>: Send + Sync,
+    {
+        serve_on(engine, self, backend)
+    }
+}
 
 /// `specula serve` on an engine of any backend; drafters get a backend from `backend`.
 #[allow(
@@ -492,10 +490,8 @@ type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
     reason = "the server's whole configuration, field by field"
 )]
 fn serve_on<B>(
-    args: &Args,
     mut engine: Engine<B>,
-    path: &std::path::Path,
-    ready: Ready,
+    ready: Ready<'_>,
     backend: BackendFor<'_, B>,
 ) -> Result<String>
 where
@@ -503,6 +499,8 @@ where
     Engine<B>: Send + Sync,
 {
     let Ready {
+        args,
+        path,
         template,
         keys,
         sampler,
@@ -513,7 +511,7 @@ where
     engine.n_batch = args.batch_size.min(args.ubatch_size);
     engine.swa_full = args.swa_full;
     let n_ctx_slot = args.ctx_size / args.parallel;
-    let file = specula_gguf::Gguf::open(path)
+    let file = specula_gguf::Gguf::open(&path)
         .with_context(|| format!("cannot load {}", path.display()))?;
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
