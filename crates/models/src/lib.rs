@@ -1092,9 +1092,15 @@ impl<'a, B: Backend> Loader<'a, B> {
     /// weight of its own over a copy of those rows' bytes: a row's bits, and so its products,
     /// are the fused matrix's.
     fn rows_of(&self, name: &str, n_in: usize, n_rows: usize, rows: &[usize]) -> Result<B::Weight> {
-        // Shape and type checked as any tensor's.
-        drop(self.req(name, &[n_in, n_rows])?);
         let (idx, ty) = self.find(name)?;
+        let got = dims_of(&self.file.tensors()[idx]);
+        if got != [n_in, n_rows] || rows.iter().any(|&r| r >= n_rows) {
+            return Err(ModelError::BadShape {
+                name: name.to_owned(),
+                expected: vec![n_in, n_rows],
+                got,
+            });
+        }
         let row = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
             name: name.to_owned(),
             source,
@@ -1441,37 +1447,8 @@ impl<B: Backend> Model<B> {
         } else {
             "token_embd.weight"
         };
-        let idx = self
-            .file
-            .tensors()
-            .iter()
-            .position(|t| t.name == name)
-            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
-        let info = &self.file.tensors()[idx];
-        let ty = QType::from_ggml_id(info.ty.id()).ok_or_else(|| ModelError::UnsupportedType {
-            name: name.to_owned(),
-            ty: info.ty.name().to_owned(),
-        })?;
-        let e = self.hp.n_embd;
-        let row = ty.row_bytes(e).map_err(|source| ModelError::Rows {
-            name: name.into(),
-            source,
-        })?;
-        let data = self.file.tensor_data(idx);
-        let mut bytes = Vec::with_capacity(row * ids.len());
-        for &t in ids {
-            let at = t as usize * row;
-            bytes.extend_from_slice(&data[at..at + row]);
-        }
-        let owner = Arc::new(bytes);
-        let mut w = backend.weight(WeightDesc {
-            name,
-            ty,
-            dims: &[e, ids.len()],
-            data: owner.as_slice(),
-            owner: Arc::clone(&owner) as Arc<dyn ByteSource>,
-        })?;
-        backend.prepare_matmul(&mut w);
+        let rows: Vec<usize> = ids.iter().map(|&t| t as usize).collect();
+        let w = Loader::new(backend, &self.file).rows_of(name, self.hp.n_embd, n_vocab, &rows)?;
         self.output = Some(Arc::new(w));
         self.head_ids = Some(ids.to_vec());
         Ok(())
