@@ -660,6 +660,45 @@ fn ring_layers_are_accounted_with_their_own_cells() {
     }
 }
 
+/// A KV-shared layer (Gemma 4 E2B / E4B) keeps no cells and costs nothing; a layer may only
+/// share an earlier layer's cells, of its own heads, that are not themselves shared.
+#[test]
+fn shared_layers_keep_no_cells() {
+    let mut s = shape(64, QType::F16, QType::F16);
+    s.n_layer = 3;
+    s.shared = vec![None, None, Some(0)];
+    assert_eq!((s.layer_cells(1), s.layer_cells(2)), (8, 0));
+    assert_eq!(s.shared_source(2), Some(0));
+    let l = KvLayout::new(&s).unwrap();
+    assert_eq!(
+        (l.bytes_per_token_layer(0), l.bytes_per_token_layer(2)),
+        (768, 0)
+    );
+    assert_eq!(l.total_bytes(), 2 * 8 * 768);
+    assert!((l.bits_per_value() - 16.0).abs() < 1e-12);
+    let mut wide = s.clone();
+    wide.heads = vec![
+        specula_tensor::LayerHeads {
+            n_kv_head: 3,
+            head_dim_k: 64,
+            head_dim_v: 64,
+        };
+        3
+    ];
+    wide.heads[2].n_kv_head = 1;
+    for bad in [
+        vec![None, Some(2), None],
+        vec![None, Some(1), Some(1)],
+        vec![Some(0), None, None],
+        vec![None, None],
+    ] {
+        s.shared = bad;
+        assert!(KvLayout::new(&s).is_err(), "{:?}", s.shared);
+    }
+    let err = KvLayout::new(&wide).unwrap_err();
+    assert!(err.to_string().contains("same heads"), "{err}");
+}
+
 /// Head-major planes: a head's cells are contiguous (`head_cells` steps `head_bytes` from cell to
 /// cell and agrees with `head`); rows written through `encoder_and_cells` equal rows written one
 /// by one; each cell's bytes are its heads' encodings; and an exported prefix is cell-major (each
