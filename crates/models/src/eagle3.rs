@@ -321,20 +321,14 @@ impl<B: Backend> Eagle3<B> {
         k_type: specula_quant::QType,
         v_type: specula_quant::QType,
     ) -> KvShape {
-        KvShape {
-            n_layer: 1,
+        KvShape::uniform(
+            1,
             n_ctx,
-            n_kv_head: self.hp.n_head_kv,
-            head_dim_k: self.hp.head_dim,
-            head_dim_v: self.hp.head_dim,
+            self.hp.n_head_kv,
+            self.hp.head_dim,
             k_type,
             v_type,
-            overrides: Vec::new(),
-            swa: None,
-            recurrent: None,
-            heads: Vec::new(),
-            shared: Vec::new(),
-        }
+        )
     }
 
     /// Fresh buffers.
