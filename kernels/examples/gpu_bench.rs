@@ -257,7 +257,12 @@ fn main() -> Res<()> {
     // Attention (decode), per cache format and depth.
     let (n_head, n_kv, hd) = (32, 8, 128);
     let depths: &[usize] = if small { &[1, 512] } else { &[1, 8192, 32768] };
-    for ty in [QType::F16, QType::F32] {
+    for ty in [QType::F16, QType::F32, QType::Q8_0, QType::Q4_0] {
+        // Bytes of one cached head in the device layout (block formats: codes, `d`, `m`).
+        let head_bytes = match specula_kernels::layout::GroupFormat::of(ty) {
+            Some(f) => hd / 32 * (4 * f.words() + 4 + if f.block_min() { 4 } else { 0 }),
+            None => hd * if ty == QType::F16 { 2 } else { 4 },
+        };
         for &depth in depths {
             let shape = KvShape::uniform(1, depth + 1, n_kv, hd, ty, ty);
             let mut kv = be.kv_new(shape)?;
@@ -281,7 +286,7 @@ fn main() -> Res<()> {
             };
             let mut o = be.zeros(1, n_head * hd);
             let s = time(&be, 10, || be.attention(&q, &kv, &p, &mut o));
-            let bytes = 2 * (depth + 1) * n_kv * hd * if ty == QType::F16 { 2 } else { 4 };
+            let bytes = 2 * (depth + 1) * n_kv * head_bytes;
             row(
                 format!("attention decode {ty} d{depth}"),
                 format!("{:.1} µs", s * 1e6),

@@ -10,7 +10,7 @@ use specula_tensor::{
     TensorError, WeightDesc,
 };
 
-use crate::kernels::{attention as at, elementwise as ew, matmul as mm};
+use crate::kernels::{attention as at, elementwise as ew, kv as kq, matmul as mm};
 use crate::layout::{self, ActQuant, GroupFormat};
 
 /// Groups of a row whose integer sums a matmul cube keeps at once (the segment, in blocks,
@@ -79,13 +79,65 @@ enum WeightData {
 /// One layer's K and V cells.
 #[derive(Debug)]
 struct LayerKv {
-    k: Handle,
-    v: Handle,
+    k: Plane,
+    v: Plane,
+    /// The element type of the float planes: f16 (else f32).
     f16: bool,
     cells: usize,
     n_kv_head: usize,
     hd_k: usize,
     hd_v: usize,
+}
+
+/// The K or V cells of a layer on the device.
+#[derive(Debug)]
+enum Plane {
+    /// f16 or f32 values (`LayerKv::f16`), `cells · n_kv_head · head_dim`.
+    Float(Handle),
+    /// A 32-value block format in the device layout (`kernels::kv`): each head less its
+    /// offset, rotated, quantized — the CPU backend's cache (`specula_kv::Plane`).
+    Blocks(Box<BlockPlane>),
+}
+
+/// A block-format plane: codes, scales and the per-head offset.
+#[derive(Debug)]
+struct BlockPlane {
+    fmt: GroupFormat,
+    codes: Handle,
+    d: Handle,
+    m: Handle,
+    /// `n_kv_head · head_dim` offsets: the mean of the first rows written.
+    center: Handle,
+    calibrated: bool,
+    /// Values per Hadamard group (0: not rotated) and `1/√had`.
+    had: usize,
+    hscale: f32,
+}
+
+impl BlockPlane {
+    /// The kernels' compile-time format: bits, offset, term code.
+    fn code(&self) -> (u32, u32, u32) {
+        (self.fmt.bits, self.fmt.offset, self.fmt.term.code())
+    }
+}
+
+impl Plane {
+    fn blocks(&self) -> Option<&BlockPlane> {
+        match self {
+            Self::Float(_) => None,
+            Self::Blocks(b) => Some(b),
+        }
+    }
+}
+
+/// The cache formats the device keeps: f16 and f32 (the same for K and V), and the 32-value
+/// block formats, each of K and V chosen apart.
+const CACHE_FORMATS: &str = "f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1";
+
+/// `1/√n` as the CPU backend's Hadamard transform computes it.
+#[allow(clippy::cast_precision_loss, reason = "n is a small power of two")]
+fn hadamard_scale(n: usize) -> f32 {
+    if n == 0 { 1.0 } else { 1.0 / (n as f32).sqrt() }
 }
 
 /// The KV cache of all layers, on the device.
@@ -856,22 +908,54 @@ impl Backend for CubeBackend {
                 )));
             }
             let (kt, vt) = shape.layer_types(l);
-            let f16 = match (kt, vt) {
-                (QType::F16, QType::F16) => true,
-                (QType::F32, QType::F32) => false,
-                _ => {
-                    return Err(unsupported(format!(
-                        "the cache formats -ctk {kt} -ctv {vt} (layer {l}) yet: its caches are f16 or f32, the same for K and V"
-                    )));
-                }
-            };
             let hd = shape.layer_heads(l);
             let cells = shape.layer_cells(l);
+            let refuse = || {
+                unsupported(format!(
+                    "the cache formats -ctk {kt} -ctv {vt} (layer {l}) yet: its caches are {CACHE_FORMATS} (f16 and f32 not mixed)"
+                ))
+            };
+            let float = |ty| matches!(ty, QType::F16 | QType::F32);
+            let f16 = match (float(kt), float(vt)) {
+                (true, true) if kt != vt => return Err(refuse()),
+                (true, _) => kt == QType::F16,
+                (false, true) => vt == QType::F16,
+                (false, false) => true,
+            };
             let esz = if f16 { 2 } else { 4 };
-            let (wk, wv) = (hd.n_kv_head * hd.head_dim_k, hd.n_kv_head * hd.head_dim_v);
+            let plane = |ty: QType, head_dim: usize, v: bool| -> Result<Plane> {
+                let width = hd.n_kv_head * head_dim;
+                if float(ty) {
+                    return Ok(Plane::Float(
+                        self.client.empty((cells * width * esz).max(4)),
+                    ));
+                }
+                let fmt = GroupFormat::of(ty)
+                    .filter(|f| f.block == 32 && head_dim.is_multiple_of(32))
+                    .ok_or_else(refuse)?;
+                let had = match if v {
+                    specula_kv::v_rotation(ty, head_dim)
+                } else {
+                    specula_kv::k_rotation(ty, head_dim)
+                } {
+                    specula_kv::Rotation::Hadamard(n) => n,
+                    _ => 0,
+                };
+                let blocks = cells * width / 32;
+                Ok(Plane::Blocks(Box::new(BlockPlane {
+                    fmt,
+                    codes: self.client.empty((blocks * fmt.words() * 4).max(4)),
+                    d: self.empty_f32(blocks),
+                    m: self.empty_f32(if fmt.block_min() { blocks } else { 0 }),
+                    center: self.empty_f32(width),
+                    calibrated: false,
+                    had,
+                    hscale: hadamard_scale(had),
+                })))
+            };
             layers.push(LayerKv {
-                k: self.client.empty((cells * wk * esz).max(4)),
-                v: self.client.empty((cells * wv * esz).max(4)),
+                k: plane(kt, hd.head_dim_k, false)?,
+                v: plane(vt, hd.head_dim_v, true)?,
                 f16,
                 cells,
                 n_kv_head: hd.n_kv_head,
@@ -903,10 +987,10 @@ impl Backend for CubeBackend {
             })
             .collect();
         let ih = self.upload_u32(&idx);
-        for (src, dst, width) in [
-            (k, &l.k, l.n_kv_head * l.hd_k),
-            (v, &l.v, l.n_kv_head * l.hd_v),
-        ] {
+        let l = &mut kv.layers[layer];
+        let (f16, n_cells, n_kv) = (l.f16, l.cells, l.n_kv_head);
+        for (src, dst, hd) in [(k, &mut l.k, l.hd_k), (v, &mut l.v, l.hd_v)] {
+            let width = n_kv * hd;
             assert_eq!(
                 (src.rows, src.cols),
                 (cells.len(), width),
@@ -916,35 +1000,88 @@ impl Backend for CubeBackend {
             if n == 0 {
                 continue;
             }
-            // SAFETY: cells are inside the layer (checked); `src` is `[cells, width]`.
-            unsafe {
-                let args = (
-                    BufferArg::from_raw_parts(src.h.clone(), n),
-                    BufferArg::from_raw_parts(ih.clone(), cells.len()),
-                    BufferArg::from_raw_parts(dst.clone(), l.cells * width),
-                );
-                if l.f16 {
-                    at::kv_write::launch::<half::f16>(
-                        &self.client,
-                        self.ew_count(n),
-                        CubeDim::new_1d(self.ew),
-                        args.0,
-                        args.1,
-                        args.2,
-                        u(n),
-                        u(width),
-                    );
-                } else {
-                    at::kv_write::launch::<f32>(
-                        &self.client,
-                        self.ew_count(n),
-                        CubeDim::new_1d(self.ew),
-                        args.0,
-                        args.1,
-                        args.2,
-                        u(n),
-                        u(width),
-                    );
+            match dst {
+                Plane::Float(h) => {
+                    // SAFETY: cells are inside the layer (checked); `src` is `[cells, width]`.
+                    unsafe {
+                        let args = (
+                            BufferArg::from_raw_parts(src.h.clone(), n),
+                            BufferArg::from_raw_parts(ih.clone(), cells.len()),
+                            BufferArg::from_raw_parts(h.clone(), n_cells * width),
+                        );
+                        if f16 {
+                            at::kv_write::launch::<half::f16>(
+                                &self.client,
+                                self.ew_count(n),
+                                CubeDim::new_1d(self.ew),
+                                args.0,
+                                args.1,
+                                args.2,
+                                u(n),
+                                u(width),
+                            );
+                        } else {
+                            at::kv_write::launch::<f32>(
+                                &self.client,
+                                self.ew_count(n),
+                                CubeDim::new_1d(self.ew),
+                                args.0,
+                                args.1,
+                                args.2,
+                                u(n),
+                                u(width),
+                            );
+                        }
+                    }
+                }
+                Plane::Blocks(p) => {
+                    if !p.calibrated {
+                        // SAFETY: `src` holds `cells · width` values, `center` `width`.
+                        unsafe {
+                            kq::kv_center::launch(
+                                &self.client,
+                                self.ew_count(width),
+                                CubeDim::new_1d(self.ew),
+                                BufferArg::from_raw_parts(src.h.clone(), n),
+                                BufferArg::from_raw_parts(p.center.clone(), width),
+                                u(cells.len()),
+                                u(width),
+                            );
+                        }
+                        p.calibrated = true;
+                    }
+                    let items = cells.len() * n_kv;
+                    let blocks = n_cells * width / 32;
+                    let work = self.empty_f32(n);
+                    let (bits, offset, term) = p.code();
+                    // SAFETY: cells are inside the layer (checked); `src` is `[cells, width]`,
+                    // `work` as long; the plane holds `blocks` blocks of `bits` words.
+                    unsafe {
+                        kq::kv_write_blocks::launch(
+                            &self.client,
+                            self.ew_count(items),
+                            CubeDim::new_1d(self.ew),
+                            BufferArg::from_raw_parts(src.h.clone(), n),
+                            BufferArg::from_raw_parts(ih.clone(), cells.len()),
+                            BufferArg::from_raw_parts(p.center.clone(), width),
+                            BufferArg::from_raw_parts(p.codes.clone(), blocks * bits as usize),
+                            BufferArg::from_raw_parts(p.d.clone(), blocks),
+                            BufferArg::from_raw_parts(
+                                p.m.clone(),
+                                if p.fmt.block_min() { blocks } else { 1 },
+                            ),
+                            BufferArg::from_raw_parts(work, n),
+                            u(items),
+                            u(n_kv),
+                            u(hd),
+                            u(p.had),
+                            p.hscale,
+                            0,
+                            bits,
+                            offset,
+                            term,
+                        );
+                    }
                 }
             }
         }
@@ -1013,6 +1150,58 @@ impl Backend for CubeBackend {
         };
         let qp = self.upload_u32(p.q_pos);
         let kp = self.upload_u32(p.kv_pos);
+        let group = p.n_head / l.n_kv_head;
+        // Queries for block-format keys: `q·m`, rotated and quantized once per call.
+        let none = || self.client.empty(4);
+        let kfmt = l.k.blocks().map_or((0, 0, 0), BlockPlane::code);
+        let vfmt = l.v.blocks().map_or((0, 0, 0), BlockPlane::code);
+        let (qa, qd, qs, qm) = match l.k.blocks() {
+            Some(kb) => {
+                let items = q.rows * p.n_head;
+                let nb = items * l.hd_k / 32;
+                let (qa, qd, qs, qm) = (
+                    self.client.empty(q.rows * q.cols * 4),
+                    self.empty_f32(nb),
+                    self.empty_f32(nb),
+                    self.empty_f32(items),
+                );
+                // SAFETY: `q` is `[rows, n_head · hd_k]`; the outputs and the scratch hold
+                // what the kernel writes for `items` heads.
+                unsafe {
+                    kq::attn_query_blocks::launch(
+                        &self.client,
+                        self.ew_count(items),
+                        CubeDim::new_1d(self.ew),
+                        BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
+                        BufferArg::from_raw_parts(kb.center.clone(), l.n_kv_head * l.hd_k),
+                        BufferArg::from_raw_parts(self.empty_f32(q.rows * q.cols), q.rows * q.cols),
+                        BufferArg::from_raw_parts(qa.clone(), q.rows * q.cols),
+                        BufferArg::from_raw_parts(qd.clone(), nb),
+                        BufferArg::from_raw_parts(qs.clone(), nb),
+                        BufferArg::from_raw_parts(qm.clone(), items),
+                        u(items),
+                        u(p.n_head),
+                        u(group),
+                        u(l.hd_k),
+                        u(kb.had),
+                        kb.hscale,
+                        0,
+                        kb.fmt.act == ActQuant::Q8_1,
+                    );
+                }
+                (qa, qd, qs, qm)
+            }
+            None => (none(), none(), none(), none()),
+        };
+        let plane = |pl: &Plane| match pl {
+            Plane::Float(h) => (h.clone(), none(), none(), none()),
+            Plane::Blocks(b) => (none(), b.codes.clone(), b.d.clone(), b.m.clone()),
+        };
+        let (k_f, k_c, k_d, k_m) = plane(&l.k);
+        let (v_f, v_c, v_d, v_m) = plane(&l.v);
+        let (v_center, v_had, v_hscale) =
+            l.v.blocks()
+                .map_or((none(), 0, 1.0), |b| (b.center.clone(), b.had, b.hscale));
         let n_chunks = kv_len.div_ceil(at::CHUNK).max(1);
         let per_row = p.n_head * n_chunks * (l.hd_v + 2);
         let rows_per_launch = (MAX_SCORES / per_row).max(1);
@@ -1023,16 +1212,29 @@ impl Backend for CubeBackend {
             macro_rules! launch {
                 ($e:ty) => {
                     // SAFETY: rows `r0..r0 + n` of `q` and `out`; `kv_pos` entries map to
-                    // cells `j % cells` of the layer; `states` holds
-                    // `n · n_head · n_chunks · (hd_v + 2)` values.
+                    // cells `j % cells` of the layer, whose planes hold every cell (a float
+                    // plane its values, a block plane its blocks); the prepared queries hold
+                    // `q.rows · n_head` heads; `states` holds
+                    // `n · n_head · n_chunks · (hd_v + 2)` values. The kernel reads only
+                    // the buffers of the formats it is compiled for.
                     unsafe {
                         at::attn_chunk::launch::<$e>(
                             &self.client,
                             CubeCount::Static(u(n * p.n_head), u(n_chunks), 1),
                             CubeDim::new_1d(u(self.units)),
                             BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
-                            BufferArg::from_raw_parts(l.k.clone(), 1),
-                            BufferArg::from_raw_parts(l.v.clone(), 1),
+                            BufferArg::from_raw_parts(k_f.clone(), 1),
+                            BufferArg::from_raw_parts(v_f.clone(), 1),
+                            BufferArg::from_raw_parts(k_c.clone(), 1),
+                            BufferArg::from_raw_parts(k_d.clone(), 1),
+                            BufferArg::from_raw_parts(k_m.clone(), 1),
+                            BufferArg::from_raw_parts(v_c.clone(), 1),
+                            BufferArg::from_raw_parts(v_d.clone(), 1),
+                            BufferArg::from_raw_parts(v_m.clone(), 1),
+                            BufferArg::from_raw_parts(qa.clone(), 1),
+                            BufferArg::from_raw_parts(qd.clone(), 1),
+                            BufferArg::from_raw_parts(qs.clone(), 1),
+                            BufferArg::from_raw_parts(qm.clone(), 1),
                             BufferArg::from_raw_parts(qp.clone(), q.rows),
                             BufferArg::from_raw_parts(kp.clone(), kv_len.max(1)),
                             BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
@@ -1041,7 +1243,7 @@ impl Backend for CubeBackend {
                             u(kv_len),
                             u(l.cells),
                             u(p.n_head),
-                            u(p.n_head / l.n_kv_head),
+                            u(group),
                             u(l.hd_k),
                             u(l.hd_v),
                             p.scale,
@@ -1051,6 +1253,12 @@ impl Backend for CubeBackend {
                             mask,
                             p.softcap.is_some(),
                             self.units,
+                            kfmt.0,
+                            kfmt.1,
+                            kfmt.2,
+                            vfmt.0,
+                            vfmt.1,
+                            vfmt.2,
                         );
                     }
                 };
@@ -1060,7 +1268,8 @@ impl Backend for CubeBackend {
             } else {
                 launch!(f32);
             }
-            // SAFETY: `states` as written above; `out` holds `q.rows · n_head · hd_v`.
+            // SAFETY: `states` as written above; `out` holds `q.rows · n_head · hd_v`; a
+            // block-format V's offsets `n_kv_head · hd_v`.
             unsafe {
                 at::attn_merge::launch(
                     &self.client,
@@ -1068,13 +1277,18 @@ impl Backend for CubeBackend {
                     CubeDim::new_1d(u(self.units)),
                     BufferArg::from_raw_parts(states.clone(), n * per_row),
                     BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
+                    BufferArg::from_raw_parts(v_center.clone(), 1),
                     BufferArg::from_raw_parts(out.h.clone(), q.rows * out.cols),
                     u(r0),
                     u(n_chunks),
                     u(p.n_head),
+                    u(group),
                     u(l.hd_v),
+                    u(v_had),
+                    v_hscale,
                     0,
                     self.units,
+                    vfmt.0 > 0,
                 );
             }
             r0 += n;

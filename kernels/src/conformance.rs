@@ -378,15 +378,42 @@ pub fn conformance<B: Backend>(be: &B) {
         check("put_rows", &host(be, &pb), &host(cpu, &pc), 0.0);
     }
 
-    // Attention: each cache format the device keeps, GQA, every mask, soft-capping, rings.
-    for ty in [QType::F16, QType::F32] {
-        for &(mask, softcap, n_head, n_kv, hd) in &[
-            (Mask::Causal, None, 4, 2, 64),
-            (Mask::SlidingWindow(5), None, 2, 2, 32),
-            (Mask::None, Some(50.0), 6, 1, 128),
-        ] {
+    // Attention: each cache format the device keeps, K and V apart, GQA, every mask,
+    // soft-capping; heads of 64 (rotated K and V), 32 (not rotated) and 128 (K rotated by
+    // 128, V by 64).
+    let shapes = [
+        (Mask::Causal, None, 4, 2, 64),
+        (Mask::SlidingWindow(5), None, 2, 2, 32),
+        (Mask::None, Some(50.0), 6, 1, 128),
+    ];
+    let blocks = [
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Q4_1,
+        QType::Q5_0,
+        QType::Q5_1,
+    ];
+    let mut cases: Vec<(QType, QType, usize)> = Vec::new();
+    for s in 0..shapes.len() {
+        cases.push((QType::F16, QType::F16, s));
+        cases.push((QType::F32, QType::F32, s));
+    }
+    // Every block format as K, as V and as both on the first shape; mixed pairs on the others.
+    for &b in &blocks {
+        cases.extend([(b, QType::F16, 0), (QType::F16, b, 0), (b, b, 0)]);
+    }
+    cases.extend([
+        (QType::Q4_1, QType::Q5_1, 1),
+        (QType::Q8_0, QType::Q4_0, 1),
+        (QType::Q8_0, QType::Q8_0, 2),
+        (QType::Q5_0, QType::Q4_1, 2),
+    ]);
+    for (kt, vt, si) in cases {
+        {
+            let (mask, softcap, n_head, n_kv, hd) = shapes[si];
+            let ty = format!("{kt}/{vt}");
             let (n_ctx, depth, n_q) = (600, 530, 37);
-            let shape = KvShape::uniform(2, n_ctx, n_kv, hd, ty, ty);
+            let shape = KvShape::uniform(2, n_ctx, n_kv, hd, kt, vt);
             let (mut kb, mut kc) = (
                 be.kv_new(shape.clone()).unwrap(),
                 cpu.kv_new(shape).unwrap(),

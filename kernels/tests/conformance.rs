@@ -25,11 +25,16 @@ fn cuda_conforms_when_asked() {
 #[test]
 fn unsupported_caches_and_devices_are_precise_errors() {
     let be = CubeBackend::cpu().unwrap();
-    let shape = KvShape::uniform(1, 8, 1, 32, QType::Q8_0, QType::F16);
-    let Err(e) = be.kv_new(shape) else {
-        panic!("a q8_0 cache was accepted")
-    };
-    assert!(e.to_string().contains("-ctk q8_0 -ctv f16"), "{e}");
+    for (k, v, what) in [
+        (QType::Turbo3, QType::F16, "-ctk turbo3 -ctv f16"),
+        (QType::Q8_0, QType::IQ4_NL, "-ctk q8_0 -ctv iq4_nl"),
+        (QType::F32, QType::F16, "-ctk f32 -ctv f16"),
+    ] {
+        let Err(e) = be.kv_new(KvShape::uniform(1, 8, 1, 64, k, v)) else {
+            panic!("a {what} cache was accepted")
+        };
+        assert!(e.to_string().contains(what), "{e}");
+    }
     #[cfg(not(feature = "cuda"))]
     {
         let Err(e) = CubeBackend::cuda(0) else {

@@ -23,13 +23,17 @@ use specula_tokenizer::Tokenizer;
 
 /// Logits of `ids[..n − decodes]` as one prefill (every row), then of each remaining id
 /// decoded alone.
-fn logits<B: Backend>(be: B, file: &Arc<Gguf>, ids: &[u32], decodes: usize) -> Vec<f32> {
+fn logits<B: Backend>(
+    be: B,
+    file: &Arc<Gguf>,
+    ids: &[u32],
+    decodes: usize,
+    cache: (QType, QType),
+) -> Vec<f32> {
     let tok = Tokenizer::from_gguf(file).unwrap();
     let model = Model::load(&be, file.clone()).unwrap();
     let engine = Engine::new(be, model, tok);
-    let mut s = engine
-        .session(ids.len() + 8, QType::F16, QType::F16)
-        .unwrap();
+    let mut s = engine.session(ids.len() + 8, cache.0, cache.1).unwrap();
     let split = ids.len() - decodes;
     let mut all = engine.prefill(&mut s, &ids[..split], true).unwrap();
     for &id in &ids[split..] {
@@ -47,9 +51,9 @@ fn nmse(got: &[f32], want: &[f32]) -> f64 {
     num / den
 }
 
-fn same_forward(what: &str, file: &Arc<Gguf>, ids: &[u32]) {
-    let want = logits(CpuBackend::new(2), file, ids, 3);
-    let got = logits(CubeBackend::cpu().unwrap(), file, ids, 3);
+fn same_forward(what: &str, file: &Arc<Gguf>, ids: &[u32], cache: (QType, QType)) {
+    let want = logits(CpuBackend::new(2), file, ids, 3, cache);
+    let got = logits(CubeBackend::cpu().unwrap(), file, ids, 3, cache);
     assert_eq!(got.len(), want.len());
     assert!(
         got.iter().all(|x| x.is_finite()),
@@ -79,17 +83,30 @@ fn tiny_qwen3_forward_equals_the_cpu_backend() {
     let g = specula_testkit::tiny::target("qwen3");
     let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
     let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
-    same_forward("tiny qwen3", &file, &ids);
+    same_forward("tiny qwen3", &file, &ids, (QType::F16, QType::F16));
+    // Block-format caches, K and V apart: each head less its offset, rotated, quantized on
+    // the device as the CPU backend does it.
+    same_forward(
+        "tiny qwen3, q5_1 K / q8_0 V",
+        &file,
+        &ids,
+        (QType::Q5_1, QType::Q8_0),
+    );
 }
 
-fn real(name: &str, text: &str) {
+fn real(name: &str, text: &str, cache: (QType, QType)) {
     let Some(path) = specula_testkit::real_model(name) else {
         return;
     };
     let file = Arc::new(Gguf::open(&path).unwrap());
     let tok = Tokenizer::from_gguf(&file).unwrap();
     let ids = tok.encode(text);
-    same_forward(name, &file, &ids);
+    same_forward(
+        &format!("{name}, {} K / {} V", cache.0, cache.1),
+        &file,
+        &ids,
+        cache,
+    );
 }
 
 #[test]
@@ -97,6 +114,16 @@ fn smollm2_forward_equals_the_cpu_backend() {
     real(
         "smollm2-135m",
         "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find",
+        (QType::F16, QType::F16),
+    );
+}
+
+#[test]
+fn smollm2_forward_with_block_format_caches_equals_the_cpu_backend() {
+    real(
+        "smollm2-135m",
+        "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find",
+        (QType::Q8_0, QType::Q4_0),
     );
 }
 
@@ -105,5 +132,6 @@ fn gemma3_forward_equals_the_cpu_backend() {
     real(
         "gemma3-270m",
         "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+        (QType::F16, QType::F16),
     );
 }

@@ -46,9 +46,14 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
         p_min: 0.0,
         adaptive: false,
     };
-    for arch in ["qwen3", "gemma3"] {
+    // The target's cache: f16, and block formats (K and V apart) on qwen3.
+    for (arch, kt, vt) in [
+        ("qwen3", QType::F16, QType::F16),
+        ("gemma3", QType::F16, QType::F16),
+        ("qwen3", QType::Q8_0, QType::Q4_1),
+    ] {
         let e = engine(&tiny::target(arch));
-        let mut s = e.session(N_CTX, QType::F16, QType::F16).expect("session");
+        let mut s = e.session(N_CTX, kt, vt).expect("session");
         let want = e
             .generate(&mut s, PROMPT, &opts, |_| {})
             .expect("plain greedy")
@@ -93,7 +98,7 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
         };
         for replay in [false, true] {
             for (name, mut d) in drafters() {
-                let mut s = e.session(N_CTX, QType::F16, QType::F16).expect("session");
+                let mut s = e.session(N_CTX, kt, vt).expect("session");
                 if replay {
                     s.force_replay();
                 }

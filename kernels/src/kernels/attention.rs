@@ -2,6 +2,7 @@
 
 use cubecl::prelude::*;
 
+use super::kv::{block_value, hadamard, key_dot};
 use super::matmul::exact;
 
 /// `out[r] = table[ids[r]]` for a table in the device layout (`cols` values per row): one
@@ -131,16 +132,33 @@ pub const CHUNK: usize = 256;
 /// `e^(s − m_new)`, `l` summed in cell order and `acc += w·v` per dimension in cell order
 /// (product and sum rounded apart). One cube per (row − row0, head) (`CUBE_POS_X`) and chunk
 /// (`CUBE_POS_Y`); `states` gets `[m, l, acc[hd_v]]` per (cube, chunk).
+///
+/// K and V are each either floats of `E` (`k`, `v`; `kbits` / `vbits` 0) or a block format
+/// (`kbits`, `koff`, `kterm` as in `kernels::kv`): block-format keys are scored by the integer
+/// dot product with the query prepared by `kv::attn_query_blocks` (`qa`, `qd`, `qs`) plus its
+/// `q·m` (`qms`), as the CPU backend scores them; block-format values are dequantized by the
+/// format's formula as they are read. The unused operands are any buffer.
 #[cube(launch)]
 #[allow(
     clippy::too_many_arguments,
     clippy::too_many_lines,
-    reason = "attention's inputs, shape and steps"
+    unused_assignments,
+    reason = "attention's inputs, shape and steps; kernel variables declared before the branches that set them"
 )]
 pub fn attn_chunk<E: Float>(
     q: &[f32],
     k: &[E],
     v: &[E],
+    kcodes: &[u32],
+    kd: &[f32],
+    km: &[f32],
+    vcodes: &[u32],
+    vd: &[f32],
+    vm: &[f32],
+    qa: &[i32],
+    qd: &[f32],
+    qs: &[f32],
+    qms: &[f32],
     q_pos: &[u32],
     kv_pos: &[u32],
     tab: &[u64],
@@ -159,6 +177,12 @@ pub fn attn_chunk<E: Float>(
     #[comptime] mask: u32,
     #[comptime] use_softcap: bool,
     #[comptime] units: usize,
+    #[comptime] kbits: u32,
+    #[comptime] koff: u32,
+    #[comptime] kterm: u32,
+    #[comptime] vbits: u32,
+    #[comptime] voff: u32,
+    #[comptime] vterm: u32,
 ) {
     let cube = CUBE_POS_X as usize;
     let c = CUBE_POS_Y as usize;
@@ -189,10 +213,35 @@ pub fn attn_chunk<E: Float>(
     let mut j0 = c * CHUNK;
     while j0 < j_end {
         let n = min(TILE, j_end - j0);
-        // The 16 fused lanes of every cell's q·k, one (cell, lane) pair per unit at a time
-        // (a warp reads a cell's 16 consecutive values of each block together).
+        // Block-format keys: one cell's integer dot product per unit.
+        if comptime![kbits > 0] {
+            let nbk = hd_k / 32;
+            let mut t = u;
+            while t < n {
+                let j = j0 + t;
+                let kblk = ((j % cells as usize) * n_kv + kvh) * nbk;
+                lanes[t * 16] = key_dot(
+                    kcodes,
+                    kd,
+                    km,
+                    kblk,
+                    qa,
+                    qd,
+                    qs,
+                    r * n_head as usize + h,
+                    nbk,
+                    zero,
+                    kbits,
+                    koff,
+                    kterm,
+                );
+                t += units;
+            }
+        }
+        // Float keys: the 16 fused lanes of every cell's q·k, one (cell, lane) pair per unit
+        // at a time (a warp reads a cell's 16 consecutive values of each block together).
         let mut it = u;
-        while it < TILE * 16 {
+        while it < comptime![if kbits > 0 { 0usize } else { TILE * 16 }] {
             let t = it / 16;
             let lane = it % 16;
             if t < n {
@@ -227,19 +276,27 @@ pub fn attn_chunk<E: Float>(
                     vis = kp <= qp && qp - kp < window;
                 }
                 if vis {
-                    // The lanes reduced 8/4/2/1 as the CPU backend's 512-bit reduction.
                     let lb = t * 16;
-                    let mut hh = Array::<f32>::new(8usize);
-                    #[unroll]
-                    for i in 0..8usize {
-                        hh[i] = lanes[lb + i] + lanes[lb + i + 8];
+                    let mut dot = 0.0f32;
+                    let mut qm = 0.0f32;
+                    if comptime![kbits > 0] {
+                        // `q·k = q·(k − m) + q·m`: the stored keys less their offset.
+                        dot = lanes[lb];
+                        qm = qms[r * n_head as usize + h];
+                    } else {
+                        // The lanes reduced 8/4/2/1 as the CPU backend's 512-bit reduction.
+                        let mut hh = Array::<f32>::new(8usize);
+                        #[unroll]
+                        for i in 0..8usize {
+                            hh[i] = lanes[lb + i] + lanes[lb + i + 8];
+                        }
+                        let g0 = hh[0] + hh[4];
+                        let g1 = hh[1] + hh[5];
+                        let g2 = hh[2] + hh[6];
+                        let g3 = hh[3] + hh[7];
+                        dot = (g0 + g2) + (g1 + g3);
                     }
-                    let g0 = hh[0] + hh[4];
-                    let g1 = hh[1] + hh[5];
-                    let g2 = hh[2] + hh[6];
-                    let g3 = hh[3] + hh[7];
-                    let dot = (g0 + g2) + (g1 + g3);
-                    sv = (dot + 0.0f32) * scale;
+                    sv = (dot + qm) * scale;
                     if comptime![use_softcap] {
                         sv = softcap * (sv / softcap).tanh();
                     }
@@ -283,8 +340,24 @@ pub fn attn_chunk<E: Float>(
                 for t in 0..n {
                     let wt = w[t];
                     if wt != 0.0 {
-                        let vb = (((j0 + t) % cells as usize) * n_kv + kvh) * hd_v;
-                        acc += exact(wt * f32::cast_from(v[vb + d]), zero);
+                        let cell = ((j0 + t) % cells as usize) * n_kv + kvh;
+                        let mut x = 0.0f32;
+                        if comptime![vbits > 0] {
+                            x = block_value(
+                                vcodes,
+                                vd,
+                                vm,
+                                cell * (hd_v / 32) + d / 32,
+                                d % 32,
+                                zero,
+                                vbits,
+                                voff,
+                                vterm,
+                            );
+                        } else {
+                            x = f32::cast_from(v[cell * hd_v + d]);
+                        }
+                        acc += exact(wt * x, zero);
                     }
                 }
                 states[sbase + 2 + d] = acc;
@@ -303,19 +376,26 @@ pub fn attn_chunk<E: Float>(
 /// Merges the chunk states of one query row and head (`CUBE_POS_X` = (row − row0) · n_head +
 /// head) in chunk order and writes the output: `L = L·a + l·b`, `ACC = ACC·a + acc·b` with
 /// `a`, `b` the exps of the maxima less the new one; `out = ACC · (1/L)`, zeros for a row
-/// that sees no cell.
+/// that sees no cell. Values from a block-format cache (`v_blocks`) are then rotated back by
+/// the Hadamard transform of `had` values (0: none) and get their K/V head's offset
+/// (`vcenter`) added, as the CPU backend finishes them.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "attention's shape")]
 pub fn attn_merge(
     states: &[f32],
     tab: &[u64],
+    vcenter: &[f32],
     out: &mut [f32],
     row0: u32,
     n_chunks: u32,
     n_head: u32,
+    group: u32,
     hd_v: u32,
+    had: u32,
+    hscale: f32,
     zero: u32,
     #[comptime] units: usize,
+    #[comptime] v_blocks: bool,
 ) {
     let cube = CUBE_POS_X as usize;
     let u = UNIT_POS_X as usize;
@@ -364,6 +444,18 @@ pub fn attn_merge(
         while d < hd_v {
             out[obase + d] *= inv;
             d += units;
+        }
+        if comptime![v_blocks] {
+            // Values stored less their offset and rotated: rotated back, the offset added
+            // (the weights sum to one).
+            sync_cube();
+            if u == 0 {
+                hadamard(out, obase, hd_v, had as usize, hscale);
+                let cb = (h / group as usize) * hd_v;
+                for i in 0..hd_v {
+                    out[obase + i] += vcenter[cb + i];
+                }
+            }
         }
     }
 }

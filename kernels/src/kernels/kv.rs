@@ -1,0 +1,441 @@
+//! Block-format KV caches on the device: the per-head offset, the Hadamard rotation and the
+//! 32-value block quantizers of the cache writes, and the queries prepared for the integer
+//! dot products of attention — each with the operations, in the order, of the CPU backend's
+//! cache (`specula_kv::Plane`, `RowEncoder`) and of `specula_quant`'s quantizers, so that a
+//! cache on the device holds the codes and scales of the CPU backend's cache.
+//!
+//! A cached head is stored in the device layout of the weights (`layout`): per 32-value block
+//! its codes packed at `bits` bits into `bits` u32 words (Q8_0's signed bytes biased by 128),
+//! `d` and, for Q4_1 / Q5_1, `m` as f32 (the f16 the block format stores, widened). Block `b`
+//! of head `h` of cell `c` is block `(c · n_kv_head + h) · blocks_per_head + b`.
+//!
+//! Formats are compile-time `(bits, offset, term)` with `term` [`crate::layout::Term::code`]:
+//! Q8_0 `(8, 128, 1)`, Q4_0 `(4, 8, 0)`, Q5_0 `(5, 16, 2)`, Q4_1 `(4, 0, 3)`, Q5_1 `(5, 0, 3)`.
+
+use cubecl::prelude::*;
+
+use super::matmul::exact;
+
+/// Code `i` of the block whose words start at `at` (`bits` bits each, little-endian).
+#[cube]
+pub fn code_at(codes: &[u32], at: usize, i: usize, #[comptime] bits: u32) -> u32 {
+    let bit = i * comptime![bits as usize];
+    let w = at + bit / 32;
+    let sh = u32::cast_from(bit % 32);
+    let mut c = codes[w] >> sh;
+    if sh + comptime![bits] > 32 {
+        c |= codes[w + 1] << (32 - sh);
+    }
+    c & comptime![(1u32 << bits) - 1]
+}
+
+/// Value `i` of block `blk` by the format's dequantizer: `(q − offset) · d`, or `q · d + m`
+/// for the formats with a min (product and sum rounded apart).
+#[cube]
+#[allow(
+    unused_assignments,
+    reason = "a kernel variable is declared before the branches that set it"
+)]
+pub fn block_value(
+    codes: &[u32],
+    bd: &[f32],
+    bm: &[f32],
+    blk: usize,
+    i: usize,
+    zero: u32,
+    #[comptime] bits: u32,
+    #[comptime] offset: u32,
+    #[comptime] term: u32,
+) -> f32 {
+    let c = code_at(codes, blk * comptime![bits as usize], i, bits);
+    let q = f32::cast_from(i32::cast_from(c) - comptime![offset.cast_signed()]);
+    let mut v = 0.0f32;
+    if comptime![term == 3] {
+        v = exact(q * bd[blk], zero) + bm[blk];
+    } else {
+        v = q * bd[blk];
+    }
+    v
+}
+
+/// `x` rounded to f16 and widened back (the scale a block stores).
+#[cube]
+fn f16_round(x: f32) -> f32 {
+    f32::cast_from(half::f16::cast_from(x))
+}
+
+/// The normalized Sylvester–Hadamard transform of each group of `n` values of
+/// `x[base..base + len]` (`n` = 0: none), as `specula_kv::hadamard`: butterflies of growing
+/// span, then each value times `scale` (`1/√n`, computed by the host as the CPU does).
+#[cube]
+pub fn hadamard(x: &mut [f32], base: usize, len: usize, n: usize, scale: f32) {
+    if n > 0 {
+        let mut g = 0usize;
+        while g < len {
+            let mut h = 1usize;
+            while h < n {
+                let mut i = 0usize;
+                while i < n {
+                    for j in i..i + h {
+                        let a = x[base + g + j];
+                        let b = x[base + g + j + h];
+                        x[base + g + j] = a + b;
+                        x[base + g + j + h] = a - b;
+                    }
+                    i += 2 * h;
+                }
+                h *= 2;
+            }
+            for j in 0..n {
+                x[base + g + j] *= scale;
+            }
+            g += n;
+        }
+    }
+}
+
+/// Quantizes the 32 values `x[base..base + 32]` into block `blk` by `specula_quant`'s
+/// reference quantizer of the format: Q8_0 `d = amax/127`, codes `roundf(x/d)`; Q4_0 / Q5_0
+/// `d = max/−offset` (`max` the first value of largest magnitude), codes
+/// `min(2^bits − 1, trunc(x/d + offset + ½))`; Q4_1 / Q5_1 `d = (max − min)/(2^bits − 1)`,
+/// `m = min`, codes `trunc((x − min)/d + ½)` (at most 15 for Q4_1). The codes are computed
+/// with the f32 `d`; the block keeps `d` (and `m`) rounded to f16.
+#[cube]
+#[allow(
+    unused_assignments,
+    reason = "a kernel variable is declared before the branches that set it"
+)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a block's source, its outputs and format"
+)]
+fn quantize_block(
+    x: &mut [f32],
+    base: usize,
+    codes: &mut [u32],
+    bd: &mut [f32],
+    bm: &mut [f32],
+    blk: usize,
+    zero: u32,
+    #[comptime] bits: u32,
+    #[comptime] offset: u32,
+    #[comptime] term: u32,
+) {
+    let words = comptime![bits as usize];
+    let wb = blk * words;
+    let mask = comptime![(1u32 << bits) - 1];
+    for w in 0..words {
+        codes[wb + w] = 0u32;
+    }
+    let mut d = 0.0f32;
+    let mut lo = 0.0f32;
+    if comptime![term == 3] {
+        // The C loop starts from ±FLT_MAX: for finite values, the first value.
+        let mut mn = x[base];
+        let mut mx = x[base];
+        for i in 0..32usize {
+            let v = x[base + i];
+            if v < mn {
+                mn = v;
+            }
+            if v > mx {
+                mx = v;
+            }
+        }
+        d = (mx - mn) / f32::cast_from(mask);
+        lo = mn;
+    } else if comptime![term == 1] {
+        let mut amax = 0.0f32;
+        for i in 0..32usize {
+            amax = max(amax, x[base + i].abs());
+        }
+        d = amax / 127.0f32;
+    } else {
+        let mut amax = 0.0f32;
+        let mut mx = 0.0f32;
+        for i in 0..32usize {
+            let v = x[base + i];
+            if amax < v.abs() {
+                amax = v.abs();
+                mx = v;
+            }
+        }
+        d = mx / -f32::cast_from(comptime![offset]);
+    }
+    let mut id = 0.0f32;
+    if d != 0.0 {
+        id = 1.0f32 / d;
+    }
+    bd[blk] = f16_round(d);
+    if comptime![term == 3] {
+        bm[blk] = f16_round(lo);
+    }
+    for i in 0..32usize {
+        let v = x[base + i];
+        let mut c = 0u32;
+        if comptime![term == 1] {
+            // roundf: half away from zero (x − trunc(x) is exact).
+            let p = exact(v * id, zero);
+            let av = p.abs();
+            let t = av.trunc();
+            let mut r = t;
+            if av - t >= 0.5 {
+                r = t + 1.0;
+            }
+            let mut q = i32::cast_from(r);
+            if p < 0.0 {
+                q = -q;
+            }
+            c = u32::cast_from(q + 128i32);
+        } else if comptime![term == 3] {
+            let mut q = i32::cast_from((exact((v - lo) * id, zero) + 0.5f32).trunc());
+            if comptime![bits == 4] {
+                q = min(q, 15i32);
+            }
+            c = u32::cast_from(q) & mask;
+        } else {
+            let half_up = f32::cast_from(comptime![offset]) + 0.5f32;
+            let q = min(
+                i32::cast_from((exact(v * id, zero) + half_up).trunc()),
+                comptime![mask.cast_signed()],
+            );
+            c = u32::cast_from(q) & mask;
+        }
+        let bit = i * comptime![bits as usize];
+        let w = wb + bit / 32;
+        let sh = u32::cast_from(bit % 32);
+        codes[w] |= c << sh;
+        if sh + comptime![bits] > 32 {
+            codes[w + 1] |= c >> (32 - sh);
+        }
+    }
+}
+
+/// `center[c]` = the mean of column `c` over the `n` rows of `src` (`[n, width]`), summed in
+/// f64 in row order and rounded once: `Plane::calibrate` on the first rows a layer writes.
+/// One unit per column.
+#[cube(launch)]
+pub fn kv_center(src: &[f32], center: &mut [f32], n: u32, width: u32) {
+    let c = ABSOLUTE_POS;
+    if c < width as usize {
+        let w = width as usize;
+        let mut s = 0.0f64;
+        for r in 0..n as usize {
+            s += f64::cast_from(src[r * w + c]);
+        }
+        center[c] = f32::cast_from(s / f64::cast_from(n));
+    }
+}
+
+/// Writes rows of `src` (`[n, n_kv · hd]`) into cells `cells[t]` of a block-format cache: per
+/// (row, head) — one unit each — the head less its offset (`center`), rotated by the Hadamard
+/// transform of `had` values (0: none), quantized block by block. `work` holds
+/// `n · n_kv · hd` values of scratch.
+#[cube(launch)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a kernel's buffers, sizes and format"
+)]
+pub fn kv_write_blocks(
+    src: &[f32],
+    cells: &[u32],
+    center: &[f32],
+    codes: &mut [u32],
+    bd: &mut [f32],
+    bm: &mut [f32],
+    work: &mut [f32],
+    items: u32,
+    n_kv: u32,
+    hd: u32,
+    had: u32,
+    hscale: f32,
+    zero: u32,
+    #[comptime] bits: u32,
+    #[comptime] offset: u32,
+    #[comptime] term: u32,
+) {
+    let id = ABSOLUTE_POS;
+    if id < items as usize {
+        let n_kv = n_kv as usize;
+        let hd = hd as usize;
+        let t = id / n_kv;
+        let h = id % n_kv;
+        let wb = id * hd;
+        for j in 0..hd {
+            work[wb + j] = src[wb + j] - center[h * hd + j];
+        }
+        hadamard(work, wb, hd, had as usize, hscale);
+        let nb = hd / 32;
+        let blk0 = (cells[t] as usize * n_kv + h) * nb;
+        for b in 0..nb {
+            quantize_block(
+                work,
+                wb + b * 32,
+                codes,
+                bd,
+                bm,
+                blk0 + b,
+                zero,
+                bits,
+                offset,
+                term,
+            );
+        }
+    }
+}
+
+/// `a[ab..ab + n] · b[bb..bb + n]` as the CPU backend's `dot_f32`: sixteen lanes of fused
+/// multiply-adds (lane `l` takes values `l`, `l + 16`, …), reduced 8/4/2/1.
+#[cube]
+pub fn dot16(a: &[f32], ab: usize, b: &[f32], bb: usize, n: usize) -> f32 {
+    let mut lanes = Array::<f32>::new(16usize);
+    #[unroll]
+    for l in 0..16usize {
+        lanes[l] = 0.0f32;
+    }
+    let mut d0 = 0usize;
+    while d0 < n {
+        #[unroll]
+        for l in 0..16usize {
+            if d0 + l < n {
+                lanes[l] = fma(a[ab + d0 + l], b[bb + d0 + l], lanes[l]);
+            }
+        }
+        d0 += 16;
+    }
+    let mut hh = Array::<f32>::new(8usize);
+    #[unroll]
+    for i in 0..8usize {
+        hh[i] = lanes[i] + lanes[i + 8];
+    }
+    let g0 = hh[0] + hh[4];
+    let g1 = hh[1] + hh[5];
+    let g2 = hh[2] + hh[6];
+    let g3 = hh[3] + hh[7];
+    (g0 + g2) + (g1 + g3)
+}
+
+/// Prepares every query head (`[items = rows · n_head, hd]`, one unit each) for the integer
+/// dot products with a block-format K cache, as the CPU backend's attention does: `qm` = the
+/// head · its K/V head's offset (`dot16`); the head rotated like the keys and quantized to
+/// Q8_0 — or Q8_1 (`q81`: `qs` = f16(d · Σq)) for keys with a min — into `qa` (one i32 per
+/// value), `qd` (`d` as f16, per block). `work` holds `items · hd` values of scratch.
+#[cube(launch)]
+#[allow(
+    clippy::too_many_arguments,
+    clippy::manual_memcpy,
+    reason = "a kernel's buffers, sizes and format; a kernel copies value by value (no slice copy on the device)"
+)]
+pub fn attn_query_blocks(
+    q: &[f32],
+    center: &[f32],
+    work: &mut [f32],
+    qa: &mut [i32],
+    qd: &mut [f32],
+    qs: &mut [f32],
+    qm: &mut [f32],
+    items: u32,
+    n_head: u32,
+    group: u32,
+    hd: u32,
+    had: u32,
+    hscale: f32,
+    zero: u32,
+    #[comptime] q81: bool,
+) {
+    let id = ABSOLUTE_POS;
+    if id < items as usize {
+        let hd = hd as usize;
+        let kvh = (id % n_head as usize) / group as usize;
+        let qb = id * hd;
+        qm[id] = dot16(q, qb, center, kvh * hd, hd);
+        for j in 0..hd {
+            work[qb + j] = q[qb + j];
+        }
+        hadamard(work, qb, hd, had as usize, hscale);
+        let nb = hd / 32;
+        for b in 0..nb {
+            let base = qb + b * 32;
+            let mut amax = 0.0f32;
+            for i in 0..32usize {
+                amax = max(amax, work[base + i].abs());
+            }
+            let d = amax / 127.0f32;
+            let mut inv = 0.0f32;
+            if d != 0.0 {
+                inv = 1.0f32 / d;
+            }
+            let mut sum = 0i32;
+            for i in 0..32usize {
+                let p = exact(work[base + i] * inv, zero);
+                let av = p.abs();
+                let t = av.trunc();
+                let mut r = t;
+                if av - t >= 0.5 {
+                    r = t + 1.0;
+                }
+                let mut c = i32::cast_from(r);
+                if p < 0.0 {
+                    c = -c;
+                }
+                qa[base + i] = c;
+                sum += c;
+            }
+            qd[id * nb + b] = f16_round(d);
+            if q81 {
+                qs[id * nb + b] = f16_round(f32::cast_from(sum) * d);
+            }
+        }
+    }
+}
+
+/// The dot product of query head `qi` (prepared by [`attn_query_blocks()`]) with the cached
+/// key whose blocks start at `kblk`: per block the integer sum of the codes (less `offset`)
+/// times the query's codes, one float term by the format's formula, the terms added in block
+/// order from 0 — the bits of `specula_quant`'s block dot products.
+#[cube]
+#[allow(
+    unused_assignments,
+    reason = "a kernel variable is declared before the branches that set it"
+)]
+#[allow(clippy::too_many_arguments, reason = "both operands and the format")]
+pub fn key_dot(
+    codes: &[u32],
+    bd: &[f32],
+    bm: &[f32],
+    kblk: usize,
+    qa: &[i32],
+    qd: &[f32],
+    qs: &[f32],
+    qi: usize,
+    nb: usize,
+    zero: u32,
+    #[comptime] bits: u32,
+    #[comptime] offset: u32,
+    #[comptime] term: u32,
+) -> f32 {
+    let mut acc = 0.0f32;
+    for b in 0..nb {
+        let kb = kblk + b;
+        let qbase = (qi * nb + b) * 32;
+        let mut isum = 0i32;
+        for i in 0..32usize {
+            let c = i32::cast_from(code_at(codes, kb * comptime![bits as usize], i, bits))
+                - comptime![offset.cast_signed()];
+            isum += c * qa[qbase + i];
+        }
+        let fi = f32::cast_from(isum);
+        let dk = bd[kb];
+        let dq = qd[qi * nb + b];
+        let mut tv = 0.0f32;
+        if comptime![term == 0] {
+            tv = exact(exact(fi * dk, zero) * dq, zero);
+        } else if comptime![term == 3] {
+            tv = exact((dk * dq) * fi, zero) + exact(bm[kb] * qs[qi * nb + b], zero);
+        } else {
+            tv = exact((dk * dq) * fi, zero);
+        }
+        acc += tv;
+    }
+    acc
+}
