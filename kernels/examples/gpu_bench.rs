@@ -61,7 +61,19 @@ fn random_blocks(ty: QType, n_values: usize, seed: u64) -> Vec<u8> {
             .to_le_bytes()
     };
     let fields: &[usize] = match ty {
-        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 => &[0],
+        QType::Q4_0 | QType::Q5_0 | QType::Q8_0 | QType::IQ4_NL => &[0],
+        // Small power-of-two (E8M0) and UE4M3 scales.
+        QType::MXFP4 | QType::NVFP4 => {
+            let (n, v) = if ty == QType::MXFP4 {
+                (1, 118)
+            } else {
+                (4, 0x20)
+            };
+            for b in out.chunks_exact_mut(ty.type_size()) {
+                b[..n].fill(v);
+            }
+            return out;
+        }
         QType::Q4_1 | QType::Q5_1 | QType::Q4_K | QType::Q5_K => &[0, 2],
         QType::Q6_K => &[208],
         QType::F16 => {
@@ -211,6 +223,9 @@ fn main() -> Res<()> {
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::IQ4_NL,
+        QType::MXFP4,
+        QType::NVFP4,
         QType::F16,
     ] {
         for (n_in, n_out) in [(a, b), (b, a)] {

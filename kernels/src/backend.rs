@@ -33,6 +33,8 @@ pub struct CubeBackend {
     rope: Mutex<Option<(Vec<u32>, RopeConfig, Handle)>>,
     /// The table of the softmax's `e^x` ([`specula_cpu::expf::TAB`]).
     exp_tab: Handle,
+    /// The codebooks of the codebook weight formats ([`layout::Table::all`]).
+    nl_tab: Handle,
 }
 
 /// An f32 activation matrix on the device.
@@ -183,6 +185,7 @@ impl CubeBackend {
             (128, 256)
         };
         let exp_tab = client.create_from_slice(u64::as_bytes(&specula_cpu::expf::TAB));
+        let nl_tab = client.create_from_slice(i32::as_bytes(&layout::Table::all()));
         Self {
             client,
             name,
@@ -190,6 +193,7 @@ impl CubeBackend {
             ew,
             rope: Mutex::new(None),
             exp_tab,
+            nl_tab,
         }
     }
 
@@ -402,7 +406,7 @@ impl Backend for CubeBackend {
                         name: desc.name.to_owned(),
                         ty,
                         backend: self.name,
-                        op: "weights (formats on the device: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K)",
+                        op: "weights (formats on the device: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, iq4_nl, mxfp4, nvfp4)",
                     });
                 };
                 let g = layout::unpack(ty, desc.data);
@@ -570,6 +574,7 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(bm.clone(), 1),
                         BufferArg::from_raw_parts(gsc.clone(), 1),
                         BufferArg::from_raw_parts(gmn.clone(), 1),
+                        BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
                         BufferArg::from_raw_parts(idh, ids.len()),
                         BufferArg::from_raw_parts(out.h.clone(), n),
                         u(n),
@@ -580,6 +585,7 @@ impl Backend for CubeBackend {
                         fmt.block,
                         fmt.offset,
                         fmt.term.code(),
+                        fmt.table.code(),
                     );
                 }
             }
@@ -675,6 +681,7 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(bm.clone(), 1),
                         BufferArg::from_raw_parts(gsc.clone(), 1),
                         BufferArg::from_raw_parts(gmn.clone(), 1),
+                        BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
                         BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
                         u(w.n_in),
                         u(w.n_out),
@@ -685,6 +692,8 @@ impl Backend for CubeBackend {
                         fmt.block,
                         fmt.offset,
                         fmt.term.code(),
+                        fmt.table.code(),
+                        u(ablk),
                         self.units,
                         tile,
                         SEG_GROUPS / (fmt.block / fmt.group) as usize,
@@ -931,7 +940,11 @@ impl Backend for CubeBackend {
                     ));
                 }
                 let fmt = GroupFormat::of(ty)
-                    .filter(|f| f.block == 32 && head_dim.is_multiple_of(32))
+                    .filter(|f| {
+                        f.block == 32
+                            && f.table == layout::Table::None
+                            && head_dim.is_multiple_of(32)
+                    })
                     .ok_or_else(refuse)?;
                 let had = match if v {
                     specula_kv::v_rotation(ty, head_dim)

@@ -185,6 +185,9 @@ pub fn conformance<B: Backend>(be: &B) {
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::IQ4_NL,
+        QType::MXFP4,
+        QType::NVFP4,
     ] {
         for &(rows, n_in, n_out) in &[(1, 256, 37), (3, 512, 64), (13, 256, 9), (40, 256, 33)] {
             let w = Weights::new(ty, n_in, n_out, 7 + rows as u64);

@@ -10,7 +10,11 @@
 //!   the format's `offset` subtracted;
 //! - per block (`block` values: 32, or 256 for the K-quants) its f16 scales as f32: `d`, and
 //!   `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K);
-//! - per group of a K-quant its integer sub-block scale (and min).
+//! - per group of a K-quant its integer sub-block scale (and min);
+//! - for the codebook formats (IQ4_NL, MXFP4, NVFP4) the 4-bit codes, which the kernels map
+//!   through the format's table of integers ([`Table`]) so the products stay integer, and per
+//!   block its scale as f32 (IQ4_NL's f16 `d`; MXFP4's E8M0 exponent and NVFP4's UE4M3 scale
+//!   per 16 values, each decoded to half its value as ggml does).
 //!
 //! The integers stay integers, so the matmul kernels form exactly the integer sums of
 //! specula-quant's dot products and combine them with the same float operations in the same
@@ -89,8 +93,55 @@ pub struct GroupFormat {
     pub offset: u32,
     /// The block term.
     pub term: Term,
-    /// Activation quantization of the dot product (its block is `block` values).
+    /// Activation quantization of the dot product (its blocks are `act.block()` values: a
+    /// weight block of NVFP4's 16 values reads half of one).
     pub act: ActQuant,
+    /// How a code becomes its integer: [`Table::None`] (`code − offset`) or a codebook.
+    pub table: Table,
+}
+
+/// The codebook of a format whose codes index a table of integers: the integer sums of the
+/// dot products stay exact.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Table {
+    /// The code less the format's offset.
+    None,
+    /// IQ4_NL's non-linear values (`kvalues_iq4nl`).
+    Iq4Nl,
+    /// FP4 (E2M1) values, doubled (`kvalues_mxfp4`; MXFP4, NVFP4).
+    Fp4,
+}
+
+impl Table {
+    /// The kernels' compile-time code: 0 none, else `1 +` the table's index in
+    /// [`Table::all`].
+    #[must_use]
+    pub fn code(self) -> u32 {
+        match self {
+            Self::None => 0,
+            Self::Iq4Nl => 1,
+            Self::Fp4 => 2,
+        }
+    }
+
+    /// The codebooks one after the other (sixteen values each), as the device holds them.
+    #[must_use]
+    pub fn all() -> Vec<i32> {
+        specula_quant::iq4::KVALUES_IQ4NL
+            .iter()
+            .chain(&specula_quant::fp4::KVALUES_FP4)
+            .map(|&v| i32::from(v))
+            .collect()
+    }
+
+    fn value(self, code: u32) -> i32 {
+        let i = code as usize;
+        match self {
+            Self::None => unreachable!("a format without a codebook"),
+            Self::Iq4Nl => i32::from(specula_quant::iq4::KVALUES_IQ4NL[i]),
+            Self::Fp4 => i32::from(specula_quant::fp4::KVALUES_FP4[i]),
+        }
+    }
 }
 
 impl GroupFormat {
@@ -105,8 +156,17 @@ impl GroupFormat {
             offset,
             term,
             act,
+            table: Table::None,
+        };
+        let nl = |group, table| Self {
+            table,
+            ..f(4, group, group, 0, Term::Dd, ActQuant::Q8_0)
         };
         Some(match ty {
+            QType::IQ4_NL => nl(32, Table::Iq4Nl),
+            QType::MXFP4 => nl(32, Table::Fp4),
+            // One float term per 16-value sub-block (its UE4M3 scale).
+            QType::NVFP4 => nl(16, Table::Fp4),
             QType::Q8_0 => f(8, 32, 32, 128, Term::Q8_0, ActQuant::Q8_0),
             QType::Q4_0 => f(4, 32, 32, 8, Term::Q4_0, ActQuant::Q8_0),
             QType::Q5_0 => f(5, 32, 32, 16, Term::Dd, ActQuant::Q8_0),
@@ -175,6 +235,29 @@ pub fn unpack(ty: QType, bytes: &[u8]) -> Groups {
                 g.d.push(half(b, 0));
                 for (c, &q) in codes.iter_mut().zip(&b[2..34]) {
                     *c = q ^ 0x80; // two's complement byte + 128
+                }
+            }
+            QType::IQ4_NL | QType::MXFP4 => {
+                let (d, qs) = if ty == QType::IQ4_NL {
+                    (half(b, 0), &b[2..18])
+                } else {
+                    (specula_quant::fp4::e8m0_to_fp32_half(b[0]), &b[1..17])
+                };
+                g.d.push(d);
+                for (j, &q) in qs.iter().enumerate() {
+                    codes[j] = q & 0xF;
+                    codes[j + 16] = q >> 4;
+                }
+            }
+            QType::NVFP4 => {
+                // Four sub-blocks of 16: scale byte `s`, then eight bytes holding values
+                // `j` (low nibble) and `j + 8` (high nibble).
+                for s in 0..4 {
+                    g.d.push(specula_quant::fp4::ue4m3_to_fp32_half(b[s]));
+                    for (j, &q) in b[4 + 8 * s..12 + 8 * s].iter().enumerate() {
+                        codes[16 * s + j] = q & 0xF;
+                        codes[16 * s + j + 8] = q >> 4;
+                    }
                 }
             }
             QType::Q4_0 | QType::Q4_1 => {
@@ -252,7 +335,7 @@ pub fn unpack(ty: QType, bytes: &[u8]) -> Groups {
             _ => unreachable!("GroupFormat::of covers the formats unpacked here"),
         }
         let group = fmt.group as usize;
-        for c in codes[..fmt.block as usize].chunks_exact(group) {
+        for c in codes[..ty.block_size()].chunks_exact(group) {
             pack(c, fmt.bits, &mut g.codes);
         }
     }
@@ -307,7 +390,11 @@ pub fn value(fmt: GroupFormat, g: &Groups, i: usize) -> f32 {
         reason = "codes, offsets and sub-block scales are below 256"
     )]
     let (q, sc) = (
-        (c as i32 - fmt.offset as i32) as f32,
+        if fmt.table == Table::None {
+            (c as i32 - fmt.offset as i32) as f32
+        } else {
+            fmt.table.value(c) as f32
+        },
         g.sc.get(gi).map(|&s| s as f32),
     );
     let d = g.d[bi];
@@ -320,7 +407,7 @@ pub fn value(fmt: GroupFormat, g: &Groups, i: usize) -> f32 {
         (Term::KMin, Some(sc)) => d * sc * q - g.m[bi] * g.mn[gi] as f32,
         // Q6_K: `(d · sc) · q`.
         (_, Some(sc)) => d * sc * q,
-        // Q4_0, Q5_0, Q8_0: `q · d`.
+        // Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4, NVFP4: `q · d`.
         (_, None) => q * d,
     }
 }
@@ -347,6 +434,9 @@ mod tests {
             QType::Q4_K,
             QType::Q5_K,
             QType::Q6_K,
+            QType::IQ4_NL,
+            QType::MXFP4,
+            QType::NVFP4,
         ] {
             let mut bytes = vec![0u8; ty.row_bytes(n).unwrap()];
             specula_quant::quantize_row(ty, &x, &mut bytes).unwrap();

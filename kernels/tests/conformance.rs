@@ -42,7 +42,7 @@ fn unsupported_caches_and_devices_are_precise_errors() {
         };
         assert!(e.to_string().contains("cuda"), "{e}");
     }
-    let w = Weights::new(QType::IQ4_NL, 32, 2, 1);
+    let w = Weights::new(QType::IQ4_XS, 256, 2, 1);
     let Err(e) = be.weight(WeightDesc {
         name: "blk.0.ffn_up.weight",
         ty: w.ty,
@@ -50,7 +50,7 @@ fn unsupported_caches_and_devices_are_precise_errors() {
         data: &w.bytes,
         owner: w.bytes.clone(),
     }) else {
-        panic!("iq4_nl weights were accepted")
+        panic!("iq4_xs weights were accepted")
     };
     assert!(e.to_string().contains("blk.0.ffn_up.weight"), "{e}");
 }

@@ -94,6 +94,30 @@ fn tiny_qwen3_forward_equals_the_cpu_backend() {
     );
 }
 
+/// The tiny qwen3 with its matrices in each codebook format (IQ4_NL, MXFP4, NVFP4's 16-value
+/// UE4M3-scaled blocks): the device's table lookups and NVFP4's half activation blocks give
+/// the CPU backend's logits.
+#[test]
+fn codebook_weight_formats_forward_equal_the_cpu_backend() {
+    use specula_gguf::GgmlType;
+    for ty in [GgmlType::IQ4_NL, GgmlType::MXFP4, GgmlType::NVFP4] {
+        let mut g = specula_testkit::tiny::target("qwen3");
+        for t in &mut g.tensors {
+            if t.dims.len() >= 2 && t.dims[0] % 64 == 0 && t.name != "token_embd.weight" {
+                t.ty = ty;
+            }
+        }
+        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
+        same_forward(
+            &format!("tiny qwen3, {ty:?} matrices"),
+            &file,
+            &ids,
+            (QType::F16, QType::F16),
+        );
+    }
+}
+
 fn real(name: &str, text: &str, cache: (QType, QType)) {
     let Some(path) = specula_testkit::real_model(name) else {
         return;

@@ -10,7 +10,7 @@ use crate::blocks::{BlockMxfp4, BlockNvfp4, QK, QK_NVFP4};
 
 /// Doubled E2M1 values: bit 3 of a code is the sign, bits 0–2 the magnitude
 /// (0, 0.5, 1, 1.5, 2, 3, 4, 6) × 2.
-pub(crate) const KVALUES_FP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub const KVALUES_FP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 /// Values per NVFP4 sub-block (one UE4M3 scale each).
 pub(crate) const QK_NVFP4_SUB: usize = 16;
@@ -26,7 +26,7 @@ fn pow2(k: i32) -> f32 {
 /// (the two smallest are f32 denormals).
 #[must_use]
 #[inline]
-pub(crate) fn e8m0_to_fp32_half(e: u8) -> f32 {
+pub fn e8m0_to_fp32_half(e: u8) -> f32 {
     let bits = if e < 2 {
         0x0020_0000u32 << e
     } else {
@@ -39,7 +39,7 @@ pub(crate) fn e8m0_to_fp32_half(e: u8) -> f32 {
 /// three mantissa bits, subnormals `man · 2⁻⁹`.
 #[must_use]
 #[inline]
-pub(crate) fn ue4m3_to_fp32_half(x: u8) -> f32 {
+pub fn ue4m3_to_fp32_half(x: u8) -> f32 {
     if x == 0 || x == 0x7f {
         return 0.0;
     }

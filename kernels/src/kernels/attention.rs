@@ -6,7 +6,9 @@ use super::kv::{block_value, hadamard, key_dot};
 use super::matmul::exact;
 
 /// `out[r] = table[ids[r]]` for a table in the device layout (`cols` values per row): one
-/// unit per output value, dequantized by ggml's formula for the format (`layout::value`).
+/// unit per output value, dequantized by ggml's formula for the format (`layout::value`);
+/// codes of a codebook format (`table` > 0, `layout::Table::code`) index `nl`
+/// (`layout::Table::all`).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn get_rows_blocks(
@@ -15,6 +17,7 @@ pub fn get_rows_blocks(
     bm: &[f32],
     gsc: &[i32],
     gmn: &[i32],
+    nl: &[i32],
     ids: &[u32],
     out: &mut [f32],
     n: u32,
@@ -25,6 +28,7 @@ pub fn get_rows_blocks(
     #[comptime] block: u32,
     #[comptime] offset: u32,
     #[comptime] term: u32,
+    #[comptime] table: u32,
 ) {
     let id = ABSOLUTE_POS;
     if id < n as usize {
@@ -42,9 +46,12 @@ pub fn get_rows_blocks(
         if sh + comptime![bits] > 32 {
             code |= codes[g * words + w + 1] << (32 - sh);
         }
-        let q = f32::cast_from(
-            i32::cast_from(code & comptime![(1u32 << bits) - 1]) - comptime![offset.cast_signed()],
-        );
+        let c = code & comptime![(1u32 << bits) - 1];
+        let mut qi = i32::cast_from(c) - comptime![offset.cast_signed()];
+        if comptime![table > 0] {
+            qi = nl[comptime![((table - 1) * 16) as usize] + c as usize];
+        }
+        let q = f32::cast_from(qi);
         let d = bd[b];
         if comptime![term == 3] {
             out[id] = exact(q * d, zero) + bm[b];

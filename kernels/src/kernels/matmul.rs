@@ -185,7 +185,10 @@ pub(crate) fn exact(x: f32, zero: u32) -> f32 {
 /// specula-quant's dot products: per block (`block` values) the integer sums of the codes
 /// (less `offset`) times the activation codes, times the groups' integer scales where the
 /// format has them; one float term per block by the format's formula (`term`, see
-/// `layout::Term`); the terms added in block order.
+/// `layout::Term`); the terms added in block order. The codes of a codebook format
+/// (`table` > 0: IQ4_NL, MXFP4, NVFP4) index `nl` (`layout::Table::all`) instead; activation
+/// blocks are `ablock` values, and a weight block lies inside one (NVFP4's 16-value blocks
+/// read halves of Q8_0's 32).
 ///
 /// One cube per output column (`CUBE_POS_X`) and tile of `tile` activation rows
 /// (`CUBE_POS_Y`). The row is walked in segments of `seg` blocks: all units form the groups'
@@ -207,6 +210,7 @@ pub fn matmul_blocks(
     bm: &[f32],
     gsc: &[i32],
     gmn: &[i32],
+    nl: &[i32],
     out: &mut [f32],
     n_in: u32,
     n_out: u32,
@@ -217,6 +221,8 @@ pub fn matmul_blocks(
     #[comptime] block: u32,
     #[comptime] offset: u32,
     #[comptime] term: u32,
+    #[comptime] table: u32,
+    #[comptime] ablock: u32,
     #[comptime] units: usize,
     #[comptime] tile: usize,
     #[comptime] seg: usize,
@@ -266,7 +272,10 @@ pub fn matmul_blocks(
                 if sh + comptime![bits] > 32 {
                     code |= codes[wg * words + w + 1] << (32 - sh);
                 }
-                let q = i32::cast_from(code & mask) - comptime![offset.cast_signed()];
+                let mut q = i32::cast_from(code & mask) - comptime![offset.cast_signed()];
+                if comptime![table > 0] {
+                    q = nl[comptime![((table - 1) * 16) as usize] + (code & mask) as usize];
+                }
                 #[unroll]
                 for t in 0..tile {
                     let r = r0 + t;
@@ -312,7 +321,10 @@ pub fn matmul_blocks(
                             isum += gi_sum[base + j];
                         }
                     }
-                    let ab = r * nb + b;
+                    // The activation block holding this weight block (NVFP4's 16-value
+                    // blocks read halves of Q8_0's 32).
+                    let ab = r * (n_in / comptime![ablock as usize])
+                        + b * comptime![block as usize] / comptime![ablock as usize];
                     let dav = da[ab];
                     let fi = f32::cast_from(isum);
                     if comptime![term == 0] {
