@@ -272,11 +272,21 @@ fn main() -> Res<()> {
     // Attention (decode), per cache format and depth.
     let (n_head, n_kv, hd) = (32, 8, 128);
     let depths: &[usize] = if small { &[1, 512] } else { &[1, 8192, 32768] };
-    for ty in [QType::F16, QType::F32, QType::Q8_0, QType::Q4_0] {
-        // Bytes of one cached head in the device layout (block formats: codes, `d`, `m`).
-        let head_bytes = match specula_kernels::layout::GroupFormat::of(ty) {
-            Some(f) => hd / 32 * (4 * f.words() + 4 + if f.block_min() { 4 } else { 0 }),
-            None => hd * if ty == QType::F16 { 2 } else { 4 },
+    for ty in [
+        QType::F16,
+        QType::F32,
+        QType::Q8_0,
+        QType::Q4_0,
+        QType::Turbo4,
+        QType::Turbo3,
+    ] {
+        // Bytes of one cached head in the device layout (block formats: codes, `d`, `m`;
+        // turbo: codes and a norm per 128 values).
+        let head_bytes = match (ty, specula_kernels::layout::GroupFormat::of(ty)) {
+            (QType::Turbo4, _) => hd / 128 * (16 * 4 + 4),
+            (QType::Turbo3, _) => hd / 128 * (12 * 4 + 4),
+            (_, Some(f)) => hd / 32 * (4 * f.words() + 4 + if f.block_min() { 4 } else { 0 }),
+            (_, None) => hd * if ty == QType::F16 { 2 } else { 4 },
         };
         for &depth in depths {
             let shape = KvShape::uniform(1, depth + 1, n_kv, hd, ty, ty);

@@ -35,6 +35,8 @@ pub struct CubeBackend {
     exp_tab: Handle,
     /// The codebooks of the codebook weight formats ([`layout::Table::all`]).
     nl_tab: Handle,
+    /// The turbo caches' rotation signs, centroids and thresholds (`kv::turbo_tables`).
+    turbo_tab: Handle,
 }
 
 /// An f32 activation matrix on the device.
@@ -99,7 +101,24 @@ enum Plane {
     /// A 32-value block format in the device layout (`kernels::kv`): each head less its
     /// offset, rotated, quantized — the CPU backend's cache (`specula_kv::Plane`).
     Blocks(Box<BlockPlane>),
+    /// turbo2/3/4 of heads of whole 128-value groups: each head less its offset, per group
+    /// the codes (`bits` each) and the stored norm (f16 as f32), in the rotated domain.
+    Turbo(Box<TurboPlane>),
 }
+
+/// A turbo plane: codes, norms and the per-head offset.
+#[derive(Debug)]
+struct TurboPlane {
+    bits: u32,
+    codes: Handle,
+    norms: Handle,
+    /// `n_kv_head · head_dim` offsets: the mean of the first rows written.
+    center: Handle,
+    calibrated: bool,
+}
+
+/// The kernels' term code of a turbo plane (`kernels::attention::attn_chunk`).
+const TURBO_TERM: u32 = 5;
 
 /// A block-format plane: codes, scales and the per-head offset.
 #[derive(Debug)]
@@ -124,17 +143,30 @@ impl BlockPlane {
 }
 
 impl Plane {
-    fn blocks(&self) -> Option<&BlockPlane> {
+    /// The kernels' compile-time format: bits, offset, term code (`(0, 0, 0)`: floats).
+    fn code(&self) -> (u32, u32, u32) {
+        match self {
+            Self::Float(_) => (0, 0, 0),
+            Self::Blocks(b) => b.code(),
+            Self::Turbo(t) => (t.bits, 0, TURBO_TERM),
+        }
+    }
+
+    /// The per-head offsets of a quantized plane.
+    fn center(&self) -> Option<&Handle> {
         match self {
             Self::Float(_) => None,
-            Self::Blocks(b) => Some(b),
+            Self::Blocks(b) => Some(&b.center),
+            Self::Turbo(t) => Some(&t.center),
         }
     }
 }
 
-/// The cache formats the device keeps: f16 and f32 (the same for K and V), and the 32-value
-/// block formats, each of K and V chosen apart.
-const CACHE_FORMATS: &str = "f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1";
+/// The cache formats the device keeps: f16 and f32 (the same for K and V), the 32-value
+/// block formats and turbo2/3/4 (heads of whole 128-value groups), each of K and V chosen
+/// apart.
+const CACHE_FORMATS: &str =
+    "f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, and turbo2/3/4 for heads of a multiple of 128 values";
 
 /// `1/√n` as the CPU backend's Hadamard transform computes it.
 #[allow(clippy::cast_precision_loss, reason = "n is a small power of two")]
@@ -186,6 +218,7 @@ impl CubeBackend {
         };
         let exp_tab = client.create_from_slice(u64::as_bytes(&specula_cpu::expf::TAB));
         let nl_tab = client.create_from_slice(i32::as_bytes(&layout::Table::all()));
+        let turbo_tab = client.create_from_slice(f32::as_bytes(&kq::turbo_tables()));
         Self {
             client,
             name,
@@ -194,6 +227,7 @@ impl CubeBackend {
             rope: Mutex::new(None),
             exp_tab,
             nl_tab,
+            turbo_tab,
         }
     }
 
@@ -939,6 +973,25 @@ impl Backend for CubeBackend {
                         self.client.empty((cells * width * esz).max(4)),
                     ));
                 }
+                if let Some(bits) = match ty {
+                    QType::Turbo2 => Some(2u32),
+                    QType::Turbo3 => Some(3),
+                    QType::Turbo4 => Some(4),
+                    _ => None,
+                } {
+                    // Heads of 64 (two-stage) or padded to 128 (refined) are not kept here.
+                    if head_dim == 0 || !head_dim.is_multiple_of(128) {
+                        return Err(refuse());
+                    }
+                    let groups = cells * width / 128;
+                    return Ok(Plane::Turbo(Box::new(TurboPlane {
+                        bits,
+                        codes: self.client.empty((groups * 4 * bits as usize * 4).max(4)),
+                        norms: self.empty_f32(groups),
+                        center: self.empty_f32(width),
+                        calibrated: false,
+                    })));
+                }
                 let fmt = GroupFormat::of(ty)
                     .filter(|f| {
                         f.block == 32
@@ -1048,21 +1101,7 @@ impl Backend for CubeBackend {
                     }
                 }
                 Plane::Blocks(p) => {
-                    if !p.calibrated {
-                        // SAFETY: `src` holds `cells · width` values, `center` `width`.
-                        unsafe {
-                            kq::kv_center::launch(
-                                &self.client,
-                                self.ew_count(width),
-                                CubeDim::new_1d(self.ew),
-                                BufferArg::from_raw_parts(src.h.clone(), n),
-                                BufferArg::from_raw_parts(p.center.clone(), width),
-                                u(cells.len()),
-                                u(width),
-                            );
-                        }
-                        p.calibrated = true;
-                    }
+                    self.calibrate(&mut p.calibrated, &p.center, src);
                     let items = cells.len() * n_kv;
                     let blocks = n_cells * width / 32;
                     let work = self.empty_f32(n);
@@ -1093,6 +1132,36 @@ impl Backend for CubeBackend {
                             bits,
                             offset,
                             term,
+                        );
+                    }
+                }
+                Plane::Turbo(p) => {
+                    self.calibrate(&mut p.calibrated, &p.center, src);
+                    let items = cells.len() * n_kv;
+                    let groups = n_cells * width / 128;
+                    let work = self.empty_f32(n);
+                    // SAFETY: cells are inside the layer (checked); `src` is `[cells, width]`,
+                    // `work` as long; the plane holds `groups` groups of `4 · bits` words.
+                    unsafe {
+                        kq::kv_write_turbo::launch(
+                            &self.client,
+                            self.ew_count(items),
+                            CubeDim::new_1d(self.ew),
+                            BufferArg::from_raw_parts(src.h.clone(), n),
+                            BufferArg::from_raw_parts(ih.clone(), cells.len()),
+                            BufferArg::from_raw_parts(p.center.clone(), width),
+                            BufferArg::from_raw_parts(
+                                p.codes.clone(),
+                                groups * 4 * p.bits as usize,
+                            ),
+                            BufferArg::from_raw_parts(p.norms.clone(), groups),
+                            BufferArg::from_raw_parts(work, n),
+                            BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
+                            u(items),
+                            u(n_kv),
+                            u(hd),
+                            0,
+                            p.bits,
                         );
                     }
                 }
@@ -1166,11 +1235,34 @@ impl Backend for CubeBackend {
         let group = p.n_head / l.n_kv_head;
         // Queries for block-format keys: `q·m`, rotated and quantized once per call.
         let none = || self.client.empty(4);
-        let kfmt = l.k.blocks().map_or((0, 0, 0), BlockPlane::code);
-        let vfmt = l.v.blocks().map_or((0, 0, 0), BlockPlane::code);
-        let (qa, qd, qs, qm) = match l.k.blocks() {
-            Some(kb) => {
-                let items = q.rows * p.n_head;
+        let (kfmt, vfmt) = (l.k.code(), l.v.code());
+        let items = q.rows * p.n_head;
+        let mut qf = none();
+        let (qa, qd, qs, qm) = match &l.k {
+            Plane::Turbo(kt) => {
+                // Queries for turbo keys: `q·m` and the head rotated forward.
+                let qm = self.empty_f32(items);
+                qf = self.empty_f32(q.rows * q.cols);
+                // SAFETY: `q` is `[rows, n_head · hd_k]`; `qf` as long, `qm` one per head.
+                unsafe {
+                    kq::attn_query_turbo::launch(
+                        &self.client,
+                        self.ew_count(items),
+                        CubeDim::new_1d(self.ew),
+                        BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
+                        BufferArg::from_raw_parts(kt.center.clone(), l.n_kv_head * l.hd_k),
+                        BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
+                        BufferArg::from_raw_parts(qf.clone(), q.rows * q.cols),
+                        BufferArg::from_raw_parts(qm.clone(), items),
+                        u(items),
+                        u(p.n_head),
+                        u(group),
+                        u(l.hd_k),
+                    );
+                }
+                (none(), none(), none(), qm)
+            }
+            Plane::Blocks(kb) => {
                 let nb = items * l.hd_k / 32;
                 let (qa, qd, qs, qm) = (
                     self.client.empty(q.rows * q.cols * 4),
@@ -1204,17 +1296,20 @@ impl Backend for CubeBackend {
                 }
                 (qa, qd, qs, qm)
             }
-            None => (none(), none(), none(), none()),
+            Plane::Float(_) => (none(), none(), none(), none()),
         };
         let plane = |pl: &Plane| match pl {
             Plane::Float(h) => (h.clone(), none(), none(), none()),
             Plane::Blocks(b) => (none(), b.codes.clone(), b.d.clone(), b.m.clone()),
+            Plane::Turbo(t) => (none(), t.codes.clone(), t.norms.clone(), none()),
         };
         let (k_f, k_c, k_d, k_m) = plane(&l.k);
         let (v_f, v_c, v_d, v_m) = plane(&l.v);
-        let (v_center, v_had, v_hscale) =
-            l.v.blocks()
-                .map_or((none(), 0, 1.0), |b| (b.center.clone(), b.had, b.hscale));
+        let v_center = l.v.center().cloned().unwrap_or_else(none);
+        let (v_had, v_hscale) = match &l.v {
+            Plane::Blocks(b) => (b.had, b.hscale),
+            _ => (0, 1.0),
+        };
         let n_chunks = kv_len.div_ceil(at::CHUNK).max(1);
         let per_row = p.n_head * n_chunks * (l.hd_v + 2);
         let rows_per_launch = (MAX_SCORES / per_row).max(1);
@@ -1248,6 +1343,8 @@ impl Backend for CubeBackend {
                             BufferArg::from_raw_parts(qd.clone(), 1),
                             BufferArg::from_raw_parts(qs.clone(), 1),
                             BufferArg::from_raw_parts(qm.clone(), 1),
+                            BufferArg::from_raw_parts(qf.clone(), 1),
+                            BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
                             BufferArg::from_raw_parts(qp.clone(), q.rows),
                             BufferArg::from_raw_parts(kp.clone(), kv_len.max(1)),
                             BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
@@ -1291,6 +1388,7 @@ impl Backend for CubeBackend {
                     BufferArg::from_raw_parts(states.clone(), n * per_row),
                     BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
                     BufferArg::from_raw_parts(v_center.clone(), 1),
+                    BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
                     BufferArg::from_raw_parts(out.h.clone(), q.rows * out.cols),
                     u(r0),
                     u(n_chunks),
@@ -1302,6 +1400,7 @@ impl Backend for CubeBackend {
                     0,
                     self.units,
                     vfmt.0 > 0,
+                    vfmt.2 == TURBO_TERM,
                 );
             }
             r0 += n;
@@ -1310,6 +1409,27 @@ impl Backend for CubeBackend {
 }
 
 impl CubeBackend {
+    /// Sets a quantized plane's per-head offsets to the column means of `src`, the first rows
+    /// the layer writes (`Plane::calibrate` of the CPU backend's cache), once.
+    fn calibrate(&self, calibrated: &mut bool, center: &Handle, src: &CubeTensor) {
+        if *calibrated {
+            return;
+        }
+        // SAFETY: `src` holds `rows · cols` values, `center` `cols`.
+        unsafe {
+            kq::kv_center::launch(
+                &self.client,
+                self.ew_count(src.cols),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(src.h.clone(), src.rows * src.cols),
+                BufferArg::from_raw_parts(center.clone(), src.cols),
+                u(src.rows),
+                u(src.cols),
+            );
+        }
+        *calibrated = true;
+    }
+
     /// RMS norm of `groups` consecutive runs of `group` values.
     fn norm(
         &self,

@@ -382,12 +382,13 @@ pub fn conformance<B: Backend>(be: &B) {
     }
 
     // Attention: each cache format the device keeps, K and V apart, GQA, every mask,
-    // soft-capping; heads of 64 (rotated K and V), 32 (not rotated) and 128 (K rotated by
-    // 128, V by 64).
+    // soft-capping; heads of 64 (rotated K and V), 32 (not rotated), 128 (K rotated by 128, V
+    // by 64) and 256 (two turbo groups).
     let shapes = [
         (Mask::Causal, None, 4, 2, 64),
         (Mask::SlidingWindow(5), None, 2, 2, 32),
         (Mask::None, Some(50.0), 6, 1, 128),
+        (Mask::Causal, None, 4, 2, 256),
     ];
     let blocks = [
         QType::Q8_0,
@@ -410,6 +411,12 @@ pub fn conformance<B: Backend>(be: &B) {
         (QType::Q8_0, QType::Q4_0, 1),
         (QType::Q8_0, QType::Q8_0, 2),
         (QType::Q5_0, QType::Q4_1, 2),
+        // turbo2/3/4 on heads of whole 128-value groups, K and V apart.
+        (QType::Turbo4, QType::Turbo4, 3),
+        (QType::Turbo3, QType::F16, 3),
+        (QType::F16, QType::Turbo2, 3),
+        (QType::Q8_0, QType::Turbo4, 3),
+        (QType::Turbo4, QType::Q4_0, 2),
     ]);
     for (kt, vt, si) in cases {
         {

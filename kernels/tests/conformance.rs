@@ -26,6 +26,7 @@ fn cuda_conforms_when_asked() {
 fn unsupported_caches_and_devices_are_precise_errors() {
     let be = CubeBackend::cpu().unwrap();
     for (k, v, what) in [
+        // A 64-value turbo head is two-stage on the CPU backend: not kept on the device.
         (QType::Turbo3, QType::F16, "-ctk turbo3 -ctv f16"),
         (QType::Q8_0, QType::IQ4_NL, "-ctk q8_0 -ctv iq4_nl"),
         (QType::F32, QType::F16, "-ctk f32 -ctv f16"),

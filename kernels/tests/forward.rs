@@ -118,6 +118,27 @@ fn codebook_weight_formats_forward_equal_the_cpu_backend() {
     }
 }
 
+/// The tiny qwen3 with heads of 128 values over turbo caches (turbo4 K, turbo3 V; turbo2 K,
+/// q8_0 V): norms, rotation and codes written on the device as the CPU backend writes them.
+#[test]
+fn turbo_caches_forward_equal_the_cpu_backend() {
+    let d = specula_testkit::tiny::Dims {
+        head_dim: 128,
+        ..specula_testkit::tiny::Dims::TINY
+    };
+    let g = specula_testkit::tiny::target_sized("qwen3", &d);
+    let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+    let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
+    for cache in [(QType::Turbo4, QType::Turbo3), (QType::Turbo2, QType::Q8_0)] {
+        same_forward(
+            &format!("tiny qwen3 (heads of 128), {} K / {} V", cache.0, cache.1),
+            &file,
+            &ids,
+            cache,
+        );
+    }
+}
+
 fn real(name: &str, text: &str, cache: (QType, QType)) {
     let Some(path) = specula_testkit::real_model(name) else {
         return;

@@ -2,7 +2,7 @@
 
 use cubecl::prelude::*;
 
-use super::kv::{block_value, hadamard, key_dot};
+use super::kv::{block_value, hadamard, key_dot, turbo_value, wht128};
 use super::matmul::exact;
 
 /// `out[r] = table[ids[r]]` for a table in the device layout (`cols` values per row): one
@@ -144,7 +144,10 @@ pub const CHUNK: usize = 256;
 /// (`kbits`, `koff`, `kterm` as in `kernels::kv`): block-format keys are scored by the integer
 /// dot product with the query prepared by `kv::attn_query_blocks` (`qa`, `qd`, `qs`) plus its
 /// `q·m` (`qms`), as the CPU backend scores them; block-format values are dequantized by the
-/// format's formula as they are read. The unused operands are any buffer.
+/// format's formula as they are read. Turbo planes (`kterm` / `vterm` 5, `kbits` the code
+/// width) are read as centroid · norm in the rotated domain (`kv::turbo_value`, `tabs`), the
+/// keys dotted in the float lanes with the query rotated forward (`qf`) plus its `q·m`. The
+/// unused operands are any buffer.
 #[cube(launch)]
 #[allow(
     clippy::too_many_arguments,
@@ -166,6 +169,8 @@ pub fn attn_chunk<E: Float>(
     qd: &[f32],
     qs: &[f32],
     qms: &[f32],
+    qf: &[f32],
+    tabs: &[f32],
     q_pos: &[u32],
     kv_pos: &[u32],
     tab: &[u64],
@@ -221,7 +226,7 @@ pub fn attn_chunk<E: Float>(
     while j0 < j_end {
         let n = min(TILE, j_end - j0);
         // Block-format keys: one cell's integer dot product per unit.
-        if comptime![kbits > 0] {
+        if comptime![kbits > 0 && kterm != 5] {
             let nbk = hd_k / 32;
             let mut t = u;
             while t < n {
@@ -248,7 +253,13 @@ pub fn attn_chunk<E: Float>(
         // Float keys: the 16 fused lanes of every cell's q·k, one (cell, lane) pair per unit
         // at a time (a warp reads a cell's 16 consecutive values of each block together).
         let mut it = u;
-        while it < comptime![if kbits > 0 { 0usize } else { TILE * 16 }] {
+        while it
+            < comptime![if kbits > 0 && kterm != 5 {
+                0usize
+            } else {
+                TILE * 16
+            }]
+        {
             let t = it / 16;
             let lane = it % 16;
             if t < n {
@@ -261,8 +272,14 @@ pub fn attn_chunk<E: Float>(
                     let mut x = 0.0f32;
                     let mut y = 0.0f32;
                     if dd < hd_k {
-                        x = q[qbase + dd];
-                        y = f32::cast_from(k[kb + dd]);
+                        if comptime![kterm == 5] {
+                            // Turbo keys: the rotated query against the decoded key.
+                            x = qf[qbase + dd];
+                            y = turbo_value(kcodes, kd, tabs, kb / comptime![128usize], dd, kbits);
+                        } else {
+                            x = q[qbase + dd];
+                            y = f32::cast_from(k[kb + dd]);
+                        }
                     }
                     a = fma(x, y, a);
                 }
@@ -288,8 +305,10 @@ pub fn attn_chunk<E: Float>(
                     let mut qm = 0.0f32;
                     if comptime![kbits > 0] {
                         // `q·k = q·(k − m) + q·m`: the stored keys less their offset.
-                        dot = lanes[lb];
                         qm = qms[r * n_head as usize + h];
+                    }
+                    if comptime![kbits > 0 && kterm != 5] {
+                        dot = lanes[lb];
                     } else {
                         // The lanes reduced 8/4/2/1 as the CPU backend's 512-bit reduction.
                         let mut hh = Array::<f32>::new(8usize);
@@ -349,7 +368,9 @@ pub fn attn_chunk<E: Float>(
                     if wt != 0.0 {
                         let cell = ((j0 + t) % cells as usize) * n_kv + kvh;
                         let mut x = 0.0f32;
-                        if comptime![vbits > 0] {
+                        if comptime![vterm == 5] {
+                            x = turbo_value(vcodes, vd, tabs, cell * (hd_v / 128), d, vbits);
+                        } else if comptime![vbits > 0] {
                             x = block_value(
                                 vcodes,
                                 vd,
@@ -383,8 +404,9 @@ pub fn attn_chunk<E: Float>(
 /// Merges the chunk states of one query row and head (`CUBE_POS_X` = (row − row0) · n_head +
 /// head) in chunk order and writes the output: `L = L·a + l·b`, `ACC = ACC·a + acc·b` with
 /// `a`, `b` the exps of the maxima less the new one; `out = ACC · (1/L)`, zeros for a row
-/// that sees no cell. Values from a block-format cache (`v_blocks`) are then rotated back by
-/// the Hadamard transform of `had` values (0: none) and get their K/V head's offset
+/// that sees no cell. Values from a quantized cache (`v_blocks`) are then rotated back — by
+/// the Hadamard transform of `had` values (0: none), or for turbo (`v_turbo`) by the inverse
+/// TurboQuant rotation of each 128-value group (`tabs`) — and get their K/V head's offset
 /// (`vcenter`) added, as the CPU backend finishes them.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "attention's shape")]
@@ -392,6 +414,7 @@ pub fn attn_merge(
     states: &[f32],
     tab: &[u64],
     vcenter: &[f32],
+    tabs: &[f32],
     out: &mut [f32],
     row0: u32,
     n_chunks: u32,
@@ -403,6 +426,7 @@ pub fn attn_merge(
     zero: u32,
     #[comptime] units: usize,
     #[comptime] v_blocks: bool,
+    #[comptime] v_turbo: bool,
 ) {
     let cube = CUBE_POS_X as usize;
     let u = UNIT_POS_X as usize;
@@ -457,7 +481,13 @@ pub fn attn_merge(
             // (the weights sum to one).
             sync_cube();
             if u == 0 {
-                hadamard(out, obase, hd_v, had as usize, hscale);
+                if comptime![v_turbo] {
+                    for g in 0..hd_v / 128 {
+                        wht128(out, obase + g * 128, tabs, true);
+                    }
+                } else {
+                    hadamard(out, obase, hd_v, had as usize, hscale);
+                }
                 let cb = (h / group as usize) * hd_v;
                 for i in 0..hd_v {
                     out[obase + i] += vcenter[cb + i];

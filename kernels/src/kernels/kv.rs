@@ -1,4 +1,4 @@
-//! Block-format KV caches on the device: the per-head offset, the Hadamard rotation and the
+//! Quantized KV caches on the device: the per-head offset, the Hadamard rotation and the
 //! 32-value block quantizers of the cache writes, and the queries prepared for the integer
 //! dot products of attention — each with the operations, in the order, of the CPU backend's
 //! cache (`specula_kv::Plane`, `RowEncoder`) and of `specula_quant`'s quantizers, so that a
@@ -11,6 +11,10 @@
 //!
 //! Formats are compile-time `(bits, offset, term)` with `term` [`crate::layout::Term::code`]:
 //! Q8_0 `(8, 128, 1)`, Q4_0 `(4, 8, 0)`, Q5_0 `(5, 16, 2)`, Q4_1 `(4, 0, 3)`, Q5_1 `(5, 0, 3)`.
+//!
+//! turbo2/3/4 heads of whole 128-value groups keep, per group, the codes packed at `bits`
+//! bits (`4 · bits` words) and the stored norm as f32: `specula_quant::turbo`'s layout
+//! unpacked, in the rotated domain ([`kv_write_turbo()`], [`turbo_value()`]).
 
 use cubecl::prelude::*;
 
@@ -438,4 +442,206 @@ pub fn key_dot(
         acc += tv;
     }
     acc
+}
+
+/// Offsets into the turbo table ([`turbo_tables`]): the two sign tables of the rotation, then
+/// the centroids and the thresholds of 2, 3 and 4 bits.
+pub const TURBO_S2: usize = 128;
+const TURBO_CENT: usize = 256;
+const TURBO_THR: usize = TURBO_CENT + 4 + 8 + 16;
+
+/// The tables the turbo kernels read, in one buffer: `wht::S1`, `wht::S2`, the centroids of
+/// turbo2, turbo3, turbo4 and their thresholds.
+#[must_use]
+pub fn turbo_tables() -> Vec<f32> {
+    use specula_quant::{turbo, wht};
+    let mut t = Vec::with_capacity(TURBO_THR + 3 + 7 + 15);
+    t.extend_from_slice(&wht::S1);
+    t.extend_from_slice(&wht::S2);
+    t.extend_from_slice(&turbo::CENTROIDS_2);
+    t.extend_from_slice(&turbo::CENTROIDS_3);
+    t.extend_from_slice(&turbo::CENTROIDS_4);
+    t.extend_from_slice(&turbo::THRESHOLDS_2);
+    t.extend_from_slice(&turbo::THRESHOLDS_3);
+    t.extend_from_slice(&turbo::THRESHOLDS_4);
+    t
+}
+
+/// `1/√128` as the TurboQuant rotation's f32 constant.
+const INV_SQRT_128: f32 = 0.088_388_346;
+
+/// The unnormalized Hadamard butterflies over the 128 values at `base`.
+#[cube]
+fn butterflies128(x: &mut [f32], base: usize) {
+    let mut h = 1usize;
+    while h < 128 {
+        let mut i = 0usize;
+        while i < 128 {
+            for j in i..i + h {
+                let a = x[base + j];
+                let b = x[base + j + h];
+                x[base + j] = a + b;
+                x[base + j + h] = a - b;
+            }
+            i += 2 * h;
+        }
+        h *= 2;
+    }
+}
+
+/// The TurboQuant rotation of the 128 values at `base`, as `specula_quant::wht`: forward
+/// `D(s2)·H/√128·D(s1)` (`inverse`: false), or its inverse `D(s1)·H/√128·D(s2)`.
+#[cube]
+pub fn wht128(x: &mut [f32], base: usize, tabs: &[f32], #[comptime] inverse: bool) {
+    let first = comptime![if inverse { TURBO_S2 } else { 0usize }];
+    let second = comptime![if inverse { 0usize } else { TURBO_S2 }];
+    for i in 0..128usize {
+        x[base + i] *= tabs[first + i];
+    }
+    butterflies128(x, base);
+    for i in 0..128usize {
+        x[base + i] *= INV_SQRT_128 * tabs[second + i];
+    }
+}
+
+/// Value `i` of a turbo head whose 128-value groups start at group `grp`: the centroid of
+/// its code times the group's stored norm (`specula_quant::turbo`'s dequantizer, in the
+/// rotated domain).
+#[cube]
+pub fn turbo_value(
+    codes: &[u32],
+    norms: &[f32],
+    tabs: &[f32],
+    grp: usize,
+    i: usize,
+    #[comptime] bits: u32,
+) -> f32 {
+    let g = grp + i / 128;
+    let c = code_at(codes, g * comptime![4 * bits as usize], i % 128, bits);
+    tabs[comptime![TURBO_CENT + (1usize << bits) - 4] + c as usize] * norms[g]
+}
+
+/// Writes rows of `src` (`[n, n_kv · hd]`, `hd` a multiple of 128) into cells `cells[t]` of a
+/// turbo cache, one unit per (row, head): the head less its offset, then per 128-value group
+/// `specula_quant::turbo`'s reference quantizer — the norm, the unit vector rotated forward,
+/// each value's code (how many thresholds lie at or below it), the norm divided by the
+/// centroids' norm, stored as f16. `work` holds `n · n_kv · hd` values of scratch.
+#[cube(launch)]
+#[allow(
+    clippy::too_many_arguments,
+    unused_assignments,
+    reason = "a kernel's buffers, sizes and format; kernel variables declared before the branches that set them"
+)]
+pub fn kv_write_turbo(
+    src: &[f32],
+    cells: &[u32],
+    center: &[f32],
+    codes: &mut [u32],
+    norms: &mut [f32],
+    work: &mut [f32],
+    tabs: &[f32],
+    items: u32,
+    n_kv: u32,
+    hd: u32,
+    zero: u32,
+    #[comptime] bits: u32,
+) {
+    let id = ABSOLUTE_POS;
+    if id < items as usize {
+        let n_kv = n_kv as usize;
+        let hd = hd as usize;
+        let t = id / n_kv;
+        let h = id % n_kv;
+        let wb = id * hd;
+        for j in 0..hd {
+            work[wb + j] = src[wb + j] - center[h * hd + j];
+        }
+        let words = comptime![4 * bits as usize];
+        let n_thr = comptime![(1usize << bits) - 1];
+        let thr = comptime![TURBO_THR + (1usize << bits) - bits as usize - 2];
+        let cent = comptime![TURBO_CENT + (1usize << bits) - 4];
+        let ng = hd / 128;
+        let grp0 = (cells[t] as usize * n_kv + h) * ng;
+        for g in 0..ng {
+            let base = wb + g * 128;
+            let grp = grp0 + g;
+            let mut n2 = 0.0f32;
+            for i in 0..128usize {
+                let v = work[base + i];
+                n2 += exact(v * v, zero);
+            }
+            let norm = n2.sqrt();
+            let mut inv = 0.0f32;
+            if norm > 1e-10f32 {
+                inv = 1.0f32 / norm;
+            }
+            for i in 0..128usize {
+                work[base + i] *= inv;
+            }
+            wht128(work, base, tabs, false);
+            for w in 0..words {
+                codes[grp * words + w] = 0u32;
+            }
+            let mut r2 = 0.0f32;
+            for i in 0..128usize {
+                let r = work[base + i];
+                let mut c = 0u32;
+                for k in 0..n_thr {
+                    if r >= tabs[thr + k] {
+                        c += 1;
+                    }
+                }
+                let cv = tabs[cent + c as usize];
+                r2 += exact(cv * cv, zero);
+                let bit = i * comptime![bits as usize];
+                let w = grp * words + bit / 32;
+                let sh = u32::cast_from(bit % 32);
+                codes[w] |= c << sh;
+                if sh + comptime![bits] > 32 {
+                    codes[w + 1] |= c >> (32 - sh);
+                }
+            }
+            let recon = r2.sqrt();
+            let mut stored = norm;
+            if recon > 1e-10f32 {
+                stored = norm / recon;
+            }
+            norms[grp] = f16_round(stored);
+        }
+    }
+}
+
+/// Prepares every query head (`[items = rows · n_head, hd]`, one unit each) for a turbo K
+/// cache, as the CPU backend's attention does: `qm` = the head · its K/V head's offset, `qf`
+/// = the head rotated forward group by group (the domain the keys are stored in).
+#[cube(launch)]
+#[allow(
+    clippy::too_many_arguments,
+    clippy::manual_memcpy,
+    reason = "a kernel's buffers and sizes; a kernel copies value by value"
+)]
+pub fn attn_query_turbo(
+    q: &[f32],
+    center: &[f32],
+    tabs: &[f32],
+    qf: &mut [f32],
+    qm: &mut [f32],
+    items: u32,
+    n_head: u32,
+    group: u32,
+    hd: u32,
+) {
+    let id = ABSOLUTE_POS;
+    if id < items as usize {
+        let hd = hd as usize;
+        let kvh = (id % n_head as usize) / group as usize;
+        let qb = id * hd;
+        qm[id] = dot16(q, qb, center, kvh * hd, hd);
+        for j in 0..hd {
+            qf[qb + j] = q[qb + j];
+        }
+        for g in 0..hd / 128 {
+            wht128(qf, qb + g * 128, tabs, false);
+        }
+    }
 }
