@@ -6,11 +6,13 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use specula_quant::QType;
 use specula_tensor::{
-    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, Result, RopeConfig, RopeKind,
-    TensorError, WeightDesc,
+    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, RecurrentShape, Result,
+    RopeConfig, RopeKind, TensorError, WeightDesc,
 };
 
-use crate::kernels::{attention as at, elementwise as ew, kv as kq, matmul as mm};
+use crate::kernels::{
+    attention as at, elementwise as ew, kv as kq, matmul as mm, recurrent as rec,
+};
 use crate::layout::{self, ActQuant, GroupFormat};
 
 /// Groups of a row whose integer sums a matmul cube keeps at once (the segment, in blocks,
@@ -178,6 +180,89 @@ fn hadamard_scale(n: usize) -> f32 {
 #[derive(Debug)]
 pub struct CubeKv {
     layers: Vec<LayerKv>,
+    /// Per layer, the states of a recurrent (gated delta-net) layer.
+    recurrent: Vec<Option<RecurrentKv>>,
+}
+
+/// The two states of a recurrent layer on the device.
+#[derive(Debug)]
+struct RecurrentKv {
+    shape: RecurrentShape,
+    conv: Timeline,
+    ssm: Timeline,
+}
+
+/// One recurrent state over time, as the CPU backend keeps it: the current state and the
+/// positions it has seen, the state before the latest forward and where that forward started,
+/// and the states after its last rows (`keep` slots on the device, their positions here).
+#[derive(Debug)]
+struct Timeline {
+    cur: Handle,
+    before: Handle,
+    snaps: Handle,
+    /// Per slot, the position whose state it holds (`usize::MAX`: none).
+    snap_pos: Vec<usize>,
+    n: usize,
+    start: usize,
+    keep: usize,
+    len: usize,
+}
+
+impl Timeline {
+    fn new(be: &CubeBackend, len: usize, keep: usize) -> Self {
+        let zeros = vec![0f32; len];
+        Self {
+            cur: be.upload_f32(&zeros),
+            before: be.upload_f32(&zeros),
+            snaps: be.empty_f32(keep * len),
+            snap_pos: Vec::new(),
+            n: 0,
+            start: 0,
+            keep,
+            len,
+        }
+    }
+
+    /// Whether a forward may start at `pos`.
+    fn holds(&self, pos: usize) -> bool {
+        pos == 0 || pos == self.n || pos == self.start || self.snap_pos.contains(&pos)
+    }
+
+    /// Makes `cur` the state at `pos` and starts a forward of `rows` rows there.
+    fn begin(&mut self, be: &CubeBackend, pos: usize, rows: usize, what: &str) {
+        if pos != self.n {
+            if pos == 0 {
+                self.cur = be.upload_f32(&vec![0f32; self.len]);
+            } else if pos == self.start {
+                be.copy(&self.before, 0, &self.cur, 0, self.len);
+            } else if let Some(slot) = self.snap_pos.iter().position(|&p| p == pos) {
+                be.copy(&self.snaps, slot * self.len, &self.cur, 0, self.len);
+            } else {
+                panic!(
+                    "{what}: no recurrent state is kept for position {pos} (it holds {}, the \
+                     forward before started at {}); the caller must replay from a kept one",
+                    self.n, self.start
+                );
+            }
+        }
+        self.n = pos;
+        self.start = pos;
+        be.copy(&self.cur, 0, &self.before, 0, self.len);
+        let want = rows.saturating_sub(1).min(self.keep);
+        self.snap_pos.clear();
+        self.snap_pos.resize(want, usize::MAX);
+    }
+
+    /// Records a forward of `rows` rows done: the kernel kept the state after row `i` in slot
+    /// `rows − 2 − i` where `rows − 1 − i ≤ keep`.
+    fn end(&mut self, rows: usize) {
+        for i in 0..rows {
+            self.n += 1;
+            if i + 1 < rows && rows - 1 - i <= self.keep {
+                self.snap_pos[rows - 2 - i] = self.n;
+            }
+        }
+    }
 }
 
 fn f32_bytes(v: &[f32]) -> &[u8] {
@@ -944,12 +1029,32 @@ impl Backend for CubeBackend {
             what,
         };
         let mut layers = Vec::with_capacity(shape.n_layer);
-        for l in 0..shape.n_layer {
-            if shape.is_recurrent(l) {
-                return Err(unsupported(format!(
-                    "recurrent layers (layer {l} is a gated delta-net) yet"
-                )));
+        let recurrent = match &shape.recurrent {
+            Some(r) => {
+                if r.layers.len() != shape.n_layer {
+                    return Err(TensorError::Shape {
+                        op: "kv_new",
+                        detail: format!(
+                            "recurrent layer list of {} entries for {} layers",
+                            r.layers.len(),
+                            shape.n_layer
+                        ),
+                    });
+                }
+                r.layers
+                    .iter()
+                    .map(|l| {
+                        l.map(|sh| RecurrentKv {
+                            shape: sh,
+                            conv: Timeline::new(self, sh.conv_len(), r.snapshots),
+                            ssm: Timeline::new(self, sh.state_len(), r.snapshots),
+                        })
+                    })
+                    .collect()
             }
+            None => (0..shape.n_layer).map(|_| None).collect(),
+        };
+        for l in 0..shape.n_layer {
             let (kt, vt) = shape.layer_types(l);
             let hd = shape.layer_heads(l);
             let cells = shape.layer_cells(l);
@@ -1029,7 +1134,7 @@ impl Backend for CubeBackend {
                 hd_v: hd.head_dim_v,
             });
         }
-        Ok(CubeKv { layers })
+        Ok(CubeKv { layers, recurrent })
     }
 
     fn kv_write(
@@ -1171,37 +1276,171 @@ impl Backend for CubeBackend {
 
     fn ssm_conv(
         &self,
-        _: &mut CubeKv,
+        kv: &mut CubeKv,
         layer: usize,
-        _: usize,
-        _: &CubeTensor,
-        _: &CubeWeight,
-        _: &mut CubeTensor,
+        pos0: usize,
+        x: &CubeTensor,
+        w: &CubeWeight,
+        out: &mut CubeTensor,
     ) {
-        unreachable!("ssm_conv on layer {layer}: kv_new refuses recurrent layers on this backend")
+        let Some(Some(mem)) = kv.recurrent.get_mut(layer) else {
+            panic!("ssm_conv: layer {layer} of the cache is not recurrent")
+        };
+        let (kernel, ch) = (mem.shape.conv_kernel, mem.shape.conv_channels);
+        assert_eq!(x.cols, ch, "ssm_conv: rows of {ch} channels");
+        assert_eq!(
+            (w.n_in, w.n_out),
+            (kernel, ch),
+            "ssm_conv: weight `{}` must be [{kernel}, {ch}]",
+            w.name
+        );
+        let WeightData::F32(wh) = &w.data else {
+            panic!(
+                "ssm_conv: weight `{}` is {}: convolution taps are float ({kernel} per channel is not a whole block)",
+                w.name, w.ty
+            )
+        };
+        let n = x.rows;
+        self.resize(out, n, ch);
+        let t = &mut mem.conv;
+        t.begin(self, pos0, n, "ssm_conv");
+        if n > 0 {
+            // SAFETY: `x` and `out` are `[n, ch]`, the taps `[ch, kernel]`, the state
+            // `(kernel − 1) · ch` values and the snapshots `keep` states.
+            unsafe {
+                rec::ssm_conv::launch(
+                    &self.client,
+                    self.ew_count(ch),
+                    CubeDim::new_1d(self.ew),
+                    BufferArg::from_raw_parts(x.h.clone(), n * ch),
+                    BufferArg::from_raw_parts(wh.clone(), kernel * ch),
+                    BufferArg::from_raw_parts(t.cur.clone(), t.len.max(1)),
+                    BufferArg::from_raw_parts(t.snaps.clone(), (t.keep * t.len).max(1)),
+                    BufferArg::from_raw_parts(out.h.clone(), n * ch),
+                    u(n),
+                    u(ch),
+                    u(kernel),
+                    u(t.keep),
+                    0,
+                );
+            }
+        }
+        t.end(n);
     }
 
+    #[allow(clippy::too_many_lines, reason = "the rule's three kernels in order")]
     fn gated_delta_net(
         &self,
-        _: &mut CubeKv,
+        kv: &mut CubeKv,
         p: &DeltaNetParams,
-        _: &CubeTensor,
-        _: &CubeTensor,
-        _: &CubeTensor,
-        _: &CubeTensor,
-        _: &CubeTensor,
-        _: &CubeWeight,
-        _: &CubeWeight,
-        _: &mut CubeTensor,
+        q: &CubeTensor,
+        k: &CubeTensor,
+        v: &CubeTensor,
+        alpha: &CubeTensor,
+        beta: &CubeTensor,
+        dt_bias: &CubeWeight,
+        a: &CubeWeight,
+        out: &mut CubeTensor,
     ) {
-        unreachable!(
-            "gated_delta_net on layer {}: kv_new refuses recurrent layers on this backend",
-            p.layer
-        )
+        let Some(Some(mem)) = kv.recurrent.get_mut(p.layer) else {
+            panic!(
+                "gated_delta_net: layer {} of the cache is not recurrent",
+                p.layer
+            )
+        };
+        let sh = mem.shape;
+        let (hk, hv, d) = (sh.n_head_k, sh.n_head_v, sh.head_dim);
+        let n = q.rows;
+        assert!(
+            (k.rows, v.rows, alpha.rows, beta.rows) == (n, n, n, n)
+                && q.cols == hk * d
+                && k.cols == hk * d
+                && v.cols == hv * d
+                && alpha.cols == hv
+                && beta.cols == hv,
+            "gated_delta_net: q, k [n, {hk}·{d}], v [n, {hv}·{d}], alpha and beta [n, {hv}]"
+        );
+        let vector = |w: &CubeWeight| match &w.data {
+            WeightData::F32(h) if w.n_in * w.n_out == hv => h.clone(),
+            _ => panic!(
+                "gated_delta_net: `{}` must be a float vector of {hv} values",
+                w.name
+            ),
+        };
+        let (dth, ah) = (vector(dt_bias), vector(a));
+        self.resize(out, n, hv * d);
+        let t = &mut mem.ssm;
+        t.begin(self, p.pos0, n, "gated_delta_net");
+        if n > 0 {
+            let (qn, kn) = (self.empty_f32(n * hk * d), self.empty_f32(n * hk * d));
+            let (decay, strength) = (self.empty_f32(n * hv), self.empty_f32(n * hv));
+            #[allow(
+                clippy::cast_precision_loss,
+                reason = "a head size, as ggml converts it"
+            )]
+            let scale = 1.0 / (d as f32).sqrt();
+            // SAFETY: `q`, `k` are `[n, hk · d]`, `v` and `out` `[n, hv · d]`, `alpha`,
+            // `beta` `[n, hv]`, the vectors `hv` values; the state `hv · d · d` values and the
+            // snapshots `keep` states; the scratch as allocated above.
+            unsafe {
+                rec::delta_norm::launch(
+                    &self.client,
+                    self.ew_count(n * hk),
+                    CubeDim::new_1d(self.ew),
+                    BufferArg::from_raw_parts(q.h.clone(), n * hk * d),
+                    BufferArg::from_raw_parts(k.h.clone(), n * hk * d),
+                    BufferArg::from_raw_parts(qn.clone(), n * hk * d),
+                    BufferArg::from_raw_parts(kn.clone(), n * hk * d),
+                    u(n * hk),
+                    u(d),
+                    p.eps,
+                    scale,
+                    0,
+                );
+                rec::delta_gates::launch(
+                    &self.client,
+                    self.ew_count(n * hv),
+                    CubeDim::new_1d(self.ew),
+                    BufferArg::from_raw_parts(alpha.h.clone(), n * hv),
+                    BufferArg::from_raw_parts(beta.h.clone(), n * hv),
+                    BufferArg::from_raw_parts(dth, hv),
+                    BufferArg::from_raw_parts(ah, hv),
+                    BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
+                    BufferArg::from_raw_parts(decay.clone(), n * hv),
+                    BufferArg::from_raw_parts(strength.clone(), n * hv),
+                    u(n * hv),
+                    u(hv),
+                );
+                rec::delta_rule::launch(
+                    &self.client,
+                    self.ew_count(hv * d),
+                    CubeDim::new_1d(self.ew),
+                    BufferArg::from_raw_parts(qn, n * hk * d),
+                    BufferArg::from_raw_parts(kn, n * hk * d),
+                    BufferArg::from_raw_parts(v.h.clone(), n * hv * d),
+                    BufferArg::from_raw_parts(decay, n * hv),
+                    BufferArg::from_raw_parts(strength, n * hv),
+                    BufferArg::from_raw_parts(t.cur.clone(), t.len),
+                    BufferArg::from_raw_parts(t.snaps.clone(), (t.keep * t.len).max(1)),
+                    BufferArg::from_raw_parts(out.h.clone(), n * hv * d),
+                    u(n),
+                    u(hk),
+                    u(hv),
+                    u(d),
+                    u(t.keep),
+                    0,
+                    sh.grouped,
+                );
+            }
+        }
+        t.end(n);
     }
 
-    fn kv_holds(&self, _: &CubeKv, _: usize) -> bool {
-        true
+    fn kv_holds(&self, kv: &CubeKv, pos: usize) -> bool {
+        kv.recurrent
+            .iter()
+            .flatten()
+            .all(|r| r.conv.holds(pos) && r.ssm.holds(pos))
     }
 
     fn attention(
@@ -1409,6 +1648,26 @@ impl Backend for CubeBackend {
 }
 
 impl CubeBackend {
+    /// `dst[dst0..dst0 + n] = src[src0..src0 + n]` (f32 values).
+    fn copy(&self, src: &Handle, src0: usize, dst: &Handle, dst0: usize, n: usize) {
+        if n == 0 {
+            return;
+        }
+        // SAFETY: the callers pass ranges inside both buffers.
+        unsafe {
+            rec::copy_f32::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(src.clone(), src0 + n),
+                BufferArg::from_raw_parts(dst.clone(), dst0 + n),
+                u(src0),
+                u(dst0),
+                u(n),
+            );
+        }
+    }
+
     /// Sets a quantized plane's per-head offsets to the column means of `src`, the first rows
     /// the layer writes (`Plane::calibrate` of the CPU backend's cache), once.
     fn calibrate(&self, calibrated: &mut bool, center: &Handle, src: &CubeTensor) {

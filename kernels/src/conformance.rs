@@ -481,6 +481,157 @@ pub fn conformance<B: Backend>(be: &B) {
             );
         }
     }
+    recurrent(&p);
     let failed = FAILED.swap(0, std::sync::atomic::Ordering::Relaxed);
     assert!(failed == 0, "{failed} checks failed (printed above)");
+}
+
+/// The recurrent ops (causal convolution, gated delta rule) over a forward of several rows,
+/// a rollback to a kept state, and the same rows one at a time (batch invariance); tiled
+/// (Qwen3.5) and grouped (Qwen3-Next) value heads.
+fn recurrent<B: Backend>(p: &Pair<'_, B>) {
+    use specula_tensor::{DeltaNetParams, RecurrentLayers, RecurrentShape};
+    let (be, cpu) = (p.be, &p.cpu);
+    for grouped in [false, true] {
+        let sh = RecurrentShape {
+            conv_kernel: 4,
+            conv_channels: 3 * 2 * 16 + 4 * 16,
+            n_head_k: 2,
+            n_head_v: 4,
+            head_dim: 16,
+            grouped,
+        };
+        let (hk, hv, d, ch) = (sh.n_head_k, sh.n_head_v, sh.head_dim, sh.conv_channels);
+        let mut shape = KvShape::uniform(1, 64, 1, 32, QType::F16, QType::F16);
+        shape.recurrent = Some(RecurrentLayers {
+            layers: vec![Some(sh)],
+            snapshots: 3,
+        });
+        let (mut kb, mut kc) = (
+            be.kv_new(shape.clone()).unwrap(),
+            cpu.kv_new(shape).unwrap(),
+        );
+        let conv = Weights::new(QType::F32, sh.conv_kernel, ch, 41);
+        let (wb, wc) = (conv.on(be, false), conv.on(cpu, false));
+        let dt = Weights::new(QType::F32, hv, 1, 42);
+        let a = Weights::new(QType::F32, hv, 1, 43);
+        let (dtb, dtc, ab, ac) = (
+            dt.on(be, false),
+            dt.on(cpu, false),
+            a.on(be, false),
+            a.on(cpu, false),
+        );
+        let what = if grouped { "grouped" } else { "tiled" };
+        // (pos0, rows, seed): a forward of 6, a rollback to the state after its 4th row (a
+        // kept snapshot) with 3 new rows, then 2 single rows.
+        for (pos0, rows, seed) in [(0, 6, 50), (4, 3, 60), (7, 1, 70), (8, 1, 80)] {
+            assert!(
+                be.kv_holds(&kb, pos0) && cpu.kv_holds(&kc, pos0),
+                "{what}: position {pos0} kept"
+            );
+            let (xb, xc) = p.tensors(rows, ch, seed, 1.0);
+            let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+            be.ssm_conv(&mut kb, 0, pos0, &xb, &wb, &mut ob);
+            cpu.ssm_conv(&mut kc, 0, pos0, &xc, &wc, &mut oc);
+            check(
+                &format!("ssm_conv {what} at {pos0}, {rows} rows"),
+                &host(be, &ob),
+                &host(cpu, &oc),
+                0.0,
+            );
+            let (qb, qc) = p.tensors(rows, hk * d, seed + 1, 1.0);
+            let (kkb, kkc) = p.tensors(rows, hk * d, seed + 2, 1.0);
+            let (vb, vc) = p.tensors(rows, hv * d, seed + 3, 1.0);
+            let (alb, alc) = p.tensors(rows, hv, seed + 4, 1.0);
+            let (beb, bec) = p.tensors(rows, hv, seed + 5, 1.0);
+            let params = DeltaNetParams {
+                layer: 0,
+                pos0,
+                eps: 1e-6,
+            };
+            be.gated_delta_net(
+                &mut kb, &params, &qb, &kkb, &vb, &alb, &beb, &dtb, &ab, &mut ob,
+            );
+            cpu.gated_delta_net(
+                &mut kc, &params, &qc, &kkc, &vc, &alc, &bec, &dtc, &ac, &mut oc,
+            );
+            // The decay's softplus goes through the device's log1p.
+            check(
+                &format!("gated_delta_net {what} at {pos0}, {rows} rows"),
+                &host(be, &ob),
+                &host(cpu, &oc),
+                tol::LIBM,
+            );
+        }
+        assert!(!be.kv_holds(&kb, 3), "{what}: position 3 was not kept");
+    }
+
+    // Batch invariance: five rows at once equal the same rows one at a time.
+    let sh = RecurrentShape {
+        conv_kernel: 4,
+        conv_channels: 32,
+        n_head_k: 1,
+        n_head_v: 2,
+        head_dim: 8,
+        grouped: false,
+    };
+    let mut shape = KvShape::uniform(1, 16, 1, 32, QType::F16, QType::F16);
+    shape.recurrent = Some(RecurrentLayers {
+        layers: vec![Some(sh)],
+        snapshots: 0,
+    });
+    let conv = Weights::new(QType::F32, 4, 32, 44).on(be, false);
+    let dt = Weights::new(QType::F32, 2, 1, 45).on(be, false);
+    let a = Weights::new(QType::F32, 2, 1, 46).on(be, false);
+    let x = values(90, 5 * 32, 1.0);
+    let (q, k, v) = (
+        values(91, 5 * 8, 1.0),
+        values(92, 5 * 8, 1.0),
+        values(93, 5 * 16, 1.0),
+    );
+    let (al, bt) = (values(94, 5 * 2, 1.0), values(95, 5 * 2, 1.0));
+    let run = |split: bool| {
+        let mut kv = be.kv_new(shape.clone()).unwrap();
+        let (mut conv_out, mut rule_out) = (Vec::new(), Vec::new());
+        let chunks: Vec<(usize, usize)> = if split {
+            (0..5).map(|r| (r, 1)).collect()
+        } else {
+            vec![(0, 5)]
+        };
+        for (r0, n) in chunks {
+            let t = |v: &[f32], w: usize| be.from_host(n, w, &v[r0 * w..(r0 + n) * w]);
+            let mut o = be.zeros(0, 0);
+            be.ssm_conv(&mut kv, 0, r0, &t(&x, 32), &conv, &mut o);
+            conv_out.extend(host(be, &o));
+            let params = DeltaNetParams {
+                layer: 0,
+                pos0: r0,
+                eps: 1e-6,
+            };
+            be.gated_delta_net(
+                &mut kv,
+                &params,
+                &t(&q, 8),
+                &t(&k, 8),
+                &t(&v, 16),
+                &t(&al, 2),
+                &t(&bt, 2),
+                &dt,
+                &a,
+                &mut o,
+            );
+            rule_out.extend(host(be, &o));
+        }
+        (conv_out, rule_out)
+    };
+    let (whole, apart) = (run(false), run(true));
+    let same = |a: &[f32], b: &[f32]| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
+    assert!(
+        same(&whole.0, &apart.0),
+        "ssm_conv: rows in one batch differ from rows alone"
+    );
+    assert!(
+        same(&whole.1, &apart.1),
+        "gated_delta_net: rows in one batch differ from rows alone"
+    );
 }

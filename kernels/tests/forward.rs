@@ -1,7 +1,9 @@
 //! Whole forwards on the CubeCL backend equal the CPU backend's: logits of a prefill and of
 //! the decodes after it (logits NMSE ≤ 1e-5, and the same greedy token at every row), on a
 //! tiny qwen3, on SmolLM2-135M (llama; Q4_1 matrices, a Q8_0 tied head) and on Gemma-3-270M
-//! (Q4_K/Q5_0/Q6_K/Q8_0, GeGLU, QK-norm, sliding-window layers), on CubeCL's CPU runtime.
+//! (Q4_K/Q5_0/Q6_K/Q8_0, GeGLU, QK-norm, sliding-window layers), on CubeCL's CPU runtime; also
+//! over block-format and turbo caches, with IQ4_NL / MXFP4 / NVFP4 matrices, and on the hybrid
+//! targets (gated delta-net layers).
 //!
 //! Activation quantization makes a forward chaotic: one ulp of difference upstream flips an
 //! 8-bit code somewhere and grows to ~1e-3 NMSE in the logits after a few layers (measured
@@ -135,6 +137,23 @@ fn turbo_caches_forward_equal_the_cpu_backend() {
             &file,
             &ids,
             cache,
+        );
+    }
+}
+
+/// The hybrid targets (gated delta-net layers beside attention; Qwen3.5 dense and MoE,
+/// Qwen3-Next's grouped heads): the causal convolution and the delta rule on the device.
+#[test]
+fn hybrid_forward_equals_the_cpu_backend() {
+    for arch in ["qwen35", "qwen35moe", "qwen3next"] {
+        let g = specula_testkit::tiny::target(arch);
+        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
+        same_forward(
+            &format!("tiny {arch}"),
+            &file,
+            &ids,
+            (QType::F16, QType::F16),
         );
     }
 }

@@ -51,6 +51,8 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
         ("qwen3", QType::F16, QType::F16),
         ("gemma3", QType::F16, QType::F16),
         ("qwen3", QType::Q8_0, QType::Q4_1),
+        // Recurrent layers: a rejected tail taken back by a kept state, or replayed.
+        ("qwen35", QType::F16, QType::F16),
     ] {
         let e = engine(&tiny::target(arch));
         let mut s = e.session(N_CTX, kt, vt).expect("session");

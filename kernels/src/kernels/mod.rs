@@ -7,3 +7,4 @@ pub mod attention;
 pub mod elementwise;
 pub mod kv;
 pub mod matmul;
+pub mod recurrent;
