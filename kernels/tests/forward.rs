@@ -192,6 +192,16 @@ fn smollm2_forward_with_block_format_caches_equals_the_cpu_backend() {
 }
 
 #[test]
+fn gemma3_forward_with_turbo_caches_equals_the_cpu_backend() {
+    // Heads of 256 values: two turbo groups each.
+    real(
+        "gemma3-270m",
+        "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    if n < 2:\n        return n\n",
+        (QType::Turbo4, QType::Turbo3),
+    );
+}
+
+#[test]
 fn gemma3_forward_equals_the_cpu_backend() {
     real(
         "gemma3-270m",
