@@ -145,6 +145,13 @@ impl BlockPlane {
 }
 
 impl Plane {
+    fn blocks(&self) -> Option<&BlockPlane> {
+        match self {
+            Self::Blocks(b) => Some(b),
+            _ => None,
+        }
+    }
+
     /// The kernels' compile-time format: bits, offset, term code (`(0, 0, 0)`: floats).
     fn code(&self) -> (u32, u32, u32) {
         match self {
@@ -167,8 +174,7 @@ impl Plane {
 /// The cache formats the device keeps: f16 and f32 (the same for K and V), the 32-value
 /// block formats and turbo2/3/4 (heads of whole 128-value groups), each of K and V chosen
 /// apart.
-const CACHE_FORMATS: &str =
-    "f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, and turbo2/3/4 for heads of a multiple of 128 values";
+const CACHE_FORMATS: &str = "f16, f32, q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl, and turbo2/3/4 for heads of a multiple of 128 values";
 
 /// `1/√n` as the CPU backend's Hadamard transform computes it.
 #[allow(clippy::cast_precision_loss, reason = "n is a small power of two")]
@@ -1100,7 +1106,7 @@ impl Backend for CubeBackend {
                 let fmt = GroupFormat::of(ty)
                     .filter(|f| {
                         f.block == 32
-                            && f.table == layout::Table::None
+                            && matches!(f.table, layout::Table::None | layout::Table::Iq4Nl)
                             && head_dim.is_multiple_of(32)
                     })
                     .ok_or_else(refuse)?;
@@ -1228,6 +1234,7 @@ impl Backend for CubeBackend {
                                 if p.fmt.block_min() { blocks } else { 1 },
                             ),
                             BufferArg::from_raw_parts(work, n),
+                            BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
                             u(items),
                             u(n_kv),
                             u(hd),
@@ -1237,6 +1244,7 @@ impl Backend for CubeBackend {
                             bits,
                             offset,
                             term,
+                            p.fmt.table.code(),
                         );
                     }
                 }
@@ -1475,6 +1483,8 @@ impl Backend for CubeBackend {
         // Queries for block-format keys: `q·m`, rotated and quantized once per call.
         let none = || self.client.empty(4);
         let (kfmt, vfmt) = (l.k.code(), l.v.code());
+        let table = |pl: &Plane| pl.blocks().map_or(0, |b| b.fmt.table.code());
+        let (ktable, vtable) = (table(&l.k), table(&l.v));
         let items = q.rows * p.n_head;
         let mut qf = none();
         let (qa, qd, qs, qm) = match &l.k {
@@ -1584,6 +1594,7 @@ impl Backend for CubeBackend {
                             BufferArg::from_raw_parts(qm.clone(), 1),
                             BufferArg::from_raw_parts(qf.clone(), 1),
                             BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
+                            BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
                             BufferArg::from_raw_parts(qp.clone(), q.rows),
                             BufferArg::from_raw_parts(kp.clone(), kv_len.max(1)),
                             BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
@@ -1608,6 +1619,8 @@ impl Backend for CubeBackend {
                             vfmt.0,
                             vfmt.1,
                             vfmt.2,
+                            ktable,
+                            vtable,
                         );
                     }
                 };

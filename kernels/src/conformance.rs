@@ -396,6 +396,7 @@ pub fn conformance<B: Backend>(be: &B) {
         QType::Q4_1,
         QType::Q5_0,
         QType::Q5_1,
+        QType::IQ4_NL,
     ];
     let mut cases: Vec<(QType, QType, usize)> = Vec::new();
     for s in 0..shapes.len() {
@@ -417,6 +418,7 @@ pub fn conformance<B: Backend>(be: &B) {
         (QType::F16, QType::Turbo2, 3),
         (QType::Q8_0, QType::Turbo4, 3),
         (QType::Turbo4, QType::Q4_0, 2),
+        (QType::IQ4_NL, QType::Turbo3, 3),
     ]);
     for (kt, vt, si) in cases {
         {

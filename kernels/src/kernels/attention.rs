@@ -144,7 +144,8 @@ pub const CHUNK: usize = 256;
 /// (`kbits`, `koff`, `kterm` as in `kernels::kv`): block-format keys are scored by the integer
 /// dot product with the query prepared by `kv::attn_query_blocks` (`qa`, `qd`, `qs`) plus its
 /// `q·m` (`qms`), as the CPU backend scores them; block-format values are dequantized by the
-/// format's formula as they are read. Turbo planes (`kterm` / `vterm` 5, `kbits` the code
+/// format's formula as they are read (a codebook format, `ktable` / `vtable` > 0, through
+/// `nl`). Turbo planes (`kterm` / `vterm` 5, `kbits` the code
 /// width) are read as centroid · norm in the rotated domain (`kv::turbo_value`, `tabs`), the
 /// keys dotted in the float lanes with the query rotated forward (`qf`) plus its `q·m`. The
 /// unused operands are any buffer.
@@ -171,6 +172,7 @@ pub fn attn_chunk<E: Float>(
     qms: &[f32],
     qf: &[f32],
     tabs: &[f32],
+    nl: &[i32],
     q_pos: &[u32],
     kv_pos: &[u32],
     tab: &[u64],
@@ -195,6 +197,8 @@ pub fn attn_chunk<E: Float>(
     #[comptime] vbits: u32,
     #[comptime] voff: u32,
     #[comptime] vterm: u32,
+    #[comptime] ktable: u32,
+    #[comptime] vtable: u32,
 ) {
     let cube = CUBE_POS_X as usize;
     let c = CUBE_POS_Y as usize;
@@ -236,6 +240,7 @@ pub fn attn_chunk<E: Float>(
                     kcodes,
                     kd,
                     km,
+                    nl,
                     kblk,
                     qa,
                     qd,
@@ -246,6 +251,7 @@ pub fn attn_chunk<E: Float>(
                     kbits,
                     koff,
                     kterm,
+                    ktable,
                 );
                 t += units;
             }
@@ -375,12 +381,14 @@ pub fn attn_chunk<E: Float>(
                                 vcodes,
                                 vd,
                                 vm,
+                                nl,
                                 cell * (hd_v / 32) + d / 32,
                                 d % 32,
                                 zero,
                                 vbits,
                                 voff,
                                 vterm,
+                                vtable,
                             );
                         } else {
                             x = f32::cast_from(v[cell * hd_v + d]);

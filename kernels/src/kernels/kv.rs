@@ -34,7 +34,8 @@ pub fn code_at(codes: &[u32], at: usize, i: usize, #[comptime] bits: u32) -> u32
 }
 
 /// Value `i` of block `blk` by the format's dequantizer: `(q − offset) · d`, or `q · d + m`
-/// for the formats with a min (product and sum rounded apart).
+/// for the formats with a min (product and sum rounded apart); a codebook format's `q` is its
+/// table's value (`table` > 0, `nl` as `layout::Table::all`).
 #[cube]
 #[allow(
     unused_assignments,
@@ -44,15 +45,21 @@ pub fn block_value(
     codes: &[u32],
     bd: &[f32],
     bm: &[f32],
+    nl: &[i32],
     blk: usize,
     i: usize,
     zero: u32,
     #[comptime] bits: u32,
     #[comptime] offset: u32,
     #[comptime] term: u32,
+    #[comptime] table: u32,
 ) -> f32 {
     let c = code_at(codes, blk * comptime![bits as usize], i, bits);
-    let q = f32::cast_from(i32::cast_from(c) - comptime![offset.cast_signed()]);
+    let mut qi = i32::cast_from(c) - comptime![offset.cast_signed()];
+    if comptime![table > 0] {
+        qi = nl[comptime![((table - 1) * 16) as usize] + c as usize];
+    }
+    let q = f32::cast_from(qi);
     let mut v = 0.0f32;
     if comptime![term == 3] {
         v = exact(q * bd[blk], zero) + bm[blk];
@@ -248,6 +255,7 @@ pub fn kv_write_blocks(
     bd: &mut [f32],
     bm: &mut [f32],
     work: &mut [f32],
+    nl: &[i32],
     items: u32,
     n_kv: u32,
     hd: u32,
@@ -257,6 +265,7 @@ pub fn kv_write_blocks(
     #[comptime] bits: u32,
     #[comptime] offset: u32,
     #[comptime] term: u32,
+    #[comptime] table: u32,
 ) {
     let id = ABSOLUTE_POS;
     if id < items as usize {
@@ -272,19 +281,113 @@ pub fn kv_write_blocks(
         let nb = hd / 32;
         let blk0 = (cells[t] as usize * n_kv + h) * nb;
         for b in 0..nb {
-            quantize_block(
-                work,
-                wb + b * 32,
-                codes,
-                bd,
-                bm,
-                blk0 + b,
-                zero,
-                bits,
-                offset,
-                term,
-            );
+            if comptime![table == 1] {
+                quantize_block_iq4nl(work, wb + b * 32, codes, bd, nl, blk0 + b, b == 0, zero);
+            } else {
+                quantize_block(
+                    work,
+                    wb + b * 32,
+                    codes,
+                    bd,
+                    bm,
+                    blk0 + b,
+                    zero,
+                    bits,
+                    offset,
+                    term,
+                );
+            }
         }
+    }
+}
+
+/// The entry of the IQ4_NL codebook nearest to `x` (ggml's `best_index_int8`): the ends clamp,
+/// a tie between neighbours goes to the upper one, NaN to the last.
+#[cube]
+fn best_index_nl(nl: &[i32], x: f32) -> u32 {
+    let mut r = 15u32;
+    if x <= f32::cast_from(nl[0]) {
+        r = 0u32;
+    } else if x < f32::cast_from(nl[15]) {
+        let mut ml = 0u32;
+        let mut mu = 15u32;
+        while mu - ml > 1 {
+            let mav = (ml + mu) / 2;
+            if x < f32::cast_from(nl[mav as usize]) {
+                mu = mav;
+            } else {
+                ml = mav;
+            }
+        }
+        r = mu;
+        if x - f32::cast_from(nl[(mu - 1) as usize]) < f32::cast_from(nl[mu as usize]) - x {
+            r = mu - 1;
+        }
+    }
+    r
+}
+
+/// Quantizes 32 values into IQ4_NL block `blk` as ggml-cpu writes a cache
+/// (`quantize_row_iq4_nl_ref`, `ntry = −1`): the codes of `d = max/−127`, the scale their
+/// least-squares refit with weights `x²`. A block whose largest magnitude is below 1e-15 gets
+/// `d = 0` and the previous block's codes (code 8 for a head's first block).
+#[cube]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a block's source, its outputs and the codebook"
+)]
+fn quantize_block_iq4nl(
+    x: &mut [f32],
+    base: usize,
+    codes: &mut [u32],
+    bd: &mut [f32],
+    nl: &[i32],
+    blk: usize,
+    first: bool,
+    zero: u32,
+) {
+    let wb = blk * 4;
+    let mut amax = 0.0f32;
+    let mut mx = 0.0f32;
+    for i in 0..32usize {
+        let v = x[base + i];
+        if v.abs() > amax {
+            amax = v.abs();
+            mx = v;
+        }
+    }
+    if amax < 1e-15f32 {
+        bd[blk] = 0.0f32;
+        for w in 0..4usize {
+            if first {
+                codes[wb + w] = 0x8888_8888u32;
+            } else {
+                codes[wb + w] = codes[wb - 4 + w];
+            }
+        }
+    } else {
+        let d0 = mx / f32::cast_from(nl[0]);
+        let id = 1.0f32 / d0;
+        for w in 0..4usize {
+            codes[wb + w] = 0u32;
+        }
+        let mut sumqx = 0.0f32;
+        let mut sumq2 = 0.0f32;
+        for i in 0..32usize {
+            let v = x[base + i];
+            let w = exact(v * v, zero);
+            let c = best_index_nl(nl, exact(id * v, zero));
+            let q = f32::cast_from(nl[c as usize]);
+            let wq = exact(w * q, zero);
+            sumqx += exact(wq * v, zero);
+            sumq2 += exact(wq * q, zero);
+            codes[wb + i / 8] |= c << u32::cast_from((i % 8) * 4);
+        }
+        let mut d = 0.0f32;
+        if sumq2 > 0.0 {
+            d = sumqx / sumq2;
+        }
+        bd[blk] = f16_round(d);
     }
 }
 
@@ -407,6 +510,7 @@ pub fn key_dot(
     codes: &[u32],
     bd: &[f32],
     bm: &[f32],
+    nl: &[i32],
     kblk: usize,
     qa: &[i32],
     qd: &[f32],
@@ -417,6 +521,7 @@ pub fn key_dot(
     #[comptime] bits: u32,
     #[comptime] offset: u32,
     #[comptime] term: u32,
+    #[comptime] table: u32,
 ) -> f32 {
     let mut acc = 0.0f32;
     for b in 0..nb {
@@ -424,8 +529,11 @@ pub fn key_dot(
         let qbase = (qi * nb + b) * 32;
         let mut isum = 0i32;
         for i in 0..32usize {
-            let c = i32::cast_from(code_at(codes, kb * comptime![bits as usize], i, bits))
-                - comptime![offset.cast_signed()];
+            let code = code_at(codes, kb * comptime![bits as usize], i, bits);
+            let mut c = i32::cast_from(code) - comptime![offset.cast_signed()];
+            if comptime![table > 0] {
+                c = nl[comptime![((table - 1) * 16) as usize] + code as usize];
+            }
             isum += c * qa[qbase + i];
         }
         let fi = f32::cast_from(isum);
