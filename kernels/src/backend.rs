@@ -7,7 +7,7 @@ use cubecl::server::Handle;
 use specula_quant::QType;
 use specula_tensor::{
     AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, RecurrentShape, Result,
-    RopeConfig, RopeKind, TensorError, WeightDesc,
+    RopeConfig, RopeKind, StateSource, StateTimeline, TensorError, WeightDesc,
 };
 
 use crate::kernels::{
@@ -198,19 +198,16 @@ struct RecurrentKv {
     ssm: Timeline,
 }
 
-/// One recurrent state over time, as the CPU backend keeps it: the current state and the
-/// positions it has seen, the state before the latest forward and where that forward started,
-/// and the states after its last rows (`keep` slots on the device, their positions here).
+/// One recurrent state over time on the device: the current state, the one before the latest
+/// forward and the snapshot slots the kernels fill, their positions in a [`StateTimeline`]
+/// (the CPU backend's bookkeeping).
 #[derive(Debug)]
 struct Timeline {
     cur: Handle,
     before: Handle,
+    /// `keep` states, slot after slot.
     snaps: Handle,
-    /// Per slot, the position whose state it holds (`usize::MAX`: none).
-    snap_pos: Vec<usize>,
-    n: usize,
-    start: usize,
-    keep: usize,
+    pos: StateTimeline,
     len: usize,
 }
 
@@ -221,53 +218,35 @@ impl Timeline {
             cur: be.upload_f32(&zeros),
             before: be.upload_f32(&zeros),
             snaps: be.empty_f32(keep * len),
-            snap_pos: Vec::new(),
-            n: 0,
-            start: 0,
-            keep,
+            pos: StateTimeline::new(keep),
             len,
         }
     }
 
-    /// Whether a forward may start at `pos`.
-    fn holds(&self, pos: usize) -> bool {
-        pos == 0 || pos == self.n || pos == self.start || self.snap_pos.contains(&pos)
-    }
-
     /// Makes `cur` the state at `pos` and starts a forward of `rows` rows there.
     fn begin(&mut self, be: &CubeBackend, pos: usize, rows: usize, what: &str) {
-        if pos != self.n {
-            if pos == 0 {
-                self.cur = be.upload_f32(&vec![0f32; self.len]);
-            } else if pos == self.start {
-                be.copy(&self.before, 0, &self.cur, 0, self.len);
-            } else if let Some(slot) = self.snap_pos.iter().position(|&p| p == pos) {
-                be.copy(&self.snaps, slot * self.len, &self.cur, 0, self.len);
-            } else {
-                panic!(
-                    "{what}: no recurrent state is kept for position {pos} (it holds {}, the \
-                     forward before started at {}); the caller must replay from a kept one",
-                    self.n, self.start
-                );
+        match self.pos.source(pos) {
+            Some(StateSource::Current) => {}
+            Some(StateSource::Zero) => self.cur = be.upload_f32(&vec![0f32; self.len]),
+            Some(StateSource::Before) => be.copy(&self.before, 0, &self.cur, 0, self.len),
+            Some(StateSource::Snapshot(s)) => {
+                be.copy(&self.snaps, s * self.len, &self.cur, 0, self.len);
             }
+            None => panic!("{}", self.pos.not_kept(what, pos)),
         }
-        self.n = pos;
-        self.start = pos;
         be.copy(&self.cur, 0, &self.before, 0, self.len);
-        let want = rows.saturating_sub(1).min(self.keep);
-        self.snap_pos.clear();
-        self.snap_pos.resize(want, usize::MAX);
+        self.pos.begin(pos, rows);
     }
 
-    /// Records a forward of `rows` rows done: the kernel kept the state after row `i` in slot
-    /// `rows − 2 − i` where `rows − 1 − i ≤ keep`.
+    /// Records a forward of `rows` rows done (the kernel wrote the snapshots).
     fn end(&mut self, rows: usize) {
         for i in 0..rows {
-            self.n += 1;
-            if i + 1 < rows && rows - 1 - i <= self.keep {
-                self.snap_pos[rows - 2 - i] = self.n;
-            }
+            self.pos.after_row(i, rows);
         }
+    }
+
+    fn keep(&self) -> usize {
+        self.pos.keep()
     }
 }
 
@@ -1323,12 +1302,12 @@ impl Backend for CubeBackend {
                     BufferArg::from_raw_parts(x.h.clone(), n * ch),
                     BufferArg::from_raw_parts(wh.clone(), kernel * ch),
                     BufferArg::from_raw_parts(t.cur.clone(), t.len.max(1)),
-                    BufferArg::from_raw_parts(t.snaps.clone(), (t.keep * t.len).max(1)),
+                    BufferArg::from_raw_parts(t.snaps.clone(), (t.keep() * t.len).max(1)),
                     BufferArg::from_raw_parts(out.h.clone(), n * ch),
                     u(n),
                     u(ch),
                     u(kernel),
-                    u(t.keep),
+                    u(t.keep()),
                     0,
                 );
             }
@@ -1429,13 +1408,13 @@ impl Backend for CubeBackend {
                     BufferArg::from_raw_parts(decay, n * hv),
                     BufferArg::from_raw_parts(strength, n * hv),
                     BufferArg::from_raw_parts(t.cur.clone(), t.len),
-                    BufferArg::from_raw_parts(t.snaps.clone(), (t.keep * t.len).max(1)),
+                    BufferArg::from_raw_parts(t.snaps.clone(), (t.keep() * t.len).max(1)),
                     BufferArg::from_raw_parts(out.h.clone(), n * hv * d),
                     u(n),
                     u(hk),
                     u(hv),
                     u(d),
-                    u(t.keep),
+                    u(t.keep()),
                     0,
                     sh.grouped,
                 );
@@ -1448,7 +1427,7 @@ impl Backend for CubeBackend {
         kv.recurrent
             .iter()
             .flatten()
-            .all(|r| r.conv.holds(pos) && r.ssm.holds(pos))
+            .all(|r| r.conv.pos.holds(pos) && r.ssm.pos.holds(pos))
     }
 
     fn attention(

@@ -13,89 +13,58 @@
 //! state before it and its own inputs (batch invariance: prefill, decode and verify rows agree
 //! bit for bit).
 
-use specula_tensor::{DeltaNetParams, RecurrentShape};
+use specula_tensor::{DeltaNetParams, RecurrentShape, StateSource, StateTimeline};
 
 use crate::tensor::{CpuTensor, CpuWeight};
 
-/// One state over time (see the module docs).
+/// One state over time (see the module docs): the states, their positions in a
+/// [`StateTimeline`].
 #[derive(Clone, Debug)]
 struct Timeline {
     cur: Vec<f32>,
-    /// Positions `cur` has seen.
-    n: usize,
-    /// Start of the latest forward and the state before it.
-    start: usize,
+    /// The state before the latest forward.
     before: Vec<f32>,
-    /// States kept after rows of the latest forward: `(position, state)`.
-    snaps: Vec<(usize, Vec<f32>)>,
-    /// How many of those a forward keeps.
-    keep: usize,
+    /// States kept after rows of the latest forward, by slot.
+    snaps: Vec<Vec<f32>>,
+    pos: StateTimeline,
 }
 
 impl Timeline {
     fn new(len: usize, keep: usize) -> Self {
         Self {
             cur: vec![0.0; len],
-            n: 0,
-            start: 0,
             before: vec![0.0; len],
             snaps: Vec::new(),
-            keep,
+            pos: StateTimeline::new(keep),
         }
     }
 
     /// Whether a forward may start at `pos`.
     fn holds(&self, pos: usize) -> bool {
-        pos == 0 || pos == self.n || pos == self.start || self.snaps.iter().any(|s| s.0 == pos)
+        self.pos.holds(pos)
     }
 
     /// Makes `cur` the state at `pos`, then starts a forward of `rows` rows there.
     fn begin(&mut self, pos: usize, rows: usize, what: &str) {
-        if pos != self.n {
-            if pos == 0 {
-                self.cur.fill(0.0);
-            } else if pos == self.start {
-                self.cur.copy_from_slice(&self.before);
-            } else if let Some((_, s)) = self.snaps.iter().find(|s| s.0 == pos) {
-                self.cur.copy_from_slice(s);
-            } else {
-                panic!(
-                    "{what}: no recurrent state is kept for position {pos} (it holds {}, the \
-                     forward before started at {}); the caller must replay from a kept one",
-                    self.n, self.start
-                );
-            }
+        match self.pos.source(pos) {
+            Some(StateSource::Current) => {}
+            Some(StateSource::Zero) => self.cur.fill(0.0),
+            Some(StateSource::Before) => self.cur.copy_from_slice(&self.before),
+            Some(StateSource::Snapshot(s)) => self.cur.copy_from_slice(&self.snaps[s]),
+            None => panic!("{}", self.pos.not_kept(what, pos)),
         }
-        self.n = pos;
-        self.start = pos;
         self.before.copy_from_slice(&self.cur);
-        // Rows whose state is kept: the last `keep` before the final one (the final state is
-        // `cur` itself).
-        let want = rows.saturating_sub(1).min(self.keep);
+        let want = self.pos.begin(pos, rows);
         self.snaps.truncate(want);
-        for s in &mut self.snaps {
-            s.0 = usize::MAX;
-        }
     }
 
     /// Records that row `i` (0-based) of a forward of `rows` rows is done.
     fn after_row(&mut self, i: usize, rows: usize) {
-        self.n += 1;
-        if i + 1 < rows && rows - 1 - i <= self.keep {
-            let slot = rows - 1 - i - 1;
-            let pos = self.n;
-            match self.snaps.get_mut(slot) {
-                Some(s) => {
-                    s.0 = pos;
-                    s.1.copy_from_slice(&self.cur);
-                }
-                None => {
-                    while self.snaps.len() < slot {
-                        self.snaps.push((usize::MAX, vec![0.0; self.cur.len()]));
-                    }
-                    self.snaps.push((pos, self.cur.clone()));
-                }
+        if let Some(slot) = self.pos.after_row(i, rows) {
+            while self.snaps.len() <= slot {
+                self.snaps.push(vec![0.0; self.cur.len()]);
             }
+            self.snaps[slot].copy_from_slice(&self.cur);
         }
     }
 }
@@ -124,17 +93,16 @@ impl Recurrent {
 
     /// The current states (convolution, then delta rule) and the positions they have seen.
     pub(crate) fn current(&self) -> (usize, &[f32], &[f32]) {
-        (self.conv.n, &self.conv.cur, &self.ssm.cur)
+        (self.conv.pos.position(), &self.conv.cur, &self.ssm.cur)
     }
 
     /// Sets the current states to those after `n` positions (a saved slot read back).
     pub(crate) fn set_current(&mut self, n: usize, conv: &[f32], ssm: &[f32]) {
         for (t, v) in [(&mut self.conv, conv), (&mut self.ssm, ssm)] {
             t.cur.copy_from_slice(v);
-            t.n = n;
-            t.start = n;
             t.before.copy_from_slice(v);
             t.snaps.clear();
+            t.pos.reset_to(n);
         }
     }
 
@@ -327,7 +295,7 @@ mod tests {
             t.cur[0] += 10.0;
             t.after_row(i, 5);
         }
-        assert_eq!(t.n, 7);
+        assert_eq!(t.pos.position(), 7);
         for pos in [0, 2, 4, 5, 6, 7] {
             assert!(t.holds(pos), "{pos}");
         }

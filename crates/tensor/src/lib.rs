@@ -27,6 +27,9 @@ use std::sync::Arc;
 
 pub use specula_quant::QType;
 
+pub mod timeline;
+pub use timeline::{StateSource, StateTimeline};
+
 /// Errors a backend reports.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
