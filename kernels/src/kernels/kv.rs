@@ -238,6 +238,37 @@ pub fn kv_center(src: &[f32], center: &mut [f32], n: u32, width: u32) {
     }
 }
 
+/// `work[wb..wb + hd] = src[wb..wb + hd] − center[cb..cb + hd]`: a head less its offset.
+#[cube]
+fn less_center(src: &[f32], center: &[f32], work: &mut [f32], wb: usize, cb: usize, hd: usize) {
+    for j in 0..hd {
+        work[wb + j] = src[wb + j] - center[cb + j];
+    }
+}
+
+/// For query head `id` (`hd` values at `id · hd`): `qm[id]` = the head · its K/V head
+/// `kvh`'s offset (`dot16`), and the head copied into `out` to be rotated there.
+#[cube]
+#[allow(
+    clippy::manual_memcpy,
+    reason = "a kernel copies value by value (no slice copy on the device)"
+)]
+fn query_head(
+    q: &[f32],
+    center: &[f32],
+    out: &mut [f32],
+    qm: &mut [f32],
+    id: usize,
+    kvh: usize,
+    hd: usize,
+) {
+    let qb = id * hd;
+    qm[id] = dot16(q, qb, center, kvh * hd, hd);
+    for j in 0..hd {
+        out[qb + j] = q[qb + j];
+    }
+}
+
 /// Writes rows of `src` (`[n, n_kv · hd]`) into cells `cells[t]` of a block-format cache: per
 /// (row, head) — one unit each — the head less its offset (`center`), rotated by the Hadamard
 /// transform of `had` values (0: none), quantized block by block. `work` holds
@@ -274,9 +305,7 @@ pub fn kv_write_blocks(
         let t = id / n_kv;
         let h = id % n_kv;
         let wb = id * hd;
-        for j in 0..hd {
-            work[wb + j] = src[wb + j] - center[h * hd + j];
-        }
+        less_center(src, center, work, wb, h * hd, hd);
         hadamard(work, wb, hd, had as usize, hscale);
         let nb = hd / 32;
         let blk0 = (cells[t] as usize * n_kv + h) * nb;
@@ -430,8 +459,7 @@ pub fn dot16(a: &[f32], ab: usize, b: &[f32], bb: usize, n: usize) -> f32 {
 #[cube(launch)]
 #[allow(
     clippy::too_many_arguments,
-    clippy::manual_memcpy,
-    reason = "a kernel's buffers, sizes and format; a kernel copies value by value (no slice copy on the device)"
+    reason = "a kernel's buffers, sizes and format"
 )]
 pub fn attn_query_blocks(
     q: &[f32],
@@ -455,10 +483,7 @@ pub fn attn_query_blocks(
         let hd = hd as usize;
         let kvh = (id % n_head as usize) / group as usize;
         let qb = id * hd;
-        qm[id] = dot16(q, qb, center, kvh * hd, hd);
-        for j in 0..hd {
-            work[qb + j] = q[qb + j];
-        }
+        query_head(q, center, work, qm, id, kvh, hd);
         hadamard(work, qb, hd, had as usize, hscale);
         let nb = hd / 32;
         for b in 0..nb {
@@ -661,9 +686,7 @@ pub fn kv_write_turbo(
         let t = id / n_kv;
         let h = id % n_kv;
         let wb = id * hd;
-        for j in 0..hd {
-            work[wb + j] = src[wb + j] - center[h * hd + j];
-        }
+        less_center(src, center, work, wb, h * hd, hd);
         let words = comptime![4 * bits as usize];
         let n_thr = comptime![(1usize << bits) - 1];
         let thr = comptime![TURBO_THR + (1usize << bits) - bits as usize - 2];
@@ -723,11 +746,7 @@ pub fn kv_write_turbo(
 /// cache, as the CPU backend's attention does: `qm` = the head · its K/V head's offset, `qf`
 /// = the head rotated forward group by group (the domain the keys are stored in).
 #[cube(launch)]
-#[allow(
-    clippy::too_many_arguments,
-    clippy::manual_memcpy,
-    reason = "a kernel's buffers and sizes; a kernel copies value by value"
-)]
+#[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn attn_query_turbo(
     q: &[f32],
     center: &[f32],
@@ -744,10 +763,7 @@ pub fn attn_query_turbo(
         let hd = hd as usize;
         let kvh = (id % n_head as usize) / group as usize;
         let qb = id * hd;
-        qm[id] = dot16(q, qb, center, kvh * hd, hd);
-        for j in 0..hd {
-            qf[qb + j] = q[qb + j];
-        }
+        query_head(q, center, qf, qm, id, kvh, hd);
         for g in 0..hd / 128 {
             wht128(qf, qb + g * 128, tabs, false);
         }
