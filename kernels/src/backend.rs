@@ -122,6 +122,10 @@ struct TurboPlane {
 /// The kernels' term code of a turbo plane (`kernels::attention::attn_chunk`).
 const TURBO_TERM: u32 = 5;
 
+/// The first bytes of this backend's cache export ([`Backend::kv_export`]): another backend's
+/// export (or a damaged file) is refused rather than read as cells.
+const KV_TAG: &[u8; 8] = b"cubekv01";
+
 /// A block-format plane: codes, scales and the per-head offset.
 #[derive(Debug)]
 struct BlockPlane {
@@ -161,6 +165,42 @@ impl Plane {
         }
     }
 
+    /// The buffers holding the first `cells` cells of this plane (heads of `hd` values, `n_kv`
+    /// per cell, floats of `esz` bytes), with the bytes of each that hold them: a prefix of
+    /// each, since every layout is cell-major; a quantized plane adds its offsets.
+    fn prefix(&self, cells: usize, n_kv: usize, hd: usize, esz: usize) -> Vec<(&Handle, usize)> {
+        let values = cells * n_kv * hd;
+        match self {
+            Self::Float(h) => vec![(h, values * esz)],
+            Self::Blocks(b) => {
+                let nb = values / 32;
+                let mut v = vec![(&b.codes, nb * b.fmt.words() * 4), (&b.d, nb * 4)];
+                if b.fmt.block_min() {
+                    v.push((&b.m, nb * 4));
+                }
+                v.push((&b.center, n_kv * hd * 4));
+                v
+            }
+            Self::Turbo(t) => {
+                let ng = values / 128;
+                vec![
+                    (&t.codes, ng * 4 * t.bits as usize * 4),
+                    (&t.norms, ng * 4),
+                    (&t.center, n_kv * hd * 4),
+                ]
+            }
+        }
+    }
+
+    /// Whether a quantized plane has its offsets (`None` for floats).
+    fn calibrated_mut(&mut self) -> Option<&mut bool> {
+        match self {
+            Self::Float(_) => None,
+            Self::Blocks(b) => Some(&mut b.calibrated),
+            Self::Turbo(t) => Some(&mut t.calibrated),
+        }
+    }
+
     /// The per-head offsets of a quantized plane.
     fn center(&self) -> Option<&Handle> {
         match self {
@@ -185,6 +225,7 @@ fn hadamard_scale(n: usize) -> f32 {
 /// The KV cache of all layers, on the device.
 #[derive(Debug)]
 pub struct CubeKv {
+    n_ctx: usize,
     layers: Vec<LayerKv>,
     /// Per layer, the states of a recurrent (gated delta-net) layer.
     recurrent: Vec<Option<RecurrentKv>>,
@@ -1119,7 +1160,11 @@ impl Backend for CubeBackend {
                 hd_v: hd.head_dim_v,
             });
         }
-        Ok(CubeKv { layers, recurrent })
+        Ok(CubeKv {
+            n_ctx: shape.n_ctx,
+            layers,
+            recurrent,
+        })
     }
 
     fn kv_write(
@@ -1423,6 +1468,120 @@ impl Backend for CubeBackend {
         t.end(n);
     }
 
+    fn kv_export(&self, kv: &CubeKv, n: usize, out: &mut Vec<u8>) -> Result<()> {
+        if n > kv.n_ctx {
+            return Err(TensorError::Shape {
+                op: "kv_export",
+                detail: format!("exporting {n} positions of a {}-position cache", kv.n_ctx),
+            });
+        }
+        for r in kv.recurrent.iter().flatten() {
+            let seen = r.conv.pos.position();
+            if seen != n {
+                return Err(TensorError::Shape {
+                    op: "kv_export",
+                    detail: format!(
+                        "exporting {n} positions of a recurrent layer whose state is that of {seen}"
+                    ),
+                });
+            }
+        }
+        out.extend_from_slice(KV_TAG);
+        for l in &kv.layers {
+            let cells = n.min(l.cells);
+            let esz = if l.f16 { 2 } else { 4 };
+            for (pl, hd) in [(&l.k, l.hd_k), (&l.v, l.hd_v)] {
+                for (h, bytes) in pl.prefix(cells, l.n_kv_head, hd, esz) {
+                    self.read_prefix(h, bytes, out);
+                }
+                if let Plane::Blocks(b) = pl {
+                    out.push(u8::from(b.calibrated));
+                } else if let Plane::Turbo(t) = pl {
+                    out.push(u8::from(t.calibrated));
+                }
+            }
+        }
+        for r in kv.recurrent.iter().flatten() {
+            for t in [&r.conv, &r.ssm] {
+                self.read_prefix(&t.cur, t.len * 4, out);
+            }
+        }
+        Ok(())
+    }
+
+    fn kv_import(&self, kv: &mut CubeKv, n: usize, bytes: &[u8]) -> Result<()> {
+        let bad = |detail: String| TensorError::Shape {
+            op: "kv_import",
+            detail,
+        };
+        if n > kv.n_ctx {
+            return Err(bad(format!(
+                "importing {n} positions into a {}-position cache",
+                kv.n_ctx
+            )));
+        }
+        let Some(mut rest) = bytes.strip_prefix(KV_TAG.as_slice()) else {
+            return Err(bad(format!(
+                "not an export of the {} backend's cache (another backend's, or damaged)",
+                self.name
+            )));
+        };
+        let mut take = |len: usize| -> Result<&[u8]> {
+            if rest.len() < len {
+                return Err(bad(format!(
+                    "the export ends early: {len} more bytes wanted, {} left",
+                    rest.len()
+                )));
+            }
+            let (a, b) = rest.split_at(len);
+            rest = b;
+            Ok(a)
+        };
+        // Read and check everything before writing anything.
+        let mut writes: Vec<(Handle, &[u8])> = Vec::new();
+        let mut flags: Vec<(usize, bool, bool)> = Vec::new();
+        for (il, l) in kv.layers.iter().enumerate() {
+            let cells = n.min(l.cells);
+            let esz = if l.f16 { 2 } else { 4 };
+            for (iv, (pl, hd)) in [(&l.k, l.hd_k), (&l.v, l.hd_v)].into_iter().enumerate() {
+                for (h, len) in pl.prefix(cells, l.n_kv_head, hd, esz) {
+                    writes.push((h.clone(), take(len)?));
+                }
+                if pl.center().is_some() {
+                    flags.push((il, iv == 1, take(1)?[0] != 0));
+                }
+            }
+        }
+        for r in kv.recurrent.iter().flatten() {
+            for t in [&r.conv, &r.ssm] {
+                writes.push((t.cur.clone(), take(t.len * 4)?));
+            }
+        }
+        if !rest.is_empty() {
+            return Err(bad(format!(
+                "{} bytes past the export of {n} positions",
+                rest.len()
+            )));
+        }
+        for (h, b) in writes {
+            self.write_prefix(&h, b)?;
+        }
+        for (il, v, c) in flags {
+            let l = &mut kv.layers[il];
+            let pl = if v { &mut l.v } else { &mut l.k };
+            if let Some(f) = pl.calibrated_mut() {
+                *f = c;
+            }
+        }
+        for r in kv.recurrent.iter_mut().flatten() {
+            for t in [&mut r.conv, &mut r.ssm] {
+                self.copy(&t.cur, 0, &t.before, 0, t.len);
+                t.pos.reset_to(n);
+            }
+        }
+        Ok(())
+    }
+
     fn kv_holds(&self, kv: &CubeKv, pos: usize) -> bool {
         kv.recurrent
             .iter()
@@ -1640,6 +1799,46 @@ impl Backend for CubeBackend {
 }
 
 impl CubeBackend {
+    /// Appends the first `bytes` bytes of `h` to `out`.
+    fn read_prefix(&self, h: &Handle, bytes: usize, out: &mut Vec<u8>) {
+        if bytes == 0 {
+            return;
+        }
+        let all = self
+            .client
+            .read_one(h.clone())
+            .unwrap_or_else(|e| panic!("{} backend: a kernel failed: {e:?}", self.name));
+        out.extend_from_slice(&all[..bytes]);
+    }
+
+    /// Writes `bytes` (whole 32-bit words) over the start of `h`.
+    fn write_prefix(&self, h: &Handle, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        if !bytes.len().is_multiple_of(4) {
+            return Err(TensorError::Shape {
+                op: "kv_import",
+                detail: format!("a part of {} bytes, not whole 32-bit words", bytes.len()),
+            });
+        }
+        let words = bytes.len() / 4;
+        let src = self.client.create_from_slice(bytes);
+        // SAFETY: `src` holds `words` words and the destination at least as many (the parts
+        // are prefixes of its buffer).
+        unsafe {
+            rec::copy_u32::launch(
+                &self.client,
+                self.ew_count(words),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(src, words),
+                BufferArg::from_raw_parts(h.clone(), words),
+                u(words),
+            );
+        }
+        Ok(())
+    }
+
     /// `dst[dst0..dst0 + n] = src[src0..src0 + n]` (f32 values).
     fn copy(&self, src: &Handle, src0: usize, dst: &Handle, dst0: usize, n: usize) {
         if n == 0 {

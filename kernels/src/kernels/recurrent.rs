@@ -15,6 +15,15 @@ use cubecl::prelude::*;
 use super::attention::expf;
 use super::matmul::exact;
 
+/// `dst[t] = src[t]` for `t < n` (raw 32-bit words), one unit per word.
+#[cube(launch)]
+pub fn copy_u32(src: &[u32], dst: &mut [u32], n: u32) {
+    let t = ABSOLUTE_POS;
+    if t < n as usize {
+        dst[t] = src[t];
+    }
+}
+
 /// `dst[dst0 + t] = src[src0 + t]` for `t < n`, one unit per value.
 #[cube(launch)]
 pub fn copy_f32(src: &[f32], dst: &mut [f32], src0: u32, dst0: u32, n: u32) {
