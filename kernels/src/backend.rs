@@ -112,11 +112,55 @@ enum Plane {
 #[derive(Debug)]
 struct TurboPlane {
     bits: u32,
+    /// Values stored per head: the head, or 128 for a 64-value head in two stages.
+    dim: usize,
     codes: Handle,
     norms: Handle,
     /// `n_kv_head · head_dim` offsets: the mean of the first rows written.
     center: Handle,
     calibrated: bool,
+    /// A 64-value head's two-stage encoder and reader (`specula_kv::turbo_two_stage`).
+    two: Option<TwoStage>,
+}
+
+/// The tables of two-stage turbo heads on the device (`specula_kv::two_stage_tables`).
+#[derive(Debug)]
+struct TwoStage {
+    /// The levels, the midpoints, `lo`, `inv_width`, `last_bin`, then the starting scales.
+    lf: Handle,
+    /// The levels' code pairs (`a | b << 8`), then the bins' first midpoints.
+    lu: Handle,
+    /// Levels.
+    nl: usize,
+    /// The fine half's weight `β`.
+    beta: f32,
+    /// Lloyd steps of the norm's fit.
+    steps: u32,
+}
+
+impl TwoStage {
+    fn new(be: &CubeBackend, ty: QType) -> Option<Self> {
+        let beta = specula_kv::turbo_two_stage(ty, 64, 128)?;
+        let t = specula_kv::two_stage_tables(ty)?;
+        let nl = t.value.len();
+        let mut lf = t.value.clone();
+        lf.extend_from_slice(&t.mid);
+        lf.extend_from_slice(&[t.lo, t.inv_width, t.last_bin, beta]);
+        lf.extend_from_slice(&t.starts);
+        let mut lu: Vec<u32> = t
+            .pair
+            .iter()
+            .map(|&(a, b)| u32::from(a) | (u32::from(b) << 8))
+            .collect();
+        lu.extend(t.below.iter().map(|&b| u32::from(b)));
+        Some(Self {
+            lf: be.upload_f32(&lf),
+            lu: be.upload_u32(&lu),
+            nl,
+            beta,
+            steps: u32::try_from(t.steps).ok()?,
+        })
+    }
 }
 
 /// The kernels' term code of a turbo plane (`kernels::attention::attn_chunk`).
@@ -182,7 +226,7 @@ impl Plane {
                 v
             }
             Self::Turbo(t) => {
-                let ng = values / 128;
+                let ng = cells * n_kv * t.dim / 128;
                 vec![
                     (&t.codes, ng * 4 * t.bits as usize * 4),
                     (&t.norms, ng * 4),
@@ -1110,17 +1154,25 @@ impl Backend for CubeBackend {
                     QType::Turbo4 => Some(4),
                     _ => None,
                 } {
-                    // Heads of 64 (two-stage) or padded to 128 (refined) are not kept here.
-                    if head_dim == 0 || !head_dim.is_multiple_of(128) {
+                    // Heads of whole 128-value groups, or of 64 values in two stages; heads
+                    // padded to 128 (refined on the CPU backend) are not kept here.
+                    let two = if head_dim == 64 {
+                        Some(TwoStage::new(self, ty).ok_or_else(refuse)?)
+                    } else if head_dim > 0 && head_dim.is_multiple_of(128) {
+                        None
+                    } else {
                         return Err(refuse());
-                    }
-                    let groups = cells * width / 128;
+                    };
+                    let dim = if two.is_some() { 128 } else { head_dim };
+                    let groups = cells * hd.n_kv_head * dim / 128;
                     return Ok(Plane::Turbo(Box::new(TurboPlane {
                         bits,
+                        dim,
                         codes: self.client.empty((groups * 4 * bits as usize * 4).max(4)),
                         norms: self.empty_f32(groups),
                         center: self.empty_f32(width),
                         calibrated: false,
+                        two,
                     })));
                 }
                 let fmt = GroupFormat::of(ty)
@@ -1275,8 +1327,40 @@ impl Backend for CubeBackend {
                 Plane::Turbo(p) => {
                     self.calibrate(&mut p.calibrated, &p.center, src);
                     let items = cells.len() * n_kv;
-                    let groups = n_cells * width / 128;
+                    let groups = n_cells * n_kv * p.dim / 128;
                     let work = self.empty_f32(n);
+                    if let Some(two) = &p.two {
+                        // SAFETY: cells are inside the layer (checked); `src` is
+                        // `[cells, n_kv · 64]`, `work` as long; the plane holds one group of
+                        // `4 · bits` words per (cell, head); the tables as `TwoStage` built
+                        // them for `nl` levels.
+                        unsafe {
+                            kq::kv_write_turbo2s::launch(
+                                &self.client,
+                                self.ew_count(items),
+                                CubeDim::new_1d(self.ew),
+                                BufferArg::from_raw_parts(src.h.clone(), n),
+                                BufferArg::from_raw_parts(ih.clone(), cells.len()),
+                                BufferArg::from_raw_parts(p.center.clone(), width),
+                                BufferArg::from_raw_parts(
+                                    p.codes.clone(),
+                                    groups * 4 * p.bits as usize,
+                                ),
+                                BufferArg::from_raw_parts(p.norms.clone(), groups),
+                                BufferArg::from_raw_parts(work, n),
+                                BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
+                                BufferArg::from_raw_parts(two.lf.clone(), 1),
+                                BufferArg::from_raw_parts(two.lu.clone(), 1),
+                                u(items),
+                                u(n_kv),
+                                two.steps,
+                                0,
+                                p.bits,
+                                two.nl,
+                            );
+                        }
+                        continue;
+                    }
                     // SAFETY: cells are inside the layer (checked); `src` is `[cells, width]`,
                     // `work` as long; the plane holds `groups` groups of `4 · bits` words.
                     unsafe {
@@ -1629,8 +1713,9 @@ impl Backend for CubeBackend {
             Plane::Turbo(kt) => {
                 // Queries for turbo keys: `q·m` and the head rotated forward.
                 let qm = self.empty_f32(items);
-                qf = self.empty_f32(q.rows * q.cols);
-                // SAFETY: `q` is `[rows, n_head · hd_k]`; `qf` as long, `qm` one per head.
+                qf = self.empty_f32(items * kt.dim);
+                // SAFETY: `q` is `[rows, n_head · hd_k]`; `qf` holds the stored width per
+                // head, `qm` one value per head.
                 unsafe {
                     kq::attn_query_turbo::launch(
                         &self.client,
@@ -1639,12 +1724,14 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
                         BufferArg::from_raw_parts(kt.center.clone(), l.n_kv_head * l.hd_k),
                         BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
-                        BufferArg::from_raw_parts(qf.clone(), q.rows * q.cols),
+                        BufferArg::from_raw_parts(qf.clone(), items * kt.dim),
                         BufferArg::from_raw_parts(qm.clone(), items),
                         u(items),
                         u(p.n_head),
                         u(group),
                         u(l.hd_k),
+                        kt.two.as_ref().map_or(0.0, |t| t.beta),
+                        kt.two.is_some(),
                     );
                 }
                 (none(), none(), none(), qm)
@@ -1697,8 +1784,23 @@ impl Backend for CubeBackend {
             Plane::Blocks(b) => (b.had, b.hscale),
             _ => (0, 1.0),
         };
+        // Values stored per head: a two-stage turbo head holds 128 for its 64.
+        let stored = |pl: &Plane, hd: usize| match pl {
+            Plane::Turbo(t) => t.dim,
+            _ => hd,
+        };
+        let (kdim, vdim) = (stored(&l.k, l.hd_k), stored(&l.v, l.hd_v));
+        let v_two = match &l.v {
+            Plane::Turbo(t) => t.two.as_ref(),
+            _ => None,
+        };
+        // Two-stage values are merged at their stored width, then folded onto the head.
+        let (target, empty) = match v_two {
+            Some(_) => (self.empty_f32(items * vdim), self.client.empty(items * 4)),
+            None => (out.h.clone(), none()),
+        };
         let n_chunks = kv_len.div_ceil(at::CHUNK).max(1);
-        let per_row = p.n_head * n_chunks * (l.hd_v + 2);
+        let per_row = p.n_head * n_chunks * (vdim + 2);
         let rows_per_launch = (MAX_SCORES / per_row).max(1);
         let states = self.empty_f32(rows_per_launch.min(q.rows) * per_row);
         let mut r0 = 0;
@@ -1742,8 +1844,8 @@ impl Backend for CubeBackend {
                             u(l.cells),
                             u(p.n_head),
                             u(group),
-                            u(l.hd_k),
-                            u(l.hd_v),
+                            u(kdim),
+                            u(vdim),
                             p.scale,
                             p.softcap.unwrap_or(1.0),
                             window,
@@ -1779,21 +1881,47 @@ impl Backend for CubeBackend {
                     BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
                     BufferArg::from_raw_parts(v_center.clone(), 1),
                     BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
-                    BufferArg::from_raw_parts(out.h.clone(), q.rows * out.cols),
+                    BufferArg::from_raw_parts(target.clone(), items * vdim),
+                    BufferArg::from_raw_parts(
+                        empty.clone(),
+                        if v_two.is_some() { items } else { 1 },
+                    ),
                     u(r0),
                     u(n_chunks),
                     u(p.n_head),
                     u(group),
-                    u(l.hd_v),
+                    u(vdim),
                     u(v_had),
                     v_hscale,
                     0,
                     self.units,
-                    vfmt.0 > 0,
+                    vfmt.0 > 0 && v_two.is_none(),
                     vfmt.2 == TURBO_TERM,
+                    v_two.is_some(),
                 );
             }
             r0 += n;
+        }
+        if let Some(two) = v_two {
+            // SAFETY: `target` holds 128 values and `empty` one flag per (row, head); `out`
+            // `items · 64` values; the offsets `n_kv_head · 64`.
+            unsafe {
+                kq::turbo_fold64::launch(
+                    &self.client,
+                    self.ew_count(items),
+                    CubeDim::new_1d(self.ew),
+                    BufferArg::from_raw_parts(target, items * vdim),
+                    BufferArg::from_raw_parts(empty, items),
+                    BufferArg::from_raw_parts(v_center, l.n_kv_head * l.hd_v),
+                    BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
+                    BufferArg::from_raw_parts(out.h.clone(), items * l.hd_v),
+                    u(items),
+                    u(p.n_head),
+                    u(group),
+                    two.beta,
+                    0,
+                );
+            }
         }
     }
 }

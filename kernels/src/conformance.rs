@@ -419,6 +419,10 @@ pub fn conformance<B: Backend>(be: &B) {
         (QType::Q8_0, QType::Turbo4, 3),
         (QType::Turbo4, QType::Q4_0, 2),
         (QType::IQ4_NL, QType::Turbo3, 3),
+        // 64-value heads stored in two stages.
+        (QType::Turbo4, QType::Turbo4, 0),
+        (QType::Turbo3, QType::F16, 0),
+        (QType::Q8_0, QType::Turbo2, 0),
     ]);
     for (kt, vt, si) in cases {
         {

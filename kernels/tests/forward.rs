@@ -192,6 +192,16 @@ fn smollm2_forward_with_block_format_caches_equals_the_cpu_backend() {
 }
 
 #[test]
+fn smollm2_forward_with_two_stage_turbo_caches_equals_the_cpu_backend() {
+    // Heads of 64 values: each stored in two stages in one 128-code turbo group.
+    real(
+        "smollm2-135m",
+        "The quick brown fox jumps over the lazy dog, and then it runs into the forest to find",
+        (QType::Turbo4, QType::Turbo3),
+    );
+}
+
+#[test]
 fn gemma3_forward_with_turbo_caches_equals_the_cpu_backend() {
     // Heads of 256 values: two turbo groups each.
     real(

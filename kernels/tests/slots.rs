@@ -29,6 +29,10 @@ fn a_saved_session_continues_with_the_same_logits() {
         head_dim: 128,
         ..tiny::Dims::TINY
     };
+    let two_stage = tiny::Dims {
+        head_dim: 64,
+        ..tiny::Dims::TINY
+    };
     for (what, g, k, v) in [
         (
             "qwen35, q8_0 K / q4_1 V",
@@ -42,6 +46,12 @@ fn a_saved_session_continues_with_the_same_logits() {
             tiny::target_sized("qwen3", &wide),
             QType::Turbo4,
             QType::IQ4_NL,
+        ),
+        (
+            "qwen3 (heads of 64, two-stage), turbo3 K / turbo2 V",
+            tiny::target_sized("qwen3", &two_stage),
+            QType::Turbo3,
+            QType::Turbo2,
         ),
     ] {
         let e = engine(CubeBackend::cpu().unwrap(), &g);

@@ -46,6 +46,7 @@ pub use layout::{
     turbo_query, turbo_read, turbo_two_stage, v_rotation,
 };
 pub use plane::{Plane, RowEncoder, SavedCells, quantize_head};
+pub use refine::{TwoStageTables, two_stage_tables};
 use specula_quant::QType;
 pub use specula_tensor::{LayerOverride, Mask};
 

@@ -387,6 +387,51 @@ const SCALE_STARTS: [f32; 12] = [
     0.6, 0.68, 0.76, 0.84, 0.92, 1.0, 1.08, 1.16, 1.24, 1.32, 1.41, 1.5,
 ];
 
+/// The tables of a two-stage turbo head's encoder, for a backend that encodes on its own
+/// device with these operations ([`encode_two_stage`]): the sorted levels `c_a + β·c_b`, the
+/// code pair of each, the midpoints between neighbours, and the bins that start the search
+/// for the nearest level (bin `⌊clamp((t − lo) · inv_width, 0, last_bin)⌋` starts at midpoint
+/// `below[bin]`); the grid of starting scales and the Lloyd steps of the norm's fit.
+#[derive(Clone, Debug)]
+pub struct TwoStageTables {
+    /// The levels, ascending.
+    pub value: Vec<f32>,
+    /// Per level, its codes `(a, b)`: `a` at value `j`, `b` at `64 + j`.
+    pub pair: Vec<(u8, u8)>,
+    /// Midpoints between neighbouring levels.
+    pub mid: Vec<f32>,
+    /// The lowest level.
+    pub lo: f32,
+    /// Bins per unit of `t − lo`.
+    pub inv_width: f32,
+    /// The last bin, as f32.
+    pub last_bin: f32,
+    /// Per bin, the first midpoint at or above its start.
+    pub below: Vec<u16>,
+    /// Starting scales, as multiples of `‖z‖·√2`.
+    pub starts: [f32; 12],
+    /// Lloyd steps of the fit.
+    pub steps: usize,
+}
+
+/// The two-stage encoder's tables of format `ty` (`None` for a format not stored in two
+/// stages).
+#[must_use]
+pub fn two_stage_tables(ty: QType) -> Option<TwoStageTables> {
+    let l = levels(ty)?;
+    Some(TwoStageTables {
+        value: l.value.clone(),
+        pair: l.pair.clone(),
+        mid: l.mid.clone(),
+        lo: l.lo,
+        inv_width: l.inv_width,
+        last_bin: l.last_bin,
+        below: l.below.clone(),
+        starts: SCALE_STARTS,
+        steps: SCALE_STEPS,
+    })
+}
+
 /// The levels of a two-stage head of format `ty`.
 fn levels(ty: QType) -> Option<&'static Levels> {
     static L2: OnceLock<Levels> = OnceLock::new();

@@ -87,7 +87,7 @@ pub fn kv_write<E: Float>(src: &[f32], cells: &[u32], dst: &mut [E], n: u32, wid
     unused_assignments,
     reason = "the first assignment makes the runtime variable"
 )]
-fn neg_inf() -> f32 {
+pub(crate) fn neg_inf() -> f32 {
     let mut x = 0.0f32;
     x = f32::NEG_INFINITY;
     x
@@ -415,7 +415,8 @@ pub fn attn_chunk<E: Float>(
 /// that sees no cell. Values from a quantized cache (`v_blocks`) are then rotated back — by
 /// the Hadamard transform of `had` values (0: none), or for turbo (`v_turbo`) by the inverse
 /// TurboQuant rotation of each 128-value group (`tabs`) — and get their K/V head's offset
-/// (`vcenter`) added, as the CPU backend finishes them.
+/// (`vcenter`) added, as the CPU backend finishes them. With `mark_empty`, `empty` gets 1 per
+/// (row, head) that saw no cell (for `kv::turbo_fold64`, which finishes two-stage values).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "attention's shape")]
 pub fn attn_merge(
@@ -424,6 +425,7 @@ pub fn attn_merge(
     vcenter: &[f32],
     tabs: &[f32],
     out: &mut [f32],
+    empty: &mut [u32],
     row0: u32,
     n_chunks: u32,
     n_head: u32,
@@ -435,6 +437,7 @@ pub fn attn_merge(
     #[comptime] units: usize,
     #[comptime] v_blocks: bool,
     #[comptime] v_turbo: bool,
+    #[comptime] mark_empty: bool,
 ) {
     let cube = CUBE_POS_X as usize;
     let u = UNIT_POS_X as usize;
@@ -473,6 +476,13 @@ pub fn attn_merge(
         }
     }
     let mut d = u;
+    if mark_empty && u == 0 {
+        let mut e = 0u32;
+        if big_l == 0.0 {
+            e = 1u32;
+        }
+        empty[r * n_head as usize + h] = e;
+    }
     if big_l == 0.0 {
         while d < hd_v {
             out[obase + d] = 0.0;

@@ -18,6 +18,7 @@
 
 use cubecl::prelude::*;
 
+use super::attention::neg_inf;
 use super::matmul::exact;
 
 /// Code `i` of the block whose words start at `at` (`bits` bits each, little-endian).
@@ -744,7 +745,8 @@ pub fn kv_write_turbo(
 
 /// Prepares every query head (`[items = rows · n_head, hd]`, one unit each) for a turbo K
 /// cache, as the CPU backend's attention does: `qm` = the head · its K/V head's offset, `qf`
-/// = the head rotated forward group by group (the domain the keys are stored in).
+/// = the head rotated forward group by group (the domain the keys are stored in), or for a
+/// 64-value head stored in two stages (`two_stage`) the 128 values `(R₆₄q, β·R₆₄q)`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn attn_query_turbo(
@@ -757,15 +759,280 @@ pub fn attn_query_turbo(
     n_head: u32,
     group: u32,
     hd: u32,
+    beta: f32,
+    #[comptime] two_stage: bool,
 ) {
     let id = ABSOLUTE_POS;
     if id < items as usize {
         let hd = hd as usize;
         let kvh = (id % n_head as usize) / group as usize;
-        let qb = id * hd;
-        query_head(q, center, qf, qm, id, kvh, hd);
-        for g in 0..hd / 128 {
-            wht128(qf, qb + g * 128, tabs, false);
+        if two_stage {
+            // A 64-value head stored in two stages: `(R₆₄q, β·R₆₄q)` in 128 values.
+            let qb = id * 128;
+            qm[id] = dot16(q, id * 64, center, kvh * 64, 64);
+            for j in 0..64usize {
+                qf[qb + j] = q[id * 64 + j];
+            }
+            wht64(qf, qb, tabs, false);
+            for j in 0..64usize {
+                qf[qb + 64 + j] = beta * qf[qb + j];
+            }
+        } else {
+            let qb = id * hd;
+            query_head(q, center, qf, qm, id, kvh, hd);
+            for g in 0..hd / 128 {
+                wht128(qf, qb + g * 128, tabs, false);
+            }
+        }
+    }
+}
+
+/// The fork's 64-value rotation of the 64 values at `base` (`specula_quant::wht::forward64`,
+/// or `inverse64`): the first 64 entries of the sign tables, scale 1/8.
+#[cube]
+pub fn wht64(x: &mut [f32], base: usize, tabs: &[f32], #[comptime] inverse: bool) {
+    let first = comptime![if inverse { TURBO_S2 } else { 0usize }];
+    let second = comptime![if inverse { 0usize } else { TURBO_S2 }];
+    for i in 0..64usize {
+        x[base + i] *= tabs[first + i];
+    }
+    let mut h = 1usize;
+    while h < 64 {
+        let mut i = 0usize;
+        while i < 64 {
+            for j in i..i + h {
+                let a = x[base + j];
+                let b = x[base + j + h];
+                x[base + j] = a + b;
+                x[base + j + h] = a - b;
+            }
+            i += 2 * h;
+        }
+        h *= 2;
+    }
+    for i in 0..64usize {
+        x[base + i] *= 0.125f32 * tabs[second + i];
+    }
+}
+
+/// The index of the two-stage level nearest to `t` (`specula_kv`'s `Levels::nearest`): the
+/// bin of `t` gives the first midpoint to test, then the midpoints at or below `t` are
+/// passed. `lf` holds the levels, the midpoints, then `lo`, `inv_width`, `last_bin`; `lu` the
+/// code pairs, then the bins' first midpoints; `nl` levels.
+#[cube]
+fn nearest2(lf: &[f32], lu: &[u32], t: f32, #[comptime] nl: usize) -> usize {
+    let x = (t - lf[2 * nl - 1]) * lf[2 * nl];
+    let mut b = 0.0f32;
+    if x >= 0.0 {
+        b = x;
+    }
+    if b > lf[2 * nl + 1] {
+        b = lf[2 * nl + 1];
+    }
+    let mut i = lu[nl + u32::cast_from(b) as usize] as usize;
+    while i < nl - 1 && lf[nl + i] <= t {
+        i += 1;
+    }
+    i
+}
+
+/// `Σ (z − s·level(z/s))²` over the 64 values at `base` (`Levels::error`).
+#[cube]
+fn error2(
+    z: &mut [f32],
+    base: usize,
+    s: f32,
+    lf: &[f32],
+    lu: &[u32],
+    zero: u32,
+    #[comptime] nl: usize,
+) -> f32 {
+    let inv = 1.0f32 / s;
+    let mut acc = 0.0f32;
+    for j in 0..64usize {
+        let v = z[base + j];
+        let l = lf[nearest2(lf, lu, exact(v * inv, zero), nl)];
+        let d = v - exact(s * l, zero);
+        acc += exact(d * d, zero);
+    }
+    acc
+}
+
+/// The norm refitted from `s` by `steps` Lloyd steps (`Levels::refit`), rounded to f16.
+#[cube]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "the head, the start and the tables"
+)]
+fn refit2(
+    z: &mut [f32],
+    base: usize,
+    s0: f32,
+    lf: &[f32],
+    lu: &[u32],
+    steps: u32,
+    zero: u32,
+    #[comptime] nl: usize,
+) -> f32 {
+    let mut s = s0;
+    let mut go = true;
+    for _ in 0..steps as usize {
+        if go {
+            let inv = 1.0f32 / s;
+            let mut num = 0.0f32;
+            let mut den = 0.0f32;
+            for j in 0..64usize {
+                let v = z[base + j];
+                let l = lf[nearest2(lf, lu, exact(v * inv, zero), nl)];
+                num += exact(v * l, zero);
+                den += exact(l * l, zero);
+            }
+            if den <= 0.0 {
+                go = false;
+            } else {
+                s = num / den;
+            }
+        }
+    }
+    f16_round(s)
+}
+
+/// Writes rows of `src` (`[n, n_kv · 64]`) into cells `cells[t]` of a turbo cache of 64-value
+/// heads stored in two stages (`specula_kv`'s `encode_two_stage`), one unit per (row, head):
+/// the head less its offset, rotated by the 64-value rotation; its norm `s` the best of the
+/// grid `f · ‖z‖·√2` (`lf[2·nl + 3..]`), refitted by Lloyd steps and kept when no worse; each
+/// value at the nearest level `s·(c_a + β·c_b)`, code `a` at position `j` and `b` at `64 + j`
+/// of the head's one 128-code group. `work` holds `n · n_kv · 64` values of scratch.
+#[cube(launch)]
+#[allow(
+    clippy::too_many_arguments,
+    clippy::too_many_lines,
+    unused_assignments,
+    reason = "a kernel's buffers, sizes and format; kernel variables declared before the branches that set them"
+)]
+pub fn kv_write_turbo2s(
+    src: &[f32],
+    cells: &[u32],
+    center: &[f32],
+    codes: &mut [u32],
+    norms: &mut [f32],
+    work: &mut [f32],
+    tabs: &[f32],
+    lf: &[f32],
+    lu: &[u32],
+    items: u32,
+    n_kv: u32,
+    steps: u32,
+    zero: u32,
+    #[comptime] bits: u32,
+    #[comptime] nl: usize,
+) {
+    let id = ABSOLUTE_POS;
+    if id < items as usize {
+        let n_kv = n_kv as usize;
+        let t = id / n_kv;
+        let h = id % n_kv;
+        let wb = id * 64;
+        less_center(src, center, work, wb, h * 64, 64);
+        wht64(work, wb, tabs, false);
+        let mut n2 = 0.0f32;
+        for j in 0..64usize {
+            let v = work[wb + j];
+            n2 += exact(v * v, zero);
+        }
+        let base = (2.0f32 * n2).sqrt();
+        let mut s = 0.0f32;
+        if base > 0.0 && base <= f32::MAX {
+            let mut best_e = -neg_inf();
+            let mut best_s = 0.0f32;
+            for k in 0..12usize {
+                let fs = lf[2 * nl + 3 + k] * base;
+                let e = error2(work, wb, fs, lf, lu, zero, nl);
+                if e < best_e {
+                    best_e = e;
+                    best_s = fs;
+                }
+            }
+            let start = f16_round(best_s);
+            let fitted = refit2(work, wb, best_s, lf, lu, steps, zero, nl);
+            s = start;
+            // (Both errors are computed; they only decide for a finite positive fit.)
+            if fitted > 0.0
+                && fitted <= f32::MAX
+                && error2(work, wb, fitted, lf, lu, zero, nl)
+                    <= error2(work, wb, start, lf, lu, zero, nl)
+            {
+                s = fitted;
+            }
+        }
+        let grp = cells[t] as usize * n_kv + h;
+        norms[grp] = f16_round(s);
+        let words = comptime![4 * bits as usize];
+        for w in 0..words {
+            codes[grp * words + w] = 0u32;
+        }
+        let mut inv = 0.0f32;
+        if s > 0.0 {
+            inv = 1.0f32 / s;
+        }
+        for j in 0..64usize {
+            let mut p = 0u32;
+            if s > 0.0 {
+                p = lu[nearest2(lf, lu, exact(work[wb + j] * inv, zero), nl)];
+            }
+            let a = p & 0xFF;
+            let b = p >> 8;
+            for half in 0..2usize {
+                let mut c = a;
+                if half == 1 {
+                    c = b;
+                }
+                let bit = (j + 64 * half) * comptime![bits as usize];
+                let w = grp * words + bit / 32;
+                let sh = u32::cast_from(bit % 32);
+                codes[w] |= c << sh;
+                if sh + comptime![bits] > 32 {
+                    codes[w + 1] |= c >> (32 - sh);
+                }
+            }
+        }
+    }
+}
+
+/// Folds two-stage turbo outputs (`mo`, 128 values per (row, head)) onto their 64-value heads,
+/// as the CPU backend reads a two-stage V back: `y_a + β·y_b`, rotated back by the 64-value
+/// rotation, the K/V head's offset added; zeros for a row that saw no cell (`empty`).
+#[cube(launch)]
+#[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
+pub fn turbo_fold64(
+    mo: &[f32],
+    empty: &[u32],
+    vcenter: &[f32],
+    tabs: &[f32],
+    out: &mut [f32],
+    items: u32,
+    n_head: u32,
+    group: u32,
+    beta: f32,
+    zero: u32,
+) {
+    let id = ABSOLUTE_POS;
+    if id < items as usize {
+        let ob = id * 64;
+        let mb = id * 128;
+        if empty[id] != 0 {
+            for j in 0..64usize {
+                out[ob + j] = 0.0f32;
+            }
+        } else {
+            for j in 0..64usize {
+                out[ob + j] = mo[mb + j] + exact(beta * mo[mb + 64 + j], zero);
+            }
+            wht64(out, ob, tabs, true);
+            let cb = ((id % n_head as usize) / group as usize) * 64;
+            for j in 0..64usize {
+                out[ob + j] += vcenter[cb + j];
+            }
         }
     }
 }
