@@ -388,7 +388,7 @@ const SCALE_STARTS: [f32; 12] = [
 ];
 
 /// The tables of a two-stage turbo head's encoder, for a backend that encodes on its own
-/// device with these operations ([`encode_two_stage`]): the sorted levels `c_a + β·c_b`, the
+/// device with these operations (`encode_two_stage`): the sorted levels `c_a + β·c_b`, the
 /// code pair of each, the midpoints between neighbours, and the bins that start the search
 /// for the nearest level (bin `⌊clamp((t − lo) · inv_width, 0, last_bin)⌋` starts at midpoint
 /// `below[bin]`); the grid of starting scales and the Lloyd steps of the norm's fit.
