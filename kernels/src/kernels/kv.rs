@@ -84,20 +84,7 @@ pub fn hadamard(x: &mut [f32], base: usize, len: usize, n: usize, scale: f32) {
     if n > 0 {
         let mut g = 0usize;
         while g < len {
-            let mut h = 1usize;
-            while h < n {
-                let mut i = 0usize;
-                while i < n {
-                    for j in i..i + h {
-                        let a = x[base + g + j];
-                        let b = x[base + g + j + h];
-                        x[base + g + j] = a + b;
-                        x[base + g + j + h] = a - b;
-                    }
-                    i += 2 * h;
-                }
-                h *= 2;
-            }
+            butterflies(x, base + g, n);
             for j in 0..n {
                 x[base + g + j] *= scale;
             }
@@ -604,13 +591,14 @@ pub fn turbo_tables() -> Vec<f32> {
 /// `1/√128` as the TurboQuant rotation's f32 constant.
 const INV_SQRT_128: f32 = 0.088_388_346;
 
-/// The unnormalized Hadamard butterflies over the 128 values at `base`.
+/// The unnormalized Hadamard butterflies `(a, b) → (a + b, a − b)` of growing span over the
+/// `n` values at `base` (`n` a power of two).
 #[cube]
-fn butterflies128(x: &mut [f32], base: usize) {
+fn butterflies(x: &mut [f32], base: usize, n: usize) {
     let mut h = 1usize;
-    while h < 128 {
+    while h < n {
         let mut i = 0usize;
-        while i < 128 {
+        while i < n {
             for j in i..i + h {
                 let a = x[base + j];
                 let b = x[base + j + h];
@@ -632,7 +620,7 @@ pub fn wht128(x: &mut [f32], base: usize, tabs: &[f32], #[comptime] inverse: boo
     for i in 0..128usize {
         x[base + i] *= tabs[first + i];
     }
-    butterflies128(x, base);
+    butterflies(x, base, 128);
     for i in 0..128usize {
         x[base + i] *= INV_SQRT_128 * tabs[second + i];
     }
@@ -796,20 +784,7 @@ pub fn wht64(x: &mut [f32], base: usize, tabs: &[f32], #[comptime] inverse: bool
     for i in 0..64usize {
         x[base + i] *= tabs[first + i];
     }
-    let mut h = 1usize;
-    while h < 64 {
-        let mut i = 0usize;
-        while i < 64 {
-            for j in i..i + h {
-                let a = x[base + j];
-                let b = x[base + j + h];
-                x[base + j] = a + b;
-                x[base + j + h] = a - b;
-            }
-            i += 2 * h;
-        }
-        h *= 2;
-    }
+    butterflies(x, base, 64);
     for i in 0..64usize {
         x[base + i] *= 0.125f32 * tabs[second + i];
     }
