@@ -356,6 +356,8 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
             "4",
             "--seq-len",
             "512",
+            "--generate",
+            &args.generate.to_string(),
         ])
         .args([
             "--max-shards",
@@ -384,6 +386,7 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
             "--draft-vocab",
             "4096",
         ])
+        .args(["--labels", &args.dflash_labels])
         .args(["--steps", &args.steps.to_string(), "--export", "f16,q8_0"]);
     if dflash_dir.join("checkpoint.bin").exists() {
         cmd.arg("--resume");
@@ -569,7 +572,7 @@ fn table(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
          `cargo xtask exp spec --target {} --steps {} --eagle-steps {} --shards {} -n {} \
-         --dflash-labels {} --prompts-per-file {} --prompt-chars {}{}` \
+         --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads).\n\n\
          τ = tokens committed per verified round, bonus included. \"τ-implied\" is the speed-up \
@@ -582,6 +585,7 @@ fn table(
         args.eagle_steps,
         args.shards,
         args.n,
+        args.generate,
         args.dflash_labels,
         args.prompts_per_file,
         args.prompt_chars,

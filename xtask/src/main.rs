@@ -86,6 +86,11 @@ struct ExpSpecArgs {
     /// Feature shards to extract (64 sequences of 512 tokens each).
     #[arg(long, default_value_t = 6)]
     shards: usize,
+    /// Tokens of each 512-token feature sequence the target generates greedily from the
+    /// corpus tokens before them (`specula extract --generate`): drafters then learn the
+    /// target's own greedy path. 0: the corpus as it is.
+    #[arg(long, default_value_t = 448)]
+    generate: usize,
     /// What DFlash's block rows learn (`specula train --labels`: greedy, target, corpus).
     #[arg(long, default_value = "greedy")]
     dflash_labels: String,

@@ -10,6 +10,12 @@
 //! directory is the same bytes however many runs made it. A directory holding another run's
 //! features (other target, taps, corpus, …) is refused with the field that differs.
 //!
+//! With `--generate N` each sequence keeps only its first `--seq-len − N` corpus tokens, and
+//! the target continues them greedily for up to N tokens
+//! ([`Engine::continue_greedy`](specula_engine::Engine::continue_greedy), ending early after an
+//! end-of-generation token) before its features are taken: the text a drafter for greedy
+//! decoding should learn, where every next token is the target's own top-1.
+//!
 //! # Shard layout (little-endian)
 //! `SPECFEAT`, u32 version (1), u32 sequences, u64 tokens, u32 width (taps × n_embd), u32 k;
 //! then per sequence its u32 length; every token's u32 id; every token's `width` f16
@@ -62,6 +68,15 @@ pub struct Args {
     /// Sequences per forward.
     #[arg(long = "batch", default_value_t = 4)]
     pub batch: usize,
+    /// Replace the last `N` tokens of every sequence by the target's greedy continuation of
+    /// the tokens before them (ending early after an end-of-generation token); 0: the corpus
+    /// as it is.
+    #[arg(long = "generate", default_value_t = 0)]
+    pub generate: usize,
+    /// Sequences per forward while generating (each forward is one token of each: larger
+    /// batches read the weights once for more rows).
+    #[arg(long = "gen-batch", default_value_t = 16)]
+    pub gen_batch: usize,
     /// Sequences per shard file.
     #[arg(long = "shard-seqs", default_value_t = 64)]
     pub shard_seqs: usize,
@@ -83,11 +98,16 @@ pub struct Manifest {
     pub seq_len: usize,
     pub top_k: usize,
     pub shard_seqs: usize,
+    /// Tokens of each sequence the target generated (`--generate`; absent in manifests
+    /// written before it existed: 0).
+    #[serde(default)]
+    pub generate: usize,
     pub corpus: Vec<Doc>,
     pub held_out: Vec<String>,
     /// Files of the corpus that are not UTF-8 text (left out).
     pub skipped: Vec<String>,
-    /// Sequences and tokens of the whole corpus.
+    /// Sequences and tokens of the whole corpus (with `--generate`, the most tokens: a
+    /// continuation may end early).
     pub n_seqs: usize,
     pub n_tokens: usize,
     pub shards: Vec<Shard>,
@@ -247,7 +267,7 @@ fn shard_bytes(seqs: &[&[u32]], feats: &[SeqFeatures], width: usize, k: usize) -
 
 /// The first field in which `old` (a directory's manifest) is not this run.
 fn differs(old: &Manifest, new: &Manifest) -> Option<String> {
-    let pairs: [(&str, String, String); 7] = [
+    let pairs: [(&str, String, String); 8] = [
         (
             "format",
             format!("{} {}", old.format, old.version),
@@ -261,6 +281,11 @@ fn differs(old: &Manifest, new: &Manifest) -> Option<String> {
         ("taps", format!("{:?}", old.taps), format!("{:?}", new.taps)),
         ("seq-len", old.seq_len.to_string(), new.seq_len.to_string()),
         ("top-k", old.top_k.to_string(), new.top_k.to_string()),
+        (
+            "generate",
+            old.generate.to_string(),
+            new.generate.to_string(),
+        ),
         (
             "shard-seqs",
             old.shard_seqs.to_string(),
@@ -289,8 +314,15 @@ fn differs(old: &Manifest, new: &Manifest) -> Option<String> {
 
 /// `specula extract`.
 pub fn run(args: &Args) -> Result<String> {
-    if args.seq_len < 2 || args.batch == 0 || args.shard_seqs == 0 {
-        bail!("--seq-len must be at least 2, --batch and --shard-seqs at least 1");
+    if args.seq_len < 2 || args.batch == 0 || args.gen_batch == 0 || args.shard_seqs == 0 {
+        bail!("--seq-len must be at least 2, --batch, --gen-batch and --shard-seqs at least 1");
+    }
+    if args.generate >= args.seq_len {
+        bail!(
+            "--generate {} leaves no prompt in a sequence of --seq-len {}",
+            args.generate,
+            args.seq_len
+        );
     }
     let path = load::model_path(args.model.as_deref())?;
     let engine = load::cpu_engine(&path, args.threads)?;
@@ -329,10 +361,11 @@ pub fn run(args: &Args) -> Result<String> {
             sha256: hex(Sha256::digest(&bytes)),
             tokens: ids.len(),
         });
+        let prompt = args.seq_len - args.generate;
         seqs.extend(
             ids.chunks(args.seq_len)
                 .filter(|c| c.len() >= 2)
-                .map(<[u32]>::to_vec),
+                .map(|c| c[..c.len().min(prompt)].to_vec()),
         );
     }
     if seqs.is_empty() {
@@ -353,11 +386,12 @@ pub fn run(args: &Args) -> Result<String> {
         seq_len: args.seq_len,
         top_k: args.top_k,
         shard_seqs: args.shard_seqs,
+        generate: args.generate,
         corpus,
         held_out: args.held_out.clone(),
         skipped,
         n_seqs: seqs.len(),
-        n_tokens: seqs.iter().map(Vec::len).sum(),
+        n_tokens: seqs.iter().map(|s| s.len() + args.generate).sum(),
         shards: Vec::new(),
     };
 
@@ -411,14 +445,35 @@ pub fn run(args: &Args) -> Result<String> {
             break;
         }
         let first = i * args.shard_seqs;
-        let group: Vec<&[u32]> = seqs[first..(first + args.shard_seqs).min(seqs.len())]
+        let corpus_seqs: Vec<&[u32]> = seqs[first..(first + args.shard_seqs).min(seqs.len())]
             .iter()
             .map(Vec::as_slice)
             .collect();
+        let generated = if args.generate > 0 {
+            bar.set_message(format!("shard {}/{n_shards}: generating", i + 1));
+            bar.inc(corpus_seqs.iter().map(|s| s.len() as u64).sum());
+            let out = engine.continue_greedy(&corpus_seqs, args.generate, args.gen_batch, |k| {
+                bar.inc(k as u64);
+            })?;
+            // Ended early: the tokens it did not generate count as done.
+            let short: usize = out.iter().map(|s| s.len()).sum::<usize>();
+            let full: usize = corpus_seqs.iter().map(|s| s.len() + args.generate).sum();
+            bar.inc((full - short) as u64);
+            out
+        } else {
+            Vec::new()
+        };
+        let group: Vec<&[u32]> = if args.generate > 0 {
+            generated.iter().map(Vec::as_slice).collect()
+        } else {
+            corpus_seqs
+        };
         bar.set_message(format!("shard {}/{n_shards}", i + 1));
         let mut feats = Vec::with_capacity(group.len());
         engine.extract(&group, &opts, |j, f| {
-            bar.inc(group[j].len() as u64);
+            if args.generate == 0 {
+                bar.inc(group[j].len() as u64);
+            }
             feats.push(f);
             Ok(())
         })?;

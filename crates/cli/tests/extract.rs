@@ -236,3 +236,89 @@ fn bad_arguments_fail_with_one_line() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(!o.status.success() && err.contains("nope"), "{err}");
 }
+
+/// `--generate 16`: each sequence is its first 32 corpus tokens and the target's greedy
+/// continuation of them (what `Engine::generate` gives greedily), so every stored top-1 of
+/// the continuation is the next stored id; a directory of corpus features refuses it by name.
+#[test]
+fn generated_sequences_are_the_targets_greedy_continuations() {
+    let Some(path) = specula_testkit::real_model("smollm2-135m") else {
+        return;
+    };
+    let m = path.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let c = corpus(dir.path());
+    let a = dir.path().join("a");
+    let flags = ["--taps", "30", "--top-k", "1", "--max-shards", "1"];
+    ok(&extract(
+        m,
+        &c,
+        &a,
+        &[&flags[..], &["--generate", "16"]].concat(),
+    ));
+    let s = std::fs::read(a.join("shard-00000.bin")).unwrap();
+    let n_seqs = u32_at(&s, 12) as usize;
+    let tokens = usize::try_from(u64::from_le_bytes(s[16..24].try_into().unwrap())).unwrap();
+    let lens: Vec<usize> = (0..n_seqs)
+        .map(|i| u32_at(&s, 32 + 4 * i) as usize)
+        .collect();
+    assert_eq!(lens.iter().sum::<usize>(), tokens);
+    let at = 32 + 4 * n_seqs;
+    let ids: Vec<u32> = (0..tokens).map(|i| u32_at(&s, at + 4 * i)).collect();
+    let kat = at + 4 * tokens + 2 * tokens * 576;
+    let top1: Vec<u32> = (0..tokens).map(|i| u32_at(&s, kat + 8 * i)).collect();
+
+    let engine = {
+        let f = std::sync::Arc::new(specula_gguf::Gguf::open(&path).unwrap());
+        let tok = specula_tokenizer::Tokenizer::from_gguf(&f).unwrap();
+        let be = specula_cpu::CpuBackend::new(2);
+        let model = specula_models::Model::load(&be, f).unwrap();
+        specula_engine::Engine::new(be, model, tok)
+    };
+    let text = std::fs::read_to_string(c.join("readme.md")).unwrap();
+    let corpus_ids = engine.tokenizer.encode_with(
+        &text,
+        specula_tokenizer::EncodeOptions {
+            add_special: true,
+            parse_special: false,
+        },
+    );
+    let mut start = 0;
+    for (i, &len) in lens.iter().enumerate() {
+        let seq = &ids[start..start + len];
+        let prompt = &corpus_ids[48 * i..48 * i + 32];
+        assert_eq!(
+            &seq[..32],
+            prompt,
+            "sequence {i}: its prompt is the corpus's"
+        );
+        let mut session = engine.session(48, QType::F16, QType::F16).unwrap();
+        let mut opts = specula_engine::GenerateOptions::greedy(16);
+        opts.stop_at_eog = true;
+        let g = engine
+            .generate(&mut session, prompt, &opts, |_| {})
+            .unwrap();
+        assert_eq!(
+            &seq[32..],
+            g.generated_ids,
+            "sequence {i}: the greedy continuation"
+        );
+        for p in start + 31..start + len - 1 {
+            assert_eq!(top1[p], ids[p + 1], "sequence {i}: row {p}'s top-1");
+        }
+        start += len;
+    }
+
+    let other = extract(m, &c, &a, &flags);
+    let err = String::from_utf8_lossy(&other.stderr);
+    assert!(
+        !other.status.success() && err.contains("generate: 16 there, 0 here"),
+        "{err}"
+    );
+    let o = extract(m, &c, &dir.path().join("b"), &["--generate", "48"]);
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--generate 48 leaves no prompt"),
+        "{err}"
+    );
+}

@@ -7,6 +7,11 @@
 //! sequence's rows have the bits [`Engine::prefill_with_features`] gives it alone (tested), so
 //! what a drafter is trained on is what it is fed at inference. The output head runs only when
 //! top-k logits are asked for.
+//!
+//! [`Engine::continue_greedy`] makes the text a drafter for greedy decoding should learn: the
+//! target's own greedy continuations of corpus prompts (DFlash and EAGLE-3 train on responses
+//! the target generated, not on the corpus, whose next token is the target's top-1 only about
+//! half the time on code).
 
 use specula_models::Taps;
 use specula_quant::QType;
@@ -38,6 +43,82 @@ pub struct SeqFeatures {
 }
 
 impl<B: Backend> Engine<B> {
+    /// Each prompt followed by the target's greedy continuation of up to `n` tokens (ending
+    /// early after an end-of-generation token), `batch` prompts per forward: the first forward
+    /// runs the prompts, every later one the last token of each unfinished sequence.
+    /// `progress(tokens)` is told of every step's new tokens. With batch-invariant kernels a
+    /// continuation is the one plain greedy decoding of its prompt gives.
+    ///
+    /// # Errors
+    /// An empty prompt, ids outside the vocabulary, a batch of 0, or a cache the backend
+    /// cannot allocate.
+    pub fn continue_greedy(
+        &self,
+        prompts: &[&[u32]],
+        n: usize,
+        batch: usize,
+        mut progress: impl FnMut(usize),
+    ) -> Result<Vec<Vec<u32>>> {
+        if batch == 0 {
+            return Err(EngineError::Extract(
+                "a batch of 0 sequences per forward".into(),
+            ));
+        }
+        if let Some(i) = prompts.iter().position(|s| s.is_empty()) {
+            return Err(EngineError::Extract(format!("prompt {i} is empty")));
+        }
+        let n_vocab = self.model.hparams().n_vocab;
+        let mut scratch = self.scratch();
+        let mut logits = Vec::new();
+        let mut out: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
+        for (g, group) in prompts.chunks(batch).enumerate() {
+            let base = g * batch;
+            let mut sessions = group
+                .iter()
+                .map(|s| self.session(s.len() + n, QType::F16, QType::F16))
+                .collect::<Result<Vec<_>>>()?;
+            // Sequences of the group still generating, by index in the group.
+            let mut live: Vec<usize> = (0..group.len()).collect();
+            let mut step = 0;
+            while step < n && !live.is_empty() {
+                let last: Vec<[u32; 1]> = live
+                    .iter()
+                    .map(|&j| [*out[base + j].last().unwrap_or(&0)])
+                    .collect();
+                let mut entries: Vec<BatchEntry<'_, B>> = Vec::with_capacity(live.len());
+                let mut live_sessions: Vec<Option<&mut crate::Session<B>>> =
+                    sessions.iter_mut().map(Some).collect();
+                for (k, &j) in live.iter().enumerate() {
+                    let tokens: &[u32] = if step == 0 { group[j] } else { &last[k] };
+                    if let Some(session) = live_sessions[j].take() {
+                        entries.push(BatchEntry {
+                            session,
+                            tokens,
+                            logits_from: tokens.len() - 1,
+                            capture: None,
+                        });
+                    }
+                }
+                self.decode_multi(&mut entries, &mut scratch, &mut logits)?;
+                drop(entries);
+                let mut done = Vec::new();
+                for (row, &j) in logits.chunks_exact(n_vocab).zip(&live) {
+                    let id = specula_sampling::steps::argmax(row).ok_or_else(|| {
+                        EngineError::Extract("every logit of a row is NaN or −∞".into())
+                    })?;
+                    out[base + j].push(id);
+                    if self.tokenizer.is_eog(id) {
+                        done.push(j);
+                    }
+                }
+                progress(live.len());
+                live.retain(|j| !done.contains(j));
+                step += 1;
+            }
+        }
+        Ok(out)
+    }
+
     /// The features of `seqs`, `opts.batch` sequences per forward; `each(i, features)` is
     /// called for sequence `i` in order (a caller writes shards as they come, so memory stays
     /// one group's).

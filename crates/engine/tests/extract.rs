@@ -154,3 +154,44 @@ fn bad_requests_are_refused_by_name() {
         .unwrap_err();
     assert!(err.to_string().contains("stop"));
 }
+
+/// `continue_greedy` over a batch gives each prompt the continuation plain greedy decoding of
+/// that prompt alone gives (ending after an end-of-generation token), whatever the batch size.
+#[test]
+fn batched_greedy_continuations_are_each_prompts_own() {
+    for arch in ["llama", "qwen3moe", "qwen35"] {
+        let e = engine(arch);
+        let seqs = seqs();
+        let refs: Vec<&[u32]> = seqs.iter().map(Vec::as_slice).collect();
+        let n = 9;
+        let want: Vec<Vec<u32>> = seqs
+            .iter()
+            .map(|p| {
+                let mut s = e.session(p.len() + n, QType::F16, QType::F16).unwrap();
+                let mut opts = specula_engine::GenerateOptions::greedy(n);
+                opts.stop_at_eog = true;
+                let g = e.generate(&mut s, p, &opts, |_| {}).unwrap();
+                [p.clone(), g.generated_ids].concat()
+            })
+            .collect();
+        for batch in [1, 2, 5] {
+            let mut told = 0;
+            let got = e.continue_greedy(&refs, n, batch, |k| told += k).unwrap();
+            assert_eq!(got, want, "{arch}, batch {batch}");
+            let added: usize = got.iter().zip(&seqs).map(|(g, p)| g.len() - p.len()).sum();
+            assert_eq!(told, added, "{arch}: progress counts every new token");
+        }
+    }
+    let e = engine("llama");
+    let msg = e
+        .continue_greedy(&[&[1, 2], &[]], 3, 2, |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("prompt 1 is empty"), "{msg}");
+    assert!(
+        e.continue_greedy(&[&[1]], 3, 0, |_| {})
+            .unwrap_err()
+            .to_string()
+            .contains("batch of 0")
+    );
+}
