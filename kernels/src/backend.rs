@@ -595,7 +595,7 @@ impl Backend for CubeBackend {
                         name: desc.name.to_owned(),
                         ty,
                         backend: self.name,
-                        op: "weights (formats on the device: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q4_K, q5_K, q6_K, iq4_nl, mxfp4, nvfp4)",
+                        op: "weights (formats on the device: f32, f16, bf16, q4_0, q4_1, q5_0, q5_1, q8_0, q2_K, q3_K, q4_K, q5_K, q6_K, iq4_nl, iq4_xs, mxfp4, nvfp4)",
                     });
                 };
                 let g = layout::unpack(ty, desc.data);
@@ -665,6 +665,31 @@ impl Backend for CubeBackend {
 
     fn shape(&self, t: &CubeTensor) -> (usize, usize) {
         (t.rows, t.cols)
+    }
+
+    fn argmax_rows(&self, x: &CubeTensor, out: &mut Vec<u32>) {
+        out.clear();
+        if x.rows == 0 {
+            return;
+        }
+        let ids = self.client.empty(x.rows * 4);
+        // SAFETY: `x` holds `rows · cols` values, `ids` one u32 per row.
+        unsafe {
+            ew::argmax_rows::launch(
+                &self.client,
+                CubeCount::Static(u(x.rows), 1, 1),
+                CubeDim::new_1d(u(self.units)),
+                BufferArg::from_raw_parts(x.h.clone(), x.rows * x.cols),
+                BufferArg::from_raw_parts(ids.clone(), x.rows),
+                u(x.cols),
+                self.units,
+            );
+        }
+        let bytes = self
+            .client
+            .read_one(ids)
+            .unwrap_or_else(|e| panic!("{} backend: a kernel failed: {e:?}", self.name));
+        out.extend_from_slice(&u32::from_bytes(&bytes)[..x.rows]);
     }
 
     fn resize(&self, t: &mut CubeTensor, rows: usize, cols: usize) {

@@ -185,6 +185,9 @@ pub fn conformance<B: Backend>(be: &B) {
         QType::Q4_K,
         QType::Q5_K,
         QType::Q6_K,
+        QType::Q2_K,
+        QType::Q3_K,
+        QType::IQ4_XS,
         QType::IQ4_NL,
         QType::MXFP4,
         QType::NVFP4,
@@ -379,6 +382,38 @@ pub fn conformance<B: Backend>(be: &B) {
         cpu.put_rows(&rc, &[3, 1], &mut pc);
         assert_eq!(be.shape(&pb), (5, cols));
         check("put_rows", &host(be, &pb), &host(cpu, &pc), 0.0);
+
+        // Argmax per row: random rows; a row whose maximum repeats (the first wins); NaN and
+        // −∞ that never win; a row of nothing else; a vocabulary-sized row.
+        let mut rows_in: Vec<Vec<f32>> = (0..4u64)
+            .map(|r| {
+                let (t, _) = p.tensors(1, 1000, 40 + r, 5.0);
+                host(be, &t)
+            })
+            .collect();
+        rows_in[1][17] = 9.0;
+        rows_in[1][400] = 9.0;
+        rows_in[1][999] = 9.0;
+        rows_in[2][3] = f32::NAN;
+        rows_in[2][500] = f32::NAN;
+        rows_in[3] = vec![f32::NEG_INFINITY; 1000];
+        rows_in[3][7] = f32::NAN;
+        let flat: Vec<f32> = rows_in.concat();
+        let (xb, xc) = (be.from_host(4, 1000, &flat), cpu.from_host(4, 1000, &flat));
+        let (mut ib, mut ic) = (Vec::new(), Vec::new());
+        be.argmax_rows(&xb, &mut ib);
+        cpu.argmax_rows(&xc, &mut ic);
+        assert_eq!(ib, ic, "argmax_rows");
+        assert_eq!(ic[1], 17, "argmax_rows: the first of equal maxima");
+        assert_eq!(
+            ic[3],
+            specula_tensor::NO_ARGMAX,
+            "argmax_rows: no value above −∞"
+        );
+        let (vb, vc) = p.tensors(2, 151_936, 44, 8.0);
+        be.argmax_rows(&vb, &mut ib);
+        cpu.argmax_rows(&vc, &mut ic);
+        assert_eq!(ib, ic, "argmax_rows over a vocabulary");
     }
 
     // Attention: each cache format the device keeps, K and V apart, GQA, every mask,

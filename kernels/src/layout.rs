@@ -5,13 +5,15 @@
 //! byte layout of its own (a 34-byte `block_q8_0`, a 144-byte `block_q4_K` with 6-bit
 //! sub-block scales). On the device every such format becomes
 //!
-//! - codes of `bits` bits each, in groups of `group` values (32, or 16 for Q6_K), packed
-//!   little-endian into u32 words (`group · bits / 32` words per group), read unsigned with
-//!   the format's `offset` subtracted;
-//! - per block (`block` values: 32, or 256 for the K-quants) its f16 scales as f32: `d`, and
-//!   `m` (Q4_1, Q5_1) or `dmin` (Q4_K, Q5_K);
-//! - per group of a K-quant its integer sub-block scale (and min);
-//! - for the codebook formats (IQ4_NL, MXFP4, NVFP4) the 4-bit codes, which the kernels map
+//! - codes of `bits` bits each, in groups of `group` values (32, or 16 for Q2_K, Q3_K and
+//!   Q6_K), packed little-endian into u32 words (`group · bits / 32` words per group), read
+//!   unsigned with the format's `offset` subtracted (Q3_K's 3-bit codes take 4 bits: sixteen
+//!   of 3 bits would not fill whole words);
+//! - per block (`block` values: 32, or 256 for the K-quants and IQ4_XS) its f16 scales as f32:
+//!   `d`, and `m` (Q4_1, Q5_1) or `dmin` (Q2_K, Q4_K, Q5_K);
+//! - per group of a K-quant (and IQ4_XS) its integer sub-block scale (and min): Q3_K's and
+//!   IQ4_XS's 6-bit scales less 32, as ggml subtracts it;
+//! - for the codebook formats (IQ4_NL, IQ4_XS, MXFP4, NVFP4) the 4-bit codes, which the kernels map
 //!   through the format's table of integers ([`Table`]) so the products stay integer, and per
 //!   block its scale as f32 (IQ4_NL's f16 `d`; MXFP4's E8M0 exponent and NVFP4's UE4M3 scale
 //!   per 16 values, each decoded to half its value as ggml does).
@@ -58,11 +60,11 @@ pub enum Term {
     Q4_0,
     /// `isum · (d_w · d_a)` (Q8_0).
     Q8_0,
-    /// `(d_w · d_a) · isum` (Q5_0, Q6_K).
+    /// `(d_w · d_a) · isum` (Q5_0, Q3_K, Q6_K, IQ4_XS).
     Dd,
     /// `(d_w · d_a) · isum + m_w · s_a` (Q4_1, Q5_1).
     Min,
-    /// `(d_w · d_a) · isum − (dmin_w · d_a) · summs` (Q4_K, Q5_K).
+    /// `(d_w · d_a) · isum − (dmin_w · d_a) · summs` (Q2_K, Q4_K, Q5_K).
     KMin,
 }
 
@@ -85,11 +87,13 @@ impl Term {
 pub struct GroupFormat {
     /// Bits per code.
     pub bits: u32,
-    /// Values per group (32, or 16 for Q6_K): one integer scale each in a K-quant.
+    /// Values per group (32, or 16 for Q2_K, Q3_K, Q6_K): one integer scale each in a
+    /// K-quant.
     pub group: u32,
-    /// Values per block (32, or 256 for the K-quants): one float term each.
+    /// Values per block (32, or 256 for the K-quants and IQ4_XS): one float term each.
     pub block: u32,
-    /// Subtracted from each code (8 for Q4_0, 128 for Q8_0's signed bytes stored biased).
+    /// Subtracted from each code (8 for Q4_0, 4 for Q3_K's codes with the high bit set when
+    /// ggml's is clear, 128 for Q8_0's signed bytes stored biased).
     pub offset: u32,
     /// The block term.
     pub term: Term,
@@ -106,7 +110,7 @@ pub struct GroupFormat {
 pub enum Table {
     /// The code less the format's offset.
     None,
-    /// IQ4_NL's non-linear values (`kvalues_iq4nl`).
+    /// IQ4_NL's non-linear values (`kvalues_iq4nl`; IQ4_NL, IQ4_XS).
     Iq4Nl,
     /// FP4 (E2M1) values, doubled (`kvalues_mxfp4`; MXFP4, NVFP4).
     Fp4,
@@ -175,6 +179,12 @@ impl GroupFormat {
             QType::Q4_K => f(4, 32, 256, 0, Term::KMin, ActQuant::Q8K),
             QType::Q5_K => f(5, 32, 256, 0, Term::KMin, ActQuant::Q8K),
             QType::Q6_K => f(6, 16, 256, 32, Term::Dd, ActQuant::Q8K),
+            QType::Q2_K => f(2, 16, 256, 0, Term::KMin, ActQuant::Q8K),
+            QType::Q3_K => f(4, 16, 256, 4, Term::Dd, ActQuant::Q8K),
+            QType::IQ4_XS => Self {
+                table: Table::Iq4Nl,
+                ..f(4, 32, 256, 0, Term::Dd, ActQuant::Q8K)
+            },
             _ => return None,
         })
     }
@@ -185,7 +195,7 @@ impl GroupFormat {
         (self.group * self.bits / 32) as usize
     }
 
-    /// Whether groups carry integer scales (the K-quants).
+    /// Whether groups carry integer scales (the K-quants, IQ4_XS).
     #[must_use]
     pub fn group_scales(self) -> bool {
         self.block > self.group
@@ -207,7 +217,7 @@ pub struct Groups {
     pub m: Vec<f32>,
     /// Per group of a K-quant, its integer scale (empty otherwise).
     pub sc: Vec<i32>,
-    /// Per group of Q4_K / Q5_K, its integer min (empty otherwise).
+    /// Per group of Q2_K / Q4_K / Q5_K, its integer min (empty otherwise).
     pub mn: Vec<i32>,
     /// Codes, [`GroupFormat::words`] per group.
     pub codes: Vec<u32>,
@@ -332,6 +342,60 @@ pub fn unpack(ty: QType, bytes: &[u8]) -> Groups {
                     }
                 }
             }
+            QType::Q2_K => {
+                // scales[16] (4-bit scale, 4-bit min per 16 values), qs[64], d, dmin: element
+                // 128h + 32j + l is bits 2j..2j+2 of qs[32h + l].
+                let (sc, qs) = (&b[0..16], &b[16..80]);
+                g.d.push(half(b, 80));
+                g.m.push(half(b, 82));
+                g.sc.extend(sc.iter().map(|&s| i32::from(s & 0xF)));
+                g.mn.extend(sc.iter().map(|&s| i32::from(s >> 4)));
+                for h in 0..2 {
+                    for j in 0..4 {
+                        for l in 0..32 {
+                            codes[128 * h + 32 * j + l] = (qs[32 * h + l] >> (2 * j)) & 3;
+                        }
+                    }
+                }
+            }
+            QType::Q3_K => {
+                // hmask[32], qs[64], scales[12] (6-bit, less 32), d: element 128h + 32j + l
+                // is bits 2j..2j+2 of qs[32h + l], less 4 when bit 4h + j of hmask[l] is
+                // clear — stored as the code with that bit as its third, less 4.
+                let (hm, qs, sc) = (&b[0..32], &b[32..96], &b[96..108]);
+                g.d.push(half(b, 108));
+                for j in 0..16 {
+                    let lo = if j < 8 { sc[j] & 0xF } else { sc[j - 8] >> 4 };
+                    let hi = (sc[8 + j % 4] >> (2 * (j / 4))) & 3;
+                    g.sc.push(i32::from(lo | (hi << 4)) - 32);
+                }
+                for h in 0..2 {
+                    for j in 0..4 {
+                        for l in 0..32 {
+                            let lo = (qs[32 * h + l] >> (2 * j)) & 3;
+                            let hi = u8::from(hm[l] & (1 << (4 * h + j)) != 0) << 2;
+                            codes[128 * h + 32 * j + l] = lo | hi;
+                        }
+                    }
+                }
+            }
+            QType::IQ4_XS => {
+                // d, scales_h (u16), scales_l[4], qs[128]: sub-block j's scale is nibble j of
+                // scales_l with bits 2j..2j+2 of scales_h above it, less 32; its 32 values
+                // are the low then the high nibbles of qs[16j..16j + 16].
+                g.d.push(half(b, 0));
+                let sh = u16::from_le_bytes([b[2], b[3]]);
+                let (sl, qs) = (&b[4..8], &b[8..136]);
+                for j in 0..8 {
+                    let lo = (sl[j / 2] >> (4 * (j % 2))) & 0xF;
+                    let hi = (sh >> (2 * j)) & 3;
+                    g.sc.push(i32::from(u16::from(lo) | (hi << 4)) - 32);
+                    for (l, &q) in qs[16 * j..16 * j + 16].iter().enumerate() {
+                        codes[32 * j + l] = q & 0xF;
+                        codes[32 * j + l + 16] = q >> 4;
+                    }
+                }
+            }
             _ => unreachable!("GroupFormat::of covers the formats unpacked here"),
         }
         let group = fmt.group as usize;
@@ -402,10 +466,10 @@ pub fn value(fmt: GroupFormat, g: &Groups, i: usize) -> f32 {
         // Q4_1, Q5_1: `q · d + m` (without a min nothing is added: `−0.0 + 0.0` would turn
         // ggml's `−0` into `+0`).
         (Term::Min, _) => q * d + g.m[bi],
-        // Q4_K, Q5_K: `(d · sc) · q − dmin · m`.
+        // Q2_K, Q4_K, Q5_K: `(d · sc) · q − dmin · m`.
         #[allow(clippy::cast_precision_loss, reason = "6-bit mins")]
         (Term::KMin, Some(sc)) => d * sc * q - g.m[bi] * g.mn[gi] as f32,
-        // Q6_K: `(d · sc) · q`.
+        // Q3_K, Q6_K, IQ4_XS: `(d · sc) · q`.
         (_, Some(sc)) => d * sc * q,
         // Q4_0, Q5_0, Q8_0, IQ4_NL, MXFP4, NVFP4: `q · d`.
         (_, None) => q * d,
@@ -434,6 +498,9 @@ mod tests {
             QType::Q4_K,
             QType::Q5_K,
             QType::Q6_K,
+            QType::Q2_K,
+            QType::Q3_K,
+            QType::IQ4_XS,
             QType::IQ4_NL,
             QType::MXFP4,
             QType::NVFP4,

@@ -2,7 +2,8 @@
 //! the decodes after it (logits NMSE ≤ 1e-5, and the same greedy token at every row), on a
 //! tiny qwen3, on SmolLM2-135M (llama; Q4_1 matrices, a Q8_0 tied head) and on Gemma-3-270M
 //! (Q4_K/Q5_0/Q6_K/Q8_0, GeGLU, QK-norm, sliding-window layers), on CubeCL's CPU runtime; also
-//! over block-format and turbo caches, with IQ4_NL / MXFP4 / NVFP4 matrices, and on the hybrid
+//! over block-format and turbo caches, with IQ4_NL / MXFP4 / NVFP4 and Q2_K / Q3_K / IQ4_XS
+//! matrices, and on the hybrid
 //! targets (gated delta-net layers).
 //!
 //! Activation quantization makes a forward chaotic: one ulp of difference upstream flips an
@@ -113,6 +114,39 @@ fn codebook_weight_formats_forward_equal_the_cpu_backend() {
         let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
         same_forward(
             &format!("tiny qwen3, {ty:?} matrices"),
+            &file,
+            &ids,
+            (QType::F16, QType::F16),
+        );
+    }
+}
+
+/// The tiny qwen3 at a hidden size of 256 with its matrices in the 256-value formats the
+/// other tests do not load (Q2_K, Q3_K, IQ4_XS): 16-value groups with a min, Q3_K's codes
+/// with their high bit, IQ4_XS's codebook under sub-block scales give the CPU backend's
+/// logits.
+#[test]
+fn low_bit_k_quant_forward_equals_the_cpu_backend() {
+    use specula_gguf::GgmlType;
+    let d = specula_testkit::tiny::Dims {
+        n_embd: 256,
+        n_ff: 512,
+        ..specula_testkit::tiny::Dims::TINY
+    };
+    for ty in [GgmlType::Q2_K, GgmlType::Q3_K, GgmlType::IQ4_XS] {
+        let mut g = specula_testkit::tiny::target_sized("qwen3", &d);
+        let mut n = 0;
+        for t in &mut g.tensors {
+            if t.dims.len() >= 2 && t.dims[0] % 256 == 0 && t.name != "token_embd.weight" {
+                t.ty = ty;
+                n += 1;
+            }
+        }
+        assert!(n >= 4, "{ty:?}: {n} matrices converted");
+        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
+        same_forward(
+            &format!("tiny qwen3 (hidden 256), {ty:?} matrices"),
             &file,
             &ids,
             (QType::F16, QType::F16),

@@ -246,6 +246,17 @@ impl Backend for CpuBackend {
         (t.rows(), t.cols())
     }
 
+    fn argmax_rows(&self, x: &CpuTensor, out: &mut Vec<u32>) {
+        out.clear();
+        let cols = x.cols().max(1);
+        out.extend(
+            x.as_slice()
+                .chunks_exact(cols)
+                .take(x.rows())
+                .map(specula_tensor::argmax_row),
+        );
+    }
+
     fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
         t.resize(rows, cols);
     }

@@ -191,6 +191,9 @@ pub struct Session<B: Backend> {
     scratch: Scratch<B>,
     pos: Vec<u32>,
     rows: Vec<usize>,
+    /// The argmax of each logits row of the latest prefill, when the scratch reads them out
+    /// ([`Session::set_argmax`]).
+    ids: Vec<u32>,
     n_past: usize,
     n_ctx: usize,
     rollback: specula_kv::Rollback,
@@ -302,6 +305,20 @@ impl<B: Backend> Session<B> {
     #[must_use]
     pub fn n_ctx(&self) -> usize {
         self.n_ctx
+    }
+
+    /// From the next forward on, read out only the argmax of each logits row (`true`,
+    /// [`Session::argmax_ids`]) and return no logits, or the rows (`false`, the default).
+    /// Greedy decoding needs nothing else, and on a device only the ids are downloaded.
+    pub fn set_argmax(&mut self, on: bool) {
+        self.scratch.set_argmax(on);
+    }
+
+    /// The argmax of each logits row the latest prefill asked for, in order, after
+    /// [`Session::set_argmax`] (`specula_tensor::NO_ARGMAX` for a row of only NaN and −∞).
+    #[must_use]
+    pub fn argmax_ids(&self) -> &[u32] {
+        &self.ids
     }
 
     /// The cache's formats and memory accounting (bytes per token, per layer, in all).
@@ -519,6 +536,7 @@ impl<B: Backend> Engine<B> {
             scratch: self.model.scratch(&self.backend),
             pos: Vec::new(),
             rows: Vec::new(),
+            ids: Vec::new(),
             n_past: 0,
             n_ctx,
             rollback: match &shape.recurrent {
@@ -744,6 +762,7 @@ impl<B: Backend> Engine<B> {
             });
         }
         out.clear();
+        s.ids.clear();
         let m = self.n_batch.max(1).min(s.max_rows());
         // With a sliding-window ring, the chunks are aligned to the end: the last forward
         // writes the last `m` rows, so taking back any of them (a rejected draft tail) is a
@@ -776,6 +795,9 @@ impl<B: Backend> Engine<B> {
                 ring,
             )?;
             out.extend_from_slice(logits);
+            if s.scratch.argmax() {
+                s.ids.extend_from_slice(s.scratch.argmax_ids());
+            }
             s.n_past += chunk.len();
             if let Some((taps, features)) = capture.as_mut() {
                 self.interleave(taps, chunk.len(), features);
@@ -1050,6 +1072,28 @@ impl<B: Backend> Engine<B> {
         s: &mut Session<B>,
         prompt: &[u32],
         opts: &GenerateOptions,
+        mask: Option<&mut dyn LogitsMask>,
+        on_token: impl FnMut(u32),
+    ) -> Result<Generation> {
+        // Plain greedy decoding reads each step's argmax, not its logits.
+        let argmax = opts.force_ids.is_none()
+            && mask.is_none()
+            && opts.top_logits == 0
+            && opts.sampler.is_argmax();
+        let was = s.scratch.argmax();
+        s.set_argmax(argmax);
+        let r = self.generate_steps(s, prompt, opts, mask, on_token);
+        s.set_argmax(was);
+        r
+    }
+
+    /// [`Engine::generate_masked`]'s loop; with the session reading out argmaxes
+    /// ([`Session::set_argmax`]) each step takes the target's argmax for the token.
+    fn generate_steps(
+        &self,
+        s: &mut Session<B>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
         mut mask: Option<&mut dyn LogitsMask>,
         mut on_token: impl FnMut(u32),
     ) -> Result<Generation> {
@@ -1086,6 +1130,10 @@ impl<B: Backend> Engine<B> {
             }
             let id = match (&opts.force_ids, mask.as_deref_mut()) {
                 (Some(f), _) => f[i],
+                (None, None) if s.scratch.argmax() => match s.ids.last() {
+                    Some(&id) if id != specula_tensor::NO_ARGMAX => id,
+                    _ => return Err(SamplingError::NoCandidates.into()),
+                },
                 (None, None) => sampler.sample(&logits)?,
                 (None, Some(m)) => {
                     masked.clear();

@@ -20,7 +20,7 @@
 use std::time::Instant;
 
 use specula_sampling::LogitsMask;
-use specula_spec::verify::sample_and_match;
+use specula_spec::verify::{match_argmax, sample_and_match};
 use specula_spec::{Drafter, One, SpecStats};
 use specula_tensor::Backend;
 use specula_tokenizer::DecodeOptions;
@@ -92,12 +92,38 @@ impl<B: Backend> Engine<B> {
         opts: &GenerateOptions,
         drafter: &mut dyn Drafter,
         spec: &SpecOptions,
-        mut mask: Option<&mut dyn LogitsMask>,
-        mut on_token: impl FnMut(u32),
+        mask: Option<&mut dyn LogitsMask>,
+        on_token: impl FnMut(u32),
     ) -> Result<Generation> {
         if opts.force_ids.is_some() {
             return self.generate(s, prompt, opts, on_token);
         }
+        // Greedy verification reads each verify row's argmax, not its logits: a round
+        // downloads the ids of its rows and nothing else of the target's output.
+        let argmax = mask.is_none() && opts.top_logits == 0 && opts.sampler.is_argmax();
+        let was = s.scratch.argmax();
+        s.set_argmax(argmax);
+        let r = self.speculate(s, prompt, opts, drafter, spec, mask, on_token);
+        s.set_argmax(was);
+        r
+    }
+
+    /// [`Engine::generate_speculative_masked`]'s rounds; with the session reading out
+    /// argmaxes ([`Session::set_argmax`]) each verdict comes from the verify rows' argmaxes.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "generate_speculative_masked's arguments"
+    )]
+    fn speculate(
+        &self,
+        s: &mut Session<B>,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        drafter: &mut dyn Drafter,
+        spec: &SpecOptions,
+        mut mask: Option<&mut dyn LogitsMask>,
+        mut on_token: impl FnMut(u32),
+    ) -> Result<Generation> {
         if prompt.is_empty() {
             return Err(EngineError::EmptyPrompt);
         }
@@ -160,6 +186,7 @@ impl<B: Backend> Engine<B> {
         let mut seq = SpecSeq::new(0, *spec, Some(&drafter), prompt);
         let mut drafts = Vec::with_capacity(1);
         let mut masked = Vec::new();
+        let mut ids = Vec::new();
         'rounds: while !out.stopped_at_eog && out.generated_ids.len() < n_predict {
             let lead = std::mem::take(&mut lead);
             let failed = plan(
@@ -207,12 +234,21 @@ impl<B: Backend> Engine<B> {
                 m.mask_rows(&mut masked, n_vocab, seq.draft())
                     .map_err(EngineError::Mask)?;
             }
+            let argmax = s.scratch.argmax();
+            ids.clear();
+            ids.extend_from_slice(s.argmax_ids());
             let verdict = seq.commit(
                 self,
                 s,
                 Some(&mut drafter),
                 if mask.is_some() { &masked } else { &logits },
-                |rows, draft| sample_and_match(&mut sampler, rows, n_vocab, draft),
+                |rows, draft| {
+                    if argmax {
+                        match_argmax(&mut sampler, &ids, draft)
+                    } else {
+                        sample_and_match(&mut sampler, rows, n_vocab, draft)
+                    }
+                },
                 RoundCost {
                     verify_s,
                     in_drafter_s,

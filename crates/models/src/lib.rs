@@ -473,11 +473,37 @@ pub struct Taps {
     pub rows: Vec<Vec<f32>>,
 }
 
+impl<B: Backend> Scratch<B> {
+    /// Reads out each logits row's argmax instead of the row (`true`), or the rows (`false`,
+    /// the default), from the next forward on.
+    pub fn set_argmax(&mut self, on: bool) {
+        self.argmax = on;
+    }
+
+    /// Whether forwards read out argmaxes ([`Scratch::set_argmax`]).
+    #[must_use]
+    pub fn argmax(&self) -> bool {
+        self.argmax
+    }
+
+    /// The argmax of each logits row of the last forward that read them out
+    /// ([`Scratch::set_argmax`]): [`specula_tensor::NO_ARGMAX`] for a row of only NaN and −∞.
+    #[must_use]
+    pub fn argmax_ids(&self) -> &[u32] {
+        &self.ids
+    }
+}
+
 /// What a forward calls at each tap point (a layer's input, then the pre-final-norm state)
 /// with the batch's hidden state in `Scratch::x`.
 type TapFn<'a, B> = dyn FnMut(&B, &mut Scratch<B>, usize) + 'a;
 
 /// Reusable activation buffers of one forward pass.
+///
+/// A forward returns the logits of the rows asked for, downloaded to the host; after
+/// [`Scratch::set_argmax`] it downloads only each row's argmax
+/// ([`Backend::argmax_rows`], read by [`Scratch::argmax_ids`]) and returns no logits — what
+/// greedy decoding and greedy verification need.
 #[derive(Debug)]
 pub struct Scratch<B: Backend> {
     x: B::Tensor,
@@ -496,6 +522,11 @@ pub struct Scratch<B: Backend> {
     kv_pos: Vec<u32>,
     cells: Vec<usize>,
     host: Vec<f32>,
+    /// Whether a forward reads out the argmax of each logits row ([`Scratch::set_argmax`])
+    /// instead of the rows.
+    argmax: bool,
+    /// The argmax of each logits row of the last forward, when `argmax`.
+    ids: Vec<u32>,
     /// [`Model::forward_multi`]: one sequence's q/k/v/attention rows, the batch's tokens,
     /// positions and logits rows.
     seq_q: B::Tensor,
@@ -1620,6 +1651,8 @@ impl<B: Backend> Model<B> {
             kv_pos: Vec::new(),
             cells: Vec::new(),
             host: Vec::new(),
+            argmax: false,
+            ids: Vec::new(),
             seq_q: z(),
             seq_k: z(),
             seq_v: z(),
@@ -2286,6 +2319,7 @@ impl<B: Backend> Model<B> {
             f(be, s, hp.n_layer);
         }
 
+        s.ids.clear();
         if logits_rows.is_empty() {
             s.host.clear();
             return Ok(());
@@ -2300,7 +2334,12 @@ impl<B: Backend> Model<B> {
         if let Some(c) = hp.final_softcap {
             be.softcap(&mut s.logits, c);
         }
-        be.to_host(&s.logits, &mut s.host);
+        if s.argmax {
+            be.argmax_rows(&s.logits, &mut s.ids);
+            s.host.clear();
+        } else {
+            be.to_host(&s.logits, &mut s.host);
+        }
         Ok(())
     }
 }

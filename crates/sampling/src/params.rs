@@ -89,6 +89,14 @@ impl SamplerParams {
         self.temperature <= 0.0
     }
 
+    /// Whether sampling is the plain argmax of the logits: greedy, no penalty that could
+    /// change a logit, no probabilities to report. A backend may then read out only each
+    /// row's argmax instead of the row.
+    #[must_use]
+    pub fn is_argmax(&self) -> bool {
+        self.is_greedy() && !self.penalties_enabled() && self.n_probs == 0
+    }
+
     /// Whether any of the three penalties can change a logit (llama.cpp's `is_disabled`,
     /// negated).
     #[must_use]

@@ -72,6 +72,45 @@ pub fn sample_and_match(
     })
 }
 
+/// Greedy verification from the target's argmax of each verify row (`ids`, `draft.len() + 1`
+/// of them, row `i` the target's choice after the anchor and `draft[..i]`): the verdict
+/// [`sample_and_match`] gives with a greedy sampler that changes no logit, without the rows'
+/// logits (a backend reads out only the argmaxes). Each kept token is accepted by `sampler`,
+/// as a plain decode would. An id of `u32::MAX` marks a row of only NaN and −∞
+/// ([`specula_sampling::SamplingError::NoCandidates`] where the verdict reads it).
+///
+/// # Errors
+/// A count of ids that does not match the draft, a row without candidates, or a sampler
+/// error.
+pub fn match_argmax(
+    sampler: &mut Sampler,
+    ids: &[u32],
+    draft: &[u32],
+) -> Result<Verdict, SpecError> {
+    if ids.len() != draft.len() + 1 {
+        return Err(SpecError::Rows {
+            got: ids.len(),
+            draft: draft.len(),
+            n_vocab: 1,
+        });
+    }
+    let mut tokens = Vec::with_capacity(ids.len());
+    for (i, &y) in ids.iter().enumerate() {
+        if y == u32::MAX {
+            return Err(specula_sampling::SamplingError::NoCandidates.into());
+        }
+        sampler.accept(y)?;
+        tokens.push(y);
+        if draft.get(i).is_none_or(|&d| d != y) {
+            return Ok(Verdict {
+                tokens,
+                accepted: i,
+            });
+        }
+    }
+    unreachable!("the last id has no draft token to match")
+}
+
 /// The sampler's final distribution for `row` as a dense vector over the vocabulary.
 fn dense(sampler: &mut Sampler, row: &[f32], n_vocab: usize) -> Result<Vec<f64>, SpecError> {
     let mut p = vec![0.0f64; n_vocab];
@@ -170,13 +209,51 @@ pub fn rejection(
 
 #[cfg(test)]
 mod tests {
-    use specula_sampling::SamplerParams;
+    use specula_sampling::{SamplerParams, SamplingError};
 
     use super::*;
 
     fn logits_of(p: &[f64]) -> Vec<f32> {
         #[allow(clippy::cast_possible_truncation, reason = "test logits")]
         p.iter().map(|&x| x.ln() as f32).collect()
+    }
+
+    /// The argmax verdict is sample-and-match's with a greedy sampler, for every draft.
+    #[test]
+    fn argmax_verdicts_are_greedy_sample_and_match() {
+        let n_vocab = 6;
+        let rows: Vec<f32> = [
+            [0.0, 5.0, 1.0, 5.0, 2.0, 0.0],
+            [3.0, 0.0, 1.0, 2.0, 2.0, 0.0],
+            [0.0, 0.0, 0.0, 0.0, 0.0, 9.0],
+            [1.0, 0.0, 4.0, 2.0, 2.0, 0.0],
+        ]
+        .concat();
+        let ids = [1u32, 0, 5, 2];
+        for draft in [&[1u32, 0, 5][..], &[1, 0, 4], &[2, 0, 5], &[1, 0]] {
+            let rows = &rows[..(draft.len() + 1) * n_vocab];
+            let mut a = Sampler::new(SamplerParams::greedy(), n_vocab).unwrap();
+            let mut b = Sampler::new(SamplerParams::greedy(), n_vocab).unwrap();
+            let want = sample_and_match(&mut a, rows, n_vocab, draft).unwrap();
+            let got = match_argmax(&mut b, &ids[..=draft.len()], draft).unwrap();
+            assert_eq!(got, want, "{draft:?}");
+        }
+        let mut s = Sampler::new(SamplerParams::greedy(), n_vocab).unwrap();
+        assert!(matches!(
+            match_argmax(&mut s, &[1, 2], &[1, 2, 3]),
+            Err(SpecError::Rows { .. })
+        ));
+        let mut s = Sampler::new(SamplerParams::greedy(), n_vocab).unwrap();
+        assert!(matches!(
+            match_argmax(&mut s, &[1, u32::MAX], &[1]),
+            Err(SpecError::Sampling(SamplingError::NoCandidates))
+        ));
+        // A row without candidates after the first mismatch is never read.
+        let mut s = Sampler::new(SamplerParams::greedy(), n_vocab).unwrap();
+        assert_eq!(
+            match_argmax(&mut s, &[2, u32::MAX], &[1]).unwrap().accepted,
+            0
+        );
     }
 
     #[test]

@@ -88,6 +88,37 @@ pub enum TensorError {
 /// Result alias.
 pub type Result<T, E = TensorError> = std::result::Result<T, E>;
 
+/// What [`Backend::argmax_rows`] gives a row with no value above −∞ (every one NaN or −∞).
+pub const NO_ARGMAX: u32 = u32::MAX;
+
+/// The index of the largest value of `row`, the lowest among equal maxima; NaN and −∞ never
+/// win, and a row of nothing else gives [`NO_ARGMAX`] ([`Backend::argmax_rows`] of one row).
+#[must_use]
+pub fn argmax_row(row: &[f32]) -> u32 {
+    // The maximum in sixteen independent lanes (a compare that NaN fails: it vectorises),
+    // then the first position holding it.
+    let mut lanes = [f32::NEG_INFINITY; 16];
+    let (chunks, tail) = row.as_chunks::<16>();
+    for c in chunks {
+        for (l, &v) in lanes.iter_mut().zip(c) {
+            if v > *l {
+                *l = v;
+            }
+        }
+    }
+    let max = lanes
+        .iter()
+        .chain(tail)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    if max == f32::NEG_INFINITY {
+        return NO_ARGMAX;
+    }
+    row.iter()
+        .position(|&v| v == max)
+        .and_then(|i| u32::try_from(i).ok())
+        .unwrap_or(NO_ARGMAX)
+}
+
 /// Memory that weights can borrow from for as long as they live (a model file's memory map, a
 /// test's byte vector). It must return the same bytes on every call.
 pub trait ByteSource: Send + Sync {
@@ -514,6 +545,19 @@ pub trait Backend: Send + Sync {
     /// contents become unspecified.
     fn resize(&self, t: &mut Self::Tensor, rows: usize, cols: usize);
 
+    /// `out[r]` = the column of the largest value of row `r` of `x`, the lowest among equal
+    /// maxima; NaN and −∞ never win, and a row of nothing else gives [`NO_ARGMAX`]
+    /// (llama.cpp's greedy sampler, `specula_sampling::steps::argmax`). Only the indices
+    /// reach the host: greedy decoding and greedy verification read a row's argmax without
+    /// downloading its logits. The default downloads `x` and scans it on the host.
+    fn argmax_rows(&self, x: &Self::Tensor, out: &mut Vec<u32>) {
+        let (rows, cols) = self.shape(x);
+        let mut host = Vec::with_capacity(rows * cols);
+        self.to_host(x, &mut host);
+        out.clear();
+        out.extend(host.chunks_exact(cols.max(1)).take(rows).map(argmax_row));
+    }
+
     /// `out[i] = src[rows[i]]`: gathers rows (e.g. the rows whose logits are wanted).
     fn copy_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor);
     /// `dst[rows[i]] = src[i]`: scatters rows into a tensor of the same width, leaving its
@@ -693,6 +737,17 @@ mod tests {
             data,
             owner,
         }
+    }
+
+    /// The first maximum wins; NaN and −∞ never do.
+    #[test]
+    fn argmax_row_takes_the_first_maximum_and_skips_nan() {
+        let inf = f32::INFINITY;
+        assert_eq!(argmax_row(&[1.0, 3.0, 2.0, 3.0]), 1);
+        assert_eq!(argmax_row(&[f32::NAN, -1.0, f32::NAN]), 1);
+        assert_eq!(argmax_row(&[-inf, 5.0, inf, inf]), 2);
+        assert_eq!(argmax_row(&[f32::NAN, -inf]), NO_ARGMAX);
+        assert_eq!(argmax_row(&[]), NO_ARGMAX);
     }
 
     /// A weight may only borrow bytes its owner keeps alive: a slice from elsewhere is refused,

@@ -7,7 +7,9 @@
 //!
 //! - [`tiny`] — tiny GGUF models of every architecture and drafter, as editable lists.
 //! - [`mutate`] — mutations of those models and the load-and-run property they must keep.
+//! - [`counting`] — a backend wrapper that counts what crosses between host and device.
 
+pub mod counting;
 pub mod mutate;
 pub mod tiny;
 

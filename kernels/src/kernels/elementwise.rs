@@ -2,6 +2,7 @@
 
 use cubecl::prelude::*;
 
+use super::attention::neg_inf;
 use super::matmul::{exact, tree_sum};
 
 /// `out[r] = x[r] · (1/√(mean(x[r]²) + eps)) · w` over groups of `group` columns: one cube
@@ -243,6 +244,56 @@ pub fn add_rows_scaled(dst: &mut [f32], rows: &[u32], src: &[f32], w: &[f32], n:
         for i in 0..n as usize {
             let d = rows[i] as usize * cols as usize + c;
             dst[d] += w[i] * src[i * cols as usize + c];
+        }
+    }
+}
+
+/// `out[r]` = the column of the largest value of row `r` (`cols` values), the lowest among
+/// equal maxima; NaN and −∞ never win, and a row of nothing else gives `u32::MAX`
+/// (`specula_tensor::NO_ARGMAX`). One cube per row: each unit scans its columns in order
+/// (keeping the first of equal values), then a fixed tree keeps the larger value, or the
+/// lower column of equal ones.
+#[cube(launch)]
+pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usize) {
+    let r = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let cols = cols as usize;
+    let mut s_val = Shared::<[f32]>::new_slice(units);
+    let mut s_idx = Shared::<[u32]>::new_slice(units);
+    let mut best = neg_inf();
+    // `cols` stands for "none yet" (a runtime value; it loses every tie).
+    let mut at = u32::cast_from(cols);
+    let mut i = u;
+    while i < cols {
+        let v = x[r * cols + i];
+        if v > best {
+            best = v;
+            at = u32::cast_from(i);
+        }
+        i += units;
+    }
+    s_val[u] = best;
+    s_idx[u] = at;
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let (a, ia) = (s_val[u], s_idx[u]);
+            let (o, io) = (s_val[u + stride], s_idx[u + stride]);
+            if o > a || (o == a && io < ia) {
+                s_val[u] = o;
+                s_idx[u] = io;
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
+    if u == 0 {
+        let w = s_idx[0];
+        if (w as usize) < cols {
+            out[r] = w;
+        } else {
+            out[r] = u32::MAX;
         }
     }
 }

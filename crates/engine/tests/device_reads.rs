@@ -1,0 +1,153 @@
+//! What a greedy generation moves from the backend to the host, counted by
+//! `specula_testkit::counting::Counting` around the CPU backend on the tiny llama:
+//!
+//! - plain greedy decoding downloads one id per step (the argmax of its logits row) and no
+//!   float at all;
+//! - a greedy speculative round downloads the ids of its verify rows (the draft, plus one) and
+//!   no float: no logits row and, with a drafter that reads no taps, no hidden state;
+//! - the tokens are those of the path that downloads the logits (asked for with
+//!   `top_logits`), which downloads a row of the vocabulary per step.
+//!
+//! Feature drafters (DFlash, EAGLE-3) still take their target taps through the host, and a
+//! mixture of experts downloads its router logits: neither is checked here.
+
+use std::sync::Arc;
+
+use specula_cpu::CpuBackend;
+use specula_engine::{Engine, GenerateOptions, SpecOptions};
+use specula_gguf::Gguf;
+use specula_models::Model;
+use specula_quant::QType;
+use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_testkit::counting::{Counting, Tally};
+use specula_tokenizer::Tokenizer;
+
+fn engine(arch: &str) -> Engine<Counting<CpuBackend>> {
+    let g = specula_testkit::tiny::target(arch);
+    let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+    let tokenizer = Tokenizer::from_gguf(&file).unwrap();
+    let be = Counting::new(CpuBackend::new(2));
+    let model = Model::load(&be, file).unwrap();
+    Engine::new(be, model, tokenizer)
+}
+
+fn since(e: &Engine<Counting<CpuBackend>>, before: Tally) -> Tally {
+    let now = e.backend.tally();
+    Tally {
+        downloads: now.downloads - before.downloads,
+        floats_down: now.floats_down - before.floats_down,
+        argmax_calls: now.argmax_calls - before.argmax_calls,
+        ids_down: now.ids_down - before.ids_down,
+        floats_up: now.floats_up - before.floats_up,
+    }
+}
+
+/// Proposes the true continuation, with every third round's second token wrong.
+struct Truth {
+    prompt_len: usize,
+    truth: Vec<u32>,
+    round: usize,
+}
+
+impl Drafter for Truth {
+    fn name(&self) -> &'static str {
+        "truth"
+    }
+    fn begin(&mut self, _prompt: &[u32]) -> Result<(), SpecError> {
+        self.round = 0;
+        Ok(())
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        self.round += 1;
+        let at = p.history.len() - self.prompt_len;
+        let mut d: Vec<u32> = self.truth.iter().skip(at).take(p.n_max).copied().collect();
+        if self.round.is_multiple_of(3) && d.len() > 1 {
+            d[1] = (d[1] + 1) % 32;
+        }
+        Ok(d)
+    }
+    fn state(&self) -> DrafterState {
+        Box::new(self.round)
+    }
+    fn restore(&mut self, s: &DrafterState) -> Result<(), SpecError> {
+        self.round = *s
+            .downcast_ref::<usize>()
+            .ok_or(SpecError::ForeignState("truth"))?;
+        Ok(())
+    }
+}
+
+#[test]
+fn greedy_decoding_downloads_one_id_per_step_and_no_logits() {
+    let e = engine("llama");
+    let n_vocab = e.model.hparams().n_vocab;
+    let prompt: Vec<u32> = (0..9u32).map(|i| (i * 5 + 2) % 32).collect();
+    let n = 12;
+    let opts = GenerateOptions::greedy(n);
+
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let before = e.backend.tally();
+    let fast = e.generate(&mut s, &prompt, &opts, |_| {}).unwrap();
+    let t = since(&e, before);
+    assert_eq!(fast.generated_ids.len(), n);
+    assert_eq!(t.floats_down, 0, "{t:?}");
+    assert_eq!(t.downloads, 0, "{t:?}");
+    assert_eq!(t.ids_down, n as u64, "one id per step: {t:?}");
+
+    // Asking for top logits takes the logits path: the same tokens, a row per step.
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let before = e.backend.tally();
+    let with_logits = GenerateOptions {
+        top_logits: 1,
+        ..opts.clone()
+    };
+    let slow = e.generate(&mut s, &prompt, &with_logits, |_| {}).unwrap();
+    let t = since(&e, before);
+    assert_eq!(slow.generated_ids, fast.generated_ids);
+    assert_eq!(t.floats_down, (n * n_vocab) as u64, "{t:?}");
+    assert_eq!(t.ids_down, 0, "{t:?}");
+    // The session keeps returning logits after a greedy generation.
+    assert_eq!(e.decode(&mut s, 3).unwrap().len(), n_vocab);
+}
+
+#[test]
+fn a_greedy_speculative_round_downloads_only_its_verify_rows_ids() {
+    let e = engine("llama");
+    let prompt: Vec<u32> = (0..9u32).map(|i| (i * 5 + 2) % 32).collect();
+    let n = 20;
+    let opts = GenerateOptions::greedy(n);
+    let truth = {
+        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+        e.generate(&mut s, &prompt, &opts, |_| {})
+            .unwrap()
+            .generated_ids
+    };
+    let spec = SpecOptions {
+        n_max: 4,
+        adaptive: false,
+        ..SpecOptions::default()
+    };
+    let mut d = Truth {
+        prompt_len: prompt.len(),
+        truth: truth.clone(),
+        round: 0,
+    };
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let before = e.backend.tally();
+    let g = e
+        .generate_speculative(&mut s, &prompt, &opts, &mut d, &spec, |_| {})
+        .unwrap();
+    let t = since(&e, before);
+    assert_eq!(g.generated_ids, truth, "lossless");
+    let stats = g.spec.unwrap();
+    assert!(
+        stats.drafted > stats.accepted,
+        "some drafts rejected: {stats:?}"
+    );
+    assert_eq!(t.floats_down, 0, "no logits, no features: {t:?}");
+    assert_eq!(t.downloads, 0, "{t:?}");
+    // Every round's verify rows: its draft and the anchor.
+    let rows = stats.drafted + stats.rounds;
+    assert_eq!(t.ids_down, rows as u64, "{t:?} for {stats:?}");
+    assert_eq!(t.argmax_calls, stats.rounds as u64, "{t:?}");
+}

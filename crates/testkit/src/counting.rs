@@ -1,0 +1,232 @@
+//! A backend that counts what crosses between host and device: every op goes to the backend
+//! it wraps, and each transfer is tallied — floats downloaded by `to_host` (logits rows,
+//! hidden-state taps, router logits), ids downloaded by `argmax_rows`, floats uploaded by
+//! `from_host`. Tests run a generation on it and read the tallies, to show what a round moves
+//! (issue 16's counting test backend).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use specula_tensor::{
+    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Result, RopeConfig, WeightDesc,
+};
+
+/// What crossed so far ([`Counting::tally`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// `to_host` calls.
+    pub downloads: u64,
+    /// f32 values they downloaded.
+    pub floats_down: u64,
+    /// `argmax_rows` calls.
+    pub argmax_calls: u64,
+    /// Ids they downloaded (one per row).
+    pub ids_down: u64,
+    /// f32 values `from_host` uploaded.
+    pub floats_up: u64,
+}
+
+/// `B` with its transfers counted.
+#[derive(Debug, Default)]
+pub struct Counting<B> {
+    inner: B,
+    downloads: AtomicU64,
+    floats_down: AtomicU64,
+    argmax_calls: AtomicU64,
+    ids_down: AtomicU64,
+    floats_up: AtomicU64,
+}
+
+impl<B> Counting<B> {
+    /// Wraps `inner`, every tally at zero.
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            downloads: AtomicU64::new(0),
+            floats_down: AtomicU64::new(0),
+            argmax_calls: AtomicU64::new(0),
+            ids_down: AtomicU64::new(0),
+            floats_up: AtomicU64::new(0),
+        }
+    }
+
+    /// The tallies so far.
+    pub fn tally(&self) -> Tally {
+        Tally {
+            downloads: self.downloads.load(Ordering::Relaxed),
+            floats_down: self.floats_down.load(Ordering::Relaxed),
+            argmax_calls: self.argmax_calls.load(Ordering::Relaxed),
+            ids_down: self.ids_down.load(Ordering::Relaxed),
+            floats_up: self.floats_up.load(Ordering::Relaxed),
+        }
+    }
+}
+
+fn add(c: &AtomicU64, n: usize) {
+    c.fetch_add(u64::try_from(n).unwrap_or(u64::MAX), Ordering::Relaxed);
+}
+
+impl<B: Backend> Backend for Counting<B> {
+    type Tensor = B::Tensor;
+    type Weight = B::Weight;
+    type Kv = B::Kv;
+
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn weight(&self, desc: WeightDesc<'_>) -> Result<Self::Weight> {
+        self.inner.weight(desc)
+    }
+    fn prepare_matmul(&self, w: &mut Self::Weight) {
+        self.inner.prepare_matmul(w);
+    }
+    fn zeros(&self, rows: usize, cols: usize) -> Self::Tensor {
+        self.inner.zeros(rows, cols)
+    }
+    fn from_host(&self, rows: usize, cols: usize, data: &[f32]) -> Self::Tensor {
+        add(&self.floats_up, data.len());
+        self.inner.from_host(rows, cols, data)
+    }
+    fn to_host(&self, t: &Self::Tensor, out: &mut Vec<f32>) {
+        self.inner.to_host(t, out);
+        add(&self.downloads, 1);
+        add(&self.floats_down, out.len());
+    }
+    fn argmax_rows(&self, x: &Self::Tensor, out: &mut Vec<u32>) {
+        self.inner.argmax_rows(x, out);
+        add(&self.argmax_calls, 1);
+        add(&self.ids_down, out.len());
+    }
+    fn shape(&self, t: &Self::Tensor) -> (usize, usize) {
+        self.inner.shape(t)
+    }
+    fn resize(&self, t: &mut Self::Tensor, rows: usize, cols: usize) {
+        self.inner.resize(t, rows, cols);
+    }
+    fn copy_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) {
+        self.inner.copy_rows(src, rows, out);
+    }
+    fn put_rows(&self, src: &Self::Tensor, rows: &[usize], dst: &mut Self::Tensor) {
+        self.inner.put_rows(src, rows, dst);
+    }
+    fn get_rows(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor) {
+        self.inner.get_rows(table, ids, out);
+    }
+    fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor) {
+        self.inner.matmul(x, w, out);
+    }
+    fn add_vector(&self, x: &mut Self::Tensor, b: &Self::Weight) {
+        self.inner.add_vector(x, b);
+    }
+    fn rms_norm(
+        &self,
+        x: &Self::Tensor,
+        w: Option<&Self::Weight>,
+        eps: f32,
+        out: &mut Self::Tensor,
+    ) {
+        self.inner.rms_norm(x, w, eps, out);
+    }
+    fn rms_norm_groups(&self, x: &mut Self::Tensor, group: usize, w: &Self::Weight, eps: f32) {
+        self.inner.rms_norm_groups(x, group, w, eps);
+    }
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig) {
+        self.inner.rope(x, head_dim, pos, cfg);
+    }
+    fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor) {
+        self.inner.swiglu(gate, up, out);
+    }
+    fn geglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor) {
+        self.inner.geglu(gate, up, out);
+    }
+    fn add(&self, a: &mut Self::Tensor, b: &Self::Tensor) {
+        self.inner.add(a, b);
+    }
+    fn scale(&self, a: &mut Self::Tensor, s: f32) {
+        self.inner.scale(a, s);
+    }
+    fn softcap(&self, x: &mut Self::Tensor, c: f32) {
+        self.inner.softcap(x, c);
+    }
+    fn silu(&self, x: &mut Self::Tensor) {
+        self.inner.silu(x);
+    }
+    fn gate_mul(&self, x: &mut Self::Tensor, gate: &Self::Tensor, act: GateAct) {
+        self.inner.gate_mul(x, gate, act);
+    }
+    fn gather_cols(
+        &self,
+        src: &Self::Tensor,
+        stride: usize,
+        range: std::ops::Range<usize>,
+        out: &mut Self::Tensor,
+    ) {
+        self.inner.gather_cols(src, stride, range, out);
+    }
+    fn add_rows_scaled(
+        &self,
+        dst: &mut Self::Tensor,
+        rows: &[usize],
+        src: &Self::Tensor,
+        w: &[f32],
+    ) {
+        self.inner.add_rows_scaled(dst, rows, src, w);
+    }
+    fn kv_new(&self, shape: KvShape) -> Result<Self::Kv> {
+        self.inner.kv_new(shape)
+    }
+    fn kv_write(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        cells: &[usize],
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+    ) {
+        self.inner.kv_write(kv, layer, cells, k, v);
+    }
+    fn kv_export(&self, kv: &Self::Kv, n: usize, out: &mut Vec<u8>) -> Result<()> {
+        self.inner.kv_export(kv, n, out)
+    }
+    fn kv_import(&self, kv: &mut Self::Kv, n: usize, bytes: &[u8]) -> Result<()> {
+        self.inner.kv_import(kv, n, bytes)
+    }
+    fn ssm_conv(
+        &self,
+        kv: &mut Self::Kv,
+        layer: usize,
+        pos0: usize,
+        x: &Self::Tensor,
+        w: &Self::Weight,
+        out: &mut Self::Tensor,
+    ) {
+        self.inner.ssm_conv(kv, layer, pos0, x, w, out);
+    }
+    fn gated_delta_net(
+        &self,
+        kv: &mut Self::Kv,
+        p: &DeltaNetParams,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        alpha: &Self::Tensor,
+        beta: &Self::Tensor,
+        dt_bias: &Self::Weight,
+        a: &Self::Weight,
+        out: &mut Self::Tensor,
+    ) {
+        self.inner
+            .gated_delta_net(kv, p, q, k, v, alpha, beta, dt_bias, a, out);
+    }
+    fn kv_holds(&self, kv: &Self::Kv, pos: usize) -> bool {
+        self.inner.kv_holds(kv, pos)
+    }
+    fn attention(
+        &self,
+        q: &Self::Tensor,
+        kv: &Self::Kv,
+        params: &AttentionParams<'_>,
+        out: &mut Self::Tensor,
+    ) {
+        self.inner.attention(q, kv, params, out);
+    }
+}
