@@ -17,6 +17,8 @@
 //!   and 32k, per cache format.
 //! - **model**: a synthetic Qwen3-8B-shaped model (36 layers of 4096, 32/8 heads of 128, FFN
 //!   12288, Q4_K matrices with Q6_K `ffn_down`, a 32-token vocabulary): pp512 and tg128.
+//! - **MoE prefill**: the tiny dense and MoE architectures at a hidden size of 1024 (Q8_0;
+//!   8 experts of 512, 2 used): pp512 over tg128 (issue 15's goal: ≥ 8×).
 //!
 //! `--cpu` runs on CubeCL's CPU runtime instead of CUDA device 0, `--small` with small shapes
 //! (both to try the script without a GPU).
@@ -145,6 +147,28 @@ fn latency(be: &CubeBackend, reps: usize, mut f: impl FnMut()) -> f64 {
         .collect();
     t.sort_by(f64::total_cmp);
     t[t.len() / 2]
+}
+
+/// Tokens per second of one `pp`-token prefill on an empty cache and of `tg` one-token
+/// decodes after it (kernels compiled by a warm-up first).
+fn pp_tg(engine: &Engine<CubeBackend>, pp: usize, tg: usize) -> Res<(f64, f64)> {
+    let n = u32::try_from(tiny::N_VOCAB)?;
+    let ids: Vec<u32> = (0..u32::try_from(pp)?).map(|i| i * 7 % n).collect();
+    let mut s = engine.session(pp + tg + 8, QType::F16, QType::F16)?;
+    engine.prefill(&mut s, &ids[..8], false)?; // warm-up: every kernel compiled
+    engine.decode(&mut s, 1)?;
+    s.truncate(0);
+    engine.backend.sync();
+    let t = Instant::now();
+    engine.prefill(&mut s, &ids, false)?;
+    engine.backend.sync();
+    let pp_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for i in 0..tg {
+        engine.decode(&mut s, u32::try_from(i)? % n)?;
+    }
+    let tg_s = t.elapsed().as_secs_f64();
+    Ok((pp as f64 / pp_s, tg as f64 / tg_s))
 }
 
 /// The bytes the device holds for `n` values of `ty` (the kernels' layout, `layout.rs`).
@@ -372,30 +396,69 @@ fn main() -> Res<()> {
         format!("{} layers", d.n_layer),
     );
     let (pp, tg) = if small { (32, 8) } else { (512, 128) };
-    let ids: Vec<u32> = (0..u32::try_from(pp)?).map(|i| i * 7 % 32).collect();
-    let mut s = engine.session(pp + tg + 8, QType::F16, QType::F16)?;
-    engine.prefill(&mut s, &ids[..8], false)?; // warm-up: every kernel compiled
-    s.truncate(0);
-    engine.backend.sync();
-    let t = Instant::now();
-    engine.prefill(&mut s, &ids, false)?;
-    engine.backend.sync();
-    let pp_s = t.elapsed().as_secs_f64();
+    let (pp_tps, tg_tps) = pp_tg(&engine, pp, tg)?;
     row(
         format!("synthetic pp{pp}"),
-        format!("{:.1} t/s", pp as f64 / pp_s),
+        format!("{pp_tps:.1} t/s"),
         String::new(),
     );
-    let t = Instant::now();
-    for i in 0..tg {
-        engine.decode(&mut s, u32::try_from(i % 32)?)?;
-    }
-    let tg_s = t.elapsed().as_secs_f64();
     row(
         format!("synthetic tg{tg}"),
-        format!("{:.1} t/s", tg as f64 / tg_s),
+        format!("{tg_tps:.1} t/s"),
         String::new(),
     );
+    drop(engine);
+
+    // Issue 15's MoE prefill goal (pp512 ≥ 8× tg): the tiny architectures of
+    // `specula-testkit` at a hidden size of 1024 with Q8_0 matrices, as
+    // `cargo bench -p specula-engine --bench families` runs them on the CPU backend.
+    let moe = Dims {
+        n_embd: 1024,
+        n_head: 8,
+        n_head_kv: 2,
+        head_dim: 128,
+        n_ff: 2816,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 512,
+        n_layer: 4,
+        ssm_heads_k: 4,
+        ssm_heads_v: 8,
+        ssm_head_dim: 128,
+        ssm_conv: 4,
+    };
+    for arch in ["qwen3", "qwen3moe", "qwen35moe", "laguna", "gemma4"] {
+        // A failure here is reported in its row; the table still prints.
+        let run = || -> Res<(f64, f64)> {
+            let be = if cpu {
+                CubeBackend::cpu()?
+            } else {
+                CubeBackend::cuda(0)?
+            };
+            let mut g = tiny::target_sized(arch, &moe);
+            for t in &mut g.tensors {
+                if t.dims.len() >= 2 && t.dims[0] % 32 == 0 && t.name != "token_embd.weight" {
+                    t.ty = GgmlType::Q8_0;
+                }
+            }
+            let file = Arc::new(Gguf::from_bytes(g.to_bytes_large().ok_or("MoE model")?)?);
+            let tok = Tokenizer::from_gguf(&file)?;
+            let model = Model::load(&be, file)?;
+            pp_tg(&Engine::new(be, model, tok), pp, tg)
+        };
+        match run() {
+            Ok((pp_tps, tg_tps)) => row(
+                format!("{arch} (hidden 1024, Q8_0) pp{pp} / tg"),
+                format!("{:.1}×", pp_tps / tg_tps),
+                format!("pp {pp_tps:.0} t/s, tg {tg_tps:.0} t/s"),
+            ),
+            Err(e) => row(
+                format!("{arch} (hidden 1024, Q8_0) pp{pp} / tg"),
+                format!("error: {e}"),
+                String::new(),
+            ),
+        }
+    }
 
     println!("\n| test | result | note |\n|---|---|---|");
     for r in &rows {

@@ -192,6 +192,26 @@ fn hybrid_forward_equals_the_cpu_backend() {
     }
 }
 
+/// Every other tiny architecture (llama, qwen2, gemma3's sliding window and GeGLU, qwen3moe's
+/// experts, Laguna's per-head gates and per-layer heads, Gemma 4's parallel experts, per-layer
+/// inputs and KV-shared layers): the same logits as the CPU backend.
+#[test]
+fn every_tiny_architecture_forward_equals_the_cpu_backend() {
+    for arch in [
+        "llama", "qwen2", "gemma3", "qwen3moe", "laguna", "gemma4", "gemma4-e",
+    ] {
+        let g = specula_testkit::tiny::target(arch);
+        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
+        same_forward(
+            &format!("tiny {arch}"),
+            &file,
+            &ids,
+            (QType::F16, QType::F16),
+        );
+    }
+}
+
 fn real(name: &str, text: &str, cache: (QType, QType)) {
     let Some(path) = specula_testkit::real_model(name) else {
         return;

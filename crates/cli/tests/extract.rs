@@ -56,6 +56,15 @@ fn extract(m: &str, corpus: &Path, out: &Path, extra: &[&str]) -> std::process::
     specula(&args)
 }
 
+/// The target on the CPU backend, as `specula extract` loads it.
+fn engine(path: &Path) -> specula_engine::Engine<specula_cpu::CpuBackend> {
+    let f = std::sync::Arc::new(specula_gguf::Gguf::open(path).unwrap());
+    let tok = specula_tokenizer::Tokenizer::from_gguf(&f).unwrap();
+    let be = specula_cpu::CpuBackend::new(2);
+    let model = specula_models::Model::load(&be, f).unwrap();
+    specula_engine::Engine::new(be, model, tok)
+}
+
 fn ok(o: &std::process::Output) -> String {
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     String::from_utf8(o.stdout.clone()).unwrap()
@@ -130,13 +139,7 @@ fn shards_hold_the_targets_rows_and_resume_to_the_same_bytes() {
     assert_eq!((n_seqs, width, k, tokens), (3, 3 * 576, 3, 3 * 48));
     let at = 32 + 4 * 3;
     let ids: Vec<u32> = (0..48).map(|i| u32_at(&s, at + 4 * i)).collect();
-    let engine = {
-        let f = std::sync::Arc::new(specula_gguf::Gguf::open(&path).unwrap());
-        let tok = specula_tokenizer::Tokenizer::from_gguf(&f).unwrap();
-        let be = specula_cpu::CpuBackend::new(2);
-        let model = specula_models::Model::load(&be, f).unwrap();
-        specula_engine::Engine::new(be, model, tok)
-    };
+    let engine = engine(&path);
     let text = std::fs::read_to_string(c.join("readme.md")).unwrap();
     let want_ids = engine.tokenizer.encode_with(
         &text,
@@ -268,13 +271,7 @@ fn generated_sequences_are_the_targets_greedy_continuations() {
     let kat = at + 4 * tokens + 2 * tokens * 576;
     let top1: Vec<u32> = (0..tokens).map(|i| u32_at(&s, kat + 8 * i)).collect();
 
-    let engine = {
-        let f = std::sync::Arc::new(specula_gguf::Gguf::open(&path).unwrap());
-        let tok = specula_tokenizer::Tokenizer::from_gguf(&f).unwrap();
-        let be = specula_cpu::CpuBackend::new(2);
-        let model = specula_models::Model::load(&be, f).unwrap();
-        specula_engine::Engine::new(be, model, tok)
-    };
+    let engine = engine(&path);
     let text = std::fs::read_to_string(c.join("readme.md")).unwrap();
     let corpus_ids = engine.tokenizer.encode_with(
         &text,

@@ -3,7 +3,7 @@
 use cubecl::prelude::*;
 
 use super::attention::neg_inf;
-use super::matmul::{exact, tree_sum};
+use super::matmul::{exact, tree_max_first, tree_sum};
 
 /// `out[r] = x[r] · (1/√(mean(x[r]²) + eps)) · w` over groups of `group` columns: one cube
 /// per (row, group) (`CUBE_POS_X` = row · groups + group). `has_w`: multiply by `w`
@@ -274,20 +274,7 @@ pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usi
     }
     s_val[u] = best;
     s_idx[u] = at;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if u < stride {
-            let (a, ia) = (s_val[u], s_idx[u]);
-            let (o, io) = (s_val[u + stride], s_idx[u + stride]);
-            if o > a || (o == a && io < ia) {
-                s_val[u] = o;
-                s_idx[u] = io;
-            }
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    tree_max_first(&mut s_val, &mut s_idx, u);
     if u == 0 {
         let w = s_idx[0];
         if (w as usize) < cols {

@@ -66,20 +66,7 @@ pub fn quantize_act(
     }
     s_amax[u] = amax;
     s_idx[u] = idx;
-    sync_cube();
-    let mut stride = CUBE_DIM_X as usize / 2;
-    while stride > 0 {
-        if u < stride {
-            let (a, ia) = (s_amax[u], s_idx[u]);
-            let (o, io) = (s_amax[u + stride], s_idx[u + stride]);
-            if o > a || (o == a && io < ia) {
-                s_amax[u] = o;
-                s_idx[u] = io;
-            }
-        }
-        sync_cube();
-        stride /= 2;
-    }
+    tree_max_first(&mut s_amax, &mut s_idx, u);
     let amax = s_amax[0];
     let first = s_idx[0] as usize;
     let mut max = 0.0f32;
@@ -153,6 +140,28 @@ pub fn quantize_act(
                 sa[b] = f32::cast_from(half::f16::cast_from(f32::cast_from(s_sum[0]) * d));
             }
         }
+    }
+}
+
+/// `(val[0], idx[0])` = the largest of `val[0..CUBE_DIM_X]` and its index, the lowest index
+/// among equal values (NaN never wins), by a fixed tree (strides halving from
+/// `CUBE_DIM_X / 2`, a power of two); every unit of the cube calls it, after writing its own
+/// `val[u]`, `idx[u]`.
+#[cube]
+pub(crate) fn tree_max_first(val: &mut Shared<[f32]>, idx: &mut Shared<[u32]>, u: usize) {
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let (a, ia) = (val[u], idx[u]);
+            let (o, io) = (val[u + stride], idx[u + stride]);
+            if o > a || (o == a && io < ia) {
+                val[u] = o;
+                idx[u] = io;
+            }
+        }
+        sync_cube();
+        stride /= 2;
     }
 }
 
