@@ -412,21 +412,7 @@ fn main() -> Res<()> {
     // Issue 15's MoE prefill goal (pp512 ≥ 8× tg): the tiny architectures of
     // `specula-testkit` at a hidden size of 1024 with Q8_0 matrices, as
     // `cargo bench -p specula-engine --bench families` runs them on the CPU backend.
-    let moe = Dims {
-        n_embd: 1024,
-        n_head: 8,
-        n_head_kv: 2,
-        head_dim: 128,
-        n_ff: 2816,
-        n_expert: 8,
-        n_expert_used: 2,
-        n_ff_exp: 512,
-        n_layer: 4,
-        ssm_heads_k: 4,
-        ssm_heads_v: 8,
-        ssm_head_dim: 128,
-        ssm_conv: 4,
-    };
+    let moe = Dims::HIDDEN_1024;
     for arch in ["qwen3", "qwen3moe", "qwen35moe", "laguna", "gemma4"] {
         // A failure here is reported in its row; the table still prints.
         let run = || -> Res<(f64, f64)> {

@@ -26,21 +26,7 @@ use specula_testkit::tiny::{self, Dims};
 use specula_tokenizer::Tokenizer;
 
 /// The tiny architectures at a hidden size of 1024.
-const DIMS: Dims = Dims {
-    n_embd: 1024,
-    n_head: 8,
-    n_head_kv: 2,
-    head_dim: 128,
-    n_ff: 2816,
-    n_expert: 8,
-    n_expert_used: 2,
-    n_ff_exp: 512,
-    n_layer: 4,
-    ssm_heads_k: 4,
-    ssm_heads_v: 8,
-    ssm_head_dim: 128,
-    ssm_conv: 4,
-};
+const DIMS: Dims = Dims::HIDDEN_1024;
 
 /// `arch` at [`DIMS`], its matrices in `ty` (F32 as generated, else quantized).
 fn engine(arch: &str, ty: specula_gguf::GgmlType, threads: usize) -> Engine<CpuBackend> {

@@ -265,6 +265,26 @@ impl Dims {
         ssm_head_dim: SSM_HEAD_DIM,
         ssm_conv: SSM_CONV,
     };
+
+    /// The tiny architectures scaled up to a hidden size of 1024 — 4 layers, 8 query and 2
+    /// K/V heads of 128, a dense FFN of 2816, 8 experts of 512 with 2 used, delta-net layers
+    /// of 4 key and 8 value heads of 128 — where prefill and decode cost what they cost in
+    /// a model (the MoE prefill benches of issue 15, on the CPU and on the device).
+    pub const HIDDEN_1024: Self = Self {
+        n_embd: 1024,
+        n_head: 8,
+        n_head_kv: 2,
+        head_dim: 128,
+        n_ff: 2816,
+        n_expert: 8,
+        n_expert_used: 2,
+        n_ff_exp: 512,
+        n_layer: 4,
+        ssm_heads_k: 4,
+        ssm_heads_v: 8,
+        ssm_head_dim: 128,
+        ssm_conv: 4,
+    };
 }
 
 /// A tiny target of `arch` (one of [`ARCHS`]): [`N_LAYER`] layers of the tensors llama.cpp
