@@ -95,15 +95,14 @@ pub const NO_ARGMAX: u32 = u32::MAX;
 /// win, and a row of nothing else gives [`NO_ARGMAX`] ([`Backend::argmax_rows`] of one row).
 #[must_use]
 pub fn argmax_row(row: &[f32]) -> u32 {
-    // The maximum in sixteen independent lanes (a compare that NaN fails: it vectorises),
-    // then the first position holding it.
+    // The maximum in sixteen independent lanes (it vectorises; NaN never wins), then the
+    // first position holding it.
     let mut lanes = [f32::NEG_INFINITY; 16];
     let (chunks, tail) = row.as_chunks::<16>();
     for c in chunks {
         for (l, &v) in lanes.iter_mut().zip(c) {
-            if v > *l {
-                *l = v;
-            }
+            // `max` keeps the lane when `v` is NaN: one vector max per chunk.
+            *l = l.max(v);
         }
     }
     let max = lanes
@@ -113,9 +112,16 @@ pub fn argmax_row(row: &[f32]) -> u32 {
     if max == f32::NEG_INFINITY {
         return NO_ARGMAX;
     }
-    row.iter()
+    // The first chunk holding the maximum (a compare per chunk that vectorises), then its
+    // first position.
+    let at = chunks
+        .iter()
+        .position(|c| c.iter().fold(false, |hit, &v| hit | (v == max)))
+        .map_or(chunks.len() * 16, |ci| ci * 16);
+    row[at..]
+        .iter()
         .position(|&v| v == max)
-        .and_then(|i| u32::try_from(i).ok())
+        .and_then(|i| u32::try_from(at + i).ok())
         .unwrap_or(NO_ARGMAX)
 }
 
