@@ -81,6 +81,13 @@ fn same_forward(what: &str, file: &Arc<Gguf>, ids: &[u32], cache: (QType, QType)
     assert_eq!(argmax(&got), argmax(&want), "{what}: greedy tokens differ");
 }
 
+/// [`same_forward`] on a tiny model over F16 caches, 20 ids.
+fn same_tiny(what: &str, g: &specula_testkit::tiny::TinyGguf) {
+    let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
+    let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
+    same_forward(what, &file, &ids, (QType::F16, QType::F16));
+}
+
 #[test]
 fn tiny_qwen3_forward_equals_the_cpu_backend() {
     let g = specula_testkit::tiny::target("qwen3");
@@ -110,14 +117,7 @@ fn codebook_weight_formats_forward_equal_the_cpu_backend() {
                 t.ty = ty;
             }
         }
-        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
-        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
-        same_forward(
-            &format!("tiny qwen3, {ty:?} matrices"),
-            &file,
-            &ids,
-            (QType::F16, QType::F16),
-        );
+        same_tiny(&format!("tiny qwen3, {ty:?} matrices"), &g);
     }
 }
 
@@ -143,14 +143,7 @@ fn low_bit_k_quant_forward_equals_the_cpu_backend() {
             }
         }
         assert!(n >= 4, "{ty:?}: {n} matrices converted");
-        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
-        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
-        same_forward(
-            &format!("tiny qwen3 (hidden 256), {ty:?} matrices"),
-            &file,
-            &ids,
-            (QType::F16, QType::F16),
-        );
+        same_tiny(&format!("tiny qwen3 (hidden 256), {ty:?} matrices"), &g);
     }
 }
 
@@ -181,14 +174,7 @@ fn turbo_caches_forward_equal_the_cpu_backend() {
 fn hybrid_forward_equals_the_cpu_backend() {
     for arch in ["qwen35", "qwen35moe", "qwen3next"] {
         let g = specula_testkit::tiny::target(arch);
-        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
-        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
-        same_forward(
-            &format!("tiny {arch}"),
-            &file,
-            &ids,
-            (QType::F16, QType::F16),
-        );
+        same_tiny(&format!("tiny {arch}"), &g);
     }
 }
 
@@ -201,14 +187,7 @@ fn every_tiny_architecture_forward_equals_the_cpu_backend() {
         "llama", "qwen2", "gemma3", "qwen3moe", "laguna", "gemma4", "gemma4-e",
     ] {
         let g = specula_testkit::tiny::target(arch);
-        let file = Arc::new(Gguf::from_bytes(g.to_bytes().unwrap()).unwrap());
-        let ids: Vec<u32> = (0..20u32).map(|i| (i * 7 + 3) % 32).collect();
-        same_forward(
-            &format!("tiny {arch}"),
-            &file,
-            &ids,
-            (QType::F16, QType::F16),
-        );
+        same_tiny(&format!("tiny {arch}"), &g);
     }
 }
 
