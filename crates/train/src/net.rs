@@ -282,3 +282,177 @@ pub fn loss(
 fn to_i64(v: usize) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rng::Rng;
+
+    fn tiny() -> DraftShape {
+        DraftShape {
+            n_layer: 2,
+            n_embd: 16,
+            n_ff: 24,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 8,
+            rope_base: 10000.0,
+            rms_eps: 1e-6,
+            taps: vec![1, 3],
+            n_embd_target: 16,
+            block: 4,
+            mask: 0,
+        }
+    }
+
+    fn normal(rng: &mut Rng, n: usize, std: f64) -> Vec<f32> {
+        #[allow(clippy::cast_possible_truncation, reason = "f32 test values")]
+        (0..n).map(|_| (rng.normal() * std) as f32).collect()
+    }
+
+    /// The loss at `params` (no gradients).
+    fn loss_at(shape: &DraftShape, params: &[Vec<f32>], head: &[f32], ex: &Example) -> f64 {
+        let dev = Device::flex();
+        let w = Weights::new(shape, params, &dev, false);
+        let head = tensor2(head.to_vec(), [10, shape.n_embd], &dev);
+        let v = loss(shape, &w, &head, ex, &dev).to_data();
+        f64::from(v.try_to_vec::<f32>().unwrap()[0])
+    }
+
+    /// burn's gradients of the block loss equal central finite differences for every
+    /// parameter, so what the optimiser follows is the loss's slope.
+    #[test]
+    fn gradients_of_the_block_loss_match_finite_differences() {
+        let shape = tiny();
+        let mut rng = Rng::new(7, 1);
+        let params: Vec<Vec<f32>> = shape
+            .params()
+            .iter()
+            .map(|(_, d)| {
+                let n: usize = d.iter().product();
+                if d.len() == 1 {
+                    normal(&mut rng, n, 0.2).iter().map(|v| 1.0 + v).collect()
+                } else {
+                    normal(&mut rng, n, 0.3)
+                }
+            })
+            .collect();
+        let head = normal(&mut rng, 10 * shape.n_embd, 0.5);
+        let n_ctx = 6;
+        let ex = Example {
+            ctx: normal(&mut rng, n_ctx * shape.width(), 2.0),
+            n_ctx,
+            anchors: vec![2, 6],
+            block_embd: normal(&mut rng, 2 * shape.block * shape.n_embd, 0.5),
+            targets: vec![
+                (1, 3, 1.0),
+                (2, 7, 0.8),
+                (3, 1, 0.6),
+                (5, 9, 1.0),
+                (6, 3, 0.8),
+            ],
+        };
+        let dev = Device::flex().autodiff();
+        let w = Weights::new(&shape, &params, &dev, true);
+        let head_t = tensor2(head.clone(), [10, shape.n_embd], &dev);
+        let grads = loss(&shape, &w, &head_t, &ex, &dev).backward();
+        let h = 1e-2f32;
+        for (pi, (name, _)) in shape.params().iter().enumerate() {
+            let g = w.t[pi].grad(&grads).expect("a gradient");
+            let g = g.to_data().try_to_vec::<f32>().unwrap();
+            for probe in 0..4 {
+                let j = (probe * 7919 + 13) % params[pi].len();
+                let mut p = params.clone();
+                p[pi][j] += h;
+                let up = loss_at(&shape, &p, &head, &ex);
+                p[pi][j] -= 2.0 * h;
+                let down = loss_at(&shape, &p, &head, &ex);
+                let fd = (up - down) / (2.0 * f64::from(h));
+                let ad = f64::from(g[j]);
+                assert!(
+                    (fd - ad).abs() <= 2e-2 * fd.abs().max(ad.abs()) + 2e-4,
+                    "{name}[{j}]: autodiff {ad:.6}, finite differences {fd:.6}"
+                );
+            }
+        }
+    }
+
+    /// A block row learns what its anchor implies: with context rows that carry nothing,
+    /// row `k`'s token is a function of the anchor token and `k`, which only attention to
+    /// the anchor row can learn.
+    #[test]
+    fn block_rows_learn_a_function_of_their_anchor() {
+        let mut shape = tiny();
+        shape.n_embd = 32;
+        shape.n_embd_target = 32;
+        shape.n_ff = 64;
+        let v = 16usize;
+        let e = shape.n_embd;
+        let mut rng = Rng::new(11, 2);
+        let embd = normal(&mut rng, v * e, 1.0);
+        let mut params = crate::dflash::init_params(&shape, 5);
+        let cfg = crate::optim::AdamW {
+            lr: 1e-2,
+            warmup: 10,
+            steps: 300,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clip: 1.0,
+        };
+        let mut moments = vec![crate::optim::Moments::default(); params.len()];
+        let decay = vec![false; params.len()];
+        let label = |tok: usize, k: usize| (tok * 3 + k) % v;
+        let make = |rng: &mut Rng| {
+            let anchors = vec![3, 7, 12];
+            let n_ctx = 12;
+            let mut block_embd = Vec::new();
+            let mut targets = Vec::new();
+            for (bi, _) in anchors.iter().enumerate() {
+                let tok = 1 + rng.below(v - 1);
+                block_embd.extend_from_slice(&embd[tok * e..(tok + 1) * e]);
+                for k in 1..shape.block {
+                    block_embd.extend_from_slice(&embd[..e]);
+                    targets.push((bi * shape.block + k, label(tok, k), 1.0));
+                }
+            }
+            Example {
+                ctx: normal(rng, n_ctx * shape.width(), 1.0),
+                n_ctx,
+                anchors,
+                block_embd,
+                targets,
+            }
+        };
+        let dev = Device::flex().autodiff();
+        let head = tensor2(embd.clone(), [v, e], &dev);
+        for t in 0..cfg.steps {
+            let ex = make(&mut rng);
+            let w = Weights::new(&shape, &params, &dev, true);
+            let grads = loss(&shape, &w, &head, &ex, &dev).backward();
+            let g: Vec<Vec<f32>> =
+                w.t.iter()
+                    .map(|x| x.grad(&grads).unwrap().to_data().try_to_vec().unwrap())
+                    .collect();
+            crate::optim::step(&cfg, t, &mut params, &g, &mut moments, &decay);
+        }
+        let dev = Device::flex();
+        let w = Weights::new(&shape, &params, &dev, false);
+        let head = tensor2(embd.clone(), [v, e], &dev);
+        let (mut hits, mut n) = (0, 0);
+        for _ in 0..20 {
+            let ex = make(&mut rng);
+            let lg = logits(forward_hidden(&shape, &w, &ex, &dev), &head);
+            let data = lg.to_data().try_to_vec::<f32>().unwrap();
+            for &(r, want, _) in &ex.targets {
+                let row = &data[r * v..(r + 1) * v];
+                let arg = (0..v).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+                hits += usize::from(arg == want);
+                n += 1;
+            }
+        }
+        assert!(hits * 10 >= n * 6, "{hits} of {n} rows right");
+    }
+}
