@@ -15,9 +15,9 @@
 
 use specula_models::Taps;
 use specula_quant::QType;
-use specula_tensor::Backend;
+use specula_tensor::{Backend, NO_ARGMAX};
 
-use crate::{BatchEntry, Capture, Engine, EngineError, Result, top_k_logits};
+use crate::{BatchEntry, Capture, Engine, EngineError, Readout, Result, top_k_logits};
 
 /// What [`Engine::extract`] captures and how it batches.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -69,7 +69,9 @@ impl<B: Backend> Engine<B> {
         }
         let n_vocab = self.model.hparams().n_vocab;
         let mut scratch = self.scratch();
-        let mut logits = Vec::new();
+        // Greedy steps read out one id per sequence, no logits.
+        scratch.set_argmax(true);
+        let mut readout = Readout::default();
         let mut out: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
         for (g, group) in prompts.chunks(batch).enumerate() {
             let base = g * batch;
@@ -99,13 +101,15 @@ impl<B: Backend> Engine<B> {
                         });
                     }
                 }
-                self.decode_multi(&mut entries, &mut scratch, &mut logits)?;
+                self.decode_multi(&mut entries, &mut scratch, &mut readout)?;
                 drop(entries);
                 let mut done = Vec::new();
-                for (row, &j) in logits.chunks_exact(n_vocab).zip(&live) {
-                    let id = specula_sampling::steps::argmax(row).ok_or_else(|| {
-                        EngineError::Extract("every logit of a row is NaN or −∞".into())
-                    })?;
+                for (&id, &j) in readout.ids.iter().zip(&live) {
+                    if id == NO_ARGMAX || id as usize >= n_vocab {
+                        return Err(EngineError::Extract(
+                            "every logit of a row is NaN or −∞".into(),
+                        ));
+                    }
                     out[base + j].push(id);
                     if self.tokenizer.is_eog(id) {
                         done.push(j);
@@ -146,7 +150,7 @@ impl<B: Backend> Engine<B> {
         }
         let n_vocab = self.model.hparams().n_vocab;
         let mut scratch = self.scratch();
-        let mut logits = Vec::new();
+        let mut readout = Readout::default();
         for (g, group) in seqs.chunks(opts.batch).enumerate() {
             let mut sessions = group
                 .iter()
@@ -171,9 +175,9 @@ impl<B: Backend> Engine<B> {
                     capture: Some(Capture { taps, features }),
                 })
                 .collect();
-            self.decode_multi(&mut entries, &mut scratch, &mut logits)?;
+            self.decode_multi(&mut entries, &mut scratch, &mut readout)?;
             drop(entries);
-            let mut rows = logits.chunks_exact(n_vocab);
+            let mut rows = readout.logits.chunks_exact(n_vocab);
             for (j, (tokens, features)) in group.iter().zip(features).enumerate() {
                 let top_k = if opts.top_k > 0 {
                     rows.by_ref()

@@ -373,6 +373,31 @@ impl<B: Backend> Session<B> {
     }
 }
 
+/// What a batched forward ([`Engine::decode_multi`]) reads out for the logits rows its
+/// entries ask for, entry after entry: the rows themselves, or — after
+/// [`Scratch::set_argmax`] — only each row's argmax, so a batch of greedy rows downloads one
+/// id per row and no logits.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Readout {
+    /// `n_rows × n_vocab` logits (empty in argmax mode).
+    pub logits: Vec<f32>,
+    /// One argmax per row in argmax mode ([`specula_tensor::NO_ARGMAX`] for a row of only
+    /// NaN and −∞); empty otherwise.
+    pub ids: Vec<u32>,
+}
+
+impl Readout {
+    fn clear(&mut self) {
+        self.logits.clear();
+        self.ids.clear();
+    }
+
+    fn append(&mut self, other: &Self) {
+        self.logits.extend_from_slice(&other.logits);
+        self.ids.extend_from_slice(&other.ids);
+    }
+}
+
 /// One sequence's tokens in an [`Engine::decode_multi`] batch.
 pub struct BatchEntry<'a, B: Backend> {
     /// The sequence (its cache and position).
@@ -827,7 +852,7 @@ impl<B: Backend> Engine<B> {
         &self,
         entries: &mut [BatchEntry<'_, B>],
         scratch: &mut Scratch<B>,
-        out: &mut Vec<f32>,
+        out: &mut Readout,
     ) -> Result<()> {
         for e in entries.iter() {
             if e.tokens.is_empty() {
@@ -884,8 +909,11 @@ impl<B: Backend> Engine<B> {
         let logits = self
             .model
             .forward_multi(&self.backend, &mut seqs, scratch)?;
-        out.extend_from_slice(logits);
+        out.logits.extend_from_slice(logits);
         drop(seqs);
+        if scratch.argmax() {
+            out.ids.extend_from_slice(scratch.argmax_ids());
+        }
         for e in entries.iter_mut() {
             e.session.n_past += e.tokens.len();
             if let Some(c) = &mut e.capture {
@@ -906,7 +934,7 @@ impl<B: Backend> Engine<B> {
         &self,
         entries: &mut [BatchEntry<'_, B>],
         scratch: &mut Scratch<B>,
-        out: &mut Vec<f32>,
+        out: &mut Readout,
         failed: &mut Vec<(usize, EngineError)>,
     ) {
         failed.clear();
@@ -922,10 +950,10 @@ impl<B: Backend> Engine<B> {
             failed.push((0, err));
             return;
         }
-        let mut part = Vec::new();
+        let mut part = Readout::default();
         for i in 0..entries.len() {
             match self.decode_multi_caught(&mut entries[i..=i], scratch, &mut part) {
-                Ok(()) => out.extend_from_slice(&part),
+                Ok(()) => out.append(&part),
                 Err(e) => {
                     entries[i].session.n_past = bases[i];
                     failed.push((i, e));
@@ -939,7 +967,7 @@ impl<B: Backend> Engine<B> {
         &self,
         entries: &mut [BatchEntry<'_, B>],
         scratch: &mut Scratch<B>,
-        out: &mut Vec<f32>,
+        out: &mut Readout,
     ) -> Result<()> {
         std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             self.decode_multi(entries, scratch, out)
@@ -960,14 +988,14 @@ impl<B: Backend> Engine<B> {
         &self,
         entries: &mut [BatchEntry<'_, B>],
         scratch: &mut Scratch<B>,
-        out: &mut Vec<f32>,
+        out: &mut Readout,
     ) -> Result<()> {
         let n = entries.len();
         let mut done = vec![0usize; n];
-        let mut logits: Vec<Vec<f32>> = vec![Vec::new(); n];
+        let mut logits: Vec<Readout> = vec![Readout::default(); n];
         let mut feats: Vec<Vec<f32>> = vec![Vec::new(); n];
         let mut part_feats: Vec<Vec<f32>> = vec![Vec::new(); n];
-        let mut part = Vec::new();
+        let mut part = Readout::default();
         loop {
             let mut idx = Vec::with_capacity(n);
             let mut rows = Vec::with_capacity(n);
@@ -1006,16 +1034,24 @@ impl<B: Backend> Engine<B> {
             self.decode_multi(&mut sub, scratch, &mut part)?;
             drop(sub);
             let total: usize = rows.iter().sum();
-            let width = part.len().checked_div(total).unwrap_or(0);
-            let mut off = 0;
+            let width = part.logits.len().checked_div(total).unwrap_or(0);
+            let (mut off, mut id_off) = (0, 0);
             for (&i, &r) in idx.iter().zip(&rows) {
-                logits[i].extend_from_slice(&part[off..off + r * width]);
+                logits[i]
+                    .logits
+                    .extend_from_slice(&part.logits[off..off + r * width]);
                 off += r * width;
+                if !part.ids.is_empty() {
+                    logits[i]
+                        .ids
+                        .extend_from_slice(&part.ids[id_off..id_off + r]);
+                    id_off += r;
+                }
                 feats[i].append(&mut part_feats[i]);
             }
         }
         for (i, e) in entries.iter_mut().enumerate() {
-            out.extend_from_slice(&logits[i]);
+            out.append(&logits[i]);
             if let Some(c) = &mut e.capture {
                 *c.features = std::mem::take(&mut feats[i]);
             }

@@ -151,3 +151,56 @@ fn a_greedy_speculative_round_downloads_only_its_verify_rows_ids() {
     assert_eq!(t.ids_down, rows as u64, "{t:?} for {stats:?}");
     assert_eq!(t.argmax_calls, stats.rounds as u64, "{t:?}");
 }
+
+/// The server's batched forward over several sessions (`decode_multi`) in argmax mode: one
+/// id per logits row and no float, the ids the argmaxes of the rows the logits mode reads.
+#[test]
+fn a_batched_greedy_forward_downloads_one_id_per_row() {
+    use specula_engine::{BatchEntry, Readout};
+    let e = engine("llama");
+    let prompts: [&[u32]; 3] = [&[1, 5, 9, 14], &[1, 7], &[1, 3, 3, 8, 2, 6]];
+    // Rows asked for: the last of the first, every row of the second, the last two of the
+    // third.
+    let from = [3, 0, 4];
+    let run = |argmax: bool| {
+        let mut sessions: Vec<_> = prompts
+            .iter()
+            .map(|_| e.session(64, QType::F16, QType::F16).unwrap())
+            .collect();
+        let mut scratch = e.scratch();
+        scratch.set_argmax(argmax);
+        let mut entries: Vec<BatchEntry<'_, _>> = sessions
+            .iter_mut()
+            .zip(prompts)
+            .zip(from)
+            .map(|((session, tokens), logits_from)| BatchEntry {
+                session,
+                tokens,
+                logits_from,
+                capture: None,
+            })
+            .collect();
+        let before = e.backend.tally();
+        let mut out = Readout::default();
+        e.decode_multi(&mut entries, &mut scratch, &mut out)
+            .unwrap();
+        (out, since(&e, before))
+    };
+    let (logits, _) = run(false);
+    let (ids, t) = run(true);
+    let n_vocab = e.model.hparams().n_vocab;
+    let rows: usize = 1 + 2 + 2;
+    assert_eq!(logits.logits.len(), rows * n_vocab);
+    let want: Vec<u32> = logits
+        .logits
+        .chunks_exact(n_vocab)
+        .map(|r| specula_sampling::steps::argmax(r).unwrap())
+        .collect();
+    assert!(ids.logits.is_empty());
+    assert_eq!(ids.ids, want);
+    assert_eq!(
+        (t.floats_down, t.ids_down, t.argmax_calls),
+        (0, rows as u64, 1),
+        "{t:?}"
+    );
+}

@@ -667,7 +667,7 @@ fn a_batched_forward_fails_only_the_entry_at_fault() {
     }
     let mut ss = sessions();
     let mut scratch = e.scratch();
-    let mut out = Vec::new();
+    let mut out = specula_engine::Readout::default();
     let mut entries: Vec<BatchEntry<'_, CpuBackend>> = ss
         .iter_mut()
         .zip(rows)
@@ -693,9 +693,10 @@ fn a_batched_forward_fails_only_the_entry_at_fault() {
         "{}",
         failed[0].1
     );
-    assert_eq!(out.len(), want.len());
+    assert_eq!(out.logits.len(), want.len());
     assert!(
-        out.iter()
+        out.logits
+            .iter()
             .zip(&want)
             .all(|(a, b)| a.to_bits() == b.to_bits()),
         "the entries that did not fail have their own logits, bit for bit"

@@ -199,7 +199,7 @@ fn two_in_one_batch(
     e.prefill(&mut sa, &a[..a_done], false).unwrap();
     e.prefill(&mut sb, &b[..b_done], false).unwrap();
     let mut scratch = e.scratch();
-    let mut out = Vec::new();
+    let mut out = specula_engine::Readout::default();
     e.decode_multi(
         &mut [
             specula_engine::BatchEntry {
@@ -219,7 +219,7 @@ fn two_in_one_batch(
         &mut out,
     )
     .unwrap();
-    (out, [sa.n_past(), sb.n_past()])
+    (out.logits, [sa.n_past(), sb.n_past()])
 }
 
 /// Several sessions in one batch (`decode_multi`, the server's continuous batching): a

@@ -19,13 +19,13 @@ use std::time::Instant;
 
 use serde_json::json;
 use specula_engine::{
-    BatchEntry, Capture, Engine, EngineError, PlanEntry, Rollback, RoundCost, SpecOptions, SpecSeq,
-    plan,
+    BatchEntry, Capture, Engine, EngineError, PlanEntry, Readout, Rollback, RoundCost, SpecOptions,
+    SpecSeq, plan,
 };
 use specula_models::{Scratch, Taps};
 use specula_quant::QType;
 use specula_sampling::{Candidates, Sampler, SamplerParams, steps};
-use specula_spec::verify::sample_and_match;
+use specula_spec::verify::{match_argmax, sample_and_match};
 use specula_spec::{BatchDrafter, Drafter, PerSeq, SeqFeed, SpecError, SpecStats};
 use specula_tensor::Backend;
 use tokio::sync::{mpsc, oneshot};
@@ -152,6 +152,18 @@ struct Task {
     masked: Vec<f32>,
 }
 
+impl Task {
+    /// Whether the task's tokens follow from its rows' argmaxes alone: greedy with no
+    /// penalty, no probabilities reported, no logit bias and no grammar. A batch of such
+    /// tasks downloads one id per verify row and no logits.
+    fn reads_argmax(&self) -> bool {
+        self.sampler.params().is_argmax()
+            && self.job.logprobs.is_none()
+            && self.job.logit_bias.is_empty()
+            && self.job.constraint.is_none()
+    }
+}
+
 struct Slot<B: Backend> {
     id: usize,
     session: specula_engine::Session<B>,
@@ -186,7 +198,9 @@ pub(crate) struct Worker<B: Backend> {
     factory: Option<crate::DrafterFactory>,
     rollback: Rollback,
     scratch: Scratch<B>,
-    logits: Vec<f32>,
+    /// The batched forward's logits rows, or only their argmaxes when every generating slot
+    /// decodes greedily ([`Task::reads_argmax`]).
+    readout: Readout,
     /// This step's features of all slots, `[rows, taps · n_embd]`.
     features: Vec<f32>,
     drafts: Vec<Result<Vec<u32>, SpecError>>,
@@ -306,7 +320,7 @@ impl<B: Backend> Worker<B> {
             factory,
             rollback,
             scratch,
-            logits: Vec::new(),
+            readout: Readout::default(),
             features: Vec::new(),
             drafts: Vec::new(),
             fed: Vec::new(),
@@ -662,7 +676,14 @@ impl<B: Backend> Worker<B> {
         if n_busy == 0 && !prefilling {
             return;
         }
-        // The batched forward; an entry that fails alone fails its slot.
+        // The batched forward; an entry that fails alone fails its slot. When every slot
+        // with logits rows decodes greedily, the forward reads out only their argmaxes.
+        let argmax = n_busy > 0
+            && self.slots.iter().all(|s| {
+                s.task
+                    .as_ref()
+                    .is_none_or(|t| t.phase != Phase::Decode || t.reads_argmax())
+            });
         let tv = Instant::now();
         // The slot of each entry, and where its logits rows start (`None`: it failed).
         let mut order = Vec::with_capacity(self.slots.len());
@@ -702,12 +723,14 @@ impl<B: Backend> Worker<B> {
             if entries.is_empty() {
                 return;
             }
+            self.scratch.set_argmax(argmax);
             self.engine.decode_multi_isolated(
                 &mut entries,
                 &mut self.scratch,
-                &mut self.logits,
+                &mut self.readout,
                 &mut failed,
             );
+            self.scratch.set_argmax(false);
         }
         let verify_s = tv.elapsed().as_secs_f64();
         if n_busy > 0 {
@@ -795,7 +818,11 @@ impl<B: Backend> Worker<B> {
                 }
                 continue;
             }
-            let rows = &self.logits[start * n_vocab..(start + n_rows) * n_vocab];
+            let rows = if argmax {
+                Rows::Ids(&self.readout.ids[start..start + n_rows])
+            } else {
+                Rows::Logits(&self.readout.logits[start * n_vocab..(start + n_rows) * n_vocab])
+            };
             let drafter = self.drafter.as_mut().map(|d| d as &mut dyn BatchDrafter);
             let metrics = &self.metrics;
             let engine = &self.engine;
@@ -840,11 +867,20 @@ impl<B: Backend> Worker<B> {
 
 /// Verifies and commits a generating slot's round ([`SpecSeq::commit`]) and streams the
 /// tokens; ends the task when it stops.
+/// A generating slot's verify rows as the batched forward read them out.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    /// `n × n_vocab` logits.
+    Logits(&'a [f32]),
+    /// Each row's argmax (every slot decodes greedily: [`Task::reads_argmax`]).
+    Ids(&'a [u32]),
+}
+
 fn commit_slot<B: Backend>(
     engine: &Engine<B>,
     slot: &mut Slot<B>,
     drafter: Option<&mut dyn BatchDrafter>,
-    rows: &[f32],
+    rows: Rows<'_>,
     cost: RoundCost,
     metrics: &Metrics,
 ) -> Result<(), String> {
@@ -858,7 +894,11 @@ fn commit_slot<B: Backend>(
     // Logit biases, then the grammar: row `i` masked with the matcher state after the
     // anchor and `draft[..i]`, so the verifier sees what constrained plain decoding sees.
     let constrained = t.job.constraint.is_some() || !t.job.logit_bias.is_empty();
-    if constrained {
+    let (rows, ids) = match rows {
+        Rows::Logits(r) => (r, None),
+        Rows::Ids(ids) => (&[][..], Some(ids)),
+    };
+    if constrained && ids.is_none() {
         t.masked.clear();
         t.masked.extend_from_slice(rows);
         for row in t.masked.chunks_exact_mut(n_vocab) {
@@ -877,7 +917,10 @@ fn commit_slot<B: Backend>(
             &mut slot.session,
             drafter,
             sampled,
-            |rows, draft| sample_and_match(&mut t.sampler, rows, n_vocab, draft),
+            |rows, draft| match ids {
+                Some(ids) => match_argmax(&mut t.sampler, ids, draft),
+                None => sample_and_match(&mut t.sampler, rows, n_vocab, draft),
+            },
             cost,
         )
         .map_err(|e| match e {
@@ -893,11 +936,17 @@ fn commit_slot<B: Backend>(
     let mut finish: Option<&'static str> = None;
     for (i, &id) in verdict.tokens.iter().enumerate() {
         t.n_generated += 1;
-        let row = &rows[i * n_vocab..(i + 1) * n_vocab];
-        let logprob = t
-            .job
-            .logprobs
-            .map(|n| token_logprob(tokenizer, row, id, n, &mut t.candidates, &mut t.top));
+        let logprob = t.job.logprobs.and_then(|n| {
+            let row = rows.get(i * n_vocab..(i + 1) * n_vocab)?;
+            Some(token_logprob(
+                tokenizer,
+                row,
+                id,
+                n,
+                &mut t.candidates,
+                &mut t.top,
+            ))
+        });
         if let Some(c) = t.job.constraint.as_mut() {
             c.accept(&[id]).map_err(|e| e.to_string())?;
         }

@@ -178,12 +178,12 @@ fn a_batched_decode_captures_each_session_its_own_features_bit_for_bit() {
         })
         .collect();
     let mut scratch = e.scratch();
-    let mut out = Vec::new();
+    let mut out = specula_engine::Readout::default();
     e.decode_multi(&mut entries, &mut scratch, &mut out)
         .unwrap();
     drop(entries);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
-    assert_eq!(bits(&out), bits(&alone_logits), "logits");
+    assert_eq!(bits(&out.logits), bits(&alone_logits), "logits");
     for (i, (got, want)) in feats.iter().zip(&alone).enumerate() {
         if layers[i].is_empty() {
             assert_eq!(got, &vec![-1.0], "entry {i} asked for nothing: untouched");

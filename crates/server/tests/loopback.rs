@@ -590,13 +590,14 @@ fn a_batched_decode_gives_each_session_its_own_logits_bit_for_bit() {
         })
         .collect();
     let mut scratch = e.scratch();
-    let mut out = Vec::new();
+    let mut out = specula_engine::Readout::default();
     e.decode_multi(&mut entries, &mut scratch, &mut out)
         .unwrap();
     let want: Vec<f32> = alone.concat();
-    assert_eq!(out.len(), want.len());
+    assert_eq!(out.logits.len(), want.len());
     assert!(
-        out.iter()
+        out.logits
+            .iter()
             .zip(&want)
             .all(|(a, b)| a.to_bits() == b.to_bits()),
         "batched logits differ from the sessions' own"
