@@ -278,6 +278,10 @@ impl SpecSeq {
                     self.draft_s,
                     self.caught_up,
                 );
+                if n_draft == 0 && self.k > 0 {
+                    // Asked, the drafter declined (unsure of even the first token).
+                    self.policy.declined(self.k, self.draft_s);
+                }
             }
         }
         self.history.extend_from_slice(&verdict.tokens);

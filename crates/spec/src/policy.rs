@@ -15,7 +15,10 @@
 //! - draft lengths that grow with what rounds have kept;
 //! - a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while probes keep
 //!   nothing or drafting still does not pay after them), so that a drafter that starts to fit
-//!   again is noticed.
+//!   again is noticed;
+//! - a drafter that is asked for a draft and declines (one that stops where it is unsure, not
+//!   sure of even the first token: [`Adaptive::declined`]) is a probe that kept nothing, so it
+//!   is asked again only after the backed-off interval, not every step.
 
 /// Plain steps between two probe drafts while drafting does not pay; the interval doubles
 /// with each drafted round in a row that kept nothing or after which drafting still did not
@@ -198,8 +201,10 @@ impl Adaptive {
             return 0;
         }
         if self.verify.iter().skip(1).all(Option::is_none) {
-            // Only plain steps measured: probe.
-            return cap.min(PROBE_LEN);
+            // Only plain steps measured: probe, at once the first time, then at the
+            // backed-off interval while the drafter declines.
+            let due = self.misses == 0 || self.plain_streak >= PROBE_EVERY << self.misses;
+            return if due { cap.min(PROBE_LEN) } else { 0 };
         }
         let best = self.best(cap);
         if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
@@ -267,6 +272,25 @@ impl Adaptive {
         } else {
             self.plain_streak += 1;
         }
+    }
+}
+
+impl Adaptive {
+    /// Records that the drafter was asked for `asked > 0` tokens and returned none (it stops
+    /// where it is unsure, or its draft fell short of the minimum), after the round was
+    /// recorded as a plain step ([`Adaptive::record`] with `drafted = 0`): the ask was a probe
+    /// that kept nothing, so the next one waits for the backed-off interval. Its drafting
+    /// time, `draft_s`, prices drafting `asked` tokens when nothing else has.
+    pub fn declined(&mut self, asked: usize, draft_s: f64) {
+        let k = asked.min(self.n_max);
+        if k == 0 {
+            return;
+        }
+        if self.draft[k].is_none() {
+            self.draft[k] = Some(draft_s);
+        }
+        self.plain_streak = 0;
+        self.misses = (self.misses + 1).min(MAX_BACKOFF);
     }
 }
 
@@ -349,6 +373,33 @@ mod tests {
         }
         assert!(p.next(100) >= 1);
         assert_eq!(p.misses, 0);
+    }
+
+    #[test]
+    fn a_drafter_that_declines_is_asked_again_only_after_the_backed_off_interval() {
+        let mut p = Adaptive::new(8).self_limiting(true);
+        assert_eq!(p.next(100), PROBE_LEN);
+        // Asked for one token, it returns none: a plain step with a declined ask.
+        p.record(0, 0, 0.010, 0.0, 0);
+        p.declined(1, 0.003);
+        let mut asks = 0;
+        for _ in 0..200 {
+            let k = p.next(100);
+            p.record(0, 0, 0.010, 0.0, 0);
+            if k > 0 {
+                asks += 1;
+                p.declined(k, 0.003);
+            }
+        }
+        // Asked again after 32 plain steps, then after 64 more; the next would wait 128:
+        // 2 asks in 200 steps, not 200.
+        assert_eq!(asks, 2);
+        // A drafter that drafts again is measured as before.
+        for _ in 0..40 {
+            p.record(1, 1, 0.011, 0.001, 1);
+            p.record(0, 0, 0.010, 0.0, 0);
+        }
+        assert!(p.next(100) >= 1);
     }
 
     #[test]

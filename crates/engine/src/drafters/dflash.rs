@@ -8,16 +8,19 @@
 //! - **eager** (llama.cpp upstream): every target batch is injected as soon as the target ran
 //!   it, rejected verify rows included; the next draft forgets positions past the committed
 //!   ones (cell = position, so the next injection overwrites them).
-//! - **deferred**: a verify batch of this drafter's own draft is stashed and only its committed
-//!   rows (anchor + accepted drafts) are injected, in one pass, when [`Drafter::accept`] says
-//!   how many; any other batch (prompt chunks, a one-token verify, a verify of another
-//!   drafter's draft) is injected at once. Rejected rows are never encoded.
+//! - **deferred**: target batches are stashed and injected only when a draft needs them, in one
+//!   pass: a verify batch of this drafter's own draft keeps its committed rows (anchor +
+//!   accepted drafts) once [`Drafter::accept`] says how many, and any other batch (a plain
+//!   decode step, a verify of another drafter's draft) is committed as it comes. Rejected rows
+//!   are never encoded, and while the speculative policy decodes without drafts the context
+//!   of many steps is encoded at once, a matrix product instead of a vector product per step
+//!   (up to [`INJECT_CHUNK`] rows wait; a longer stash is injected).
 //!
-//! Either way, between rounds the cache holds context for exactly the committed target
-//! positions — the invariant a snapshot ([`Drafter::state`]) or a prompt-cache reuse relies on
-//! (llama.cpp fork bug TheTom#231: a flush deferred into `draft()` left snapshots and cache
-//! hits without context, so those requests drafted nothing). A snapshot taken mid-round also
-//! carries the stash, so restoring it loses nothing.
+//! Either way, between rounds the cache and the stash's committed rows together hold context
+//! for exactly the committed target positions — the invariant a snapshot ([`Drafter::state`],
+//! which carries the stash) or a prompt-cache reuse ([`Drafter::begin`] injects the stash
+//! first) relies on (llama.cpp fork bug TheTom#231: a flush deferred into `draft()` left
+//! snapshots and cache hits without context, so those requests drafted nothing).
 
 use std::sync::Arc;
 
@@ -40,12 +43,28 @@ pub enum Injection {
     Deferred,
 }
 
-/// A stashed verify batch (deferred injection).
+/// Target batches not yet injected (deferred injection): positions `pos0..pos0 + len`, the
+/// first `committed` of them committed, the rest a verify batch waiting for its acceptance.
 #[derive(Clone, Debug)]
 struct Stash {
     pos0: usize,
     tokens: Vec<u32>,
     features: Vec<f32>,
+    committed: usize,
+}
+
+impl Stash {
+    /// Keeps the first `n` rows (the rest are not in the target's cache).
+    fn truncate(&mut self, n: usize, width: usize) {
+        let n = n.min(self.tokens.len());
+        self.tokens.truncate(n);
+        self.features.truncate(n * width);
+        self.committed = self.committed.min(n);
+    }
+
+    fn end(&self) -> usize {
+        self.pos0 + self.tokens.len()
+    }
 }
 
 /// What [`Drafter::state`] saves.
@@ -56,7 +75,8 @@ struct State {
     stash: Option<Stash>,
 }
 
-/// Rows injected per pass (bounds the scratch memory of long prompts).
+/// Rows injected per pass (bounds the scratch memory of long prompts), and the most committed
+/// rows a stash keeps before it is injected.
 const INJECT_CHUNK: usize = 512;
 
 /// A DFlash drafter for one target.
@@ -167,10 +187,14 @@ impl<B: Backend> DflashDrafter<B> {
         &self.net
     }
 
-    /// Positions whose context the draft cache holds.
+    /// Positions whose context the drafter holds: in its cache, or committed in the stash
+    /// that waits to be injected (deferred injection).
     #[must_use]
     pub fn context_len(&self) -> usize {
-        self.ctx_tokens.len()
+        match &self.stash {
+            Some(st) if st.pos0 <= self.ctx_tokens.len() => st.pos0 + st.committed,
+            _ => self.ctx_tokens.len(),
+        }
     }
 
     /// Writes the context of `tokens` at `pos0..` into the cache. A batch that starts past the
@@ -212,7 +236,7 @@ impl<B: Backend> DflashDrafter<B> {
         Ok(())
     }
 
-    /// Injects the first `keep` rows of the stash.
+    /// Injects the first `keep` rows of the stash and drops it.
     fn flush(&mut self, keep: usize) -> Result<(), SpecError> {
         if let Some(st) = self.stash.take() {
             let keep = keep.min(st.tokens.len());
@@ -220,6 +244,27 @@ impl<B: Backend> DflashDrafter<B> {
             self.inject(&st.tokens[..keep], st.pos0, &st.features[..keep * w])?;
         }
         Ok(())
+    }
+
+    /// Injects the stash's committed rows, keeping the rows that wait for acceptance.
+    fn flush_committed(&mut self) -> Result<(), SpecError> {
+        let Some(st) = self.stash.as_mut() else {
+            return Ok(());
+        };
+        let n = st.committed;
+        if n == 0 {
+            return Ok(());
+        }
+        let w = self.net.feature_width();
+        let tokens: Vec<u32> = st.tokens.drain(..n).collect();
+        let features: Vec<f32> = st.features.drain(..n * w).collect();
+        let pos0 = st.pos0;
+        st.pos0 += n;
+        st.committed = 0;
+        if st.tokens.is_empty() {
+            self.stash = None;
+        }
+        self.inject(&tokens, pos0, &features)
     }
 }
 
@@ -240,7 +285,9 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         // The cache may hold the context of an earlier request sharing this prompt's prefix
         // (a prompt-cache hit: the target will not run those positions again); the batches
         // that follow overwrite the rest. A cell's context depends only on the tokens up to
-        // its position, so a common prefix is valid context whatever ran since.
+        // its position, so a common prefix is valid context whatever ran since. The earlier
+        // request's committed rows still in the stash are part of that context.
+        self.flush_committed()?;
         self.stash = None;
         self.last_draft.clear();
         let common = crate::common_prefix(&self.ctx_tokens, prompt);
@@ -274,32 +321,57 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         pos0: usize,
         features: &[f32],
     ) -> Result<(), SpecError> {
-        // A stash left by a round whose acceptance never came: its rows are in the target's
-        // cache only up to where this batch starts.
-        if let Some(st) = &self.stash {
-            let keep = pos0.saturating_sub(st.pos0);
-            self.flush(keep)?;
+        let w = self.net.feature_width();
+        if features.len() != tokens.len() * w {
+            return Err(SpecError::Features {
+                drafter: "draft-dflash",
+                got: features.len(),
+                tokens: tokens.len(),
+                width: w,
+            });
+        }
+        // A stash reaching into this batch holds rows of a round whose acceptance never came:
+        // the target's cache keeps them only up to where this batch starts, all committed.
+        if let Some(st) = self.stash.as_mut() {
+            st.truncate(pos0.saturating_sub(st.pos0), w);
+            st.committed = st.tokens.len();
+        }
+        if self.policy == Injection::Eager {
+            self.flush(usize::MAX)?;
+            return self.inject(tokens, pos0, features);
         }
         let own_verify = !self.last_draft.is_empty()
             && tokens.len() == self.last_draft.len() + 1
             && tokens[1..] == self.last_draft[..];
-        if self.policy == Injection::Deferred && own_verify {
-            self.stash = Some(Stash {
-                pos0,
-                tokens: tokens.to_vec(),
-                features: features.to_vec(),
-            });
-            Ok(())
-        } else {
-            self.inject(tokens, pos0, features)
+        if self.stash.as_ref().is_some_and(|st| st.end() != pos0) {
+            // A gap before this batch: what the stash holds goes in first.
+            self.flush(usize::MAX)?;
         }
+        let st = self.stash.get_or_insert_with(|| Stash {
+            pos0,
+            tokens: Vec::new(),
+            features: Vec::new(),
+            committed: 0,
+        });
+        st.tokens.extend_from_slice(tokens);
+        st.features.extend_from_slice(features);
+        if !own_verify {
+            st.committed = st.tokens.len();
+        }
+        if st.committed >= INJECT_CHUNK {
+            self.flush_committed()?;
+        }
+        Ok(())
     }
 
     fn accept(&mut self, n: usize) {
-        // The anchor and `n` drafts are committed. An injection failure here surfaces as an
-        // empty context at the next draft (no drafts), never as wrong output.
-        if self.flush(n + 1).is_err() {
-            self.ctx_tokens.clear();
+        // The anchor and `n` drafts of the verify batch at the stash's end are committed; the
+        // rest were rejected. They are injected when a draft needs them.
+        let w = self.net.feature_width();
+        if let Some(st) = self.stash.as_mut() {
+            let keep = st.committed + n + 1;
+            st.truncate(keep, w);
+            st.committed = st.tokens.len();
         }
     }
 
@@ -314,6 +386,8 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             let keep = committed.saturating_sub(st.pos0);
             self.flush(keep)?;
         }
+        // (An injection failure above is this draft's error; the context then ends where it
+        // failed, so later drafts stay correct.)
         // Rows past the committed ones were rejected (eager injection writes them).
         let common = crate::common_prefix(&self.ctx_tokens, p.history);
         self.ctx_tokens.truncate(common.min(committed));
