@@ -488,12 +488,33 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
             let ki = kinds.iter().position(|k| *k == p.kind).unwrap_or(0);
             let mut plain: Option<Vec<u64>> = None;
             for (mi, m) in methods.iter().enumerate() {
-                let out = sh(Command::new(&bin)
-                    .args(["run", "-m", &model, "-p", &p.text])
-                    .args(["-n", &args.n.to_string(), "-t", &args.threads.to_string()])
-                    .args(["--temp", temp, "--seed", "42", "--json"])
-                    .args(&m.flags))?;
-                let r = parse_run(&out)?;
+                let mut r: Option<RunStats> = None;
+                let mut times = Vec::with_capacity(args.reps.max(1));
+                for _ in 0..args.reps.max(1) {
+                    let out = sh(Command::new(&bin)
+                        .args(["run", "-m", &model, "-p", &p.text])
+                        .args(["-n", &args.n.to_string(), "-t", &args.threads.to_string()])
+                        .args(["--temp", temp, "--seed", "42", "--json"])
+                        .args(&m.flags))?;
+                    let one = parse_run(&out)?;
+                    // Greedy output is the same every run; at T = 1 an adaptive policy's
+                    // draft lengths follow measured times, and with them the random draws.
+                    if *temp == "0"
+                        && let Some(first) = &r
+                        && first.ids != one.ids
+                    {
+                        bail!(
+                            "{}: `{}` generated other tokens in a repeated greedy run",
+                            p.name,
+                            m.name
+                        );
+                    }
+                    times.push(one.ms);
+                    r.get_or_insert(one);
+                }
+                let mut r = r.context("no run")?;
+                times.sort_by(f64::total_cmp);
+                r.ms = times[times.len() / 2];
                 done += 1;
                 if *temp == "0" {
                     match &plain {
@@ -572,9 +593,9 @@ fn table(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
          `cargo xtask exp spec --target {} --steps {} --eagle-steps {} --shards {} -n {} \
-         --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {}{}` \
+         --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
-         {} threads).\n\n\
+         {} threads; each cell's time the median of {} runs).\n\n\
          τ = tokens committed per verified round, bonus included. \"τ-implied\" is the speed-up \
          if a verify cost one decode step; \"CPU-implied\" divides τ by this CPU's cost of \
          verifying n + 1 rows (in decode steps, from `specula bench`). Greedy output equals \
@@ -589,6 +610,7 @@ fn table(
         args.dflash_labels,
         args.prompts_per_file,
         args.prompt_chars,
+        args.reps,
         args.code_dir
             .as_ref()
             .map_or(String::new(), |d| format!(" --code-dir {}", d.display())),
@@ -596,6 +618,7 @@ fn table(
         HELD_OUT_CODE,
         args.n,
         args.threads,
+        args.reps,
     );
     for (ti, temp) in temps.iter().enumerate() {
         for (ki, kind) in kinds.iter().enumerate() {

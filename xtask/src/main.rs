@@ -112,6 +112,10 @@ struct ExpSpecArgs {
     /// Threads.
     #[arg(short = 't', long, default_value_t = 2)]
     threads: usize,
+    /// Runs of each (prompt, method, temperature) cell: its time is their median, its tokens
+    /// and acceptance the first run's.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
 }
 
 /// Options of `cargo xtask e2e`.

@@ -56,9 +56,10 @@ pub struct Args {
     /// Optimiser steps.
     #[arg(long = "steps", default_value_t = 2000)]
     pub steps: usize,
-    /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %).
-    #[arg(long = "lr", default_value_t = 1e-3)]
-    pub lr: f32,
+    /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %);
+    /// default 3e-3 for DFlash, 1e-3 for EAGLE-3.
+    #[arg(long = "lr")]
+    pub lr: Option<f32>,
     /// EAGLE-3: training-time-test unroll steps (the head fed its own outputs).
     #[arg(long = "ttt-steps", default_value_t = 3)]
     pub ttt_steps: usize,
@@ -71,6 +72,14 @@ pub struct Args {
     /// γ of the loss's position decay `exp(−(k−1)/γ)`.
     #[arg(long = "gamma", default_value_t = 7.0)]
     pub gamma: f32,
+    /// DFlash context curriculum: early steps let a block see only the last N context
+    /// positions before its anchor, so attention learns to find them before it faces the
+    /// whole context (0: every step sees the whole context).
+    #[arg(long = "window", default_value_t = 32)]
+    pub window: usize,
+    /// Steps of the context curriculum (default: three fifths of --steps).
+    #[arg(long = "window-steps")]
+    pub window_steps: Option<usize>,
     /// What rows learn (features with --top-k for the first two): `greedy`, the target's
     /// next token while the corpus after the anchor is the target's greedy path (DFlash; as
     /// `target` for EAGLE-3); `target`, its next token everywhere; `corpus`, the corpus's.
@@ -169,10 +178,16 @@ mod imp {
                 cfg.anchors = args.anchors;
                 cfg.seqs_per_step = args.seqs_per_step;
                 cfg.gamma = args.gamma;
+                cfg.window = args.window;
+                if let Some(n) = args.window_steps {
+                    cfg.window_steps = n;
+                }
                 cfg.labels = labels;
                 cfg.mask = args.mask_token;
                 cfg.seed = args.seed;
-                cfg.optim.lr = args.lr;
+                if let Some(lr) = args.lr {
+                    cfg.optim.lr = lr;
+                }
                 cfg.checkpoint_every = args.checkpoint_every;
                 cfg.val_seqs = args.val_seqs;
                 let mut run = Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
@@ -238,7 +253,9 @@ mod imp {
                     labels
                 };
                 cfg.seed = args.seed;
-                cfg.optim.lr = args.lr;
+                if let Some(lr) = args.lr {
+                    cfg.optim.lr = lr;
+                }
                 cfg.checkpoint_every = args.checkpoint_every;
                 cfg.val_seqs = args.val_seqs;
                 let mut run = Eagle3Run::start(&cfg, &target, &feats, &args.out, args.resume)?;

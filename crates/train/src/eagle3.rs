@@ -1434,6 +1434,7 @@ mod tests {
             ctx: feats,
             n_ctx: a,
             anchors: vec![a],
+            window: None,
             block_embd: tokens
                 .iter()
                 .flat_map(|&t| {
