@@ -56,10 +56,9 @@ pub struct Args {
     /// Optimiser steps.
     #[arg(long = "steps", default_value_t = 2000)]
     pub steps: usize,
-    /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %);
-    /// default 3e-3 for DFlash, 1e-3 for EAGLE-3.
-    #[arg(long = "lr")]
-    pub lr: Option<f32>,
+    /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %).
+    #[arg(long = "lr", default_value_t = 1e-3)]
+    pub lr: f32,
     /// EAGLE-3: training-time-test unroll steps (the head fed its own outputs).
     #[arg(long = "ttt-steps", default_value_t = 3)]
     pub ttt_steps: usize,
@@ -185,9 +184,7 @@ mod imp {
                 cfg.labels = labels;
                 cfg.mask = args.mask_token;
                 cfg.seed = args.seed;
-                if let Some(lr) = args.lr {
-                    cfg.optim.lr = lr;
-                }
+                cfg.optim.lr = args.lr;
                 cfg.checkpoint_every = args.checkpoint_every;
                 cfg.val_seqs = args.val_seqs;
                 let mut run = Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
@@ -253,9 +250,7 @@ mod imp {
                     labels
                 };
                 cfg.seed = args.seed;
-                if let Some(lr) = args.lr {
-                    cfg.optim.lr = lr;
-                }
+                cfg.optim.lr = args.lr;
                 cfg.checkpoint_every = args.checkpoint_every;
                 cfg.val_seqs = args.val_seqs;
                 let mut run = Eagle3Run::start(&cfg, &target, &feats, &args.out, args.resume)?;

@@ -103,7 +103,7 @@ impl DflashConfig {
             mask: None,
             seed: 42,
             optim: AdamW {
-                lr: 3e-3,
+                lr: 1e-3,
                 warmup: (steps / 20).max(1),
                 steps,
                 min_lr_ratio: 0.1,
