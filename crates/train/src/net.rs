@@ -385,6 +385,65 @@ mod tests {
         }
     }
 
+    /// Trains fresh parameters of `shape` with AdamW on `make(rng, Some(step))`, then counts
+    /// the loss rows of 20 examples `make(rng, None)` whose argmax over the head rows `head`
+    /// (`v` of them) is their target: (right, rows).
+    fn learn(
+        shape: &DraftShape,
+        head: &[f32],
+        v: usize,
+        cfg: &crate::optim::AdamW,
+        rng: &mut Rng,
+        mut make: impl FnMut(&mut Rng, Option<usize>) -> Example,
+    ) -> (usize, usize) {
+        let e = shape.n_embd;
+        let mut params = crate::dflash::init_params(shape, 5);
+        let mut moments = vec![crate::optim::Moments::default(); params.len()];
+        let decay = vec![false; params.len()];
+        let dev = Device::flex().autodiff();
+        let head_t = tensor2(head.to_vec(), [v, e], &dev);
+        for t in 0..cfg.steps {
+            let ex = make(rng, Some(t));
+            let w = Weights::new(shape, &params, &dev, true);
+            let grads = loss(shape, &w, &head_t, &ex, &dev).backward();
+            let g: Vec<Vec<f32>> =
+                w.t.iter()
+                    .map(|x| x.grad(&grads).unwrap().to_data().try_to_vec().unwrap())
+                    .collect();
+            crate::optim::step(cfg, t, &mut params, &g, &mut moments, &decay);
+        }
+        let dev = Device::flex();
+        let w = Weights::new(shape, &params, &dev, false);
+        let head_t = tensor2(head.to_vec(), [v, e], &dev);
+        let (mut hits, mut n) = (0, 0);
+        for _ in 0..20 {
+            let ex = make(rng, None);
+            let lg = logits(forward_hidden(shape, &w, &ex, &dev), &head_t);
+            let data = lg.to_data().try_to_vec::<f32>().unwrap();
+            for &(r, want, _) in &ex.targets {
+                let row = &data[r * v..(r + 1) * v];
+                let arg = (0..v).fold(0, |b, i| if row[i] > row[b] { i } else { b });
+                hits += usize::from(arg == want);
+                n += 1;
+            }
+        }
+        (hits, n)
+    }
+
+    fn adamw(lr: f32, steps: usize) -> crate::optim::AdamW {
+        crate::optim::AdamW {
+            lr,
+            warmup: 10,
+            steps,
+            min_lr_ratio: 0.1,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+            clip: 1.0,
+        }
+    }
+
     /// A block row learns what its anchor implies: with context rows that carry nothing,
     /// row `k`'s token is a function of the anchor token and `k`, which only attention to
     /// the anchor row can learn.
@@ -398,22 +457,8 @@ mod tests {
         let e = shape.n_embd;
         let mut rng = Rng::new(11, 2);
         let embd = normal(&mut rng, v * e, 1.0);
-        let mut params = crate::dflash::init_params(&shape, 5);
-        let cfg = crate::optim::AdamW {
-            lr: 1e-2,
-            warmup: 10,
-            steps: 300,
-            min_lr_ratio: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            clip: 1.0,
-        };
-        let mut moments = vec![crate::optim::Moments::default(); params.len()];
-        let decay = vec![false; params.len()];
         let label = |tok: usize, k: usize| (tok * 3 + k) % v;
-        let make = |rng: &mut Rng| {
+        let make = |rng: &mut Rng, _: Option<usize>| {
             let anchors = vec![3, 7, 12];
             let n_ctx = 12;
             let mut block_embd = Vec::new();
@@ -435,33 +480,7 @@ mod tests {
                 targets,
             }
         };
-        let dev = Device::flex().autodiff();
-        let head = tensor2(embd.clone(), [v, e], &dev);
-        for t in 0..cfg.steps {
-            let ex = make(&mut rng);
-            let w = Weights::new(&shape, &params, &dev, true);
-            let grads = loss(&shape, &w, &head, &ex, &dev).backward();
-            let g: Vec<Vec<f32>> =
-                w.t.iter()
-                    .map(|x| x.grad(&grads).unwrap().to_data().try_to_vec().unwrap())
-                    .collect();
-            crate::optim::step(&cfg, t, &mut params, &g, &mut moments, &decay);
-        }
-        let dev = Device::flex();
-        let w = Weights::new(&shape, &params, &dev, false);
-        let head = tensor2(embd.clone(), [v, e], &dev);
-        let (mut hits, mut n) = (0, 0);
-        for _ in 0..20 {
-            let ex = make(&mut rng);
-            let lg = logits(forward_hidden(&shape, &w, &ex, &dev), &head);
-            let data = lg.to_data().try_to_vec::<f32>().unwrap();
-            for &(r, want, _) in &ex.targets {
-                let row = &data[r * v..(r + 1) * v];
-                let arg = (0..v).fold(0, |b, i| if row[i] > row[b] { i } else { b });
-                hits += usize::from(arg == want);
-                n += 1;
-            }
-        }
+        let (hits, n) = learn(&shape, &embd, v, &adamw(1e-2, 300), &mut rng, make);
         assert!(hits * 10 >= n * 6, "{hits} of {n} rows right");
     }
 
@@ -481,23 +500,9 @@ mod tests {
         let embd = normal(&mut rng, v * e, 1.0);
         let codes = normal(&mut rng, v * w, 1.0);
         let (n_ctx, steps, window_steps) = (200, 900, 600);
-        let mut params = crate::dflash::init_params(&shape, 5);
-        let cfg = crate::optim::AdamW {
-            lr: 1e-2,
-            warmup: 10,
-            steps,
-            min_lr_ratio: 0.1,
-            beta1: 0.9,
-            beta2: 0.95,
-            eps: 1e-8,
-            weight_decay: 0.0,
-            clip: 1.0,
-        };
-        let mut moments = vec![crate::optim::Moments::default(); params.len()];
-        let decay = vec![false; params.len()];
         // Context row p carries code c_p (plus noise); block row k's token is (3·c_{a−1} + k)
         // mod 16, whatever the anchor token is.
-        let make = |rng: &mut Rng, window: Option<usize>| {
+        let make = |rng: &mut Rng, step: Option<usize>| {
             let c: Vec<usize> = (0..n_ctx).map(|_| rng.below(v)).collect();
             let mut ctx = Vec::with_capacity(n_ctx * w);
             for &ci in &c {
@@ -524,38 +529,12 @@ mod tests {
                 ctx,
                 n_ctx,
                 anchors,
-                window,
+                window: step.filter(|&t| t < window_steps).map(|_| 16),
                 block_embd,
                 targets,
             }
         };
-        let dev = Device::flex().autodiff();
-        let head = tensor2(embd.clone(), [v, e], &dev);
-        for t in 0..steps {
-            let ex = make(&mut rng, (t < window_steps).then_some(16));
-            let wt = Weights::new(&shape, &params, &dev, true);
-            let grads = loss(&shape, &wt, &head, &ex, &dev).backward();
-            let g: Vec<Vec<f32>> =
-                wt.t.iter()
-                    .map(|x| x.grad(&grads).unwrap().to_data().try_to_vec().unwrap())
-                    .collect();
-            crate::optim::step(&cfg, t, &mut params, &g, &mut moments, &decay);
-        }
-        let dev = Device::flex();
-        let wt = Weights::new(&shape, &params, &dev, false);
-        let head = tensor2(embd.clone(), [v, e], &dev);
-        let (mut hits, mut n) = (0, 0);
-        for _ in 0..20 {
-            let ex = make(&mut rng, None);
-            let lg = logits(forward_hidden(&shape, &wt, &ex, &dev), &head);
-            let data = lg.to_data().try_to_vec::<f32>().unwrap();
-            for &(r, want, _) in &ex.targets {
-                let row = &data[r * v..(r + 1) * v];
-                let arg = (0..v).fold(0, |b, i| if row[i] > row[b] { i } else { b });
-                hits += usize::from(arg == want);
-                n += 1;
-            }
-        }
+        let (hits, n) = learn(&shape, &embd, v, &adamw(1e-2, steps), &mut rng, make);
         assert!(hits * 10 >= n * 9, "{hits} of {n} rows right");
     }
 }
