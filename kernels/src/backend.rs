@@ -123,6 +123,12 @@ struct TurboPlane {
     two: Option<TwoStage>,
 }
 
+/// Values per head of a turbo plane as attention reads them: the stored width, or a
+/// two-stage head's 64 (`y_i + β·y_{64+i}`, `kernels::kv::turbo_two_value`).
+fn read_width(t: &TurboPlane) -> usize {
+    if t.two.is_some() { 64 } else { t.dim }
+}
+
 /// The tables of two-stage turbo heads on the device (`specula_kv::two_stage_tables`).
 #[derive(Debug)]
 struct TwoStage {
@@ -1738,7 +1744,7 @@ impl Backend for CubeBackend {
             Plane::Turbo(kt) => {
                 // Queries for turbo keys: `q·m` and the head rotated forward.
                 let qm = self.empty_f32(items);
-                qf = self.empty_f32(items * kt.dim);
+                qf = self.empty_f32(items * read_width(kt));
                 // SAFETY: `q` is `[rows, n_head · hd_k]`; `qf` holds the stored width per
                 // head, `qm` one value per head.
                 unsafe {
@@ -1749,13 +1755,12 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(q.h.clone(), q.rows * q.cols),
                         BufferArg::from_raw_parts(kt.center.clone(), l.n_kv_head * l.hd_k),
                         BufferArg::from_raw_parts(self.turbo_tab.clone(), 1),
-                        BufferArg::from_raw_parts(qf.clone(), items * kt.dim),
+                        BufferArg::from_raw_parts(qf.clone(), items * read_width(kt)),
                         BufferArg::from_raw_parts(qm.clone(), items),
                         u(items),
                         u(p.n_head),
                         u(group),
                         u(l.hd_k),
-                        kt.two.as_ref().map_or(0.0, |t| t.beta),
                         kt.two.is_some(),
                     );
                 }
@@ -1809,17 +1814,21 @@ impl Backend for CubeBackend {
             Plane::Blocks(b) => (b.had, b.hscale),
             _ => (0, 1.0),
         };
-        // Values stored per head: a two-stage turbo head holds 128 for its 64.
+        // Values read per head: the stored width, or a two-stage turbo head's 64.
         let stored = |pl: &Plane, hd: usize| match pl {
-            Plane::Turbo(t) => t.dim,
+            Plane::Turbo(t) => read_width(t),
             _ => hd,
         };
         let (kdim, vdim) = (stored(&l.k, l.hd_k), stored(&l.v, l.hd_v));
-        let v_two = match &l.v {
-            Plane::Turbo(t) => t.two.as_ref(),
-            _ => None,
-        };
-        // Two-stage values are merged at their stored width, then folded onto the head.
+        fn two(pl: &Plane) -> Option<&TwoStage> {
+            match pl {
+                Plane::Turbo(t) => t.two.as_ref(),
+                _ => None,
+            }
+        }
+        let (k_two, v_two) = (two(&l.k), two(&l.v));
+        // Two-stage values are merged in their read order, then put back in order and
+        // rotated back.
         let (target, empty) = match v_two {
             Some(_) => (self.empty_f32(items * vdim), self.client.empty(items * 4)),
             None => (out.h.clone(), none()),
@@ -1875,9 +1884,13 @@ impl Backend for CubeBackend {
                             p.softcap.unwrap_or(1.0),
                             window,
                             0,
+                            k_two.map_or(0.0, |t| t.beta),
+                            v_two.map_or(0.0, |t| t.beta),
                             mask,
                             p.softcap.is_some(),
                             self.units,
+                            k_two.is_some(),
+                            v_two.is_some(),
                             kfmt.0,
                             kfmt.1,
                             kfmt.2,
@@ -1927,7 +1940,7 @@ impl Backend for CubeBackend {
             }
             r0 += n;
         }
-        if let Some(two) = v_two {
+        if v_two.is_some() {
             // SAFETY: `target` holds 128 values and `empty` one flag per (row, head); `out`
             // `items · 64` values; the offsets `n_kv_head · 64`.
             unsafe {
@@ -1943,8 +1956,6 @@ impl Backend for CubeBackend {
                     u(items),
                     u(p.n_head),
                     u(group),
-                    two.beta,
-                    0,
                 );
             }
         }

@@ -2,7 +2,9 @@
 
 use cubecl::prelude::*;
 
-use super::kv::{block_value, hadamard, key_dot, turbo_value, wht128};
+use super::kv::{
+    block_value, hadamard, key_dot, turbo_two_value, turbo_value, two_stage_index, wht128,
+};
 use super::matmul::exact;
 
 /// `out[r] = table[ids[r]]` for a table in the device layout (`cols` values per row): one
@@ -147,7 +149,11 @@ pub const CHUNK: usize = 256;
 /// format's formula as they are read (a codebook format, `ktable` / `vtable` > 0, through
 /// `nl`). Turbo planes (`kterm` / `vterm` 5, `kbits` the code
 /// width) are read as centroid · norm in the rotated domain (`kv::turbo_value`, `tabs`), the
-/// keys dotted in the float lanes with the query rotated forward (`qf`) plus its `q·m`. The
+/// keys dotted in the float lanes with the query rotated forward (`qf`) plus its `q·m`. A
+/// 64-value head stored in two stages (`ktwo` / `vtwo`, fine weight `kbeta` / `vbeta`; `hd_k`
+/// / `hd_v` then 64) is read as the CPU backend reads it: 64 values `y_i + β·y_{64+i}` in its
+/// read order (`kv::turbo_two_value`), against the natural-order `R₆₄q` of `qf` taken in the
+/// same order; its values accumulate in that order (`kv::turbo_fold64` puts them back). The
 /// unused operands are any buffer.
 #[cube(launch)]
 #[allow(
@@ -188,9 +194,13 @@ pub fn attn_chunk<E: Float>(
     softcap: f32,
     window: u32,
     zero: u32,
+    kbeta: f32,
+    vbeta: f32,
     #[comptime] mask: u32,
     #[comptime] use_softcap: bool,
     #[comptime] units: usize,
+    #[comptime] ktwo: bool,
+    #[comptime] vtwo: bool,
     #[comptime] kbits: u32,
     #[comptime] koff: u32,
     #[comptime] kterm: u32,
@@ -278,7 +288,11 @@ pub fn attn_chunk<E: Float>(
                     let mut x = 0.0f32;
                     let mut y = 0.0f32;
                     if dd < hd_k {
-                        if comptime![kterm == 5] {
+                        if comptime![kterm == 5 && ktwo] {
+                            // Two-stage keys: slot dd of the read order.
+                            x = qf[qbase + two_stage_index(dd)];
+                            y = turbo_two_value(kcodes, kd, tabs, kb / 64, dd, kbeta, zero, kbits);
+                        } else if comptime![kterm == 5] {
                             // Turbo keys: the rotated query against the decoded key.
                             x = qf[qbase + dd];
                             y = turbo_value(kcodes, kd, tabs, kb / comptime![128usize], dd, kbits);
@@ -374,7 +388,9 @@ pub fn attn_chunk<E: Float>(
                     if wt != 0.0 {
                         let cell = ((j0 + t) % cells as usize) * n_kv + kvh;
                         let mut x = 0.0f32;
-                        if comptime![vterm == 5] {
+                        if comptime![vterm == 5 && vtwo] {
+                            x = turbo_two_value(vcodes, vd, tabs, cell, d, vbeta, zero, vbits);
+                        } else if comptime![vterm == 5] {
                             x = turbo_value(vcodes, vd, tabs, cell * (hd_v / 128), d, vbits);
                         } else if comptime![vbits > 0] {
                             x = block_value(

@@ -643,6 +643,40 @@ pub fn turbo_value(
     tabs[comptime![TURBO_CENT + (1usize << bits) - 4] + c as usize] * norms[g]
 }
 
+/// The value a slot `s < 64` of a two-stage head's read order holds
+/// (`specula_cpu`'s `read_order`: slot `2k + h` of each 16 is value `k + 8h`).
+#[cube]
+pub fn two_stage_index(s: usize) -> usize {
+    (s / 16) * 16 + (s % 16) / 2 + 8 * (s % 2)
+}
+
+/// Slot `s` of the 64 read values of the two-stage turbo head in group `grp` (128 codes: the
+/// coarse stage, then the fine): `y_i + β·y_{64+i}` for the value `i` the slot holds, product
+/// and sum rounded apart, as the CPU backend reads the head.
+#[cube]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a turbo plane's buffers and the read's terms"
+)]
+pub fn turbo_two_value(
+    codes: &[u32],
+    norms: &[f32],
+    tabs: &[f32],
+    grp: usize,
+    s: usize,
+    beta: f32,
+    zero: u32,
+    #[comptime] bits: u32,
+) -> f32 {
+    let i = two_stage_index(s);
+    // Both terms kept from fusing into the sum (each is a product).
+    exact(turbo_value(codes, norms, tabs, grp, i, bits), zero)
+        + exact(
+            beta * turbo_value(codes, norms, tabs, grp, 64 + i, bits),
+            zero,
+        )
+}
+
 /// Writes rows of `src` (`[n, n_kv · hd]`, `hd` a multiple of 128) into cells `cells[t]` of a
 /// turbo cache, one unit per (row, head): the head less its offset, then per 128-value group
 /// `specula_quant::turbo`'s reference quantizer — the norm, the unit vector rotated forward,
@@ -734,7 +768,8 @@ pub fn kv_write_turbo(
 /// Prepares every query head (`[items = rows · n_head, hd]`, one unit each) for a turbo K
 /// cache, as the CPU backend's attention does: `qm` = the head · its K/V head's offset, `qf`
 /// = the head rotated forward group by group (the domain the keys are stored in), or for a
-/// 64-value head stored in two stages (`two_stage`) the 128 values `(R₆₄q, β·R₆₄q)`.
+/// 64-value head stored in two stages (`two_stage`) the 64 values `R₆₄q`, read by
+/// `attention::attn_chunk` in the head's read order.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn attn_query_turbo(
@@ -747,7 +782,6 @@ pub fn attn_query_turbo(
     n_head: u32,
     group: u32,
     hd: u32,
-    beta: f32,
     #[comptime] two_stage: bool,
 ) {
     let id = ABSOLUTE_POS;
@@ -755,16 +789,13 @@ pub fn attn_query_turbo(
         let hd = hd as usize;
         let kvh = (id % n_head as usize) / group as usize;
         if two_stage {
-            // A 64-value head stored in two stages: `(R₆₄q, β·R₆₄q)` in 128 values.
-            let qb = id * 128;
+            // A 64-value head stored in two stages: `R₆₄q`.
+            let qb = id * 64;
             qm[id] = dot16(q, id * 64, center, kvh * 64, 64);
             for j in 0..64usize {
                 qf[qb + j] = q[id * 64 + j];
             }
             wht64(qf, qb, tabs, false);
-            for j in 0..64usize {
-                qf[qb + 64 + j] = beta * qf[qb + j];
-            }
         } else {
             let qb = id * hd;
             query_head(q, center, qf, qm, id, kvh, hd);
@@ -974,9 +1005,9 @@ pub fn kv_write_turbo2s(
     }
 }
 
-/// Folds two-stage turbo outputs (`mo`, 128 values per (row, head)) onto their 64-value heads,
-/// as the CPU backend reads a two-stage V back: `y_a + β·y_b`, rotated back by the 64-value
-/// rotation, the K/V head's offset added; zeros for a row that saw no cell (`empty`).
+/// Finishes two-stage turbo outputs (`mo`, 64 values per (row, head) in the heads' read
+/// order, `two_stage_index`) as the CPU backend does: put back in order, rotated back by the
+/// 64-value rotation, the K/V head's offset added; zeros for a row that saw no cell (`empty`).
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn turbo_fold64(
@@ -988,20 +1019,18 @@ pub fn turbo_fold64(
     items: u32,
     n_head: u32,
     group: u32,
-    beta: f32,
-    zero: u32,
 ) {
     let id = ABSOLUTE_POS;
     if id < items as usize {
         let ob = id * 64;
-        let mb = id * 128;
+        let mb = id * 64;
         if empty[id] != 0 {
             for j in 0..64usize {
                 out[ob + j] = 0.0f32;
             }
         } else {
-            for j in 0..64usize {
-                out[ob + j] = mo[mb + j] + exact(beta * mo[mb + 64 + j], zero);
+            for t in 0..64usize {
+                out[ob + two_stage_index(t)] = mo[mb + t];
             }
             wht64(out, ob, tabs, true);
             let cb = ((id % n_head as usize) / group as usize) * 64;

@@ -13,9 +13,12 @@
 //!   dot-product type (Q8_0 or Q8_1, as ggml-cpu does) and `q·k` is the block dot product of
 //!   `specula-quant` (SIMD);
 //! - turbo keys: the query head is taken to the stored domain once per call (padded and
-//!   rotated forward by the cache's Walsh–Hadamard transform; a 64-value head stored in two
-//!   stages as `(R₆₄q, β·R₆₄q)`, [`specula_kv::turbo_query`]), then dotted with
-//!   `centroid · norm` values decoded one tile at a time (`⟨q', k'⟩ = q · k̂`).
+//!   rotated forward by the cache's Walsh–Hadamard transform, [`specula_kv::turbo_query`]),
+//!   then dotted with `centroid · norm` values decoded one tile at a time
+//!   (`⟨q', k'⟩ = q · k̂`). A 64-value head stored in two stages (128 codes, coarse and
+//!   fine) is read as its 64 values `y_i + β·y_{64+i}` (the first step of
+//!   [`specula_kv::turbo_read`]) against `R₆₄q`, so scores and values run over 64
+//!   dimensions, not 128; on AVX-512 such rows are decoded in registers by the tile loops.
 //!
 //! Block-format caches are stored under llama.cpp's Hadamard rotation
 //! ([`specula_kv::Rotation::Hadamard`]): the query head is rotated the same way before it is
@@ -37,10 +40,10 @@
 
 use std::cell::RefCell;
 
-use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_query, turbo_read};
+use specula_kv::{KvLayout, Plane, Rotation, hadamard, turbo_query, turbo_read, turbo_two_stage};
 use specula_quant::blocks::{BlockTurbo2, BlockTurbo3, BlockTurbo4, QK_TURBO};
 use specula_quant::dot::Kernels;
-use specula_quant::{QType, turbo};
+use specula_quant::{QType, turbo, wht};
 use specula_tensor::{AttentionParams, KvShape, Mask, Result};
 
 use crate::CpuBackend;
@@ -531,6 +534,36 @@ fn merge_state(run: (&mut f32, &mut f32, &mut [f32]), chunk: (f32, f32, &[f32]))
     *m = mn;
 }
 
+/// The fine stage's weight β of a plane whose heads are stored in two turbo stages
+/// ([`specula_kv::turbo_two_stage`]: 64-value heads in 128-code groups).
+fn two_stage(p: &Plane) -> Option<f32> {
+    if p.rotation() == Rotation::Turbo {
+        turbo_two_stage(p.ty(), p.head_dim(), p.dim())
+    } else {
+        None
+    }
+}
+
+/// Values per head of `p` as attention reads them: the stored width, or the 64 values of a
+/// head stored in two turbo stages ([`Ctx::decode_read`]).
+fn read_dim(p: &Plane) -> usize {
+    if two_stage(p).is_some() {
+        wht::HALF
+    } else {
+        p.dim()
+    }
+}
+
+/// `out[i] = y[i] + β·y[64 + i]`: a decoded two-stage head's coarse and fine stages as one
+/// head of 64 values (multiply and add rounded apart, as [`turbo_read`] does).
+#[inline]
+fn fold_stages(y: &[f32; wht::GROUP], beta: f32, out: &mut [f32]) {
+    let (coarse, fine) = y.split_at(wht::HALF);
+    for ((o, &c), &f) in out[..wht::HALF].iter_mut().zip(coarse).zip(fine) {
+        *o = c + beta * f;
+    }
+}
+
 /// How `q·k` is computed for a key format.
 #[derive(Clone, Copy)]
 enum KeyDot {
@@ -675,13 +708,61 @@ struct Ctx<'a> {
     key: KeyDot,
     hd_k: usize,
     hd_v: usize,
+    /// Values per K / V head as attention reads them ([`read_dim`]).
     k_dim: usize,
     v_dim: usize,
+    /// The fine stage's weight of K / V heads stored in two turbo stages ([`two_stage`]).
+    k_two: Option<f32>,
+    v_two: Option<f32>,
     /// Cells of the layer: `kv_pos` index `j` is cell `j % n_cells` (a ring).
     n_cells: usize,
 }
 
-impl Ctx<'_> {
+impl<'a> Ctx<'a> {
+    /// One stored head as attention reads it: [`Ctx::decode`], or for a head stored in two
+    /// turbo stages (`two` = β) the 64 values `y_i + β·y_{64+i}` of its decoded codes `y` —
+    /// the first step of [`turbo_read`], so that scores and values run over the 64 dimensions
+    /// of the head, not the 128 of its codes — in [`simd::read_order`] (the query is put in
+    /// that order too, and the output taken out of it).
+    #[inline]
+    fn decode_read(&self, ty: QType, two: Option<f32>, src: &[u8], out: &mut [f32]) {
+        let Some(beta) = two else {
+            self.decode(ty, src, out);
+            return;
+        };
+        if ty == QType::Turbo4 {
+            (self.attn.turbo4_two)(src, src.len(), 1, beta, out);
+            return;
+        }
+        let mut y = [0.0f32; wht::GROUP];
+        let mut f = [0.0f32; wht::HALF];
+        self.decode(ty, src, &mut y);
+        fold_stages(&y, beta, &mut f);
+        simd::read_order(&f, out);
+    }
+
+    /// Decodes the `n` cells from `cell0` (`None`: the tile wraps around a ring) of head `kvh`
+    /// of `p` into `out` in one call, where a kernel reads such rows in place: two-stage turbo4
+    /// heads ([`Ctx::decode_read`]'s values, every cell's whether a query sees it or not).
+    /// Returns whether it did.
+    fn decode_tile(
+        &self,
+        p: &Plane,
+        two: Option<f32>,
+        cell0: Option<usize>,
+        kvh: usize,
+        n: usize,
+        out: &mut [f32],
+    ) -> bool {
+        match (two, cell0) {
+            (Some(beta), Some(c0)) if p.ty() == QType::Turbo4 => {
+                (self.attn.turbo4_two)(p.head_cells(kvh, c0), p.head_bytes(), n, beta, out);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// [`decode_head`] with this backend's f16 conversion (F16C where the CPU has it).
     #[inline]
     fn decode(&self, ty: QType, src: &[u8], out: &mut [f32]) {
@@ -748,6 +829,12 @@ impl Ctx<'_> {
                         dst[..hd_k].copy_from_slice(src);
                         dst[hd_k..].fill(0.0);
                         match self.k.rotation() {
+                            Rotation::Turbo if self.k_two.is_some() => {
+                                let mut r: [f32; wht::HALF] =
+                                    dst[..wht::HALF].try_into().expect("64 values");
+                                wht::forward64(&mut r);
+                                simd::read_order(&r, dst);
+                            }
                             Rotation::Turbo => turbo_query(self.k.ty(), dst, hd_k),
                             Rotation::Hadamard(n) => hadamard(&mut dst[..hd_k], n),
                             Rotation::None => {}
@@ -815,17 +902,43 @@ impl Ctx<'_> {
                 let contiguous = cell0 + n <= self.n_cells;
                 let fast = tile.is_some() && contiguous;
                 let in_place = |p, dim| fast.then(|| tile_rows(p, cell0, kvh, n, dim)).flatten();
+                // Two-stage turbo4 rows, decoded in registers by the fused tile loops.
+                let turbo = |p: &'a Plane, two: Option<f32>| match two {
+                    Some(beta) if fast && p.ty() == QType::Turbo4 => Some(tile::TurboRows {
+                        bytes: p.head_cells(kvh, cell0),
+                        stride: p.head_bytes(),
+                        n,
+                        beta,
+                    }),
+                    _ => None,
+                };
+                let k_turbo = tile
+                    .and_then(|t| t.scores_turbo)
+                    .filter(|_| nq <= tile::TURBO_QUERIES)
+                    .zip(turbo(self.k, self.k_two));
                 let k_rows = match self.key {
                     KeyDot::F32 | KeyDot::Decoded => in_place(self.k, k_dim)
                         .map(|r| widened(self, r, nq, SCORE_QUERIES, &mut b.kw)),
                     KeyDot::Quant { .. } => None,
                 };
                 // Decode the tile's keys when their format is read in f32.
-                if matches!(self.key, KeyDot::Decoded) && k_rows.is_none() {
+                if matches!(self.key, KeyDot::Decoded)
+                    && k_rows.is_none()
+                    && k_turbo.is_none()
+                    && !self.decode_tile(
+                        self.k,
+                        self.k_two,
+                        contiguous.then_some(cell0),
+                        kvh,
+                        n,
+                        &mut b.kt,
+                    )
+                {
                     for jj in 0..n {
                         if (0..nr).any(|ri| b.vis[ri * TILE + jj]) {
-                            self.decode(
+                            self.decode_read(
                                 self.k.ty(),
+                                self.k_two,
                                 self.k.head((j0 + jj) % self.n_cells, kvh),
                                 &mut b.kt[jj * k_dim..(jj + 1) * k_dim],
                             );
@@ -844,6 +957,11 @@ impl Ctx<'_> {
                     _ => None,
                 };
                 match (tile, k_rows, k_blocks) {
+                    _ if k_turbo.is_some() => {
+                        if let Some((f, rows)) = k_turbo {
+                            f(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
+                        }
+                    }
                     (Some(t), Some(rows), _) => {
                         (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
@@ -970,7 +1088,16 @@ impl Ctx<'_> {
                     .then(|| block_rows(self.v, cell0, kvh, n))
                     .flatten()
                     .filter(|r| r.blocks * 32 == v_dim);
+                let v_turbo = tile
+                    .and_then(|t| t.pv_turbo)
+                    .filter(|_| nq <= tile::TURBO_QUERIES)
+                    .zip(turbo(self.v, self.v_two));
                 match (tile, v_rows, v_blocks) {
+                    _ if v_turbo.is_some() => {
+                        if let Some((f, rows)) = v_turbo {
+                            f(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
+                        }
+                    }
                     (Some(t), Some(rows), _) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
                     (Some(t), None, Some(src)) => {
                         (t.widen_blocks)(src, &mut b.vt, v_dim);
@@ -978,16 +1105,26 @@ impl Ctx<'_> {
                         (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim);
                     }
                     _ => {
+                        let whole = self.decode_tile(
+                            self.v,
+                            self.v_two,
+                            contiguous.then_some(cell0),
+                            kvh,
+                            n,
+                            &mut b.vt,
+                        );
                         for jj in 0..n {
                             if !(0..nr).any(|ri| b.vis[ri * TILE + jj]) {
                                 continue;
                             }
-                            let vb = self.v.head((j0 + jj) % self.n_cells, kvh);
                             let d = &mut b.vt[jj * v_dim..(jj + 1) * v_dim];
-                            if self.v.ty() == QType::F32 {
-                                d.copy_from_slice(bytemuck::cast_slice(vb));
-                            } else {
-                                self.decode(self.v.ty(), vb, d);
+                            if !whole {
+                                let vb = self.v.head((j0 + jj) % self.n_cells, kvh);
+                                if self.v.ty() == QType::F32 {
+                                    d.copy_from_slice(bytemuck::cast_slice(vb));
+                                } else {
+                                    self.decode_read(self.v.ty(), self.v_two, vb, d);
+                                }
                             }
                             if tile.is_none() || !tile::fits(v_dim) {
                                 for i in 0..nq {
@@ -1042,6 +1179,12 @@ impl Ctx<'_> {
                 *a *= inv;
             }
             match v_rot {
+                Rotation::Turbo if self.v_two.is_some() => {
+                    let mut r = [0.0f32; wht::HALF];
+                    simd::natural_order(acc, &mut r);
+                    wht::inverse64(&mut r);
+                    acc.copy_from_slice(&r);
+                }
                 Rotation::Turbo => turbo_read(self.v.ty(), acc, hd_v),
                 Rotation::Hadamard(n) => hadamard(&mut acc[..hd_v], n),
                 Rotation::None => {}
@@ -1105,10 +1248,13 @@ pub(crate) fn attention(
         key: key_dot(ly.types.k),
         hd_k,
         hd_v,
-        k_dim: ly.k_dim,
-        v_dim: ly.v_dim,
+        k_dim: read_dim(&layer.k),
+        v_dim: read_dim(&layer.v),
+        k_two: two_stage(&layer.k),
+        v_two: two_stage(&layer.v),
         n_cells: s.layer_cells(p.layer),
     };
+    let v_dim = ctx.v_dim;
     let nth = be.n_threads();
     let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
     let rows_per = n_q.div_ceil(n_rb).max(1);
@@ -1124,7 +1270,7 @@ pub(crate) fn attention(
     // cells once, where a split of the group's query heads would read them once per slice.
     if n_chunks > 1 && (n_rb * n_kv_head < 2 * nth || n_rb == 1) {
         let nq_task = rows_per * group;
-        let stride = nq_task * (ly.v_dim + 2);
+        let stride = nq_task * (v_dim + 2);
         let n_tasks = n_rb * n_kv_head * n_chunks;
         let mut parts = vec![0.0f32; n_tasks * stride];
         let pd = Disjoint::new(&mut parts);
@@ -1148,7 +1294,7 @@ pub(crate) fn attention(
                     let (ml, acc) = slot.split_at_mut(2 * nq_task);
                     ml[..nq].copy_from_slice(&b.m[..nq]);
                     ml[nq_task..nq_task + nq].copy_from_slice(&b.l[..nq]);
-                    acc[..nq * ly.v_dim].copy_from_slice(&b.acc[..nq * ly.v_dim]);
+                    acc[..nq * v_dim].copy_from_slice(&b.acc[..nq * v_dim]);
                 }
             });
         };
@@ -1160,7 +1306,6 @@ pub(crate) fn attention(
             be.pool().run(&work);
         }
         // Merge in chunk order and normalize (small: rows × heads × chunks × v_dim).
-        let v_dim = ly.v_dim;
         let mut m = vec![f32::NEG_INFINITY; nq_task];
         let mut l = vec![0.0f32; nq_task];
         let mut acc = vec![0.0f32; nq_task * v_dim];
@@ -1233,7 +1378,7 @@ pub(crate) fn attention(
                 tmp.resize(rows.len() * w, 0.0);
                 ctx.task(rows.clone(), kvh, heads.clone(), 0..n_chunks, &mut bufs);
                 let b = &mut *bufs;
-                ctx.finish(kvh, &b.l[..nq], &mut b.acc[..nq * ly.v_dim], &mut tmp);
+                ctx.finish(kvh, &b.l[..nq], &mut b.acc[..nq * v_dim], &mut tmp);
                 for (ri, r) in rows.enumerate() {
                     let start = r * row_w + heads.start * hd_v;
                     // SAFETY: task i writes only row r's heads `heads` for its rows; tasks
@@ -1320,6 +1465,26 @@ mod tests {
                 want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
                 "{level:?}"
             );
+            // Two-stage rows (one block each), packed and with a gap between rows: each
+            // row's 64 values are `y_i + β·y_{64+i}` of its decoded block `y`.
+            for (stride, beta) in [(66, 0.075f32), (80, 0.3)] {
+                let mut rows = vec![0xA5u8; stride + 66];
+                rows[..66].copy_from_slice(&q[..66]);
+                rows[stride..].copy_from_slice(&q[66..]);
+                // In read order: slot 2k + h of each 16 holds value k + 8h.
+                let want: Vec<f32> = want
+                    .chunks_exact(128)
+                    .flat_map(|y| {
+                        (0..64).map(move |s| {
+                            let i = s / 16 * 16 + s % 16 / 2 + 8 * (s % 2);
+                            y[i] + beta * y[64 + i]
+                        })
+                    })
+                    .collect();
+                let mut got = vec![f32::NAN; 128];
+                (k.turbo4_two)(&rows, stride, 2, beta, &mut got);
+                assert_eq!(bits(&got), bits(&want), "{level:?} stride {stride}");
+            }
             for ty in [QType::Turbo2, QType::Turbo3, QType::BF16] {
                 let (q, want) = coded(ty);
                 got.fill(f32::NAN);

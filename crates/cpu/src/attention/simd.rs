@@ -26,6 +26,13 @@ pub(crate) struct AttnKernels {
     pub(crate) f16_to_f32: fn(&[Half], &mut [f32]),
     /// turbo4 blocks → `centroid · norm` values (the bits of the scalar decoder on every path).
     pub(crate) turbo4_decode: fn(&[BlockTurbo4], &mut [f32]),
+    /// One turbo4 block of a head stored in two stages, with the fine stage's weight β → the
+    /// 64 values attention reads, `y_i + β·y_{64+i}` of the decoded `y` (multiply and add
+    /// rounded apart: the bits of decoding, then [`super::fold_stages`], on every path), in
+    /// [`read_order`].
+    /// Row `j < n` starts at `bytes[j · stride]` and holds one such block; its 64 values go
+    /// to `out[64·j..]`.
+    pub(crate) turbo4_two: fn(bytes: &[u8], stride: usize, n: usize, beta: f32, out: &mut [f32]),
     /// turbo2 and turbo3 blocks → `centroid · norm` (the scalar decoder's bits).
     pub(crate) turbo2_decode: fn(&[BlockTurbo2], &mut [f32]),
     pub(crate) turbo3_decode: fn(&[BlockTurbo3], &mut [f32]),
@@ -75,6 +82,7 @@ const PORTABLE: AttnKernels = AttnKernels {
     axpy: axpy_portable,
     f16_to_f32: f16_to_f32_portable,
     turbo4_decode: turbo4_decode_portable,
+    turbo4_two: turbo4_two_portable,
     turbo2_decode: |x, out| super::decode_head(QType::Turbo2, bytemuck::cast_slice(x), out),
     turbo3_decode: |x, out| super::decode_head(QType::Turbo3, bytemuck::cast_slice(x), out),
     bf16_to_f32: |x, out| super::decode_head(QType::BF16, x, out),
@@ -100,6 +108,64 @@ pub(crate) fn turbo4_decode_portable(x: &[BlockTurbo4], out: &mut [f32]) {
 }
 
 /// The largest value, −∞ for none.
+/// Panics unless `n` rows of one turbo4 block at `stride` fit in `bytes` and their 64
+/// values each in `out`.
+fn check_two(bytes: &[u8], stride: usize, n: usize, out: &[f32]) {
+    assert!(
+        n == 0 || ((n - 1) * stride + BLOCK_TURBO4 <= bytes.len() && 64 * n <= out.len()),
+        "attention: {n} two-stage turbo4 rows of stride {stride} in {} bytes, {} outputs",
+        bytes.len(),
+        out.len()
+    );
+}
+
+const BLOCK_TURBO4: usize = std::mem::size_of::<BlockTurbo4>();
+
+/// The order in which a head stored in two turbo stages is read: within each 16 values,
+/// slot `2k + h` holds value `k + 8h` (`out[16v + 2k + h] = x[16v + k + 8h]`), the order in
+/// which one shift per 64-bit lane spreads 16 packed 4-bit codes. Queries are put in this
+/// order, and the accumulated values taken back out of it ([`natural_order`]), so a score or
+/// an output is the same sum whatever the order; the order only lets the AVX-512 decoder skip
+/// a permutation per 16 codes.
+pub(crate) fn read_order(x: &[f32], out: &mut [f32]) {
+    for (o, x) in out.chunks_exact_mut(16).zip(x.chunks_exact(16)) {
+        for k in 0..8 {
+            o[2 * k] = x[k];
+            o[2 * k + 1] = x[k + 8];
+        }
+    }
+}
+
+/// The inverse of [`read_order`].
+pub(crate) fn natural_order(x: &[f32], out: &mut [f32]) {
+    for (o, x) in out.chunks_exact_mut(16).zip(x.chunks_exact(16)) {
+        for k in 0..8 {
+            o[k] = x[2 * k];
+            o[k + 8] = x[2 * k + 1];
+        }
+    }
+}
+
+/// [`AttnKernels::turbo4_two`], row by row: each block decoded, its stages folded, put in
+/// [`read_order`].
+pub(crate) fn turbo4_two_portable(
+    bytes: &[u8],
+    stride: usize,
+    n: usize,
+    beta: f32,
+    out: &mut [f32],
+) {
+    check_two(bytes, stride, n, out);
+    let mut y = [0.0f32; QK_TURBO];
+    let mut f = [0.0f32; QK_TURBO / 2];
+    for (j, o) in out.chunks_exact_mut(64).take(n).enumerate() {
+        let b: &[BlockTurbo4] = bytemuck::cast_slice(&bytes[j * stride..j * stride + BLOCK_TURBO4]);
+        turbo4_decode_portable(b, &mut y);
+        super::fold_stages(&y, beta, &mut f);
+        read_order(&f, o);
+    }
+}
+
 fn max_portable(s: &[f32]) -> f32 {
     s.iter().copied().fold(f32::NEG_INFINITY, f32::max)
 }
@@ -176,7 +242,7 @@ pub(super) mod x86 {
     /// instruction set. Each table is only handed out by [`AttnKernels::for_level`] after the
     /// matching `*_supported` check.
     macro_rules! table {
-        ($dot32:ident, $axpy:ident, $cvt:ident, $t4:ident) => {
+        ($dot32:ident, $axpy:ident, $cvt:ident, $t4:ident, $t4two:ident) => {
             AttnKernels {
                 dot_f32: |q, k| {
                     assert_eq!(q.len(), k.len(), "attention: q and k lengths differ");
@@ -203,6 +269,12 @@ pub(super) mod x86 {
                     );
                     // SAFETY: as above; `out` holds 128 values per block.
                     unsafe { $t4(x, out) }
+                },
+                turbo4_two: |bytes, stride, n, beta, out| {
+                    super::check_two(bytes, stride, n, out);
+                    // SAFETY: as above; every row read and value written lies inside its
+                    // slice (checked above).
+                    unsafe { $t4two(bytes.as_ptr(), stride, n, beta, out.as_mut_ptr()) }
                 },
                 turbo2_decode: |x, out| {
                     assert_eq!(
@@ -237,8 +309,20 @@ pub(super) mod x86 {
         };
     }
 
-    pub(super) const AVX512: AttnKernels = table!(dot_f32_512, axpy_512, cvt_f16_512, turbo4_512);
-    pub(super) const AVX2: AttnKernels = table!(dot_f32_256, axpy_256, cvt_f16_256, turbo4_256);
+    pub(super) const AVX512: AttnKernels = table!(
+        dot_f32_512,
+        axpy_512,
+        cvt_f16_512,
+        turbo4_512,
+        turbo4_two_512
+    );
+    pub(super) const AVX2: AttnKernels = table!(
+        dot_f32_256,
+        axpy_256,
+        cvt_f16_256,
+        turbo4_256,
+        turbo4_two_256
+    );
 
     /// `out = f32(h)`, 16 values per conversion.
     ///
@@ -315,6 +399,80 @@ pub(super) mod x86 {
                     // SAFETY: 16 values at 32·c + 16·k inside the 128 of this block.
                     unsafe { _mm512_storeu_ps(o.as_mut_ptr().add(32 * c + 16 * k), y) };
                 }
+            }
+        }
+    }
+
+    /// One two-stage turbo4 row at `p` (66 bytes: the f16 norm, then 64 code bytes) as four
+    /// vectors of its 64 read values ([`super::read_order`]): the centroids times the norm
+    /// `t₁ = c·n` and `t₂ = β·t₁` (16 values each, one vector), then per 16 codes (8 bytes,
+    /// broadcast to every 64-bit lane) a shift per lane puts code `k` in the low bits of lane
+    /// `2k` and code `k + 8` in those of lane `2k + 1` (`permutexvar` reads the low 4 bits),
+    /// and `t₁[a] + t₂[b]` — the bits of decoding and then folding.
+    ///
+    /// # Safety
+    /// 66 bytes at `p`; the CPU supports AVX-512 F/BW/VL and F16C.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    pub(in crate::attention) unsafe fn turbo4_two_row_512(p: *const u8, beta: f32) -> [__m512; 4] {
+        // SAFETY: CENTROIDS_4 holds 16 f32; the caller's 66 bytes at p.
+        unsafe {
+            let table = _mm512_loadu_ps(CENTROIDS_4.as_ptr());
+            let shifts = _mm512_set_epi64(28, 24, 20, 16, 12, 8, 4, 0);
+            let norm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                p.cast::<u16>().read_unaligned(),
+            )));
+            let t1 = _mm512_mul_ps(table, _mm512_broadcastss_ps(norm));
+            let t2 = _mm512_mul_ps(_mm512_set1_ps(beta), t1);
+            let mut y = [_mm512_setzero_ps(); 4];
+            for (v, y) in y.iter_mut().enumerate() {
+                let a = p.add(2 + 8 * v).cast::<i64>().read_unaligned();
+                let b = p.add(34 + 8 * v).cast::<i64>().read_unaligned();
+                let a = _mm512_srlv_epi64(_mm512_set1_epi64(a), shifts);
+                let b = _mm512_srlv_epi64(_mm512_set1_epi64(b), shifts);
+                *y = _mm512_add_ps(_mm512_permutexvar_ps(a, t1), _mm512_permutexvar_ps(b, t2));
+            }
+            y
+        }
+    }
+
+    /// Two-stage turbo4 rows, each by [`turbo4_two_row_512`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512 F/BW/VL and F16C; `n` rows of 66 bytes at `bytes`
+    /// (stride `stride`), `64 · n` values at `out`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,f16c,fma")]
+    unsafe fn turbo4_two_512(bytes: *const u8, stride: usize, n: usize, beta: f32, out: *mut f32) {
+        for j in 0..n {
+            // SAFETY: row j's 66 bytes lie at `bytes + j·stride` and its 64 values at
+            // `out + 64·j` (the caller's promise).
+            unsafe {
+                let y = turbo4_two_row_512(bytes.add(j * stride), beta);
+                for (v, &y) in y.iter().enumerate() {
+                    _mm512_storeu_ps(out.add(64 * j + 16 * v), y);
+                }
+            }
+        }
+    }
+
+    /// Two-stage turbo4 rows, each decoded by [`turbo4_256`], folded and put in
+    /// [`super::read_order`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, F16C and FMA; as [`turbo4_two_512`].
+    #[target_feature(enable = "avx2,f16c,fma")]
+    unsafe fn turbo4_two_256(bytes: *const u8, stride: usize, n: usize, beta: f32, out: *mut f32) {
+        let mut y = [0.0f32; QK_TURBO];
+        let mut f = [0.0f32; QK_TURBO / 2];
+        for j in 0..n {
+            // SAFETY: the caller's rows and outputs; the block is copied out (no alignment
+            // is assumed).
+            unsafe {
+                let b: BlockTurbo4 = bytes.add(j * stride).cast::<BlockTurbo4>().read_unaligned();
+                turbo4_256(std::slice::from_ref(&b), &mut y);
+                crate::attention::fold_stages(&y, beta, &mut f);
+                let o = std::slice::from_raw_parts_mut(out.add(64 * j), 64);
+                super::read_order(&f, o);
             }
         }
     }

@@ -112,8 +112,43 @@ pub(crate) struct BlockRows<'a> {
     pub(crate) fmt: BlockFmt,
 }
 
+/// Rows of 64-value heads stored in two turbo4 stages, read in place: row `j < n` is the
+/// 66-byte block at `bytes[j · stride]`, read as its 64 values `y_i + β·y_{64+i}` in
+/// [`super::simd::read_order`] (`AttnKernels::turbo4_two`'s values).
+#[derive(Clone, Copy)]
+pub(crate) struct TurboRows<'a> {
+    pub(crate) bytes: &'a [u8],
+    pub(crate) stride: usize,
+    pub(crate) n: usize,
+    pub(crate) beta: f32,
+}
+
+impl TurboRows<'_> {
+    /// Panics unless every row lies inside `bytes`.
+    fn check(&self) {
+        assert!(
+            self.n == 0 || (self.n - 1) * self.stride + 66 <= self.bytes.len(),
+            "attention: {} two-stage turbo4 rows with stride {} past {} bytes",
+            self.n,
+            self.stride,
+            self.bytes.len()
+        );
+    }
+}
+
+/// Queries the fused two-stage turbo4 loops take at once (their accumulators stay in
+/// registers); more go through decoded tiles, decoded once for all of them.
+pub(crate) const TURBO_QUERIES: usize = 4;
+
 /// The largest head a block tile takes (blocks of 32 values): 256 values.
 pub(crate) const MAX_BLOCKS: usize = 8;
+
+/// [`TileKernels::scores_turbo`]'s loop.
+pub(crate) type ScoresTurbo =
+    fn(q: &[f32], qs: usize, nq: usize, k: TurboRows<'_>, out: &mut [f32], os: usize);
+/// [`TileKernels::pv_turbo`]'s loop.
+pub(crate) type PvTurbo =
+    fn(w: &[f32], ws: usize, nq: usize, v: TurboRows<'_>, acc: &mut [f32], as_: usize);
 
 /// The tile loops of one instruction set.
 #[derive(Clone, Copy)]
@@ -131,6 +166,13 @@ pub(crate) struct TileKernels {
         fn(q: &[u8], qs: usize, nq: usize, k: BlockRows<'_>, out: &mut [f32], os: usize),
     /// Block rows to f32: `out[j·os + i]` = value `i` of row `j < v.n` (the dequantizer's bits).
     pub(crate) widen_blocks: fn(v: BlockRows<'_>, out: &mut [f32], os: usize),
+    /// Two-stage turbo4 keys decoded in registers (AVX-512), for at most [`TURBO_QUERIES`]
+    /// queries: `scores` over the keys' 64 read values, with its bits (`q` rows of 64 values
+    /// in read order).
+    pub(crate) scores_turbo: Option<ScoresTurbo>,
+    /// Two-stage turbo4 values decoded in registers (AVX-512), for at most
+    /// [`TURBO_QUERIES`] queries: `pv` over the rows' 64 read values, with its bits.
+    pub(crate) pv_turbo: Option<PvTurbo>,
 }
 
 impl std::fmt::Debug for TileKernels {
@@ -167,7 +209,10 @@ pub(crate) fn fits(dim: usize) -> bool {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{BlockFmt, BlockRows, MAX_BLOCKS, Rows, TileKernels, fits};
+    use super::super::simd::x86::turbo4_two_row_512;
+    use super::{
+        BlockFmt, BlockRows, MAX_BLOCKS, Rows, TURBO_QUERIES, TileKernels, TurboRows, fits,
+    };
 
     /// The vector operations the loops are written in, for one instruction set. Every
     /// method is `#[inline(always)]` and only called from a function compiled with that
@@ -190,6 +235,62 @@ mod x86 {
         unsafe fn mul(a: Self::F, b: Self::F) -> Self::F;
         /// The lane sum of the path's `dot_f32`.
         unsafe fn reduce(v: Self::F) -> f32;
+        /// `out[a·os + b] = reduce(acc[a][b])` for `a < NQ`, `b < NK`.
+        #[inline(always)]
+        unsafe fn reduce_store<const NQ: usize, const NK: usize>(
+            acc: &[[Self::F; NK]; NQ],
+            out: *mut f32,
+            os: usize,
+        ) {
+            for (a, row) in acc.iter().enumerate() {
+                for (b, &v) in row.iter().enumerate() {
+                    // SAFETY: the caller's NQ rows of NK outputs at `out` (stride `os`).
+                    unsafe { *out.add(a * os + b) = Self::reduce(v) };
+                }
+            }
+        }
+    }
+
+    /// The lane sums of sixteen vectors at once, each with the pairing of
+    /// `_mm512_reduce_add_ps` (lanes `i` and `i + 8`, then `i` and `i + 4`, `i` and `i + 2`,
+    /// `i` and `i + 1`; float addition commutes, so each sum has the bits of `reduce`): 45
+    /// shuffles and adds instead of 128. Lane `4g + t` of the result holds the sum of `v[4t + g]`.
+    ///
+    /// # Safety
+    /// AVX-512 F.
+    #[inline(always)]
+    unsafe fn sums16(v: &[__m512; 16]) -> __m512 {
+        // SAFETY: the caller's features.
+        unsafe {
+            // Lanes 0–7 of `l1[m]`: v[2m]'s halves added; lanes 8–15: v[2m + 1]'s.
+            let l1: [__m512; 8] = std::array::from_fn(|m| {
+                let (x, y) = (v[2 * m], v[2 * m + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x44>(x, y),
+                    _mm512_shuffle_f32x4::<0xEE>(x, y),
+                )
+            });
+            // 128-bit lane g of `l2[p]`: v[4p + g]'s quarters added.
+            let l2: [__m512; 4] = std::array::from_fn(|p| {
+                let (x, y) = (l1[2 * p], l1[2 * p + 1]);
+                _mm512_add_ps(
+                    _mm512_shuffle_f32x4::<0x88>(x, y),
+                    _mm512_shuffle_f32x4::<0xDD>(x, y),
+                )
+            });
+            // Lane g, floats 0–1: v[8r + g]'s pairs; floats 2–3: v[8r + 4 + g]'s.
+            let l3: [__m512; 2] = std::array::from_fn(|r| {
+                let (x, y) = (_mm512_castps_pd(l2[2 * r]), _mm512_castps_pd(l2[2 * r + 1]));
+                _mm512_add_ps(
+                    _mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                    _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)),
+                )
+            });
+            _mm512_add_ps(
+                _mm512_shuffle_ps::<0x88>(l3[0], l3[1]),
+                _mm512_shuffle_ps::<0xDD>(l3[0], l3[1]),
+            )
+        }
     }
 
     #[derive(Clone, Copy)]
@@ -245,6 +346,43 @@ mod x86 {
         unsafe fn reduce(v: __m512) -> f32 {
             // SAFETY: as `zero`.
             unsafe { _mm512_reduce_add_ps(v) }
+        }
+        /// Four keys: the sums of up to four queries' by one [`sums16`] (missing queries
+        /// padded with zeros), query `a`'s four scores in 128-bit lane `a`.
+        #[inline(always)]
+        unsafe fn reduce_store<const NQ: usize, const NK: usize>(
+            acc: &[[__m512; NK]; NQ],
+            out: *mut f32,
+            os: usize,
+        ) {
+            // SAFETY: as `zero`; the caller's NQ rows of NK outputs at `out`.
+            unsafe {
+                if NK == 4 && NQ <= 4 {
+                    // v[4b + a] = acc[a][b]: its sum lands in lane 4a + b.
+                    let mut v = [_mm512_setzero_ps(); 16];
+                    for (a, row) in acc.iter().enumerate() {
+                        for (b, &x) in row.iter().enumerate() {
+                            v[4 * b + a] = x;
+                        }
+                    }
+                    let s = sums16(&v);
+                    let lanes = [
+                        _mm512_castps512_ps128(s),
+                        _mm512_extractf32x4_ps::<1>(s),
+                        _mm512_extractf32x4_ps::<2>(s),
+                        _mm512_extractf32x4_ps::<3>(s),
+                    ];
+                    for (a, &l) in lanes.iter().enumerate().take(NQ) {
+                        _mm_storeu_ps(out.add(a * os), l);
+                    }
+                } else {
+                    for (a, row) in acc.iter().enumerate() {
+                        for (b, &v) in row.iter().enumerate() {
+                            *out.add(a * os + b) = Self::reduce(v);
+                        }
+                    }
+                }
+            }
         }
     }
 
@@ -369,7 +507,7 @@ mod x86 {
     /// loops compiled with its features. Only handed out by [`super::for_level`] after the
     /// matching `simd::x86::*_supported` check.
     macro_rules! table {
-        ($scores:ty, $pv:ty, $features:literal) => {{
+        ($scores:ty, $pv:ty, $features:literal, $scores_t:expr, $pv_t:expr) => {{
             #[target_feature(enable = $features)]
             unsafe fn scores_f(
                 q: *const f32,
@@ -454,13 +592,153 @@ mod x86 {
                     // SAFETY: as above.
                     unsafe { widen_blocks_256(v, out.as_mut_ptr(), os) }
                 },
+                scores_turbo: $scores_t,
+                pv_turbo: $pv_t,
             }
         }};
     }
 
-    pub(super) const AVX512: TileKernels =
-        table!(V512, V512, "avx512f,avx512bw,avx512vl,avx2,f16c,fma");
-    pub(super) const AVX2: TileKernels = table!(V256x2, V256, "avx2,f16c,fma");
+    pub(super) const AVX512: TileKernels = table!(
+        V512,
+        V512,
+        "avx512f,avx512bw,avx512vl,avx2,f16c,fma",
+        Some(|q, qs, nq, k, out, os| {
+            k.check();
+            if nq == 0 || k.n == 0 {
+                return;
+            }
+            assert!(
+                nq <= TURBO_QUERIES
+                    && (nq - 1) * qs + 64 <= q.len()
+                    && (nq - 1) * os + k.n <= out.len(),
+                "attention: turbo score tile bounds"
+            );
+            // SAFETY: the AVX-512 table is only handed out after the feature check
+            // (`for_level`); every query, key and output touched lies inside its slice
+            // (checked above).
+            unsafe { scores_turbo_512(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
+        }),
+        Some(|w, ws, nq, v, acc, as_| {
+            v.check();
+            if nq == 0 || v.n == 0 {
+                return;
+            }
+            assert!(
+                nq <= TURBO_QUERIES
+                    && (nq - 1) * ws + v.n <= w.len()
+                    && (nq - 1) * as_ + 64 <= acc.len(),
+                "attention: turbo value tile bounds"
+            );
+            // SAFETY: as above.
+            unsafe { pv_turbo_512(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
+        })
+    );
+    pub(super) const AVX2: TileKernels = table!(V256x2, V256, "avx2,f16c,fma", None, None);
+
+    /// [`TileKernels::scores_turbo`]: four keys' four vectors decoded at once
+    /// ([`turbo4_two_row_512`]), then `block`'s chains — `fmadd(q, k, acc)` over the four
+    /// vectors from zero — and lane sums; a last key or three one by one.
+    ///
+    /// # Safety
+    /// As the table's `scores_turbo` checks; AVX-512 F/BW/VL, F16C and FMA.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    unsafe fn scores_turbo_512(
+        q: *const f32,
+        qs: usize,
+        nq: usize,
+        k: TurboRows<'_>,
+        out: *mut f32,
+        os: usize,
+    ) {
+        // SAFETY: the caller's bounds and features.
+        unsafe {
+            macro_rules! go {
+                ($nq:literal, $nk:literal, $j:expr) => {{
+                    let mut kv = [[V512::zero(); 4]; $nk];
+                    for (b, x) in kv.iter_mut().enumerate() {
+                        *x = turbo4_two_row_512(k.bytes.as_ptr().add(($j + b) * k.stride), k.beta);
+                    }
+                    let mut acc = [[V512::zero(); $nk]; $nq];
+                    for d in 0..4 {
+                        for (a, row) in acc.iter_mut().enumerate() {
+                            let qv = V512::load(q.add(a * qs + 16 * d));
+                            for (x, kb) in row.iter_mut().zip(&kv) {
+                                *x = V512::fmadd(qv, kb[d], *x);
+                            }
+                        }
+                    }
+                    V512::reduce_store(&acc, out.add($j), os);
+                }};
+            }
+            let mut j = 0;
+            while j < k.n {
+                let four = k.n - j >= 4;
+                match (nq, four) {
+                    (1, true) => go!(1, 4, j),
+                    (2, true) => go!(2, 4, j),
+                    (3, true) => go!(3, 4, j),
+                    (_, true) => go!(4, 4, j),
+                    (1, false) => go!(1, 1, j),
+                    (2, false) => go!(2, 1, j),
+                    (3, false) => go!(3, 1, j),
+                    (_, false) => go!(4, 1, j),
+                }
+                j += if four { 4 } else { 1 };
+            }
+        }
+    }
+
+    /// [`TileKernels::pv_turbo`]: the accumulators of at most four queries in registers, each
+    /// value row decoded once, then `pv_block`'s `acc + p·v` (zero weights skipped).
+    ///
+    /// # Safety
+    /// As the table's `pv_turbo` checks; AVX-512 F/BW/VL, F16C and FMA.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,f16c,fma")]
+    unsafe fn pv_turbo_512(
+        w: *const f32,
+        ws: usize,
+        nq: usize,
+        v: TurboRows<'_>,
+        acc: *mut f32,
+        as_: usize,
+    ) {
+        // SAFETY: the caller's bounds and features.
+        unsafe {
+            macro_rules! go {
+                ($nq:literal) => {{
+                    let mut r = [[V512::zero(); 4]; $nq];
+                    for (a, row) in r.iter_mut().enumerate() {
+                        for (c, x) in row.iter_mut().enumerate() {
+                            *x = V512::load(acc.add(a * as_ + 16 * c));
+                        }
+                    }
+                    for j in 0..v.n {
+                        let vv = turbo4_two_row_512(v.bytes.as_ptr().add(j * v.stride), v.beta);
+                        for (a, row) in r.iter_mut().enumerate() {
+                            let p = *w.add(a * ws + j);
+                            if p != 0.0 {
+                                let pb = V512::splat(p);
+                                for (x, &y) in row.iter_mut().zip(&vv) {
+                                    *x = V512::add(*x, V512::mul(pb, y));
+                                }
+                            }
+                        }
+                    }
+                    for (a, row) in r.iter().enumerate() {
+                        for (c, &x) in row.iter().enumerate() {
+                            V512::store(acc.add(a * as_ + 16 * c), x);
+                        }
+                    }
+                }};
+            }
+            match nq {
+                1 => go!(1),
+                2 => go!(2),
+                3 => go!(3),
+                _ => go!(4),
+            }
+        }
+    }
 
     /// One vector of a row at `p`: f32, or f16 widened.
     ///
@@ -559,11 +837,7 @@ mod x86 {
                 }
                 d += I::LANES;
             }
-            for (a, row) in acc.iter().enumerate() {
-                for (b, &v) in row.iter().enumerate() {
-                    *out.add(a * os + b) = I::reduce(v);
-                }
-            }
+            I::reduce_store(&acc, out, os);
         }
     }
 
@@ -983,6 +1257,58 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+
+    /// The fused two-stage turbo4 loops give the bits of the f32 loops over the decoded rows
+    /// (`AttnKernels::turbo4_two`), with zero weights among the values'.
+    #[test]
+    fn fused_turbo_tiles_are_the_decoded_tiles() {
+        let Some(t) = for_level(SimdLevel::Avx512) else {
+            return;
+        };
+        let (Some(scores_turbo), Some(pv_turbo)) = (t.scores_turbo, t.pv_turbo) else {
+            panic!("the AVX-512 tiles have the fused turbo loops");
+        };
+        let two = AttnKernels::for_level(SimdLevel::Avx512).turbo4_two;
+        let (nk, stride, beta) = (13, 70, 0.075);
+        let x = values(nk * 128, 5);
+        let coded = quantized(specula_quant::QType::Turbo4, &x, 128);
+        let mut bytes = vec![0x5Au8; (nk - 1) * stride + 66];
+        for (j, b) in coded.chunks_exact(66).enumerate() {
+            bytes[j * stride..j * stride + 66].copy_from_slice(b);
+        }
+        let rows = TurboRows {
+            bytes: &bytes,
+            stride,
+            n: nk,
+            beta,
+        };
+        let mut dec = vec![0.0; nk * 64];
+        two(&bytes, stride, nk, beta, &mut dec);
+        let decoded = Rows::f32(&dec, nk, 64);
+        for nq in 1..=TURBO_QUERIES {
+            let q = values(nq * 64, 1);
+            let (mut got, mut want) = (vec![0.0; nq * 16], vec![0.0; nq * 16]);
+            scores_turbo(&q, 64, nq, rows, &mut got, 16);
+            (t.scores)(&q, 64, nq, decoded, &mut want, 16);
+            assert_eq!(bits(&got), bits(&want), "scores, {nq} queries");
+            // Each score is the per-key dot product of the decoded row.
+            let dot = AttnKernels::for_level(SimdLevel::Avx512).dot_f32;
+            for a in 0..nq {
+                for j in 0..nk {
+                    let want = dot(&q[a * 64..(a + 1) * 64], &dec[j * 64..(j + 1) * 64]);
+                    assert_eq!(got[a * 16 + j].to_bits(), want.to_bits(), "{a} {j}");
+                }
+            }
+            let mut w = values(nq * nk, 3);
+            w[1] = 0.0;
+            w[(nq - 1) * nk + 4] = 0.0;
+            let acc0 = values(nq * 64, 9);
+            let (mut got, mut want) = (acc0.clone(), acc0);
+            pv_turbo(&w, nk, nq, rows, &mut got, 64);
+            (t.pv)(&w, nk, nq, decoded, &mut want, 64);
+            assert_eq!(bits(&got), bits(&want), "values, {nq} queries");
         }
     }
 
