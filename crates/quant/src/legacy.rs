@@ -205,7 +205,24 @@ fn absmax(x: &[f32]) -> f32 {
 }
 
 /// Q8_0: `d = amax/127`, codes `roundf(x/d)` (computed with the f32 `d`, stored as f16).
+/// On x86 CPUs with AVX2 the blocks are quantized eight values at a time by operations that
+/// give the same bits ([`q8_x86`]).
 pub fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
+    debug_assert_eq!(x.len(), y.len() * QK);
+    #[cfg(target_arch = "x86_64")]
+    if q8_x86::available() {
+        for (x, b) in x.chunks_exact(QK).zip(y) {
+            let (d, qs, _) = q8_x86::block(x);
+            b.d = Half::from_f32(d);
+            b.qs = qs;
+        }
+        return;
+    }
+    quantize_row_q8_0_scalar(x, y);
+}
+
+/// [`quantize_row_q8_0`] in scalar code: the reference.
+pub fn quantize_row_q8_0_scalar(x: &[f32], y: &mut [BlockQ8_0]) {
     debug_assert_eq!(x.len(), y.len() * QK);
     for (x, b) in x.chunks_exact(QK).zip(y) {
         let d = absmax(x) / 127.0;
@@ -228,8 +245,27 @@ pub fn dequantize_row_q8_0(x: &[BlockQ8_0], y: &mut [f32]) {
     }
 }
 
-/// Q8_1: Q8_0 plus `s = fp16(Σq · d)`.
+/// Q8_1: Q8_0 plus `s = fp16(Σq · d)` (on AVX2 CPUs eight values at a time, as
+/// [`quantize_row_q8_0`]).
 pub fn quantize_row_q8_1(x: &[f32], y: &mut [BlockQ8_1]) {
+    debug_assert_eq!(x.len(), y.len() * QK);
+    #[cfg(target_arch = "x86_64")]
+    if q8_x86::available() {
+        for (x, b) in x.chunks_exact(QK).zip(y) {
+            let (d, qs, sum) = q8_x86::block(x);
+            b.d = Half::from_f32(d);
+            b.qs = qs;
+            #[allow(clippy::cast_precision_loss, reason = "|sum| <= 4064 is exact in f32")]
+            let s = sum as f32 * d;
+            b.s = Half::from_f32(s);
+        }
+        return;
+    }
+    quantize_row_q8_1_scalar(x, y);
+}
+
+/// [`quantize_row_q8_1`] in scalar code: the reference.
+pub fn quantize_row_q8_1_scalar(x: &[f32], y: &mut [BlockQ8_1]) {
     debug_assert_eq!(x.len(), y.len() * QK);
     for (x, b) in x.chunks_exact(QK).zip(y) {
         let d = absmax(x) / 127.0;
@@ -258,9 +294,179 @@ pub fn dequantize_row_q8_1(x: &[BlockQ8_1], y: &mut [f32]) {
     }
 }
 
+/// Q8_0 / Q8_1 blocks on AVX2: `d = amax/127` and `id = 1/d` as the scalar code computes
+/// them, `v = x·id` eight at a time (the same products), and `roundf(v)` — half away from
+/// zero — as `t = trunc(v)`, plus `±1` where `|v − t| ≥ 0.5` (`v − t` is exact below 2^23),
+/// then clamped as Rust's `as i8` clamps (NaN to 0), so every code has the scalar bits.
+#[cfg(target_arch = "x86_64")]
+mod q8_x86 {
+    use std::arch::x86_64::*;
+
+    use super::{QK, absmax, inverse};
+
+    /// Whether this CPU has AVX2 (checked once by the standard library, then cached).
+    pub(super) fn available() -> bool {
+        is_x86_feature_detected!("avx2")
+    }
+
+    /// One block of 32 values: its scale `d`, its codes and their sum.
+    pub(super) fn block(x: &[f32]) -> (f32, [i8; QK], i32) {
+        assert!(
+            x.len() == QK && available(),
+            "q8 block: 32 values on an AVX2 CPU"
+        );
+        let d = absmax(x) / 127.0;
+        let id = inverse(d);
+        // SAFETY: the CPU has AVX2 and `x` holds 32 values (checked above).
+        let (qs, sum) = unsafe { codes(x.as_ptr(), id) };
+        (d, qs, sum)
+    }
+
+    /// `roundf(x[i] · id)` for 32 values, and their sum.
+    ///
+    /// # Safety
+    /// AVX2; 32 values at `x`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn codes(x: *const f32, id: f32) -> ([i8; QK], i32) {
+        // SAFETY: the caller's features and 32 values at x.
+        unsafe {
+            let idv = _mm256_set1_ps(id);
+            let half = _mm256_set1_ps(0.5);
+            let one = _mm256_set1_ps(1.0);
+            let sign = _mm256_set1_ps(-0.0);
+            let (lo, hi) = (_mm256_set1_ps(-128.0), _mm256_set1_ps(127.0));
+            let mut q = [_mm256_setzero_si256(); 4];
+            let mut sum = _mm256_setzero_si256();
+            for (i, q) in q.iter_mut().enumerate() {
+                let v = _mm256_mul_ps(_mm256_loadu_ps(x.add(8 * i)), idv);
+                let t = _mm256_round_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(v);
+                let frac = _mm256_andnot_ps(sign, _mm256_sub_ps(v, t));
+                let up = _mm256_and_ps(_mm256_cmp_ps::<_CMP_GE_OQ>(frac, half), one);
+                let r = _mm256_add_ps(t, _mm256_or_ps(up, _mm256_and_ps(v, sign)));
+                // Rust's `as i8` for what no finite block gives: NaN → 0, saturation.
+                let r = _mm256_and_ps(r, _mm256_cmp_ps::<_CMP_ORD_Q>(r, r));
+                let r = _mm256_min_ps(_mm256_max_ps(r, lo), hi);
+                *q = _mm256_cvttps_epi32(r);
+                sum = _mm256_add_epi32(sum, *q);
+            }
+            // i32 → i16 → i8 (no value saturates: |code| ≤ 127), then the lanes put back in
+            // order (the packs work per 128-bit lane).
+            let w01 = _mm256_packs_epi32(q[0], q[1]);
+            let w23 = _mm256_packs_epi32(q[2], q[3]);
+            let b = _mm256_packs_epi16(w01, w23);
+            let b = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            let mut out = [0i8; QK];
+            _mm256_storeu_si256(out.as_mut_ptr().cast(), b);
+            let s = _mm_add_epi32(
+                _mm256_castsi256_si128(sum),
+                _mm256_extracti128_si256::<1>(sum),
+            );
+            let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+            let s = _mm_add_epi32(s, _mm_shuffle_epi32::<1>(s));
+            (out, _mm_cvtsi128_si32(s))
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The AVX2 Q8_0 / Q8_1 quantizers give the scalar reference's bytes: ties at ±k.5,
+    /// values whose product lands just below or above a tie, zeros, the largest magnitudes,
+    /// subnormals and random rows.
+    #[test]
+    fn simd_q8_quantizers_are_the_scalar_reference() {
+        let mut rows: Vec<Vec<f32>> = Vec::new();
+        // Ties: with amax 127 the scale is 1 and every x is its own product.
+        rows.push(
+            (0..32)
+                .map(|i| f32::from(i16::try_from(i).unwrap()) - 15.5)
+                .collect(),
+        );
+        let mut r: Vec<f32> = (0..32)
+            .map(|i| 0.5 * f32::from(u8::try_from(i).unwrap()))
+            .collect();
+        r[0] = 127.0;
+        rows.push(r.iter().map(|v| -v).collect());
+        rows.push(r);
+        // Just below and above the ties.
+        let mut r: Vec<f32> = (0..32)
+            .map(|i| {
+                let t = f32::from(u8::try_from(i).unwrap()) + 0.5;
+                if i % 2 == 0 {
+                    t.next_down()
+                } else {
+                    t.next_up()
+                }
+            })
+            .collect();
+        r[31] = 127.0;
+        rows.push(r);
+        rows.push(vec![0.0; 32]);
+        rows.push(
+            (0..32)
+                .map(|i| if i == 3 { f32::MAX } else { 1.0 })
+                .collect(),
+        );
+        // A scale whose inverse overflows, infinities and NaN.
+        rows.push(
+            (0..32)
+                .map(|i| f32::from(u8::try_from(i).unwrap()) * 1e-40)
+                .collect(),
+        );
+        rows.push(
+            (0..32)
+                .map(|i| if i == 7 { f32::INFINITY } else { 2.0 })
+                .collect(),
+        );
+        rows.push(
+            (0..32)
+                .map(|i| if i == 9 { f32::NAN } else { -3.0 })
+                .collect(),
+        );
+        let mut seed = 0x9E37_79B9_u32;
+        for _ in 0..2000 {
+            rows.push(
+                (0..32)
+                    .map(|_| {
+                        seed ^= seed << 13;
+                        seed ^= seed >> 17;
+                        seed ^= seed << 5;
+                        #[allow(clippy::cast_precision_loss, reason = "a test's random values")]
+                        let u = seed as f32 / u32::MAX as f32;
+                        (u - 0.5) * 8.0
+                    })
+                    .collect(),
+            );
+        }
+        for x in &rows {
+            let (mut a, mut b) = (
+                [bytemuck::Zeroable::zeroed()],
+                [bytemuck::Zeroable::zeroed()],
+            );
+            let (a, b): (&mut [BlockQ8_0; 1], &mut [BlockQ8_0; 1]) = (&mut a, &mut b);
+            quantize_row_q8_0(x, a);
+            quantize_row_q8_0_scalar(x, b);
+            assert_eq!(
+                bytemuck::bytes_of(&a[0]),
+                bytemuck::bytes_of(&b[0]),
+                "q8_0 {x:?}"
+            );
+            let (mut a, mut b) = (
+                [bytemuck::Zeroable::zeroed()],
+                [bytemuck::Zeroable::zeroed()],
+            );
+            let (a, b): (&mut [BlockQ8_1; 1], &mut [BlockQ8_1; 1]) = (&mut a, &mut b);
+            quantize_row_q8_1(x, a);
+            quantize_row_q8_1_scalar(x, b);
+            assert_eq!(
+                bytemuck::bytes_of(&a[0]),
+                bytemuck::bytes_of(&b[0]),
+                "q8_1 {x:?}"
+            );
+        }
+    }
 
     fn worked_input() -> Vec<f32> {
         // research note quant.md §8: x_j = (j − 127.5)/32 · (1 + 0.5·sin j).

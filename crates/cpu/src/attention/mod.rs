@@ -596,13 +596,22 @@ fn key_dot(ty: QType) -> KeyDot {
     }
 }
 
+/// Query heads prepared for a key format ([`Ctx::prepare`]).
+#[derive(Default)]
+struct Queries {
+    /// f32 (`rows · heads · k_dim`).
+    qf: Vec<f32>,
+    /// Quantized bytes (`rows · heads · qbytes`).
+    qb: Vec<u8>,
+    /// `q·m` per (row, head): the key offset's part of every score.
+    qm: Vec<f32>,
+}
+
 /// Per-thread buffers of a task.
 #[derive(Default)]
 struct TaskBufs {
-    /// Prepared queries: f32 (`rows · heads · k_dim`).
-    qf: Vec<f32>,
-    /// Prepared queries: quantized bytes (`rows · heads · qbytes`).
-    qb: Vec<u8>,
+    /// The task's prepared queries (when not handed in).
+    q: Queries,
     /// Decoded K tile (`TILE · k_dim`).
     kt: Vec<f32>,
     /// Decoded V tile (`TILE · v_dim`).
@@ -619,8 +628,6 @@ struct TaskBufs {
     /// Running maximum and sum of the current chunk per (row, head).
     cm: Vec<f32>,
     cl: Vec<f32>,
-    /// `q·m` per (row, head): the key offset's part of every score.
-    qm: Vec<f32>,
     /// Running maximum and sum per (row, head).
     m: Vec<f32>,
     l: Vec<f32>,
@@ -776,46 +783,34 @@ impl<'a> Ctx<'a> {
         }
     }
 
-    /// Computes the softmax state of rows `rows` × query heads `heads` (all sharing K/V head
-    /// `kvh`) over the key chunks `chunks`, merged in chunk order into `b.m`, `b.l`, `b.acc`
-    /// (unnormalized; index `row · heads + head`).
-    #[allow(
-        clippy::too_many_lines,
-        reason = "one flash-attention loop, kept in one piece to read in order"
-    )]
-    fn task(
+    /// Prepares the query heads `heads` of rows `rows` for K/V head `kvh`'s key format into
+    /// `q` (index `row · heads + head`): `q·m` of the key offset, and the head rotated as the
+    /// keys are stored (and quantized to the format's dot-product type for block formats).
+    fn prepare(
         &self,
         rows: std::ops::Range<usize>,
         kvh: usize,
         heads: std::ops::Range<usize>,
-        chunks: std::ops::Range<usize>,
-        b: &mut TaskBufs,
+        q: &mut Queries,
     ) {
-        let (nr, nh) = (rows.len(), heads.len());
-        let nq = nr * nh;
-        let (k_dim, v_dim, hd_k) = (self.k_dim, self.v_dim, self.hd_k);
-        let kv_len = self.p.kv_pos.len();
-        let tile = self.attn.tile;
-
-        // Queries, prepared once for the key format.
-        let qbytes = match self.key {
-            KeyDot::Quant { qty, .. } => qty.row_bytes(hd_k).unwrap_or(0),
-            _ => 0,
-        };
-        fit(&mut b.qf, nq * k_dim);
-        fit(&mut b.qb, nq * qbytes);
-        fit(&mut b.qm, nq);
+        let nh = heads.len();
+        let nq = rows.len() * nh;
+        let (k_dim, hd_k) = (self.k_dim, self.hd_k);
+        let qbytes = self.query_bytes();
+        fit(&mut q.qf, nq * k_dim);
+        fit(&mut q.qb, nq * qbytes);
+        fit(&mut q.qm, nq);
         let k_center = self.k.center(kvh);
         for (ri, r) in rows.clone().enumerate() {
             let qrow = self.q.row(r);
             for (hi, h) in heads.clone().enumerate() {
                 let i = ri * nh + hi;
                 let src = &qrow[h * hd_k..(h + 1) * hd_k];
-                b.qm[i] = k_center.map_or(0.0, |c| (self.attn.dot_f32)(src, c));
+                q.qm[i] = k_center.map_or(0.0, |c| (self.attn.dot_f32)(src, c));
                 match self.key {
                     KeyDot::Quant { qty, .. } => {
-                        let dst = &mut b.qb[i * qbytes..(i + 1) * qbytes];
-                        let rotated = &mut b.qf[i * k_dim..i * k_dim + hd_k];
+                        let dst = &mut q.qb[i * qbytes..(i + 1) * qbytes];
+                        let rotated = &mut q.qf[i * k_dim..i * k_dim + hd_k];
                         rotated.copy_from_slice(src);
                         if let Rotation::Hadamard(n) = self.k.rotation() {
                             hadamard(rotated, n);
@@ -825,7 +820,7 @@ impl<'a> Ctx<'a> {
                         }
                     }
                     _ => {
-                        let dst = &mut b.qf[i * k_dim..(i + 1) * k_dim];
+                        let dst = &mut q.qf[i * k_dim..(i + 1) * k_dim];
                         dst[..hd_k].copy_from_slice(src);
                         dst[hd_k..].fill(0.0);
                         match self.k.rotation() {
@@ -843,6 +838,48 @@ impl<'a> Ctx<'a> {
                 }
             }
         }
+    }
+
+    /// Bytes of one prepared query head for a block-format key (0 for the others).
+    fn query_bytes(&self) -> usize {
+        match self.key {
+            KeyDot::Quant { qty, .. } => qty.row_bytes(self.hd_k).unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// Computes the softmax state of rows `rows` × query heads `heads` (all sharing K/V head
+    /// `kvh`) over the key chunks `chunks`, merged in chunk order into `b.m`, `b.l`, `b.acc`
+    /// (unnormalized; index `row · heads + head`).
+    #[allow(
+        clippy::too_many_lines,
+        reason = "one flash-attention loop, kept in one piece to read in order"
+    )]
+    fn task(
+        &self,
+        rows: std::ops::Range<usize>,
+        kvh: usize,
+        heads: std::ops::Range<usize>,
+        chunks: std::ops::Range<usize>,
+        pre: Option<&Queries>,
+        b: &mut TaskBufs,
+    ) {
+        let (nr, nh) = (rows.len(), heads.len());
+        let nq = nr * nh;
+        let (k_dim, v_dim) = (self.k_dim, self.v_dim);
+        let kv_len = self.p.kv_pos.len();
+        let tile = self.attn.tile;
+
+        // Queries, prepared once for the key format (or handed in, prepared once for every
+        // chunk of a split).
+        let mut own = std::mem::take(&mut b.q);
+        let q: &Queries = if let Some(p) = pre {
+            p
+        } else {
+            self.prepare(rows.clone(), kvh, heads.clone(), &mut own);
+            &own
+        };
+        let qbytes = self.query_bytes();
         fit(&mut b.acc, nq * v_dim);
         b.acc[..nq * v_dim].fill(0.0);
         fit(&mut b.m, nq);
@@ -959,18 +996,18 @@ impl<'a> Ctx<'a> {
                 match (tile, k_rows, k_blocks) {
                     _ if k_turbo.is_some() => {
                         if let Some((f, rows)) = k_turbo {
-                            f(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
+                            f(&q.qf, k_dim, nq, rows, &mut b.s, TILE);
                         }
                     }
                     (Some(t), Some(rows), _) => {
-                        (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
+                        (t.scores)(&q.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
                     (Some(t), None, Some(rows)) => {
-                        (t.scores_blocks)(&b.qb, qbytes, nq, rows, &mut b.s, TILE);
+                        (t.scores_blocks)(&q.qb, qbytes, nq, rows, &mut b.s, TILE);
                     }
                     (Some(t), None, None) if decoded => {
                         let rows = tile::Rows::f32(&b.kt, n, k_dim);
-                        (t.scores)(&b.qf, k_dim, nq, rows, &mut b.s, TILE);
+                        (t.scores)(&q.qf, k_dim, nq, rows, &mut b.s, TILE);
                     }
                     _ => {
                         for jj in 0..n {
@@ -988,10 +1025,10 @@ impl<'a> Ctx<'a> {
                                     let i = ri * nh + hi;
                                     b.s[i * TILE + jj] = match self.key {
                                         KeyDot::Quant { f, .. } => {
-                                            f(self.kernels, kb, &b.qb[i * qbytes..(i + 1) * qbytes])
+                                            f(self.kernels, kb, &q.qb[i * qbytes..(i + 1) * qbytes])
                                         }
                                         _ => (self.attn.dot_f32)(
-                                            &b.qf[i * k_dim..(i + 1) * k_dim],
+                                            &q.qf[i * k_dim..(i + 1) * k_dim],
                                             kf,
                                         ),
                                     };
@@ -1004,7 +1041,7 @@ impl<'a> Ctx<'a> {
                 for ri in 0..nr {
                     for hi in 0..nh {
                         let i = ri * nh + hi;
-                        let (qm, s) = (b.qm[i], &mut b.s[i * TILE..i * TILE + n]);
+                        let (qm, s) = (q.qm[i], &mut b.s[i * TILE..i * TILE + n]);
                         let vis = &b.vis[ri * TILE..ri * TILE + n];
                         match (b.rv[ri], softcap) {
                             (RowVis::None, _) => s.fill(f32::NEG_INFINITY),
@@ -1158,6 +1195,7 @@ impl<'a> Ctx<'a> {
                 );
             }
         }
+        b.q = own;
     }
 
     /// Normalizes merged states (`l`, `acc`: `nq` queries of K/V head `kvh`) into `o` (`nq`
@@ -1274,6 +1312,18 @@ pub(crate) fn attention(
         let n_tasks = n_rb * n_kv_head * n_chunks;
         let mut parts = vec![0.0f32; n_tasks * stride];
         let pd = Disjoint::new(&mut parts);
+        // The queries of each (row block, K/V head), prepared once for all its chunks.
+        let preps: Vec<Queries> = (0..n_rb * n_kv_head)
+            .map(|i| {
+                let (rb, kvh) = (i / n_kv_head, i % n_kv_head);
+                let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
+                let mut q = Queries::default();
+                if !rows.is_empty() {
+                    ctx.prepare(rows, kvh, kvh * group..(kvh + 1) * group, &mut q);
+                }
+                q
+            })
+            .collect();
         let work = |t: usize| {
             BUFS.with(|cell| {
                 let mut b = cell.borrow_mut();
@@ -1287,7 +1337,8 @@ pub(crate) fn attention(
                     }
                     let heads = kvh * group..(kvh + 1) * group;
                     let nq = rows.len() * group;
-                    ctx.task(rows, kvh, heads, c..c + 1, &mut b);
+                    let pre = &preps[rb * n_kv_head + kvh];
+                    ctx.task(rows, kvh, heads, c..c + 1, Some(pre), &mut b);
                     // SAFETY: task i writes only its own `stride` slot of `parts`, and each
                     // task belongs to exactly one thread of the split.
                     let slot = unsafe { pd.slice(i * stride..(i + 1) * stride) };
@@ -1376,7 +1427,14 @@ pub(crate) fn attention(
                 let nq = rows.len() * heads.len();
                 tmp.clear();
                 tmp.resize(rows.len() * w, 0.0);
-                ctx.task(rows.clone(), kvh, heads.clone(), 0..n_chunks, &mut bufs);
+                ctx.task(
+                    rows.clone(),
+                    kvh,
+                    heads.clone(),
+                    0..n_chunks,
+                    None,
+                    &mut bufs,
+                );
                 let b = &mut *bufs;
                 ctx.finish(kvh, &b.l[..nq], &mut b.acc[..nq * v_dim], &mut tmp);
                 for (ri, r) in rows.enumerate() {
