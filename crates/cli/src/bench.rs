@@ -129,6 +129,10 @@ pub struct Args {
         value_parser = clap::value_parser!(u8).range(0..=1)
     )]
     pub dflash_defer_injection: u8,
+    /// Measure this machine's memory read bandwidth on `-t` threads first (a summing loop over
+    /// 1 GiB) and report each `tg` test's bytes read per second as a share of it.
+    #[arg(long = "bandwidth-probe")]
+    pub bandwidth_probe: bool,
 }
 
 /// One test's result: llama-bench's JSON fields, in its order and with its value types
@@ -201,6 +205,17 @@ pub(crate) struct Record {
     /// Bytes of KV cache holding depth + test tokens (a sliding-window ring at most its
     /// size).
     kv_bytes_used: usize,
+    /// Bytes of weights a decode step reads ([`crate::bandwidth::weight_bytes_per_token`]).
+    weight_bytes_per_token: u64,
+    /// `tg` tests: the K/V bytes a decode step of the test reads, on average over its steps.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_read_bytes_per_token: Option<u64>,
+    /// `tg` tests: (weight + K/V bytes per step) × steps per second, in GB/s (10⁹ B/s).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    read_gbs: Option<f64>,
+    /// With `--bandwidth-probe`: this machine's read bandwidth on `-t` threads, GB/s.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bandwidth_probe_gbs: Option<f64>,
     /// With `-md`: the drafter and the draft length of its rounds (`tg` counts rounds).
     #[serde(skip_serializing_if = "Option::is_none")]
     spec: Option<String>,
@@ -587,6 +602,10 @@ fn run_on<B: Backend + 'static>(
         .iter()
         .map(specula_gguf::TensorInfo::n_elements)
         .sum();
+    let weight_bytes = crate::bandwidth::weight_bytes_per_token(file.tensors(), file.metadata());
+    let probe_gbs = args
+        .bandwidth_probe
+        .then(|| crate::bandwidth::probe(args.threads));
     let model_type = format!(
         "{} {}",
         hp.arch.name(),
@@ -664,6 +683,13 @@ fn run_on<B: Backend + 'static>(
                 reason = "non-negative nanosecond statistics"
             )]
             let (avg_ns, stddev_ns) = (avg_ns as u64, sd_ns as u64);
+            // A decode step at position p attends to p + 1 cells (of each layer's ring at most).
+            let kv_read = (tg > 0 && attached.is_none()).then(|| {
+                let total: usize = (0..tg).map(|i| layout.bytes_for(depth + i + 1)).sum();
+                (total / tg) as u64
+            });
+            #[allow(clippy::cast_precision_loss, reason = "a byte rate")]
+            let read_gbs = kv_read.map(|kv| (weight_bytes + kv) as f64 * avg_ts / 1e9);
             let (build_commit, build_number) = build_info();
             records.push(Record {
                 build_commit,
@@ -720,6 +746,10 @@ fn run_on<B: Backend + 'static>(
                 samples_ts,
                 kv_bytes_per_token: layout.bytes_per_token(),
                 kv_bytes_used: layout.bytes_for(depth + pp + tg),
+                weight_bytes_per_token: weight_bytes,
+                kv_read_bytes_per_token: kv_read,
+                read_gbs,
+                bandwidth_probe_gbs: probe_gbs,
                 spec: attached
                     .as_ref()
                     .map(|a| format!("{} n_max {}", a.kind, a.n_max)),
@@ -748,11 +778,11 @@ fn render(records: &[Record], output: Output) -> Result<String> {
         Output::Md => {
             let _ = writeln!(
                 s,
-                "| model | size | params | backend | threads | type_k | type_v | kv MiB | test | t/s |"
+                "| model | size | params | backend | threads | type_k | type_v | kv MiB | test | t/s | read GB/s |"
             );
             let _ = writeln!(
                 s,
-                "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: |"
+                "| --- | ---: | ---: | --- | ---: | --- | --- | ---: | ---: | ---: | ---: |"
             );
             for r in records {
                 let mut test = match (&r.spec, r.n_prompt > 0) {
@@ -776,9 +806,14 @@ fn render(records: &[Record], output: Output) -> Result<String> {
                     r.model_size as f64 / (1u64 << 30) as f64,
                     r.model_n_params as f64 / 1e6,
                 );
+                let read = match (r.read_gbs, r.bandwidth_probe_gbs) {
+                    (Some(g), Some(p)) => format!("{g:.1} ({:.0} % of {p:.1})", 100.0 * g / p),
+                    (Some(g), None) => format!("{g:.1}"),
+                    (None, _) => "—".to_owned(),
+                };
                 let _ = writeln!(
                     s,
-                    "| {} | {gib:.2} GiB | {m:.2} M | {} | {} | {} | {} | {kv_mib:.2} | {test} | {:.2} ± {:.2} |",
+                    "| {} | {gib:.2} GiB | {m:.2} M | {} | {} | {} | {} | {kv_mib:.2} | {test} | {:.2} ± {:.2} | {read} |",
                     r.model_type,
                     r.backends,
                     r.n_threads,

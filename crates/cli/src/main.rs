@@ -18,6 +18,7 @@
 //! Every subcommand that takes a draft model (`-md`) takes `--dflash` / `--eagle3` too
 //! ([`draft_args::DraftKind`]); errors are printed with their whole cause chain.
 
+mod bandwidth;
 mod bench;
 mod device;
 mod draft_args;

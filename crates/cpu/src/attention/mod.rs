@@ -1136,6 +1136,11 @@ impl<'a> Ctx<'a> {
                         }
                     }
                     (Some(t), Some(rows), _) => (t.pv)(&b.s, TILE, nq, rows, &mut b.cacc, v_dim),
+                    (Some(t), None, Some(src)) if tile::fused_blocks(t, nq, src.blocks) => {
+                        if let Some(f) = t.pv_blocks {
+                            f(&b.s, TILE, nq, src, &mut b.cacc, v_dim);
+                        }
+                    }
                     (Some(t), None, Some(src)) => {
                         (t.widen_blocks)(src, &mut b.vt, v_dim);
                         let rows = tile::Rows::f32(&b.vt, n, v_dim);

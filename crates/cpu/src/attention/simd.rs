@@ -226,6 +226,7 @@ pub(super) mod x86 {
         is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("f16c")
             && is_x86_feature_detected!("fma")
@@ -242,7 +243,7 @@ pub(super) mod x86 {
     /// instruction set. Each table is only handed out by [`AttnKernels::for_level`] after the
     /// matching `*_supported` check.
     macro_rules! table {
-        ($dot32:ident, $axpy:ident, $cvt:ident, $t4:ident, $t4two:ident) => {
+        ($dot32:ident, $axpy:ident, $cvt:ident, $t4:ident, $t4two:ident, $exp:ident) => {
             AttnKernels {
                 dot_f32: |q, k| {
                     assert_eq!(q.len(), k.len(), "attention: q and k lengths differ");
@@ -300,8 +301,8 @@ pub(super) mod x86 {
                     // SAFETY: as above; two bytes per output.
                     unsafe { bf16_256(x, out) }
                 },
-                // SAFETY: as above (both instruction sets include AVX2 and FMA).
-                exp_sub: |s, m| unsafe { crate::attention::expf::x86::exp_sub_256(s, m) },
+                // SAFETY: as above.
+                exp_sub: |s, m| unsafe { crate::attention::expf::x86::$exp(s, m) },
                 // SAFETY: as above.
                 max: |s| unsafe { max_256(s) },
                 tile: None,
@@ -314,14 +315,16 @@ pub(super) mod x86 {
         axpy_512,
         cvt_f16_512,
         turbo4_512,
-        turbo4_two_512
+        turbo4_two_512,
+        exp_sub_512
     );
     pub(super) const AVX2: AttnKernels = table!(
         dot_f32_256,
         axpy_256,
         cvt_f16_256,
         turbo4_256,
-        turbo4_two_256
+        turbo4_two_256,
+        exp_sub_256
     );
 
     /// `out = f32(h)`, 16 values per conversion.

@@ -150,6 +150,21 @@ pub(crate) type ScoresTurbo =
 pub(crate) type PvTurbo =
     fn(w: &[f32], ws: usize, nq: usize, v: TurboRows<'_>, acc: &mut [f32], as_: usize);
 
+/// [`TileKernels::pv_blocks`]'s loop.
+pub(crate) type PvBlocks =
+    fn(w: &[f32], ws: usize, nq: usize, v: BlockRows<'_>, acc: &mut [f32], as_: usize);
+
+/// Queries the fused block value loop ([`TileKernels::pv_blocks`]) is used for: it widens
+/// each value block once per four queries (two for 128-value heads), so for more queries
+/// widening the tile once ([`TileKernels::widen_blocks`]) is cheaper.
+pub(crate) const PV_BLOCK_QUERIES: usize = 8;
+
+/// Whether `t`'s fused block value loop takes `nq` queries over heads of `blocks` blocks:
+/// heads of 64, 128 or 256 values, at most [`PV_BLOCK_QUERIES`] queries.
+pub(crate) fn fused_blocks(t: TileKernels, nq: usize, blocks: usize) -> bool {
+    t.pv_blocks.is_some() && nq <= PV_BLOCK_QUERIES && matches!(blocks, 2 | 4 | 8)
+}
+
 /// The tile loops of one instruction set.
 #[derive(Clone, Copy)]
 pub(crate) struct TileKernels {
@@ -173,6 +188,9 @@ pub(crate) struct TileKernels {
     /// Two-stage turbo4 values decoded in registers (AVX-512), for at most
     /// [`TURBO_QUERIES`] queries: `pv` over the rows' 64 read values, with its bits.
     pub(crate) pv_turbo: Option<PvTurbo>,
+    /// Block-format values widened in registers (AVX-512): `pv` over the rows' values as
+    /// `widen_blocks` gives them, with its bits, for heads of 64, 128 or 256 values.
+    pub(crate) pv_blocks: Option<PvBlocks>,
 }
 
 impl std::fmt::Debug for TileKernels {
@@ -188,7 +206,11 @@ pub(crate) fn for_level(level: specula_quant::dot::SimdLevel) -> Option<TileKern
         use super::simd::x86::{avx2_supported, avx512_supported};
         use specula_quant::dot::SimdLevel;
         if level == SimdLevel::Avx512 && avx512_supported() && avx2_supported() {
-            return Some(x86::AVX512);
+            return Some(if is_x86_feature_detected!("avx512vnni") {
+                x86::AVX512_VNNI
+            } else {
+                x86::AVX512
+            });
         }
         if matches!(level, SimdLevel::Avx512 | SimdLevel::Avx2) && avx2_supported() {
             return Some(x86::AVX2);
@@ -563,37 +585,22 @@ mod x86 {
                     unsafe { pv_f(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
                 },
                 scores_blocks: |q, qs, nq, k, out, os| {
-                    if nq == 0 || k.n == 0 {
-                        return;
+                    if block_scores_bounds(q, qs, nq, k, out, os) {
+                        // SAFETY: every CPU given a table has AVX2, FMA and F16C
+                        // (`for_level`); every block read and score written lies inside its
+                        // slice (checked).
+                        unsafe { scores_blocks_256(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
                     }
-                    let (kb, qb) = (k.fmt.bytes(), k.fmt.query_bytes());
-                    assert!(
-                        k.blocks > 0
-                            && k.blocks <= MAX_BLOCKS
-                            && (k.n - 1) * k.stride + k.blocks * kb <= k.bytes.len()
-                            && (nq - 1) * qs + k.blocks * qb <= q.len()
-                            && (nq - 1) * os + k.n <= out.len(),
-                        "attention: block score tile bounds"
-                    );
-                    // SAFETY: every CPU given a table has AVX2, FMA and F16C (`for_level`);
-                    // every block read and score written lies inside its slice (checked above).
-                    unsafe { scores_blocks_256(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
                 },
                 widen_blocks: |v, out, os| {
-                    if v.n == 0 {
-                        return;
+                    if widen_bounds(v, out, os) {
+                        // SAFETY: as above.
+                        unsafe { widen_blocks_256(v, out.as_mut_ptr(), os) }
                     }
-                    assert!(
-                        v.blocks > 0
-                            && (v.n - 1) * v.stride + v.blocks * v.fmt.bytes() <= v.bytes.len()
-                            && (v.n - 1) * os + v.blocks * 32 <= out.len(),
-                        "attention: block value tile bounds"
-                    );
-                    // SAFETY: as above.
-                    unsafe { widen_blocks_256(v, out.as_mut_ptr(), os) }
                 },
                 scores_turbo: $scores_t,
                 pv_turbo: $pv_t,
+                pv_blocks: None,
             }
         }};
     }
@@ -634,6 +641,77 @@ mod x86 {
         })
     );
     pub(super) const AVX2: TileKernels = table!(V256x2, V256, "avx2,f16c,fma", None, None);
+
+    /// AVX-512's table with the block loops in sixteen lanes and VNNI's byte dot products.
+    /// Only handed out after the AVX-512 and `avx512vnni` checks ([`super::for_level`]).
+    pub(super) const AVX512_VNNI: TileKernels = TileKernels {
+        scores_blocks: |q, qs, nq, k, out, os| {
+            if block_scores_bounds(q, qs, nq, k, out, os) {
+                // SAFETY: the table's features (see above); every block read and score
+                // written lies inside its slice (checked).
+                unsafe { scores_blocks_512(q.as_ptr(), qs, nq, k, out.as_mut_ptr(), os) }
+            }
+        },
+        widen_blocks: |v, out, os| {
+            if widen_bounds(v, out, os) {
+                // SAFETY: as above.
+                unsafe { widen_blocks_512(v, out.as_mut_ptr(), os) }
+            }
+        },
+        pv_blocks: Some(|w, ws, nq, v, acc, as_| {
+            if nq == 0 || v.n == 0 {
+                return;
+            }
+            assert!(
+                matches!(v.blocks, 2 | 4 | 8)
+                    && (v.n - 1) * v.stride + v.blocks * v.fmt.bytes() <= v.bytes.len()
+                    && (nq - 1) * ws + v.n <= w.len()
+                    && (nq - 1) * as_ + 32 * v.blocks <= acc.len(),
+                "attention: block value tile bounds"
+            );
+            // SAFETY: as above.
+            unsafe { pv_blocks_512(w.as_ptr(), ws, nq, v, acc.as_mut_ptr(), as_) }
+        }),
+        ..AVX512
+    };
+
+    /// Checks a block score tile's slices (panics past them); false when it is empty.
+    fn block_scores_bounds(
+        q: &[u8],
+        qs: usize,
+        nq: usize,
+        k: BlockRows<'_>,
+        out: &[f32],
+        os: usize,
+    ) -> bool {
+        if nq == 0 || k.n == 0 {
+            return false;
+        }
+        let (kb, qb) = (k.fmt.bytes(), k.fmt.query_bytes());
+        assert!(
+            k.blocks > 0
+                && k.blocks <= MAX_BLOCKS
+                && (k.n - 1) * k.stride + k.blocks * kb <= k.bytes.len()
+                && (nq - 1) * qs + k.blocks * qb <= q.len()
+                && (nq - 1) * os + k.n <= out.len(),
+            "attention: block score tile bounds"
+        );
+        true
+    }
+
+    /// Checks a block widening's slices (panics past them); false when it is empty.
+    fn widen_bounds(v: BlockRows<'_>, out: &[f32], os: usize) -> bool {
+        if v.n == 0 {
+            return false;
+        }
+        assert!(
+            v.blocks > 0
+                && (v.n - 1) * v.stride + v.blocks * v.fmt.bytes() <= v.bytes.len()
+                && (v.n - 1) * os + v.blocks * 32 <= out.len(),
+            "attention: block value tile bounds"
+        );
+        true
+    }
 
     /// [`TileKernels::scores_turbo`]: four keys' four vectors decoded at once
     /// ([`turbo4_two_row_512`]), then `block`'s chains — `fmadd(q, k, acc)` over the four
@@ -1043,9 +1121,11 @@ mod x86 {
     /// Two bytes at `p`.
     #[inline(always)]
     unsafe fn scale(p: *const u8) -> f32 {
-        // SAFETY: the caller's two bytes.
-        let b = unsafe { [*p, *p.add(1)] };
-        specula_quant::blocks::Half(b).to_f32()
+        // SAFETY: the caller's two bytes; F16C (every caller's features).
+        unsafe {
+            let h = p.cast::<u16>().read_unaligned();
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(h))))
+        }
     }
 
     /// The lane sums of eight i32 vectors: lane `j` of the result is the sum of `v[j]`
@@ -1186,6 +1266,320 @@ mod x86 {
                 }
             }
             g += 8;
+        }
+    }
+
+    /// A block's 32 values as bytes plus 128 (`k ^ 0x80`: unsigned, for `vpdpbusd`).
+    ///
+    /// # Safety
+    /// As [`unpack`].
+    #[inline(always)]
+    unsafe fn unpack_biased(fmt: BlockFmt, p: *const u8) -> (__m256i, f32, f32) {
+        // SAFETY: the caller's block.
+        unsafe {
+            let (x, d, m) = unpack(fmt, p);
+            (_mm256_xor_si256(x, _mm256_set1_epi8(i8::MIN)), d, m)
+        }
+    }
+
+    /// Lane `j` of the result is the sum of key `j`'s eight lanes, where vector `p` holds key
+    /// `2p` in lanes 0–7 and key `2p + 1` in lanes 8–15 (integer sums: exact in any order).
+    #[inline(always)]
+    unsafe fn key_sums16(v: &[__m512i; 8]) -> __m512i {
+        // SAFETY: AVX-512 F (the caller's features).
+        unsafe {
+            // Lanes 4c..4c+4 of `pair(a, b)` hold, per 128-bit chunk c, a and b's lanes
+            // summed in pairs; of `quad`, lane 4c + i the chunk's four lanes of input i.
+            let pair =
+                |a, b| _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+            let quad =
+                |a, b| _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+            let lo = quad(pair(v[0], v[1]), pair(v[2], v[3]));
+            let hi = quad(pair(v[4], v[5]), pair(v[6], v[7]));
+            // Key j = 2p + h sits in chunks 2h and 2h + 1, lane p mod 4, of `lo` (p < 4) or
+            // `hi`.
+            let first = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 16, 24, 17, 25, 18, 26, 19, 27);
+            let second = _mm512_add_epi32(first, _mm512_set1_epi32(4));
+            _mm512_add_epi32(
+                _mm512_permutex2var_epi32(lo, first, hi),
+                _mm512_permutex2var_epi32(lo, second, hi),
+            )
+        }
+    }
+
+    /// [`term`] in sixteen lanes.
+    #[inline(always)]
+    unsafe fn term16(
+        fmt: BlockFmt,
+        isum: __m512,
+        dk: __m512,
+        mk: __m512,
+        dq: f32,
+        sq: f32,
+    ) -> __m512 {
+        // SAFETY: AVX-512 F (the caller's features).
+        unsafe {
+            let dq = _mm512_set1_ps(dq);
+            match fmt {
+                BlockFmt::Q8_0 => _mm512_mul_ps(isum, _mm512_mul_ps(dk, dq)),
+                BlockFmt::Q4_0 => _mm512_mul_ps(_mm512_mul_ps(isum, dk), dq),
+                BlockFmt::Q5_0 | BlockFmt::Iq4Nl => _mm512_mul_ps(_mm512_mul_ps(dk, dq), isum),
+                BlockFmt::Q4_1 | BlockFmt::Q5_1 => _mm512_add_ps(
+                    _mm512_mul_ps(_mm512_mul_ps(dk, dq), isum),
+                    _mm512_mul_ps(mk, _mm512_set1_ps(sq)),
+                ),
+            }
+        }
+    }
+
+    /// [`TileKernels::scores_blocks`] on AVX-512 VNNI, sixteen keys at a time: block `b` of
+    /// keys `2p` and `2p + 1` in one vector as unsigned bytes (`k + 128`), `vpdpbusd`
+    /// against the query's block in both halves, the sixteen keys' sums by one shuffle tree
+    /// less `128·Σq` (the integer sums of the block kernel, exactly), then the format's
+    /// [`term`] in sixteen lanes, added block after block from zero into the scores.
+    ///
+    /// # Safety
+    /// As the table's `scores_blocks` checks; AVX-512 F/BW/VL/VNNI, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    unsafe fn scores_blocks_512(
+        q: *const u8,
+        qs: usize,
+        nq: usize,
+        k: BlockRows<'_>,
+        out: *mut f32,
+        os: usize,
+    ) {
+        // One body per format, so that `unpack` and `term16` lose their `match`.
+        macro_rules! each {
+            ($($f:ident),*) => {
+                match k.fmt {
+                    // SAFETY: the caller's bounds and features.
+                    $(BlockFmt::$f => unsafe { scores16(BlockFmt::$f, q, qs, nq, k, out, os) },)*
+                }
+            };
+        }
+        each!(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Iq4Nl);
+    }
+
+    /// [`scores_blocks_512`]'s loop for the format `fmt`.
+    ///
+    /// # Safety
+    /// As [`scores_blocks_512`]; `fmt` is `k.fmt`.
+    #[inline(always)]
+    unsafe fn scores16(
+        fmt: BlockFmt,
+        q: *const u8,
+        qs: usize,
+        nq: usize,
+        k: BlockRows<'_>,
+        out: *mut f32,
+        os: usize,
+    ) {
+        // Query blocks: Q8_1 (`d`, `s`, values) or Q8_0 (`d`, values).
+        let (qb, q_vals) = if fmt.query_bytes() == 36 {
+            (36, 4)
+        } else {
+            (34, 2)
+        };
+        // SAFETY: the caller's bounds and features: keys g + j < k.n, blocks b < k.blocks,
+        // queries a < nq, scores a·os + g + j for j < m.
+        unsafe {
+            let mut g = 0;
+            while g < k.n {
+                let m = (k.n - g).min(16);
+                let mask: __mmask16 = u16::MAX >> (16 - m);
+                for b in 0..k.blocks {
+                    let mut kv = [_mm512_setzero_si512(); 8];
+                    let (mut kd, mut km) = ([0.0f32; 16], [0.0f32; 16]);
+                    for j in 0..m {
+                        let p = k.bytes.as_ptr().add((g + j) * k.stride + b * fmt.bytes());
+                        let (x, d, o) = unpack_biased(fmt, p);
+                        (kd[j], km[j]) = (d, o);
+                        kv[j / 2] = if j % 2 == 0 {
+                            _mm512_zextsi256_si512(x)
+                        } else {
+                            _mm512_inserti64x4::<1>(kv[j / 2], x)
+                        };
+                    }
+                    let (dk, mk) = (_mm512_loadu_ps(kd.as_ptr()), _mm512_loadu_ps(km.as_ptr()));
+                    for a in 0..nq {
+                        let p = q.add(a * qs + b * qb);
+                        let qv = _mm256_loadu_si256(p.add(q_vals).cast());
+                        let (dq, sq) = (scale(p), if q_vals == 4 { scale(p.add(2)) } else { 0.0 });
+                        // Σ(k + 128)·q over the block, less 128·Σq.
+                        let biased = _mm256_sad_epu8(
+                            _mm256_xor_si256(qv, _mm256_set1_epi8(i8::MIN)),
+                            _mm256_setzero_si256(),
+                        );
+                        let mut parts = [0i64; 4];
+                        _mm256_storeu_si256(parts.as_mut_ptr().cast(), biased);
+                        let sum_q = parts.iter().sum::<i64>() - 32 * 128;
+                        let bias = i32::try_from(128 * sum_q).unwrap_or(0);
+                        let q2 = _mm512_broadcast_i64x4(qv);
+                        let mut v = [_mm512_setzero_si512(); 8];
+                        for (x, &kx) in v.iter_mut().zip(&kv) {
+                            *x = _mm512_dpbusd_epi32(_mm512_setzero_si512(), kx, q2);
+                        }
+                        let isum = _mm512_sub_epi32(key_sums16(&v), _mm512_set1_epi32(bias));
+                        let t = term16(fmt, _mm512_cvtepi32_ps(isum), dk, mk, dq, sq);
+                        let o = out.add(a * os + g);
+                        let before = if b == 0 {
+                            _mm512_setzero_ps()
+                        } else {
+                            _mm512_maskz_loadu_ps(mask, o)
+                        };
+                        _mm512_mask_storeu_ps(o, mask, _mm512_add_ps(before, t));
+                    }
+                }
+                g += 16;
+            }
+        }
+    }
+
+    /// Block `b` of a value row widened into two vectors: `v · d`, or `v · d + m` with the
+    /// multiply and the add rounded separately ([`widen_blocks_256`]'s operations).
+    ///
+    /// # Safety
+    /// One block of `fmt` at `p`; AVX-512 F.
+    #[inline(always)]
+    unsafe fn widen16(fmt: BlockFmt, p: *const u8) -> [__m512; 2] {
+        // SAFETY: the caller's block and features.
+        unsafe {
+            let (x, d, m) = unpack(fmt, p);
+            let (d, m) = (_mm512_set1_ps(d), _mm512_set1_ps(m));
+            let half = |h: __m128i| {
+                let y = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(h)), d);
+                if matches!(fmt, BlockFmt::Q4_1 | BlockFmt::Q5_1) {
+                    _mm512_add_ps(y, m)
+                } else {
+                    y
+                }
+            };
+            [
+                half(_mm256_castsi256_si128(x)),
+                half(_mm256_extracti128_si256::<1>(x)),
+            ]
+        }
+    }
+
+    /// [`TileKernels::widen_blocks`] in sixteen lanes.
+    ///
+    /// # Safety
+    /// As the table's `widen_blocks` checks; AVX-512 F/BW/VL, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    unsafe fn widen_blocks_512(v: BlockRows<'_>, out: *mut f32, os: usize) {
+        for j in 0..v.n {
+            for b in 0..v.blocks {
+                // SAFETY: row j < v.n, block b < v.blocks, 32 outputs from j·os + 32·b:
+                // inside the checked slices.
+                unsafe {
+                    let p = v.bytes.as_ptr().add(j * v.stride + b * v.fmt.bytes());
+                    let y = widen16(v.fmt, p);
+                    let o = out.add(j * os + 32 * b);
+                    _mm512_storeu_ps(o, y[0]);
+                    _mm512_storeu_ps(o.add(16), y[1]);
+                }
+            }
+        }
+    }
+
+    /// [`TileKernels::pv_blocks`]: the accumulators of up to four queries (64-value heads;
+    /// two of 128, one of 256) in registers, each value row widened once per such group
+    /// ([`widen16`]), then `pv_block`'s `acc + p·v`, zero weights skipped.
+    ///
+    /// # Safety
+    /// As the table's `pv_blocks` checks; AVX-512 F/BW/VL, AVX2, FMA and F16C.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,f16c,fma")]
+    unsafe fn pv_blocks_512(
+        w: *const f32,
+        ws: usize,
+        nq: usize,
+        v: BlockRows<'_>,
+        acc: *mut f32,
+        as_: usize,
+    ) {
+        // SAFETY: the caller's bounds and features: queries a < nq, rows j < v.n, blocks
+        // b < v.blocks, accumulators a·as_ + i for i < 32·v.blocks.
+        unsafe {
+            macro_rules! go {
+                ($fmt:expr, $nq:literal, $nb:literal, $a:expr) => {{
+                    let a0 = $a;
+                    let mut r = [[_mm512_setzero_ps(); 2 * $nb]; $nq];
+                    for (a, row) in r.iter_mut().enumerate() {
+                        for (c, x) in row.iter_mut().enumerate() {
+                            *x = _mm512_loadu_ps(acc.add((a0 + a) * as_ + 16 * c));
+                        }
+                    }
+                    for j in 0..v.n {
+                        let mut y = [_mm512_setzero_ps(); 2 * $nb];
+                        for b in 0..$nb {
+                            let p = v.bytes.as_ptr().add(j * v.stride + b * $fmt.bytes());
+                            [y[2 * b], y[2 * b + 1]] = widen16($fmt, p);
+                        }
+                        for (a, row) in r.iter_mut().enumerate() {
+                            let p = *w.add((a0 + a) * ws + j);
+                            if p != 0.0 {
+                                let pb = _mm512_set1_ps(p);
+                                for (x, &yy) in row.iter_mut().zip(&y) {
+                                    *x = _mm512_add_ps(*x, _mm512_mul_ps(pb, yy));
+                                }
+                            }
+                        }
+                    }
+                    for (a, row) in r.iter().enumerate() {
+                        for (c, &x) in row.iter().enumerate() {
+                            _mm512_storeu_ps(acc.add((a0 + a) * as_ + 16 * c), x);
+                        }
+                    }
+                }};
+            }
+            macro_rules! groups {
+                ($fmt:expr) => {{
+                    let mut a = 0;
+                    while a < nq {
+                        let left = nq - a;
+                        let n = match (v.blocks, left) {
+                            (2, 1) => {
+                                go!($fmt, 1, 2, a);
+                                1
+                            }
+                            (2, 2) => {
+                                go!($fmt, 2, 2, a);
+                                2
+                            }
+                            (2, 3) => {
+                                go!($fmt, 3, 2, a);
+                                3
+                            }
+                            (2, _) => {
+                                go!($fmt, 4, 2, a);
+                                4
+                            }
+                            (4, 1) => {
+                                go!($fmt, 1, 4, a);
+                                1
+                            }
+                            (4, _) => {
+                                go!($fmt, 2, 4, a);
+                                2
+                            }
+                            _ => {
+                                go!($fmt, 1, 8, a);
+                                1
+                            }
+                        };
+                        a += n;
+                    }
+                }};
+            }
+            match v.fmt {
+                BlockFmt::Q8_0 => groups!(BlockFmt::Q8_0),
+                BlockFmt::Q4_0 => groups!(BlockFmt::Q4_0),
+                BlockFmt::Q4_1 => groups!(BlockFmt::Q4_1),
+                BlockFmt::Q5_0 => groups!(BlockFmt::Q5_0),
+                BlockFmt::Q5_1 => groups!(BlockFmt::Q5_1),
+                BlockFmt::Iq4Nl => groups!(BlockFmt::Iq4Nl),
+            }
         }
     }
 }
@@ -1363,6 +1757,52 @@ mod tests {
                             "{level:?} {ty} {dim} row {j}"
                         );
                     }
+                }
+            }
+        }
+    }
+
+    /// The fused block value loop is the widened rows through `pv`, bit for bit, for every
+    /// format, head size and query count it takes (zero weights included).
+    #[test]
+    fn fused_block_values_are_the_widened_rows() {
+        let Some(t) = for_level(SimdLevel::Avx512) else {
+            return;
+        };
+        let Some(pv_blocks) = t.pv_blocks else {
+            return;
+        };
+        for ty in BLOCK_TYPES {
+            let fmt = BlockFmt::of(ty).unwrap();
+            for dim in [64, 128, 256] {
+                let rb = ty.row_bytes(dim).unwrap();
+                for (nq, nk) in [(1, 1), (3, 32), (4, 7), (5, 9), (7, 32), (8, 3), (2, 31)] {
+                    assert!(fused_blocks(t, nq, dim / 32));
+                    let stride = rb + 34;
+                    let rows = quantized(ty, &values(nk * dim, 12), dim);
+                    let mut bytes = vec![0u8; nk * stride];
+                    for j in 0..nk {
+                        bytes[j * stride..j * stride + rb]
+                            .copy_from_slice(&rows[j * rb..(j + 1) * rb]);
+                    }
+                    let v = BlockRows {
+                        bytes: &bytes,
+                        stride,
+                        n: nk,
+                        blocks: dim / 32,
+                        fmt,
+                    };
+                    let mut w = values(nq * nk, 13);
+                    w[0] = 0.0;
+                    w[nq * nk - 1] = 0.0;
+                    let start = values(nq * dim, 14);
+                    let mut got = start.clone();
+                    pv_blocks(&w, nk, nq, v, &mut got, dim);
+                    let mut wide = vec![0.0; nk * dim];
+                    (t.widen_blocks)(v, &mut wide, dim);
+                    let mut want = start;
+                    (t.pv)(&w, nk, nq, Rows::f32(&wide, nk, dim), &mut want, dim);
+                    assert_eq!(bits(&got), bits(&want), "{ty} {dim} {nq} {nk}");
                 }
             }
         }
