@@ -129,8 +129,8 @@ pub struct Args {
         value_parser = clap::value_parser!(u8).range(0..=1)
     )]
     pub dflash_defer_injection: u8,
-    /// Measure this machine's memory read bandwidth on `-t` threads first (a summing loop over
-    /// 1 GiB) and report each `tg` test's bytes read per second as a share of it.
+    /// Before each `tg` test, measure this machine's memory read bandwidth on `-t` threads (a
+    /// summing loop over 1 GiB) and report the test's bytes read per second as a share of it.
     #[arg(long = "bandwidth-probe")]
     pub bandwidth_probe: bool,
 }
@@ -213,7 +213,8 @@ pub(crate) struct Record {
     /// `tg` tests: (weight + K/V bytes per step) × steps per second, in GB/s (10⁹ B/s).
     #[serde(skip_serializing_if = "Option::is_none")]
     read_gbs: Option<f64>,
-    /// With `--bandwidth-probe`: this machine's read bandwidth on `-t` threads, GB/s.
+    /// With `--bandwidth-probe`, `tg` tests: this machine's read bandwidth on `-t` threads
+    /// just before the test, GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     bandwidth_probe_gbs: Option<f64>,
     /// With `-md`: the drafter and the draft length of its rounds (`tg` counts rounds).
@@ -603,9 +604,6 @@ fn run_on<B: Backend + 'static>(
         .map(specula_gguf::TensorInfo::n_elements)
         .sum();
     let weight_bytes = crate::bandwidth::weight_bytes_per_token(file.tensors(), file.metadata());
-    let probe_gbs = args
-        .bandwidth_probe
-        .then(|| crate::bandwidth::probe(args.threads));
     let model_type = format!(
         "{} {}",
         hp.arch.name(),
@@ -664,6 +662,10 @@ fn run_on<B: Backend + 'static>(
             if let Some(a) = attached.as_mut() {
                 (a.draft_ns, a.rounds) = (0, 0);
             }
+            // The machine's bandwidth just before the timed part: it moves with what else
+            // runs on the host.
+            let probe_gbs = (args.bandwidth_probe && tg > 0 && attached.is_none())
+                .then(|| crate::bandwidth::probe(args.threads));
             let mut samples_ns = Vec::with_capacity(args.repetitions);
             for _ in 0..args.repetitions {
                 samples_ns.push(once(&mut session, &mut attached, &mut seed)?);

@@ -508,6 +508,20 @@ fn row_vis(mask: Mask, qp: u32, kmin: u32, kmax: u32) -> RowVis {
     }
 }
 
+/// `l[q] += w[q·TILE + j]` for `j < n`, in order, for `Q` queries at once (their chains
+/// overlap); returns `Q`.
+#[inline]
+fn add_weights<const Q: usize>(w: &[f32], n: usize, l: &mut [f32]) -> usize {
+    let mut acc: [f32; Q] = std::array::from_fn(|q| l[q]);
+    for j in 0..n {
+        for (q, a) in acc.iter_mut().enumerate() {
+            *a += w[q * TILE + j];
+        }
+    }
+    l[..Q].copy_from_slice(&acc);
+    Q
+}
+
 /// Merges the softmax state of one chunk `(m, l, acc)` into a running state: both rescaled to
 /// the larger maximum and added. An empty chunk (`m = −∞`) leaves the state as it is; into an
 /// empty state the chunk is copied. Every path (one task over many chunks, or one task per
@@ -1099,23 +1113,14 @@ impl<'a> Ctx<'a> {
                     (self.attn.exp_sub)(s, m_new);
                 }
                 let mut i = 0;
-                while i + 4 <= nq {
-                    let w = &b.s[i * TILE..(i + 4) * TILE];
-                    let mut l = [b.cl[i], b.cl[i + 1], b.cl[i + 2], b.cl[i + 3]];
-                    for jj in 0..n {
-                        for (q, l) in l.iter_mut().enumerate() {
-                            *l += w[q * TILE + jj];
-                        }
-                    }
-                    b.cl[i..i + 4].copy_from_slice(&l);
-                    i += 4;
-                }
-                for i in i..nq {
-                    let mut l = b.cl[i];
-                    for &x in &b.s[i * TILE..i * TILE + n] {
-                        l += x;
-                    }
-                    b.cl[i] = l;
+                while i < nq {
+                    let w = &b.s[i * TILE..];
+                    i += match nq - i {
+                        1 => add_weights::<1>(w, n, &mut b.cl[i..]),
+                        2 => add_weights::<2>(w, n, &mut b.cl[i..]),
+                        3 => add_weights::<3>(w, n, &mut b.cl[i..]),
+                        _ => add_weights::<4>(w, n, &mut b.cl[i..]),
+                    };
                 }
                 // Values: the tile loops over rows in place or decoded (a decoded row that
                 // no query sees has weight 0 for every query and is skipped), else key by key.
