@@ -1,7 +1,8 @@
 //! `cargo xtask bench kv`: speed and memory of every KV cache format against context depth.
 //!
 //! Builds the release `specula`, runs `specula bench -p P -n N -d D… -ctk K -ctv V -o jsonl`
-//! for each cache setting, and writes to `benches/results/`:
+//! for each cache setting of each model (`-m a,b,c`), and writes to `benches/results/` per
+//! model:
 //! `kv-<model>.jsonl` (every record), `kv-<model>.md` (a table: bits per value, KV MiB, pp and
 //! tg speed per depth) and `kv-<model>.svg` (tg speed and KV memory against depth, one line per
 //! setting). Every file is written under a temporary name and renamed into place.
@@ -242,11 +243,19 @@ fn plot(recs: &[Rec], settings: &[String], depths: &[u64], model: &str) -> Strin
 }
 
 pub fn run(args: &KvBenchArgs) -> Result<()> {
-    if args.types.is_empty() || args.depths.is_empty() {
-        bail!("--types and --depths must not be empty");
+    if args.types.is_empty() || args.depths.is_empty() || args.models.is_empty() {
+        bail!("--types, --depths and --model must not be empty");
     }
     run_cmd(&mut cargo(["build", "--release", "-p", "specula-cli"]))?;
     let bin = repo_root().join("target/release/specula");
+    for model in &args.models {
+        sweep(args, &bin, model)?;
+    }
+    Ok(())
+}
+
+/// The sweep of one model: every setting at every depth, its three files.
+fn sweep(args: &KvBenchArgs, bin: &Path, model: &str) -> Result<()> {
     let depths: Vec<String> = args.depths.iter().map(u64::to_string).collect();
     let mut recs = Vec::new();
     let mut jsonl = String::new();
@@ -267,20 +276,10 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
     for t in &args.types {
         let (k, v) = t.split_once('/').unwrap_or((t, t));
         let setting = format!("{k}/{v}");
-        let mut cmd = Command::new(&bin);
-        cmd.args([
-            "bench",
-            "-m",
-            &args.model,
-            "-o",
-            "jsonl",
-            "-ctk",
-            k,
-            "-ctv",
-            v,
-        ])
-        .args(&test_args);
-        eprintln!("xtask: {setting}");
+        let mut cmd = Command::new(bin);
+        cmd.args(["bench", "-m", model, "-o", "jsonl", "-ctk", k, "-ctv", v])
+            .args(&test_args);
+        eprintln!("xtask: {model} {setting}");
         let out = cmd.output().context("running specula bench")?;
         if !out.status.success() {
             bail!(
@@ -297,13 +296,13 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
                 eprintln!("xtask: {setting}: llama.cpp has no such cache type, not run there");
                 continue;
             }
-            let file = model_file(&args.model)?;
+            let file = model_file(model)?;
             let mut cmd = Command::new(lb);
             cmd.arg("-m")
                 .arg(&file)
                 .args(["-o", "jsonl", "-fa", "1", "-ctk", k, "-ctv", v])
                 .args(&test_args);
-            eprintln!("xtask: {setting} (llama.cpp)");
+            eprintln!("xtask: {model} {setting} (llama.cpp)");
             let out = cmd
                 .output()
                 .with_context(|| format!("running {}", lb.display()))?;
@@ -333,8 +332,13 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
     }
     let dir: PathBuf = repo_root().join(&args.out);
     std::fs::create_dir_all(&dir)?;
-    let base = dir.join(format!("kv-{}", args.model));
-    let md = table(&recs, &settings, &args.depths, &args.model);
+    // A GGUF path names its files after its stem (a manifest name may hold dots).
+    let name = match Path::new(model).file_stem() {
+        Some(stem) if model.ends_with(".gguf") => stem.to_string_lossy().into_owned(),
+        _ => model.to_owned(),
+    };
+    let base = dir.join(format!("kv-{name}"));
+    let md = table(&recs, &settings, &args.depths, model);
     write_atomic(&base.with_extension("jsonl"), &jsonl)?;
     write_atomic(&base.with_extension("md"), &md)?;
     // The plot shows speeds (and memory): not the ratio rows.
@@ -345,7 +349,7 @@ pub fn run(args: &KvBenchArgs) -> Result<()> {
         .collect();
     write_atomic(
         &base.with_extension("svg"),
-        &plot(&recs, &plotted, &args.depths, &args.model),
+        &plot(&recs, &plotted, &args.depths, model),
     )?;
     print!("{md}");
     eprintln!("xtask: wrote {}.{{jsonl,md,svg}}", rel(&base).display());

@@ -193,9 +193,14 @@ struct SpecBenchArgs {
 /// Options of `cargo xtask bench kv`.
 #[derive(Debug, Args)]
 struct KvBenchArgs {
-    /// Model (file or manifest name).
-    #[arg(short = 'm', long, default_value = "smollm2-135m")]
-    model: String,
+    /// Models (files or manifest names, comma-separated): each gets its own sweep and files.
+    #[arg(
+        short = 'm',
+        long = "model",
+        value_delimiter = ',',
+        default_value = "smollm2-135m"
+    )]
+    models: Vec<String>,
     /// Cache settings: `T` (K and V) or `K/V`.
     #[arg(
         long,

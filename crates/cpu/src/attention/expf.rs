@@ -328,6 +328,53 @@ mod tests {
         }
     }
 
+    /// The vector loops this CPU has on all 2^32 inputs against the scalar `expf`
+    /// (`SPECULA_EXHAUSTIVE=1`, as above).
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn the_vector_loops_are_the_scalar_expf_everywhere() {
+        if std::env::var_os("SPECULA_EXHAUSTIVE").is_none_or(|v| v != "1") {
+            eprintln!("skipped: the exhaustive expf check runs with SPECULA_EXHAUSTIVE=1");
+            return;
+        }
+        let has = |f: &[&str]| {
+            f.iter().all(|f| match *f {
+                "avx512f" => is_x86_feature_detected!("avx512f"),
+                "avx512dq" => is_x86_feature_detected!("avx512dq"),
+                "avx2" => is_x86_feature_detected!("avx2"),
+                _ => is_x86_feature_detected!("fma"),
+            })
+        };
+        type Loop = unsafe fn(&mut [f32], f32);
+        let mut loops: Vec<(&str, Loop)> = Vec::new();
+        if has(&["avx512f", "avx512dq", "avx2", "fma"]) {
+            loops.push(("avx512", x86::exp_sub_512));
+        }
+        if has(&["avx2", "fma"]) {
+            loops.push(("avx2", x86::exp_sub_256));
+        }
+        const CHUNK: u32 = 1 << 20;
+        let mut xs = vec![0.0f32; CHUNK as usize];
+        let mut got = xs.clone();
+        for base in (0..=u32::MAX - (CHUNK - 1)).step_by(CHUNK as usize) {
+            for (x, b) in xs.iter_mut().zip(base..) {
+                *x = f32::from_bits(b);
+            }
+            for &(name, f) in &loops {
+                got.copy_from_slice(&xs);
+                // SAFETY: the CPU has the loop's features (checked above).
+                unsafe { f(&mut got, 0.0) };
+                for (&x, &g) in xs.iter().zip(&got) {
+                    assert!(
+                        same(g, expf(x)),
+                        "{name}: e^{x:e} = {g:e}, not {:e}",
+                        expf(x)
+                    );
+                }
+            }
+        }
+    }
+
     #[cfg(target_arch = "x86_64")]
     #[test]
     fn the_avx512_loop_has_the_scalar_bits() {
