@@ -665,7 +665,8 @@ fn run_on<B: Backend + 'static>(
             // The machine's bandwidth just before the timed part: it moves with what else
             // runs on the host.
             let probe_gbs = (args.bandwidth_probe && tg > 0 && attached.is_none())
-                .then(|| crate::bandwidth::probe(args.threads));
+                .then(|| crate::bandwidth::probe(args.threads))
+                .transpose()?;
             let mut samples_ns = Vec::with_capacity(args.repetitions);
             for _ in 0..args.repetitions {
                 samples_ns.push(once(&mut session, &mut attached, &mut seed)?);
