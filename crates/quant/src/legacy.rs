@@ -206,7 +206,7 @@ fn absmax(x: &[f32]) -> f32 {
 
 /// Q8_0: `d = amax/127`, codes `roundf(x/d)` (computed with the f32 `d`, stored as f16).
 /// On x86 CPUs with AVX2 the blocks are quantized eight values at a time by operations that
-/// give the same bits ([`q8_x86`]).
+/// give the same bits (`q8_x86`).
 pub fn quantize_row_q8_0(x: &[f32], y: &mut [BlockQ8_0]) {
     debug_assert_eq!(x.len(), y.len() * QK);
     #[cfg(target_arch = "x86_64")]
