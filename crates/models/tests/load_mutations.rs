@@ -214,6 +214,16 @@ fn invalid_hyperparameters_name_the_key_and_the_bound() {
             "`qwen3.block_count` = 1099511627776: expected at most the 25 tensors of the file",
         ),
         (
+            "laguna",
+            Box::new(|g| {
+                g.set(
+                    "laguna.rope.scaling.yarn_attn_factor",
+                    Value::F32(1_099_511_627_776.0),
+                );
+            }),
+            "`laguna.rope.scaling.yarn_attn_factor` = 1099511600000.0: expected a finite number in (0, 255]",
+        ),
+        (
             "llama",
             Box::new(|g| g.set("llama.embedding_length", Value::I32(-1))),
             "metadata key `llama.embedding_length` = -1: expected an unsigned integer",
@@ -381,4 +391,21 @@ fn unsupported_variants_are_refused_by_name() {
             .to_vec()
     };
     assert_eq!(logits(&plain), logits(&mtp));
+}
+
+/// Inputs the `model_load` fuzz target found crashing, decoded the way it decodes them (the
+/// first byte picks the subject and cache, each following 4 bytes one mutation).
+#[test]
+fn fuzz_found_inputs_are_clean_errors_or_finite_runs() {
+    let inputs: [&[u8]; 1] = [&[0xf6, 0x0a, 0x46, 0x16, 0x04, 0x00]];
+    for data in inputs {
+        let (&first, rest) = data.split_first().unwrap();
+        let subject = Subject::ALL[usize::from(first) % Subject::ALL.len()];
+        let cache = usize::from(first) / Subject::ALL.len();
+        let muts: Vec<Mutation> = rest
+            .chunks_exact(4)
+            .map(|c| Mutation::from_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        run_case(subject, &muts, cache).unwrap();
+    }
 }

@@ -19,7 +19,7 @@ use specula_gguf::Metadata;
 use specula_tensor::{RopeConfig, Yarn};
 
 use super::{attention, dense, rope};
-use crate::hparams::{finite_f32, per_layer, positive_f32};
+use crate::hparams::{MAX_SCALE, float_bound, per_layer, positive_f32};
 use crate::spec::{Act, AttnGate, AttnSpec, FfnSpec, Gating, LayerSpec, MixerSpec, SharedExpert};
 use crate::{Hparams, ModelError, Result, int_bound, moe, opt_usize};
 
@@ -124,7 +124,22 @@ fn global_rope(hp: &Hparams, md: &Metadata) -> Result<RopeConfig> {
     // ggml's YaRN multiplies the magnitude by 1 + 0.1·ln(factor) itself: divided out here so
     // that the net factor is the file's (Hugging Face's `attention_factor`).
     let mscale = 1.0 + 0.1 * factor.ln();
-    let magnitude = finite_f32(md, &k("yarn_attn_factor"))?.unwrap_or(mscale);
+    // The magnitude multiplies both the rotated queries and keys, so the scores pick up its
+    // square, and the cache holds the scaled keys: bounded so that the square stays within
+    // the f16 range other activation factors are held to (a factor of 2^40 overflows a q8_0
+    // block's f16 scale and turns the scores to NaN).
+    let key = k("yarn_attn_factor");
+    let max = MAX_SCALE.sqrt().floor();
+    let magnitude = match positive_f32(md, &key, mscale)? {
+        m if m <= max => m,
+        m => {
+            return Err(float_bound(
+                &key,
+                m,
+                format!("a finite number in (0, {max}]"),
+            ));
+        }
+    };
     r.yarn = Some(Yarn {
         orig_ctx,
         ext_factor: 1.0,
