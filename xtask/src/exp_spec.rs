@@ -387,6 +387,7 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
             "4096",
         ])
         .args(["--labels", &args.dflash_labels])
+        .args(["--layers", &args.dflash_layers.to_string()])
         .args(["--steps", &args.steps.to_string(), "--export", "f16,q8_0"]);
     if dflash_dir.join("checkpoint.bin").exists() {
         cmd.arg("--resume");
@@ -592,8 +593,8 @@ fn table(
     let _ = writeln!(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
-         `cargo xtask exp spec --target {} --steps {} --eagle-steps {} --shards {} -n {} \
-         --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
+         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --eagle-steps {} --shards {} \
+         -n {} --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads; each cell's time the median of {} runs).\n\n\
          τ = tokens committed per verified round, bonus included. \"τ-implied\" is the speed-up \
@@ -603,6 +604,7 @@ fn table(
         args.target,
         args.target,
         args.steps,
+        args.dflash_layers,
         args.eagle_steps,
         args.shards,
         args.n,

@@ -97,6 +97,11 @@ struct ExpSpecArgs {
     /// DFlash training steps.
     #[arg(long, default_value_t = 1200)]
     steps: usize,
+    /// DFlash draft layers (`specula train --layers`). With one layer the MASK rows' queries
+    /// carry no content (a MASK embedding at a position), so what they read of the context is
+    /// fixed by position; a second layer's queries carry what the first gathered.
+    #[arg(long, default_value_t = 2)]
+    dflash_layers: usize,
     /// EAGLE-3 training steps.
     #[arg(long, default_value_t = 400)]
     eagle_steps: usize,

@@ -1096,6 +1096,7 @@ proptest! {
         nbr in any::<bool>(),
         n_max in 1usize..=8,
         taps in prop::sample::select(vec![vec![0, 1, 2], vec![2, 1, 1]]),
+        adaptive in any::<bool>(),
     ) {
         let e = engine(target(7));
         let n = 20;
@@ -1105,7 +1106,9 @@ proptest! {
         let want = e.generate(&mut s, PROMPT, &opts, |_| {}).unwrap().generated_ids;
         let bytes = eagle3(seed, &taps, own_head, nbr);
         let mut d = RecordingE3 { inner: eagle3_drafter(&e, bytes.clone()), log: Vec::new() };
-        let so = SpecOptions { n_max, n_min: 0, p_min: 0.0, adaptive: false };
+        // Adaptive runs take plain steps between drafts: their features wait, unencoded, for
+        // the next draft, which encodes them in one pass.
+        let so = SpecOptions { n_max, n_min: 0, p_min: 0.0, adaptive };
         let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
         let got = e.generate_speculative(&mut s, PROMPT, &opts, &mut d, &so, |_| {}).unwrap();
         prop_assert_eq!(&got.generated_ids, &want);

@@ -1,7 +1,10 @@
 //! EAGLE-3 as a [`Drafter`]: chain drafting in feature space.
 //!
-//! Every target batch is encoded at once (`g = fc(features)`, kept on the host: one row of
-//! the head's width per position). The head's cache holds pairs `(token[P + 1], g[P])` at
+//! Target batches are encoded lazily (`g = fc(features)`, kept on the host: one row of the
+//! head's width per position): a batch's raw features wait until a draft needs them and are
+//! then encoded with every other waiting row in one matrix product (at most
+//! [`ENCODE_CHUNK`] rows wait; a longer wait is encoded), so steps the policy runs without a
+//! draft cost the drafter nothing but a copy. The head's cache holds pairs `(token[P + 1], g[P])` at
 //! positions `P`; a pair can only be written once the token after `P` is committed, so pairs
 //! are written lazily, in one batch, when a draft is asked for — only ever for committed
 //! positions (no rollback needed, and a snapshot is complete whenever it is taken). The draft
@@ -25,8 +28,13 @@ use crate::{Engine, Result};
 struct State {
     seq: Vec<u32>,
     g: Vec<f32>,
+    raw: Vec<f32>,
     pairs: usize,
 }
+
+/// The most rows whose raw features wait to be encoded; a batch that would pass it encodes
+/// what waits first (bounds the host memory of long runs without drafts).
+const ENCODE_CHUNK: usize = 512;
 
 /// An EAGLE-3 drafter for one target.
 pub struct Eagle3Drafter<B: Backend> {
@@ -36,10 +44,12 @@ pub struct Eagle3Drafter<B: Backend> {
     n_ctx: usize,
     scratch: Eagle3Scratch<B>,
     taps: Vec<usize>,
-    /// Tokens at positions `0..seq.len()` whose `g` is known (target-run positions).
+    /// Tokens at positions `0..seq.len()` whose features are known (target-run positions).
     seq: Vec<u32>,
-    /// `g` of those positions, row-major.
+    /// `g` of the first positions, row-major…
     g: Vec<f32>,
+    /// …and the raw features of the rest, waiting to be encoded (`feature_width` per row).
+    raw: Vec<f32>,
     /// Pairs written into the cache: positions `0..pairs`.
     pairs: usize,
     tokens: Vec<u32>,
@@ -105,6 +115,7 @@ impl<B: Backend> Eagle3Drafter<B> {
             taps,
             seq: Vec::new(),
             g: Vec::new(),
+            raw: Vec::new(),
             pairs: 0,
             tokens: Vec::new(),
             pos: Vec::new(),
@@ -168,21 +179,19 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             return Ok(());
         }
         self.truncate(pos0);
-        let before = self.g.len();
-        self.net
-            .encode(&self.backend, &mut self.scratch, features, &mut self.g)
-            .map_err(err)?;
-        let e = self.net.hparams().n_embd;
-        if self.g.len() - before != tokens.len() * e {
-            let got = self.g.len() - before;
-            self.g.truncate(before);
+        let w = self.net.feature_width();
+        if features.len() != tokens.len() * w {
             return Err(SpecError::Features {
                 drafter: "draft-eagle3",
-                got,
+                got: features.len(),
                 tokens: tokens.len(),
-                width: e,
+                width: w,
             });
         }
+        if self.raw.len() + features.len() > ENCODE_CHUNK * w {
+            self.encode_waiting()?;
+        }
+        self.raw.extend_from_slice(features);
         self.seq.extend_from_slice(tokens);
         Ok(())
     }
@@ -198,6 +207,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         if n == 0 || self.seq.len() < n || k == 0 {
             return Ok(Vec::new());
         }
+        self.encode_waiting()?;
         let e = self.net.hparams().n_embd;
         // Pairs of the committed positions not written yet: (token[P + 1], g[P]), P < N − 1.
         if self.pairs + 1 < n {
@@ -254,6 +264,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         Box::new(State {
             seq: self.seq.clone(),
             g: self.g.clone(),
+            raw: self.raw.clone(),
             pairs: self.pairs,
         })
     }
@@ -267,6 +278,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         let pairs = self.pairs.min(st.pairs).min(common.saturating_sub(1));
         self.seq.clone_from(&st.seq);
         self.g.clone_from(&st.g);
+        self.raw.clone_from(&st.raw);
         self.pairs = pairs;
         Ok(())
     }
@@ -276,8 +288,40 @@ impl<B: Backend> Eagle3Drafter<B> {
     /// Keeps the context of positions `0..n`: pairs need the token after them.
     fn truncate(&mut self, n: usize) {
         let e = self.net.hparams().n_embd;
+        let encoded = self.g.len() / e;
         self.seq.truncate(n);
         self.g.truncate(n * e);
+        self.raw
+            .truncate(n.saturating_sub(encoded) * self.net.feature_width());
         self.pairs = self.pairs.min(n.saturating_sub(1));
+    }
+
+    /// Encodes the waiting raw features in one pass, appending their `g` rows.
+    fn encode_waiting(&mut self) -> Result<(), SpecError> {
+        if self.raw.is_empty() {
+            return Ok(());
+        }
+        let e = self.net.hparams().n_embd;
+        let rows = self.raw.len() / self.net.feature_width();
+        let before = self.g.len();
+        let encoded = self
+            .net
+            .encode(&self.backend, &mut self.scratch, &self.raw, &mut self.g);
+        if let Err(e) = encoded {
+            self.g.truncate(before);
+            return Err(err(e));
+        }
+        if self.g.len() - before != rows * e {
+            let got = self.g.len() - before;
+            self.g.truncate(before);
+            return Err(SpecError::Features {
+                drafter: "draft-eagle3",
+                got,
+                tokens: rows,
+                width: e,
+            });
+        }
+        self.raw.clear();
+        Ok(())
     }
 }
