@@ -7,7 +7,8 @@
 //! `Err`, or `Ok` with logits free of NaN and +∞ — never a panic.
 //!
 //! - `every_single_mutation_…` sweeps every single mutation of every key and tensor of every
-//!   subject (deterministic, a few thousand cases);
+//!   subject (deterministic, tens of thousands of cases; the value mutations with every KV
+//!   cache format);
 //! - `random_mutation_lists_…` is the proptest over lists of up to four mutations and the KV
 //!   cache formats (`PROPTEST_CASES` sets its case count);
 //! - the named tests pin the errors of the hyperparameters that used to panic or produce NaN.
@@ -70,9 +71,12 @@ fn every_single_mutation_is_a_clean_error_or_a_finite_run() {
         let n_keys = g.metadata.len() + EXTRA_KEYS.len();
         let n_t = g.tensors.len();
         let mut muts = Vec::new();
+        // Values run with every cache format as well: a value that only overflows a
+        // quantized cache's block scale (a YaRN magnitude of 2^40 did) shows there alone.
+        let mut valued = Vec::new();
         for key in 0..n_keys {
-            muts.extend((0..INTS.len()).map(|v| Mutation::Int { key, v }));
-            muts.extend((0..FLOATS.len()).map(|v| Mutation::Float { key, v }));
+            valued.extend((0..INTS.len()).map(|v| Mutation::Int { key, v }));
+            valued.extend((0..FLOATS.len()).map(|v| Mutation::Float { key, v }));
             muts.extend((0..2).map(|len| Mutation::Shorten { key, len }));
             muts.push(Mutation::Retype { key });
             muts.push(Mutation::Drop { key });
@@ -93,9 +97,13 @@ fn every_single_mutation_is_a_clean_error_or_a_finite_run() {
             muts.push(Mutation::DropTensor { tensor });
             muts.extend((0..TYPES.len()).map(|ty| Mutation::Type { tensor, ty }));
         }
-        for m in muts {
+        let cases = muts
+            .into_iter()
+            .map(|m| (m, 0))
+            .chain(valued.into_iter().flat_map(|m| (0..4).map(move |c| (m, c))));
+        for (m, cache) in cases {
             total += 1;
-            match run_case(subject, &[m], 0) {
+            match run_case(subject, &[m], cache) {
                 Ok(Outcome::Ran) => ran += 1,
                 Ok(_) => refused += 1,
                 Err(e) => failures.push(e),
