@@ -1241,6 +1241,11 @@ mod tests {
         )
         .expect("exported");
         let file = Arc::new(Gguf::open(&path).expect("a GGUF"));
+        let tgt = Gguf::open(dir.path().join("target.gguf")).expect("the target");
+        for k in ["tokenizer.ggml.model", "tokenizer.ggml.tokens"] {
+            let v = |g: &Gguf| g.metadata().get(k).cloned();
+            assert!(v(&file).is_some() && v(&file) == v(&tgt), "{k}");
+        }
         let net = Eagle3::load(&be, file, &model).expect("specula loads the exported head");
         assert_eq!(net.hparams().target_layers, vec![0, 1, 2]);
 
@@ -1402,6 +1407,14 @@ mod tests {
         )
         .expect("exported");
         let file = Arc::new(Gguf::open(&path).expect("a GGUF"));
+        // The target's vocabulary travels with the drafter (llama.cpp loads it from there).
+        let tgt = Gguf::open(dir.path().join("target.gguf")).expect("the target");
+        let tok = |g: &Gguf, k: &str| g.metadata().get(k).cloned();
+        assert!(!target.tokenizer.is_empty());
+        for (k, _) in &target.tokenizer {
+            assert_eq!(tok(&file, k), tok(&tgt, k), "{k}");
+        }
+        assert!(tok(&file, "tokenizer.ggml.model").is_some());
         let draft = Dflash::load(&be, file, &model).expect("specula loads the exported drafter");
 
         let (e, width, b) = (shape.n_embd, shape.width(), shape.block);

@@ -168,7 +168,7 @@ pub fn write_dflash(
             Value::U32(shape.mask),
         ),
     ];
-    write_gguf(path, kv, &outs)
+    write_gguf(path, with_tokenizer(kv, target), &outs)
 }
 
 /// Every parameter of `spec`: matrices in `ty` (NVFP4 with their `.scale`), norms F32.
@@ -318,5 +318,12 @@ pub fn write_eagle3(
         (k("extract_layers"), Value::Array(Array::I32(taps))),
         (k("target_hidden_size"), u(shape.n_embd_target)),
     ];
-    write_gguf(path, kv, &outs)
+    write_gguf(path, with_tokenizer(kv, target), &outs)
+}
+
+/// `kv` followed by the target's tokenizer metadata (llama.cpp reads a drafter's vocabulary
+/// from the drafter's own file).
+fn with_tokenizer(mut kv: Vec<(String, Value)>, target: &Target) -> Vec<(String, Value)> {
+    kv.extend(target.tokenizer.iter().cloned());
+    kv
 }

@@ -25,6 +25,10 @@ pub struct Target {
     /// The target's final norm weight (a drafter's own final norm starts from it, so the
     /// borrowed head sees hidden states of the scale it was trained on).
     pub output_norm: Option<Vec<f32>>,
+    /// The target's `tokenizer.*` metadata but the MASK id, copied into exported drafters:
+    /// llama.cpp loads a drafter's vocabulary from its own file (its converter copies the
+    /// target's tokenizer into DFlash and EAGLE-3 drafters) and refuses one without it.
+    pub tokenizer: Vec<(String, specula_gguf::Value)>,
 }
 
 fn bad(detail: impl Into<String>) -> TrainError {
@@ -97,6 +101,11 @@ impl Target {
         let default_mask = id("tokenizer.ggml.padding_token_id")
             .or_else(|| id("tokenizer.ggml.eos_token_id"))
             .filter(|&t| (t as usize) < n_vocab);
+        let tokenizer = md
+            .iter()
+            .filter(|(k, _)| k.starts_with("tokenizer.") && *k != "tokenizer.ggml.mask_token_id")
+            .map(|(k, v)| (k.to_owned(), v.clone()))
+            .collect();
         Ok(Self {
             hp,
             sha256,
@@ -104,6 +113,7 @@ impl Target {
             head,
             default_mask,
             output_norm,
+            tokenizer,
         })
     }
 
