@@ -216,9 +216,13 @@ impl GgufWriter {
             Some(p) if !p.as_os_str().is_empty() => p,
             _ => Path::new("."),
         };
-        let tmp = tempfile::Builder::new()
-            .prefix(".specula-")
-            .suffix(".gguf.partial")
+        let mut builder = tempfile::Builder::new();
+        builder.prefix(".specula-").suffix(".gguf.partial");
+        // A model file, not a secret: created as `File::create` would (0o666 less the umask),
+        // not with a temporary file's 0o600 that other users (a server's account) cannot read.
+        #[cfg(unix)]
+        builder.permissions(std::os::unix::fs::PermissionsExt::from_mode(0o666));
+        let tmp = builder
             .tempfile_in(dir)
             .map_err(io("create a temporary file next to"))?;
         let mut buf = BufWriter::with_capacity(1 << 20, tmp);

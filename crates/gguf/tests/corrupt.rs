@@ -525,3 +525,22 @@ fn failed_write_file_leaves_nothing_half_written() {
     let g = Gguf::open(&target).unwrap();
     assert_eq!(g.tensors().len(), 2);
 }
+
+/// A written file gets the permissions `File::create` gives (0o666 less the umask), not the
+/// temporary file's 0o600: a model quantized or a drafter trained by one account is read by
+/// another (a server's).
+#[cfg(unix)]
+#[test]
+fn written_files_are_readable_as_created_files_are() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let plain = dir.path().join("plain");
+    std::fs::File::create(&plain).unwrap();
+    let target = dir.path().join("out.gguf");
+    let mut w = GgufWriter::new();
+    w.add_tensor("a", GgmlType::F32, &[4]).unwrap();
+    w.write_file(&target, |_, _, sink| sink.write_all(&[0; 16]))
+        .unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&target), mode(&plain));
+}
