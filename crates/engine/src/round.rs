@@ -50,6 +50,8 @@ pub struct SpecSeq {
     lead: usize,
     base: usize,
     k: usize,
+    /// The round's context window for the drafter (a probe's).
+    window: Option<usize>,
     ck: Option<Checkpoint>,
     draft_s: f64,
     caught_up: usize,
@@ -102,6 +104,7 @@ impl SpecSeq {
             lead: 0,
             base: 0,
             k: 0,
+            window: None,
             ck: None,
             draft_s: 0.0,
             caught_up: 0,
@@ -190,10 +193,13 @@ impl SpecSeq {
         self.draft_s = 0.0;
         self.caught_up = 0;
         let room = (s.n_ctx() - self.base - 1).min(left.saturating_sub(1));
+        self.window = None;
         self.k = if !self.drafting {
             0
         } else if self.opts.adaptive {
-            self.policy.next(room)
+            let ask = self.policy.ask(room);
+            self.window = ask.window();
+            ask.k
         } else {
             self.opts.n_max.min(room)
         };
@@ -207,6 +213,7 @@ impl SpecSeq {
                 history: &self.history,
                 n_max: self.k,
                 p_min: self.opts.p_min,
+                window: self.window,
             },
         })
     }
@@ -225,7 +232,9 @@ impl SpecSeq {
         }
         self.draft_s = draft_s;
         if self.k > 0 {
-            self.caught_up = std::mem::replace(&mut self.since_draft, 0);
+            // A probe's drafter catches up with at most its window (and the anchor).
+            let since = std::mem::replace(&mut self.since_draft, 0);
+            self.caught_up = self.window.map_or(since, |w| since.min(w + 1));
         }
         self.rows.clear();
         self.rows

@@ -366,6 +366,8 @@ struct Recording {
     inner: DflashDrafter<CpuBackend>,
     log: Vec<(Vec<u32>, usize, Vec<u32>)>,
     context_at_draft: Vec<(usize, usize)>,
+    /// The context's first position after each draft, and the window it was asked with.
+    starts: Vec<(usize, Option<usize>)>,
 }
 
 impl Recording {
@@ -374,6 +376,7 @@ impl Recording {
             inner,
             log: Vec::new(),
             context_at_draft: Vec::new(),
+            starts: Vec::new(),
         }
     }
 }
@@ -404,6 +407,7 @@ impl Drafter for Recording {
             .push((self.inner.context_len(), p.history.len() - 1));
         let d = self.inner.draft(p)?;
         self.log.push((p.history.to_vec(), p.n_max, d.clone()));
+        self.starts.push((self.inner.context_start(), p.window));
         Ok(d)
     }
     fn accept(&mut self, n: usize) {
@@ -462,7 +466,7 @@ proptest! {
             e.prefill_with_features(&mut ts, committed, committed.len(), &mut logits, &mut taps_buf, &mut feats).unwrap();
             fresh.begin(history).unwrap();
             fresh.process_features(committed, 0, &feats).unwrap();
-            let again = fresh.draft(&DraftParams { history, n_max: *k, p_min }).unwrap();
+            let again = fresh.draft(&DraftParams { history, n_max: *k, p_min, window: None }).unwrap();
             prop_assert_eq!(&again, drafted, "draft at history length {}", history.len());
         }
     }
@@ -1127,7 +1131,7 @@ proptest! {
             e.prefill_with_features(&mut ts, committed, committed.len(), &mut logits, &mut taps_buf, &mut feats).unwrap();
             fresh.begin(history).unwrap();
             fresh.process_features(committed, 0, &feats).unwrap();
-            let again = fresh.draft(&DraftParams { history, n_max: *k, p_min: 0.0 }).unwrap();
+            let again = fresh.draft(&DraftParams { history, n_max: *k, p_min: 0.0, window: None }).unwrap();
             prop_assert_eq!(&again, drafted, "chain at history length {}", history.len());
         }
     }
@@ -1144,6 +1148,7 @@ fn snapshots_restore_the_draft_context() {
             history: h,
             n_max: 7,
             p_min: 0.0,
+            window: None,
         }
     }
     let e = engine(target(7));
@@ -1188,4 +1193,169 @@ fn snapshots_restore_the_draft_context() {
     d.accept(1);
     assert_eq!(d.draft(&p(&history)).unwrap(), second);
     assert_eq!(d.context_len(), history.len() - 1);
+}
+
+/// The features of `committed` (all its positions), run through a fresh target session.
+fn features_of(e: &Engine<CpuBackend>, taps: &[usize], committed: &[u32]) -> Vec<f32> {
+    let mut ts = e.session(256, QType::F16, QType::F16).unwrap();
+    let mut taps_buf = specula_models::Taps {
+        layers: taps.to_vec(),
+        rows: Vec::new(),
+    };
+    let (mut logits, mut feats) = (Vec::new(), Vec::new());
+    e.prefill_with_features(
+        &mut ts,
+        committed,
+        committed.len(),
+        &mut logits,
+        &mut taps_buf,
+        &mut feats,
+    )
+    .unwrap();
+    feats
+}
+
+/// A probe (`window: Some(w)`) with more than `w` committed rows to catch up with drafts from
+/// the last `w` only — exactly what a drafter that was shown only those rows drafts — and the
+/// next draft that is not a probe brings the whole context back: exactly a full drafter's.
+#[test]
+fn dflash_probes_draft_from_their_window_and_paying_drafts_bring_the_context_back() {
+    let e = engine(target(7));
+    let spec = DraftSpec::new(33, &[2, 0], 8);
+    let history: Vec<u32> = PROMPT.iter().chain(PROMPT).chain(PROMPT).copied().collect();
+    let n = history.len() - 1;
+    let committed = &history[..n];
+    let mut d = drafter(&e, &spec, Injection::Deferred).unwrap();
+    let w = d.net().feature_width();
+    let feats = features_of(&e, d.target_taps(), committed);
+    let ask = |window| DraftParams {
+        history: &history,
+        n_max: 7,
+        p_min: 0.0,
+        window,
+    };
+
+    d.begin(&history).unwrap();
+    d.process_features(committed, 0, &feats).unwrap();
+    let probe = d.draft(&ask(Some(5))).unwrap();
+    assert_eq!(d.context_start(), n - 5);
+    assert_eq!(d.context_len(), n);
+
+    let mut windowed = drafter(&e, &spec, Injection::Deferred).unwrap();
+    windowed.begin(&history).unwrap();
+    windowed
+        .process_features(&committed[n - 5..], n - 5, &feats[(n - 5) * w..])
+        .unwrap();
+    assert_eq!(windowed.draft(&ask(None)).unwrap(), probe);
+    assert_eq!(windowed.context_start(), n - 5);
+
+    let mut full = drafter(&e, &spec, Injection::Deferred).unwrap();
+    full.begin(&history).unwrap();
+    full.process_features(committed, 0, &feats).unwrap();
+    let whole = full.draft(&ask(None)).unwrap();
+    assert_ne!(
+        whole, probe,
+        "the window must change this draft for the test to see it"
+    );
+    assert_eq!(d.draft(&ask(None)).unwrap(), whole);
+    assert_eq!(d.context_start(), 0);
+
+    // A probe with no more than its window to catch up with keeps the whole context.
+    let mut near = drafter(&e, &spec, Injection::Deferred).unwrap();
+    near.begin(&history).unwrap();
+    near.process_features(committed, 0, &feats).unwrap();
+    assert_eq!(near.draft(&ask(Some(n))).unwrap(), whole);
+    assert_eq!(near.context_start(), 0);
+}
+
+/// EAGLE-3: a probe writes at most its window of pairs (the chain then equals a drafter's
+/// that saw only those positions), and a draft that is not a probe rewrites them all.
+#[test]
+fn eagle3_probes_draft_from_their_window_and_paying_drafts_bring_the_context_back() {
+    let e = engine(target(7));
+    let bytes = eagle3(41, &[0, 1, 2], false, false);
+    let history: Vec<u32> = PROMPT.iter().chain(PROMPT).chain(PROMPT).copied().collect();
+    let n = history.len() - 1;
+    let committed = &history[..n];
+    let mut d = eagle3_drafter(&e, bytes.clone());
+    let w = d.net().feature_width();
+    let feats = features_of(&e, d.target_taps(), committed);
+    let ask = |window| DraftParams {
+        history: &history,
+        n_max: 6,
+        p_min: 0.0,
+        window,
+    };
+
+    d.begin(&history).unwrap();
+    d.process_features(committed, 0, &feats).unwrap();
+    let probe = d.draft(&ask(Some(4))).unwrap();
+
+    // The pairs of the last 4 positions before the anchor's, with the window's own `g`: a
+    // drafter whose sequence starts there (its first pair is (token[P + 1], g[P]) at P = 0).
+    let mut full = eagle3_drafter(&e, bytes.clone());
+    full.begin(&history).unwrap();
+    full.process_features(committed, 0, &feats).unwrap();
+    let whole = full.draft(&ask(None)).unwrap();
+    assert_ne!(
+        whole, probe,
+        "the window must change this chain for the test to see it"
+    );
+    let tail = &history[n - 5..];
+    let mut windowed = eagle3_drafter(&e, bytes);
+    windowed.begin(tail).unwrap();
+    windowed
+        .process_features(&tail[..5], 0, &feats[(n - 5) * w..])
+        .unwrap();
+    let p = DraftParams {
+        history: tail,
+        n_max: 6,
+        p_min: 0.0,
+        window: None,
+    };
+    assert_eq!(windowed.draft(&p).unwrap(), probe);
+
+    assert_eq!(d.draft(&ask(None)).unwrap(), whole);
+}
+
+/// The adaptive policy's probes on a prompt longer than their window restart the draft
+/// context (the drafter answers from the window), and the output stays the target's own.
+#[test]
+fn adaptive_probes_past_their_window_are_lossless() {
+    let e = engine(target(7));
+    let prompt: Vec<u32> = (0..4).flat_map(|_| PROMPT.iter().copied()).collect();
+    let n = 80;
+    let opts = greedy(n);
+    let n_ctx = prompt.len() + n;
+    let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+    let want = e
+        .generate(&mut s, &prompt, &opts, |_| {})
+        .unwrap()
+        .generated_ids;
+    for seed in [3, 21, 57] {
+        let spec = DraftSpec::new(seed, &[2, 0], 8);
+        let mut d = Recording::new(drafter(&e, &spec, Injection::Deferred).unwrap());
+        let so = SpecOptions {
+            n_max: 7,
+            n_min: 0,
+            p_min: 0.0,
+            adaptive: true,
+        };
+        let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+        let got = e
+            .generate_speculative(&mut s, &prompt, &opts, &mut d, &so, |_| {})
+            .unwrap();
+        assert_eq!(got.generated_ids, want, "seed {seed}");
+        let windowed = d
+            .starts
+            .iter()
+            .filter(|(start, w)| *start > 0 && w.is_some())
+            .count();
+        assert!(
+            windowed > 0,
+            "seed {seed}: no probe restarted from its window: {:?}",
+            d.starts
+        );
+        check_context(&d, true);
+    }
 }

@@ -277,7 +277,7 @@ proptest! {
             _ => {
                 let mut inner = draft_model(99, &e, n_ctx, replay);
                 let mut d = Scripted { f: move |h: &[u32], k: usize, r: usize| {
-                    let mut v = inner.draft(&DraftParams { history: h, n_max: k, p_min: 0.0 }).unwrap();
+                    let mut v = inner.draft(&DraftParams { history: h, n_max: k, p_min: 0.0, window: None }).unwrap();
                     v.truncate(pick(splitmix64(seed ^ r as u64), k + 1));
                     v
                 }, round: 0 };

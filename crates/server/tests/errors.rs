@@ -105,6 +105,7 @@ fn a_drafter_error_keeps_its_type_and_reaches_the_500_with_its_causes() {
             history: &ids,
             n_max: 4,
             p_min: 0.0,
+            window: None,
         })
         .unwrap_err();
     let SpecError::Drafter { drafter, source } = &err else {

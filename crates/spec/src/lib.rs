@@ -29,7 +29,7 @@
 //! let mut d = NgramSimple::new(1, 3);
 //! d.begin(&[5, 6, 7, 8, 5]).unwrap();
 //! // After `… 5` comes `6 7 8` earlier in the history.
-//! let draft = d.draft(&DraftParams { history: &[5, 6, 7, 8, 5], n_max: 3, p_min: 0.0 }).unwrap();
+//! let draft = d.draft(&DraftParams { history: &[5, 6, 7, 8, 5], n_max: 3, p_min: 0.0, window: None }).unwrap();
 //! assert_eq!(draft, vec![6, 7, 8]);
 //! ```
 
@@ -150,6 +150,13 @@ pub struct DraftParams<'a> {
     pub n_max: usize,
     /// Model drafters stop at the first position whose top-1 probability is below this.
     pub p_min: f32,
+    /// `Some(w)` for a probe (the speculative policy checks whether drafting pays again,
+    /// [`policy::Adaptive`]): a drafter that keeps context of target positions and has more
+    /// than `w` committed positions to catch up with may instead restart its context from the
+    /// last `w`, so that a probe costs the same however long the drafter sat idle. A draft
+    /// asked for later without a window (drafting pays) may bring the skipped context back.
+    /// `None`: every committed position is context.
+    pub window: Option<usize>,
 }
 
 /// A source of draft tokens, with the lifecycle llama.cpp's speculative framework uses.

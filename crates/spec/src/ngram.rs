@@ -206,6 +206,7 @@ mod tests {
             history: h,
             n_max,
             p_min: 0.0,
+            window: None,
         })
         .unwrap()
     }

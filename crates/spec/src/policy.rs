@@ -16,6 +16,10 @@
 //! - a one-token probe draft every [`PROBE_EVERY`] plain steps (backing off while probes keep
 //!   nothing or drafting still does not pay after them), so that a drafter that starts to fit
 //!   again is noticed;
+//! - probes are asked with a context window ([`PROBE_WINDOW`], [`crate::DraftParams::window`]):
+//!   a drafter that keeps context of target positions (DFlash, EAGLE-3) then catches up with
+//!   at most that many positions instead of every one since it last drafted, so that a drafter
+//!   which does not pay costs a bounded amount per probe, not the whole context again;
 //! - a drafter that is asked for a draft and declines (one that stops where it is unsure, not
 //!   sure of even the first token: [`Adaptive::declined`]) is a probe that kept nothing, so it
 //!   is asked again only after the backed-off interval, not every step.
@@ -30,6 +34,28 @@ pub const MAX_BACKOFF: u32 = 3;
 
 /// Length of a probe draft.
 pub const PROBE_LEN: usize = 1;
+
+/// Context window of a probe: the most committed positions a drafter catches up with to
+/// answer it ([`crate::DraftParams::window`]).
+pub const PROBE_WINDOW: usize = 32;
+
+/// The policy's ask for the next round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ask {
+    /// Tokens to draft (0: a plain decode step).
+    pub k: usize,
+    /// A probe: drafting has not been shown to pay (yet, or any more), so the drafter may
+    /// answer from a window of the context ([`PROBE_WINDOW`]).
+    pub probe: bool,
+}
+
+impl Ask {
+    /// The context window the drafter is asked with: [`PROBE_WINDOW`] for a probe.
+    #[must_use]
+    pub fn window(&self) -> Option<usize> {
+        self.probe.then_some(PROBE_WINDOW)
+    }
+}
 
 /// Weight of a new measurement in the cost averages when it is cheaper than the average…
 const EMA_DOWN: f64 = 0.5;
@@ -187,33 +213,47 @@ impl Adaptive {
     /// The draft length for the next round, at most `room` (what context and budget allow).
     #[must_use]
     pub fn next(&self, room: usize) -> usize {
+        self.ask(room).k
+    }
+
+    /// The next round's ask: its draft length, at most `room` (what context and budget
+    /// allow), and whether it is a probe.
+    #[must_use]
+    pub fn ask(&self, room: usize) -> Ask {
+        let plain = Ask { k: 0, probe: false };
+        let probe = |cap: usize| Ask {
+            k: cap.min(PROBE_LEN),
+            probe: true,
+        };
         let cap = self.n_max.min(room).min(2 * self.best_kept + 2);
         if cap == 0 {
-            return 0;
+            return plain;
         }
         if self.verify.iter().all(Option::is_none) {
             // Nothing measured: a short draft, cheap to verify whatever the costs turn out to
             // be, starts the measurements.
-            return cap.min(PROBE_LEN);
+            return probe(cap);
         }
         if self.verify[0].is_none() {
             // What drafting is compared with: a plain step.
-            return 0;
+            return plain;
         }
         if self.verify.iter().skip(1).all(Option::is_none) {
             // Only plain steps measured: probe, at once the first time, then at the
             // backed-off interval while the drafter declines.
             let due = self.misses == 0 || self.plain_streak >= PROBE_EVERY << self.misses;
-            return if due { cap.min(PROBE_LEN) } else { 0 };
+            return if due { probe(cap) } else { plain };
         }
         let best = self.best(cap);
         if best == 0 && self.plain_streak >= PROBE_EVERY << self.misses {
-            return cap.min(PROBE_LEN);
+            return probe(cap);
         }
-        if best > 0 && self.self_limiting {
-            return cap;
-        }
-        best
+        let k = if best > 0 && self.self_limiting {
+            cap
+        } else {
+            best
+        };
+        Ask { k, probe: false }
     }
 
     /// The draft length up to `cap` with the most committed tokens per second by the
@@ -337,6 +377,48 @@ mod tests {
             p.record(0, 0, 0.010, 0.0, 0);
         }
         assert_eq!(p.next(100), 8);
+    }
+
+    #[test]
+    fn probes_are_asked_with_a_window_and_drafts_that_pay_without() {
+        let mut p = Adaptive::new(8);
+        let first = p.ask(100);
+        assert_eq!(
+            first,
+            Ask {
+                k: PROBE_LEN,
+                probe: true
+            }
+        );
+        assert_eq!(first.window(), Some(PROBE_WINDOW));
+        // A plain step next (what drafting is compared with), not a probe.
+        p.record(1, 0, 0.011, 0.001, 40);
+        assert_eq!(p.ask(100), Ask { k: 0, probe: false });
+        assert_eq!(p.ask(100).window(), None);
+        // Drafts that keep paying: asked without a window.
+        for _ in 0..20 {
+            p.record(8, 8, 0.012, 0.0, 1);
+            p.record(0, 0, 0.010, 0.0, 0);
+        }
+        let paying = p.ask(100);
+        assert!(paying.k > PROBE_LEN && !paying.probe, "{paying:?}");
+        // Drafts that stop paying: after the interval, a probe again, with its window.
+        for _ in 0..200 {
+            p.record(8, 0, 0.014, 0.004, 1);
+        }
+        let mut asks = Vec::new();
+        for _ in 0..PROBE_EVERY << MAX_BACKOFF {
+            asks.push(p.ask(100));
+            p.record(0, 0, 0.010, 0.0, 0);
+        }
+        assert!(asks.iter().all(|a| a.k == 0 && !a.probe));
+        assert_eq!(
+            p.ask(100),
+            Ask {
+                k: PROBE_LEN,
+                probe: true
+            }
+        );
     }
 
     #[test]

@@ -16,8 +16,17 @@
 //!   of many steps is encoded at once, a matrix product instead of a vector product per step
 //!   (up to [`INJECT_CHUNK`] rows wait; a longer stash is injected).
 //!
+//! A probe ([`DraftParams::window`]) that would catch up with more than its window of
+//! committed rows restarts the context from the window instead (deferred injection): the
+//! cache then holds positions `base..` (cell = position − base; attention reads only the
+//! cache, and RoPE scores depend on position differences alone), and the rows before the
+//! window are held until the next draft. If that draft is not a probe (drafting paid) and
+//! nothing was injected in between, they are brought back; else dropped. While the drafter
+//! only answers probes, a stash that reaches [`INJECT_CHUNK`] committed rows keeps the last
+//! window of them instead of injecting them all.
+//!
 //! Either way, between rounds the cache and the stash's committed rows together hold context
-//! for exactly the committed target positions — the invariant a snapshot ([`Drafter::state`],
+//! for exactly the committed target positions from `base` on — the invariant a snapshot ([`Drafter::state`],
 //! which carries the stash) or a prompt-cache reuse ([`Drafter::begin`] injects the stash
 //! first) relies on (llama.cpp fork bug TheTom#231: a flush deferred into `draft()` left
 //! snapshots and cache hits without context, so those requests drafted nothing).
@@ -70,7 +79,7 @@ impl Stash {
 /// What [`Drafter::state`] saves.
 #[derive(Clone, Debug)]
 struct State {
-    /// Tokens whose context is in the cache, positions `0..len`.
+    /// Tokens of positions `0..len`; the cache holds the context of `base..len`.
     ctx_tokens: Vec<u32>,
     stash: Option<Stash>,
 }
@@ -88,9 +97,16 @@ pub struct DflashDrafter<B: Backend> {
     scratch: DflashScratch<B>,
     taps: Vec<usize>,
     policy: Injection,
-    /// The tokens whose context K/V the cache holds, at positions `0..ctx_tokens.len()`.
+    /// The tokens of positions `0..ctx_tokens.len()`; the cache holds the context K/V of
+    /// positions `base..ctx_tokens.len()`, position `p` in cell `p − base`.
     ctx_tokens: Vec<u32>,
+    /// First position of the cache's context (0 unless a probe restarted it from a window).
+    base: usize,
     stash: Option<Stash>,
+    /// The committed rows a windowed restart skipped (with the window's), for the next draft.
+    held: Option<Stash>,
+    /// The last draft was a probe asked with this window.
+    probing: Option<usize>,
     last_draft: Vec<u32>,
     block: Vec<u32>,
     rows: Vec<usize>,
@@ -173,7 +189,10 @@ impl<B: Backend> DflashDrafter<B> {
             taps,
             policy,
             ctx_tokens: Vec::new(),
+            base: 0,
             stash: None,
+            held: None,
+            probing: None,
             last_draft: Vec::new(),
             block: Vec::new(),
             rows: Vec::new(),
@@ -197,6 +216,18 @@ impl<B: Backend> DflashDrafter<B> {
         }
     }
 
+    /// First position of the cache's context: 0 unless a probe restarted it from a window.
+    #[must_use]
+    pub fn context_start(&self) -> usize {
+        self.base
+    }
+
+    /// Keeps the tokens (and context) of positions `0..n`.
+    fn truncate_ctx(&mut self, n: usize) {
+        self.ctx_tokens.truncate(n);
+        self.base = self.base.min(self.ctx_tokens.len());
+    }
+
     /// Writes the context of `tokens` at `pos0..` into the cache. A batch that starts past the
     /// context leaves a gap: the cache then ends where the gap starts.
     fn inject(&mut self, tokens: &[u32], pos0: usize, features: &[f32]) -> Result<(), SpecError> {
@@ -210,16 +241,20 @@ impl<B: Backend> DflashDrafter<B> {
                 width: w,
             });
         }
-        if pos0 > self.ctx_tokens.len() || pos0 + n > self.n_ctx {
+        // A batch that rewrites positions before the cache's context starts it again there.
+        self.truncate_ctx(pos0.min(self.ctx_tokens.len()));
+        if pos0 > self.ctx_tokens.len() || pos0 - self.base + n > self.n_ctx {
             // Context the target never showed us (or past the cache): no drafting on top of it.
-            self.ctx_tokens.truncate(pos0.min(self.ctx_tokens.len()));
             return Ok(());
         }
+        let local0 = pos0 - self.base;
         let mut pos = Vec::with_capacity(INJECT_CHUNK);
         for start in (0..n).step_by(INJECT_CHUNK) {
             let end = (start + INJECT_CHUNK).min(n);
             pos.clear();
-            pos.extend((pos0 + start..pos0 + end).map(|p| u32::try_from(p).unwrap_or(u32::MAX)));
+            pos.extend(
+                (local0 + start..local0 + end).map(|p| u32::try_from(p).unwrap_or(u32::MAX)),
+            );
             self.net
                 .inject(
                     &self.backend,
@@ -231,8 +266,75 @@ impl<B: Backend> DflashDrafter<B> {
                 )
                 .map_err(err)?;
         }
-        self.ctx_tokens.truncate(pos0);
         self.ctx_tokens.extend_from_slice(tokens);
+        Ok(())
+    }
+
+    /// Restarts the context at `start` (≥ the stash's first row, ≤ its committed end): the
+    /// stash's rows before it become tokens without context, the cache holds nothing yet.
+    /// `history` supplies the tokens of a gap between the context and the stash.
+    fn skip_to(&mut self, start: usize, history: &[u32]) {
+        let w = self.net.feature_width();
+        let Some(st) = self.stash.as_mut() else {
+            return;
+        };
+        if st.pos0 > self.ctx_tokens.len() {
+            if history.len() < st.pos0 {
+                return;
+            }
+            self.ctx_tokens.clear();
+            self.ctx_tokens.extend_from_slice(&history[..st.pos0]);
+        }
+        self.ctx_tokens.truncate(st.pos0);
+        let d = start.clamp(st.pos0, st.pos0 + st.committed) - st.pos0;
+        self.ctx_tokens.extend(st.tokens.drain(..d));
+        st.features.drain(..d * w);
+        st.pos0 += d;
+        st.committed -= d;
+        self.base = self.ctx_tokens.len();
+        if st.tokens.is_empty() {
+            self.stash = None;
+        }
+    }
+
+    /// Before a probe's draft: when more than `window` committed rows wait (or the stash does
+    /// not join the context), restart the context from the last `window` of them, holding the
+    /// committed rows for [`DflashDrafter::bring_back`].
+    fn window_to(&mut self, committed: usize, window: usize, history: &[u32]) {
+        let Some(st) = &self.stash else {
+            return;
+        };
+        let joined = st.pos0 <= self.ctx_tokens.len();
+        let waiting = committed.saturating_sub(self.ctx_tokens.len().max(st.pos0));
+        if joined && waiting <= window {
+            return;
+        }
+        let w = self.net.feature_width();
+        let n = committed.saturating_sub(st.pos0).min(st.committed);
+        self.held = (joined && n > 0).then(|| Stash {
+            pos0: st.pos0,
+            tokens: st.tokens[..n].to_vec(),
+            features: st.features[..n * w].to_vec(),
+            committed: n,
+        });
+        self.skip_to(committed.saturating_sub(window), history);
+    }
+
+    /// A draft that is not a probe after a windowed restart: if the cache still holds just
+    /// the window (nothing injected since), the held rows are injected from their start, and
+    /// the context is whole again.
+    fn bring_back(&mut self) -> Result<(), SpecError> {
+        let Some(h) = self.held.take() else {
+            return Ok(());
+        };
+        let intact = h.pos0 < self.base
+            && h.end() == self.ctx_tokens.len()
+            && self.ctx_tokens[h.pos0..] == h.tokens[..];
+        if intact {
+            self.ctx_tokens.truncate(h.pos0);
+            self.base = h.pos0;
+            self.inject(&h.tokens, h.pos0, &h.features)?;
+        }
         Ok(())
     }
 
@@ -289,9 +391,11 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         // request's committed rows still in the stash are part of that context.
         self.flush_committed()?;
         self.stash = None;
+        self.held = None;
+        self.probing = None;
         self.last_draft.clear();
         let common = crate::common_prefix(&self.ctx_tokens, prompt);
-        self.ctx_tokens.truncate(common);
+        self.truncate_ctx(common);
         Ok(())
     }
 
@@ -299,7 +403,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         // Context for exactly the positions the target reuses (or fewer, when this drafter
         // sat out a request that wrote them: the target then runs them again).
         self.begin(prompt)?;
-        self.ctx_tokens.truncate(reused);
+        self.truncate_ctx(reused);
         Ok(self.ctx_tokens.len())
     }
 
@@ -310,7 +414,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
     fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
         // Without features nothing can be injected: the context ends before this batch.
         self.flush(usize::MAX)?;
-        self.ctx_tokens.truncate(pos0.min(self.ctx_tokens.len()));
+        self.truncate_ctx(pos0);
         let _ = tokens;
         Ok(())
     }
@@ -359,7 +463,15 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
             st.committed = st.tokens.len();
         }
         if st.committed >= INJECT_CHUNK {
-            self.flush_committed()?;
+            let joined = st.pos0 <= self.ctx_tokens.len();
+            if let (Some(window), true) = (self.probing, joined) {
+                // Only probes are asked: the next one restarts from its window anyway.
+                let start = st.pos0 + st.committed - window.min(st.committed);
+                self.held = None;
+                self.skip_to(start, &[]);
+            } else {
+                self.flush_committed()?;
+            }
         }
         Ok(())
     }
@@ -382,6 +494,27 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         };
         // The anchor's position: everything before it is committed target context.
         let committed = p.history.len() - 1;
+        self.probing = p.window;
+        if self.policy == Injection::Deferred {
+            match p.window {
+                Some(w) => {
+                    self.held = None;
+                    self.window_to(committed, w, p.history);
+                }
+                None => {
+                    self.bring_back()?;
+                    // A stash that does not join the context (the target ran positions this
+                    // drafter never saw): the context restarts at the stash.
+                    if self
+                        .stash
+                        .as_ref()
+                        .is_some_and(|st| st.pos0 > self.ctx_tokens.len())
+                    {
+                        self.skip_to(0, p.history);
+                    }
+                }
+            }
+        }
         if let Some(st) = &self.stash {
             let keep = committed.saturating_sub(st.pos0);
             self.flush(keep)?;
@@ -390,12 +523,12 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         // failed, so later drafts stay correct.)
         // Rows past the committed ones were rejected (eager injection writes them).
         let common = crate::common_prefix(&self.ctx_tokens, p.history);
-        self.ctx_tokens.truncate(common.min(committed));
+        self.truncate_ctx(common.min(committed));
         let block_size = self.net.hparams().block_size;
         let k = p
             .n_max
             .min(block_size - 1)
-            .min(self.n_ctx.saturating_sub(committed + 1));
+            .min(self.n_ctx.saturating_sub(committed - self.base + 1));
         if k == 0 || self.ctx_tokens.len() < committed {
             return Ok(Vec::new());
         }
@@ -413,7 +546,7 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 self.n_ctx,
                 &mut self.scratch,
                 &self.block,
-                committed,
+                committed - self.base,
                 &self.rows,
             )
             .map_err(err)?;
@@ -454,8 +587,9 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
         // Cells are positions: what the cache still holds of the snapshot is the common prefix
         // of both token lists; the rest comes back with the next target batches.
         let common = crate::common_prefix(&self.ctx_tokens, &st.ctx_tokens);
-        self.ctx_tokens.truncate(common);
+        self.truncate_ctx(common);
         self.stash.clone_from(&st.stash);
+        self.held = None;
         self.last_draft.clear();
         Ok(())
     }

@@ -11,6 +11,12 @@
 //! then seeds with `(anchor, g[N − 1])` at `N − 1` and chains greedily: each step's token is
 //! the argmax (mapped through `d2t`), its `g` the previous step's prenorm state, stopping at
 //! `n_max` or where the top-1 probability falls below `p_min` (llama.cpp's `draft-eagle3`).
+//!
+//! A probe ([`DraftParams::window`]) with more than its window of pairs to write restarts the
+//! head's context at the window: pairs from `pairs_base` on, position `P` in cell
+//! `P − pairs_base` (RoPE scores depend on position differences alone). The `g` rows of every
+//! position stay on the host, so the next draft that is not a probe (drafting paid) writes the
+//! pairs from position 0 again and drafts over the whole context.
 
 use std::sync::Arc;
 
@@ -50,8 +56,10 @@ pub struct Eagle3Drafter<B: Backend> {
     g: Vec<f32>,
     /// …and the raw features of the rest, waiting to be encoded (`feature_width` per row).
     raw: Vec<f32>,
-    /// Pairs written into the cache: positions `0..pairs`.
+    /// Pairs written into the cache: positions `pairs_base..pairs`.
     pairs: usize,
+    /// First position whose pair the cache holds (0 unless a probe restarted it).
+    pairs_base: usize,
     tokens: Vec<u32>,
     pos: Vec<u32>,
     gbuf: Vec<f32>,
@@ -117,6 +125,7 @@ impl<B: Backend> Eagle3Drafter<B> {
             g: Vec::new(),
             raw: Vec::new(),
             pairs: 0,
+            pairs_base: 0,
             tokens: Vec::new(),
             pos: Vec::new(),
             gbuf: Vec::new(),
@@ -203,8 +212,26 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         let n = p.history.len() - 1;
         let common = crate::common_prefix(&self.seq, p.history);
         self.truncate(common);
-        let k = p.n_max.min(self.n_ctx.saturating_sub(n + 1));
-        if n == 0 || self.seq.len() < n || k == 0 {
+        if n == 0 || self.seq.len() < n {
+            return Ok(Vec::new());
+        }
+        match p.window {
+            // A probe: at most `w` pairs to write, else the context restarts at the window.
+            Some(w) if (n - 1).saturating_sub(self.pairs) > w => {
+                self.pairs = n - 1 - w;
+                self.pairs_base = self.pairs;
+            }
+            Some(_) => {}
+            // Drafting pays: the whole context again.
+            None if self.pairs_base > 0 => {
+                self.pairs = 0;
+                self.pairs_base = 0;
+            }
+            None => {}
+        }
+        let base = self.pairs_base;
+        let k = p.n_max.min(self.n_ctx.saturating_sub(n - base + 1));
+        if k == 0 {
             return Ok(Vec::new());
         }
         self.encode_waiting()?;
@@ -214,8 +241,9 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             self.tokens.clear();
             self.tokens.extend_from_slice(&p.history[self.pairs + 1..n]);
             self.pos.clear();
-            self.pos
-                .extend((self.pairs..n - 1).map(|q| u32::try_from(q).unwrap_or(u32::MAX)));
+            self.pos.extend(
+                (self.pairs - base..n - 1 - base).map(|q| u32::try_from(q).unwrap_or(u32::MAX)),
+            );
             self.net
                 .decode(
                     &self.backend,
@@ -236,7 +264,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         let mut tok = anchor;
         let mut out = Vec::with_capacity(k);
         for step in 0..k {
-            let pos = u32::try_from(n - 1 + step).unwrap_or(u32::MAX);
+            let pos = u32::try_from(n - 1 - base + step).unwrap_or(u32::MAX);
             self.net
                 .decode(
                     &self.backend,
@@ -280,6 +308,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         self.g.clone_from(&st.g);
         self.raw.clone_from(&st.raw);
         self.pairs = pairs;
+        self.pairs_base = self.pairs_base.min(pairs);
         Ok(())
     }
 }
@@ -294,6 +323,7 @@ impl<B: Backend> Eagle3Drafter<B> {
         self.raw
             .truncate(n.saturating_sub(encoded) * self.net.feature_width());
         self.pairs = self.pairs.min(n.saturating_sub(1));
+        self.pairs_base = self.pairs_base.min(self.pairs);
     }
 
     /// Encodes the waiting raw features in one pass, appending their `g` rows.
