@@ -1357,5 +1357,16 @@ fn adaptive_probes_past_their_window_are_lossless() {
             d.starts
         );
         check_context(&d, true);
+
+        let mut d = RecordingE3 {
+            inner: eagle3_drafter(&e, eagle3(seed, &[0, 1, 2], false, false)),
+            log: Vec::new(),
+        };
+        let mut s = e.session(n_ctx, QType::F16, QType::F16).unwrap();
+        let got = e
+            .generate_speculative(&mut s, &prompt, &opts, &mut d, &so, |_| {})
+            .unwrap();
+        assert_eq!(got.generated_ids, want, "EAGLE-3, seed {seed}");
+        assert!(!d.log.is_empty());
     }
 }

@@ -14,9 +14,10 @@
 //!
 //! A probe ([`DraftParams::window`]) with more than its window of pairs to write restarts the
 //! head's context at the window: pairs from `pairs_base` on, position `P` in cell
-//! `P − pairs_base` (RoPE scores depend on position differences alone). The `g` rows of every
-//! position stay on the host, so the next draft that is not a probe (drafting paid) writes the
-//! pairs from position 0 again and drafts over the whole context.
+//! `P − pairs_base` (RoPE scores depend on position differences alone). Raw rows before the
+//! window are not encoded: they are held, with the `g` rows before them, and the next draft
+//! that is not a probe (drafting paid) encodes them and writes the pairs from the first held
+//! position again.
 
 use std::sync::Arc;
 
@@ -34,8 +35,18 @@ use crate::{Engine, Result};
 struct State {
     seq: Vec<u32>,
     g: Vec<f32>,
+    g_base: usize,
     raw: Vec<f32>,
     pairs: usize,
+}
+
+/// What a windowed restart set aside: `g` rows of positions `g_base..`, then raw rows up to
+/// the window.
+#[derive(Clone, Debug)]
+struct Held {
+    g_base: usize,
+    g: Vec<f32>,
+    raw: Vec<f32>,
 }
 
 /// The most rows whose raw features wait to be encoded; a batch that would pass it encodes
@@ -52,8 +63,14 @@ pub struct Eagle3Drafter<B: Backend> {
     taps: Vec<usize>,
     /// Tokens at positions `0..seq.len()` whose features are known (target-run positions).
     seq: Vec<u32>,
-    /// `g` of the first positions, row-major…
+    /// `g` of positions `g_base..`, row-major…
     g: Vec<f32>,
+    /// First position with a `g` row (0 unless a probe restarted the context).
+    g_base: usize,
+    /// Rows set aside by a probe's windowed restart.
+    held: Option<Held>,
+    /// The last draft was a probe asked with this window.
+    probing: Option<usize>,
     /// …and the raw features of the rest, waiting to be encoded (`feature_width` per row).
     raw: Vec<f32>,
     /// Pairs written into the cache: positions `pairs_base..pairs`.
@@ -126,6 +143,9 @@ impl<B: Backend> Eagle3Drafter<B> {
             raw: Vec::new(),
             pairs: 0,
             pairs_base: 0,
+            g_base: 0,
+            held: None,
+            probing: None,
             tokens: Vec::new(),
             pos: Vec::new(),
             gbuf: Vec::new(),
@@ -159,6 +179,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
     }
 
     fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
+        self.probing = None;
         let common = crate::common_prefix(&self.seq, prompt);
         self.truncate(common);
         Ok(())
@@ -198,7 +219,16 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             });
         }
         if self.raw.len() + features.len() > ENCODE_CHUNK * w {
-            self.encode_waiting()?;
+            let e = self.net.hparams().n_embd;
+            let g_end = self.g_base + self.g.len() / e;
+            match self.probing {
+                // Only probes are asked: the next one starts from its window anyway.
+                Some(window) if self.seq.len() > g_end + window => {
+                    self.window_to(self.seq.len() - window);
+                    self.held = None;
+                }
+                _ => self.encode_waiting()?,
+            }
         }
         self.raw.extend_from_slice(features);
         self.seq.extend_from_slice(tokens);
@@ -215,19 +245,13 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         if n == 0 || self.seq.len() < n {
             return Ok(Vec::new());
         }
+        self.probing = p.window;
         match p.window {
             // A probe: at most `w` pairs to write, else the context restarts at the window.
-            Some(w) if (n - 1).saturating_sub(self.pairs) > w => {
-                self.pairs = n - 1 - w;
-                self.pairs_base = self.pairs;
-            }
+            Some(w) if (n - 1).saturating_sub(self.pairs) > w => self.window_to(n - 1 - w),
             Some(_) => {}
             // Drafting pays: the whole context again.
-            None if self.pairs_base > 0 => {
-                self.pairs = 0;
-                self.pairs_base = 0;
-            }
-            None => {}
+            None => self.bring_back()?,
         }
         let base = self.pairs_base;
         let k = p.n_max.min(self.n_ctx.saturating_sub(n - base + 1));
@@ -251,7 +275,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
                     self.n_ctx,
                     &mut self.scratch,
                     &self.tokens,
-                    &self.g[self.pairs * e..(n - 1) * e],
+                    &self.g[(self.pairs - self.g_base) * e..(n - 1 - self.g_base) * e],
                     &self.pos,
                     false,
                 )
@@ -260,7 +284,8 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         }
         // The chain: seed (anchor, g[N − 1]) at N − 1, then (draft, prenorm) onwards.
         self.gbuf.clear();
-        self.gbuf.extend_from_slice(&self.g[(n - 1) * e..n * e]);
+        self.gbuf
+            .extend_from_slice(&self.g[(n - 1 - self.g_base) * e..(n - self.g_base) * e]);
         let mut tok = anchor;
         let mut out = Vec::with_capacity(k);
         for step in 0..k {
@@ -292,6 +317,7 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         Box::new(State {
             seq: self.seq.clone(),
             g: self.g.clone(),
+            g_base: self.g_base,
             raw: self.raw.clone(),
             pairs: self.pairs,
         })
@@ -306,9 +332,16 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         let pairs = self.pairs.min(st.pairs).min(common.saturating_sub(1));
         self.seq.clone_from(&st.seq);
         self.g.clone_from(&st.g);
+        self.g_base = st.g_base;
         self.raw.clone_from(&st.raw);
+        self.held = None;
         self.pairs = pairs;
         self.pairs_base = self.pairs_base.min(pairs);
+        if self.pairs < self.g_base {
+            // Pairs from here on need `g` rows the snapshot does not have: start there.
+            self.pairs = self.g_base;
+            self.pairs_base = self.g_base;
+        }
         Ok(())
     }
 }
@@ -317,13 +350,67 @@ impl<B: Backend> Eagle3Drafter<B> {
     /// Keeps the context of positions `0..n`: pairs need the token after them.
     fn truncate(&mut self, n: usize) {
         let e = self.net.hparams().n_embd;
-        let encoded = self.g.len() / e;
+        let g_end = self.g_base + self.g.len() / e;
         self.seq.truncate(n);
-        self.g.truncate(n * e);
+        if n < self.g_base {
+            // Before the context's start: it starts again at `n`.
+            self.g.clear();
+            self.raw.clear();
+            self.g_base = n;
+            self.held = None;
+        }
+        self.g.truncate((n - self.g_base) * e);
         self.raw
-            .truncate(n.saturating_sub(encoded) * self.net.feature_width());
+            .truncate(n.saturating_sub(g_end) * self.net.feature_width());
         self.pairs = self.pairs.min(n.saturating_sub(1));
+        if self.pairs < self.g_base {
+            self.pairs = self.g_base;
+            self.pairs_base = self.g_base;
+        }
         self.pairs_base = self.pairs_base.min(self.pairs);
+    }
+
+    /// A probe's restart at `start`: pairs from there on; when the window's rows are all
+    /// still raw, the rows before it are held, not encoded.
+    fn window_to(&mut self, start: usize) {
+        let (e, fw) = (self.net.hparams().n_embd, self.net.feature_width());
+        let g_end = self.g_base + self.g.len() / e;
+        if start > g_end {
+            let skip = (start - g_end) * fw;
+            self.held = Some(Held {
+                g_base: self.g_base,
+                g: std::mem::take(&mut self.g),
+                raw: self.raw.drain(..skip).collect(),
+            });
+            self.g_base = start;
+        }
+        self.pairs = start;
+        self.pairs_base = start;
+    }
+
+    /// A draft that is not a probe: held rows are encoded and joined to the context again,
+    /// and the pairs are written from the first position with a `g` row.
+    fn bring_back(&mut self) -> Result<(), SpecError> {
+        let e = self.net.hparams().n_embd;
+        if let Some(h) = self.held.take() {
+            let fw = self.net.feature_width();
+            if h.g_base + h.g.len() / e + h.raw.len() / fw == self.g_base {
+                let mut g = h.g;
+                if !h.raw.is_empty() {
+                    self.net
+                        .encode(&self.backend, &mut self.scratch, &h.raw, &mut g)
+                        .map_err(err)?;
+                }
+                g.extend_from_slice(&self.g);
+                self.g = g;
+                self.g_base = h.g_base;
+            }
+        }
+        if self.pairs_base > self.g_base {
+            self.pairs = self.g_base;
+            self.pairs_base = self.g_base;
+        }
+        Ok(())
     }
 
     /// Encodes the waiting raw features in one pass, appending their `g` rows.
