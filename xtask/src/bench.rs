@@ -19,7 +19,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::KvBenchArgs;
-use crate::util::{cargo, rel, repo_root, run_cmd};
+use crate::util::{cargo, rel, repo_root, results_name, run_cmd, suffixed};
 
 /// One `specula bench` record, the fields the sweep uses.
 #[derive(Debug, Clone)]
@@ -333,14 +333,10 @@ fn sweep(args: &KvBenchArgs, bin: &Path, model: &str) -> Result<()> {
     let dir: PathBuf = repo_root().join(&args.out);
     std::fs::create_dir_all(&dir)?;
     // A GGUF path names its files after its stem (a manifest name may hold dots).
-    let name = match Path::new(model).file_stem() {
-        Some(stem) if model.ends_with(".gguf") => stem.to_string_lossy().into_owned(),
-        _ => model.to_owned(),
-    };
-    let base = dir.join(format!("kv-{name}"));
+    let base = dir.join(format!("kv-{}", results_name(model)));
     let md = table(&recs, &settings, &args.depths, model);
-    write_atomic(&base.with_extension("jsonl"), &jsonl)?;
-    write_atomic(&base.with_extension("md"), &md)?;
+    write_atomic(&suffixed(&base, "jsonl"), &jsonl)?;
+    write_atomic(&suffixed(&base, "md"), &md)?;
     // The plot shows speeds (and memory): not the ratio rows.
     let plotted: Vec<String> = settings
         .iter()
@@ -348,7 +344,7 @@ fn sweep(args: &KvBenchArgs, bin: &Path, model: &str) -> Result<()> {
         .cloned()
         .collect();
     write_atomic(
-        &base.with_extension("svg"),
+        &suffixed(&base, "svg"),
         &plot(&recs, &plotted, &args.depths, model),
     )?;
     print!("{md}");

@@ -19,7 +19,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::SpecBenchArgs;
-use crate::util::{cargo, rel, repo_root, run_cmd};
+use crate::util::{cargo, rel, repo_root, results_name, run_cmd, suffixed};
 
 /// One prompt of the set.
 #[derive(Debug, Clone)]
@@ -350,15 +350,12 @@ pub fn run(args: &SpecBenchArgs) -> Result<()> {
         .collect();
     let dir: PathBuf = repo_root().join(&args.out);
     std::fs::create_dir_all(&dir)?;
-    let stem = Path::new(&args.model)
-        .file_stem()
-        .map_or_else(|| args.model.clone(), |s| s.to_string_lossy().into_owned());
-    let base = dir.join(format!("spec-{stem}"));
+    let base = dir.join(format!("spec-{}", results_name(&args.model)));
     let md = table(&args.model, &prompts, &settings, &cells);
-    write_atomic(&base.with_extension("jsonl"), &jsonl)?;
-    write_atomic(&base.with_extension("md"), &md)?;
+    write_atomic(&suffixed(&base, "jsonl"), &jsonl)?;
+    write_atomic(&suffixed(&base, "md"), &md)?;
     write_atomic(
-        &base.with_extension("svg"),
+        &suffixed(&base, "svg"),
         &plot(&args.model, &prompts, &settings, &cells),
     )?;
     print!("{md}");

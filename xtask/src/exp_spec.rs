@@ -29,7 +29,7 @@ use anyhow::{Context, Result, bail};
 use serde_json::Value;
 
 use crate::ExpSpecArgs;
-use crate::util::{cargo, rel, repo_root, run_cmd};
+use crate::util::{cargo, rel, repo_root, run_cmd, suffixed};
 
 /// Held-out code modules (file names in the standard library's top directory).
 pub const HELD_OUT_CODE: &[&str] = &[
@@ -560,10 +560,10 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
     std::fs::create_dir_all(&results)?;
     let stem = results.join(format!("exp-spec-{}", args.target));
     let md = table(args, &prompts, &methods, &aggs, &cost, &temps, &kinds);
-    write_atomic(&stem.with_extension("md"), &md)?;
-    write_atomic(&stem.with_extension("jsonl"), &jsonl)?;
+    write_atomic(&suffixed(&stem, "md"), &md)?;
+    write_atomic(&suffixed(&stem, "jsonl"), &jsonl)?;
     write_atomic(
-        &stem.with_extension("svg"),
+        &suffixed(&stem, "svg"),
         &plot(&args.target, &methods, &aggs),
     )?;
     for (dir, name) in [(&dflash_dir, "dflash"), (&eagle_dir, "eagle3")] {

@@ -20,6 +20,24 @@ pub fn rel(path: &Path) -> PathBuf {
         .map_or_else(|_| path.to_path_buf(), Path::to_path_buf)
 }
 
+/// The name a results file takes from a model: a GGUF path's file stem, else the manifest
+/// name whole (manifest names hold dots: `qwen2.5-coder-0.5b`).
+pub fn results_name(model: &str) -> String {
+    match Path::new(model).file_stem() {
+        Some(stem) if model.ends_with(".gguf") => stem.to_string_lossy().into_owned(),
+        _ => model.to_owned(),
+    }
+}
+
+/// `base` with `.ext` appended to its file name (`Path::with_extension` would replace what
+/// follows a dot inside the name).
+pub fn suffixed(base: &Path, ext: &str) -> PathBuf {
+    let mut s = base.as_os_str().to_owned();
+    s.push(".");
+    s.push(ext);
+    PathBuf::from(s)
+}
+
 /// `cargo` from `PATH` (the rustup proxy, which keeps the pinned toolchain), run from the
 /// repository root.
 pub fn cargo<I, S>(args: I) -> Command
@@ -133,6 +151,20 @@ impl Steps {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn results_files_keep_the_dots_of_manifest_names() {
+        assert_eq!(results_name("qwen2.5-coder-0.5b"), "qwen2.5-coder-0.5b");
+        assert_eq!(
+            results_name("/m/SmolLM2-135M.Q4_1.gguf"),
+            "SmolLM2-135M.Q4_1"
+        );
+        let base = Path::new("benches/results").join("kv-qwen2.5-coder-0.5b");
+        assert_eq!(
+            suffixed(&base, "md"),
+            Path::new("benches/results/kv-qwen2.5-coder-0.5b.md")
+        );
+    }
 
     #[test]
     fn durations_read_naturally() {
