@@ -1370,3 +1370,37 @@ fn adaptive_probes_past_their_window_are_lossless() {
         assert!(!d.log.is_empty());
     }
 }
+
+/// An EAGLE-3 context restarted by a probe and then cut back to a shared prefix that ends
+/// where it starts (a new request on the same slot, whole prompt reused) declines to draft:
+/// no panic on the missing seed row.
+#[test]
+fn eagle3_context_cut_to_its_start_declines() {
+    let e = engine(target(7));
+    let history: Vec<u32> = PROMPT.iter().chain(PROMPT).chain(PROMPT).copied().collect();
+    let n = history.len() - 1;
+    let mut d = eagle3_drafter(&e, eagle3(41, &[0, 1, 2], false, false));
+    let feats = features_of(&e, d.target_taps(), &history[..n]);
+    d.begin(&history).unwrap();
+    d.process_features(&history[..n], 0, &feats).unwrap();
+    d.draft(&DraftParams {
+        history: &history,
+        n_max: 4,
+        p_min: 0.0,
+        window: Some(4),
+    })
+    .unwrap();
+    // The window started at n − 5; a new prompt shares only that much.
+    let next = &history[..n - 4];
+    assert_eq!(d.begin_reusing(next, n - 5).unwrap(), n - 5);
+    // A probe: nothing held is brought back, and no `g` row precedes the anchor.
+    let ask = |window| DraftParams {
+        history: next,
+        n_max: 4,
+        p_min: 0.0,
+        window,
+    };
+    assert_eq!(d.draft(&ask(Some(4))).unwrap(), Vec::<u32>::new());
+    // A paying draft brings the held rows back and drafts from the whole prefix.
+    assert!(!d.draft(&ask(None)).unwrap().is_empty());
+}

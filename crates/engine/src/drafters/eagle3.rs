@@ -255,7 +255,9 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         }
         let base = self.pairs_base;
         let k = p.n_max.min(self.n_ctx.saturating_sub(n - base + 1));
-        if k == 0 {
+        // The seed needs `g` of the position before the anchor's: a context that starts later
+        // (cut back to a shared prefix ending there) has nothing to draft from.
+        if k == 0 || n - 1 < self.g_base {
             return Ok(Vec::new());
         }
         self.encode_waiting()?;
