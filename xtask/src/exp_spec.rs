@@ -388,6 +388,7 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         ])
         .args(["--labels", &args.dflash_labels])
         .args(["--layers", &args.dflash_layers.to_string()])
+        .args(["--anchor-loss", &args.dflash_anchor_loss.to_string()])
         .args(["--steps", &args.steps.to_string(), "--export", "f16,q8_0"]);
     if dflash_dir.join("checkpoint.bin").exists() {
         cmd.arg("--resume");
@@ -593,7 +594,7 @@ fn table(
     let _ = writeln!(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
-         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --eagle-steps {} --shards {} \
+         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --eagle-steps {} --shards {} \
          -n {} --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads; each cell's time the median of {} runs).\n\n\
@@ -605,6 +606,7 @@ fn table(
         args.target,
         args.steps,
         args.dflash_layers,
+        args.dflash_anchor_loss,
         args.eagle_steps,
         args.shards,
         args.n,

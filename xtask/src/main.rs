@@ -102,6 +102,11 @@ struct ExpSpecArgs {
     /// fixed by position; a second layer's queries carry what the first gathered.
     #[arg(long, default_value_t = 2)]
     dflash_layers: usize,
+    /// Weight of the DFlash anchor row's own loss (`specula train --anchor-loss`): the one
+    /// block row whose first-layer query carries content learns row 1's token, so the
+    /// lookup the MASK rows read from it is trained directly.
+    #[arg(long, default_value_t = 1.0)]
+    dflash_anchor_loss: f32,
     /// EAGLE-3 training steps.
     #[arg(long, default_value_t = 400)]
     eagle_steps: usize,

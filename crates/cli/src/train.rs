@@ -79,6 +79,16 @@ pub struct Args {
     /// Steps of the context curriculum (default: three fifths of --steps).
     #[arg(long = "window-steps")]
     pub window_steps: Option<usize>,
+    /// DFlash: weight of a loss on the anchor row itself (it learns block row 1's token),
+    /// relative to row 1's; it teaches the one block row whose query carries content to look
+    /// the anchor up in the context, which the MASK rows then read (0: the DFlash recipe).
+    #[arg(long = "anchor-loss", default_value_t = 0.0)]
+    pub anchor_loss: f32,
+    /// Train `fc` on the features as extracted, not divided by each column's RMS (the
+    /// division, folded into `fc` at export, keeps a few huge residual columns from
+    /// dominating its updates).
+    #[arg(long = "raw-features")]
+    pub raw_features: bool,
     /// What rows learn (features with --top-k for the first two): `greedy`, the target's
     /// next token while the corpus after the anchor is the target's greedy path (DFlash; as
     /// `target` for EAGLE-3); `target`, its next token everywhere; `corpus`, the corpus's.
@@ -181,6 +191,8 @@ mod imp {
                 if let Some(n) = args.window_steps {
                     cfg.window_steps = n;
                 }
+                cfg.anchor_loss = args.anchor_loss;
+                cfg.standardize = !args.raw_features;
                 cfg.labels = labels;
                 cfg.mask = args.mask_token;
                 cfg.seed = args.seed;
@@ -212,7 +224,7 @@ mod imp {
                     write_dflash(
                         &file,
                         &run.shape,
-                        &run.params,
+                        &run.export_params(),
                         &run.vocab,
                         &target,
                         *ty,
@@ -249,6 +261,7 @@ mod imp {
                 } else {
                     labels
                 };
+                cfg.standardize = !args.raw_features;
                 cfg.seed = args.seed;
                 cfg.optim.lr = args.lr;
                 cfg.checkpoint_every = args.checkpoint_every;
@@ -277,7 +290,7 @@ mod imp {
                     write_eagle3(
                         &file,
                         &run.shape,
-                        &run.params,
+                        &run.export_params(),
                         &run.vocab,
                         &target,
                         *ty,

@@ -48,6 +48,9 @@ pub struct RunCheckpoint<C, S> {
     pub steps: Vec<StepLog>,
     /// Validations.
     pub vals: Vec<ValLog>,
+    /// Per-column scales the features are divided by before the drafter's `fc` sees them
+    /// (empty: none); see [`crate::features::FeatureSet::column_scales`].
+    pub feat_scale: Vec<f32>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -59,6 +62,8 @@ struct Header<C, S> {
     step: usize,
     steps: Vec<StepLog>,
     vals: Vec<ValLog>,
+    #[serde(default)]
+    feat_scale: Vec<f32>,
     lens: Vec<usize>,
 }
 
@@ -89,6 +94,7 @@ pub fn write<C: Serialize + Clone, S: Serialize + Clone>(
         step: c.step,
         steps: c.steps.clone(),
         vals: c.vals.clone(),
+        feat_scale: c.feat_scale.clone(),
         lens: c.params.iter().map(Vec::len).collect(),
     };
     let json = serde_json::to_vec(&header).map_err(|e| bad(path, e.to_string()))?;
@@ -176,6 +182,7 @@ impl<C: Serialize + DeserializeOwned, S: Serialize + DeserializeOwned> RunCheckp
                 .collect(),
             steps: h.steps,
             vals: h.vals,
+            feat_scale: h.feat_scale,
         })
     }
 
@@ -194,6 +201,10 @@ impl<C: Serialize + DeserializeOwned, S: Serialize + DeserializeOwned> RunCheckp
         let diff = |a: serde_json::Value, b: serde_json::Value, what: &str| -> Result<()> {
             if let (Some(a), Some(b)) = (a.as_object(), b.as_object()) {
                 for (k, va) in a {
+                    // How often a run saves changes nothing it computes.
+                    if k == "checkpoint_every" {
+                        continue;
+                    }
                     let vb = b.get(k).cloned().unwrap_or(serde_json::Value::Null);
                     if *va != vb {
                         return Err(TrainError::Config(format!(

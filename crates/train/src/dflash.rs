@@ -72,6 +72,21 @@ pub struct DflashConfig {
     /// Steps of the context curriculum.
     #[serde(default)]
     pub window_steps: usize,
+    /// Weight of the anchor row's own loss, relative to block row 1's: the anchor row learns
+    /// to predict row 1's token too. At inference the anchor row's logits are never read, but
+    /// it is the only block row whose first-layer query carries content (the MASK rows'
+    /// queries are one embedding at different positions), so it is where a lookup in the
+    /// context by the anchor's token ("what followed this token before") has to happen; the
+    /// MASK rows then read it from the anchor row in the next layer. Without a loss of its
+    /// own the anchor row learns that lookup only through the next layer's attention to it,
+    /// which is near uniform at the start — the two halves of the circuit wait on each other.
+    /// 0: no anchor loss (the DFlash recipe).
+    #[serde(default)]
+    pub anchor_loss: f32,
+    /// Whether `fc` trains on features divided by their columns' RMS (folded into `fc` at
+    /// export; see [`crate::features::FeatureSet::column_scales`]).
+    #[serde(default)]
+    pub standardize: bool,
     /// What the block rows predict.
     pub labels: Labels,
     /// The MASK token (default: the target's padding token, else its end of sequence).
@@ -99,6 +114,8 @@ impl DflashConfig {
             gamma: 7.0,
             window: 32,
             window_steps: steps * 3 / 5,
+            anchor_loss: 0.0,
+            standardize: true,
             labels: Labels::Greedy,
             mask: None,
             seed: 42,
@@ -168,6 +185,8 @@ pub struct Run {
     pub vals: Vec<ValLog>,
     /// sha256 of the target.
     pub target_sha256: String,
+    /// What each feature column is divided by before `fc` (empty: nothing).
+    pub feat_scale: Vec<f32>,
 }
 
 /// The drafter's shape for `target` under `cfg` (attention as the target's, every dimension
@@ -295,22 +314,46 @@ fn example(
     target: &Target,
     vocab: &DraftVocab,
     cfg: &DflashConfig,
+    scale: &[f32],
 ) -> Result<Example> {
     let seq = read_seq(feats, i, cfg.labels)?;
     let all = feats.features(i)?;
     let n_ctx = anchors.iter().copied().max().unwrap_or(0).max(1);
     let w = shape.width();
-    let ctx = all[..n_ctx * w].to_vec();
+    let mut ctx = all[..n_ctx * w].to_vec();
+    crate::features::divide_columns(&mut ctx, scale);
     let e = shape.n_embd;
     let b = shape.block;
     let row = |t: u32| &target.embd[t as usize * e..(t as usize + 1) * e];
     let mut block_embd = Vec::with_capacity(anchors.len() * b * e);
-    let mut targets = Vec::new();
-    for (bi, &a) in anchors.iter().enumerate() {
+    for &a in &anchors {
         block_embd.extend_from_slice(row(seq.ids[a]));
         for _ in 1..b {
             block_embd.extend_from_slice(row(shape.mask));
         }
+    }
+    let targets = block_targets(&seq, &anchors, b, vocab, cfg);
+    Ok(Example {
+        ctx,
+        n_ctx,
+        anchors,
+        window,
+        block_embd,
+        targets,
+    })
+}
+
+/// The loss rows of blocks of `b` rows at `anchors`: (row in the blocks, draft-vocabulary
+/// target, weight).
+fn block_targets(
+    seq: &Seq,
+    anchors: &[usize],
+    b: usize,
+    vocab: &DraftVocab,
+    cfg: &DflashConfig,
+) -> Vec<(usize, usize, f32)> {
+    let mut targets = Vec::new();
+    for (bi, &a) in anchors.iter().enumerate() {
         for k in 1..b {
             // Row k stands at position a + k and predicts that position's token: the label
             // of position a + k − 1.
@@ -324,17 +367,13 @@ fn example(
                 #[allow(clippy::cast_precision_loss, reason = "block positions are small")]
                 let weight = (-((k - 1) as f32) / cfg.gamma).exp();
                 targets.push((bi * b + k, d, weight));
+                if k == 1 && cfg.anchor_loss > 0.0 {
+                    targets.push((bi * b, d, cfg.anchor_loss));
+                }
             }
         }
     }
-    Ok(Example {
-        ctx,
-        n_ctx,
-        anchors,
-        window,
-        block_embd,
-        targets,
-    })
+    targets
 }
 
 /// `count` distinct random anchors in `1..len − 1`, sorted.
@@ -403,6 +442,7 @@ impl Run {
                 steps: c.steps,
                 vals: c.vals,
                 target_sha256: target.sha256.clone(),
+                feat_scale: c.feat_scale,
             });
         }
         if !resume && ckpt.exists() {
@@ -421,6 +461,11 @@ impl Run {
             }
         }
         let vocab = DraftVocab::most_frequent(&counts, cfg.draft_vocab);
+        let feat_scale = if cfg.standardize {
+            feats.column_scales(&train)?
+        } else {
+            Vec::new()
+        };
         let mut params = init_params(&shape, cfg.seed);
         if let Some(norm) = &target.output_norm {
             let at = shape
@@ -442,6 +487,7 @@ impl Run {
             steps: Vec::new(),
             vals: Vec::new(),
             target_sha256: target.sha256.clone(),
+            feat_scale,
         })
     }
 
@@ -495,6 +541,7 @@ impl Run {
                     target,
                     &self.vocab,
                     &cfg,
+                    &self.feat_scale,
                 )?;
                 if !ex.targets.is_empty() {
                     examples.push(ex);
@@ -582,7 +629,15 @@ impl Run {
             moments: self.moments.clone(),
             steps: self.steps.clone(),
             vals: self.vals.clone(),
+            feat_scale: self.feat_scale.clone(),
         }
+    }
+
+    /// The parameters as the drafter's file holds them: `fc` takes raw features (the
+    /// feature scales folded into its columns).
+    #[must_use]
+    pub fn export_params(&self) -> Vec<Vec<f32>> {
+        crate::features::fold_scales(&self.shape.params(), &self.params, &self.feat_scale)
     }
 
     /// The drafter on the validation sequences: blocks every `B` positions.
@@ -619,6 +674,7 @@ impl Run {
                 target,
                 &self.vocab,
                 &self.config,
+                &self.feat_scale,
             )?;
             let seq = read_seq(feats, i, self.config.labels)?;
             let hidden = net::forward_hidden(&self.shape, &w, &ex, &inner);
@@ -734,6 +790,37 @@ mod tests {
         assert!(!seq.greedy_at(0, 4));
         // From anchor 2: its first row is always on the path, the second follows 8 ≠ 1.
         assert!(seq.greedy_at(2, 1) && !seq.greedy_at(2, 2));
+    }
+
+    #[test]
+    fn the_anchor_row_learns_row_one_s_token_when_asked() {
+        // Corpus 5 6 7 8 9 on the greedy path; blocks of 4 at anchors 0 and 2.
+        let seq = Seq {
+            ids: vec![5, 6, 7, 8, 9],
+            labels: [6, 7, 8, 9, 2].map(Some).to_vec(),
+        };
+        let vocab = DraftVocab::from_ids((0..10).collect(), 10);
+        let mut cfg = DflashConfig::new(10);
+        cfg.gamma = 1.0;
+        let plain = block_targets(&seq, &[0, 2], 4, &vocab, &cfg);
+        let (d2, d3) = ((-1f32).exp(), (-2f32).exp());
+        assert_eq!(
+            plain,
+            vec![
+                (1, 6, 1.0),
+                (2, 7, d2),
+                (3, 8, d3),
+                (5, 8, 1.0),
+                (6, 9, d2),
+                (7, 2, d3),
+            ]
+        );
+        cfg.anchor_loss = 0.5;
+        let with = block_targets(&seq, &[0, 2], 4, &vocab, &cfg);
+        assert_eq!(with.len(), plain.len() + 2);
+        // Rows 0 and 4 are the anchors: each learns its row 1's token, at the given weight.
+        assert!(with.contains(&(0, 6, 0.5)) && with.contains(&(4, 8, 0.5)));
+        assert!(plain.iter().all(|t| with.contains(t)));
     }
 
     #[test]

@@ -156,6 +156,10 @@ pub struct Eagle3Config {
     pub seqs_per_step: usize,
     /// What the rows predict.
     pub labels: Labels,
+    /// Whether `fc` trains on features divided by their columns' RMS (folded into `fc` at
+    /// export; see [`crate::features::FeatureSet::column_scales`]).
+    #[serde(default)]
+    pub standardize: bool,
     /// Every random draw of the run (initialisation, sampling).
     pub seed: u64,
     /// Optimiser and schedule.
@@ -182,6 +186,7 @@ impl Eagle3Config {
             max_len: 512,
             seqs_per_step: 2,
             labels: Labels::Target,
+            standardize: true,
             seed: 42,
             optim: AdamW {
                 lr: 1e-3,
@@ -641,6 +646,8 @@ pub struct Eagle3Run {
     pub vals: Vec<ValLog>,
     /// sha256 of the target.
     pub target_sha256: String,
+    /// What each feature column is divided by before `fc` (empty: nothing).
+    pub feat_scale: Vec<f32>,
 }
 
 /// One sequence, read for training.
@@ -669,6 +676,7 @@ fn read_seq(feats: &FeatureSet, i: usize, labels: Labels) -> Result<Seq> {
 }
 
 /// Sequence `i`'s first `max_len` positions as an example, or `None` when it has no pair.
+#[allow(clippy::too_many_arguments, reason = "one example's inputs")]
 fn example(
     feats: &FeatureSet,
     i: usize,
@@ -677,6 +685,7 @@ fn example(
     target: &Target,
     vocab: &DraftVocab,
     cfg: &Eagle3Config,
+    scale: &[f32],
 ) -> Result<Option<Example>> {
     let len = seq.ids.len().min(cfg.max_len);
     if len < 2 {
@@ -694,6 +703,7 @@ fn example(
             x.clamp(-65504.0, 65504.0)
         };
     }
+    crate::features::divide_columns(&mut all, scale);
     let e = shape.n_embd;
     let mut emb = Vec::with_capacity(n * e);
     for &t in &seq.ids[1..=n] {
@@ -798,6 +808,7 @@ impl Eagle3Run {
                 steps: c.steps,
                 vals: c.vals,
                 target_sha256: target.sha256.clone(),
+                feat_scale: c.feat_scale,
             });
         }
         if !resume && ckpt.exists() {
@@ -819,6 +830,11 @@ impl Eagle3Run {
         }
         let vocab = DraftVocab::most_frequent(&counts, cfg.draft_vocab);
         let shape = shape_for(target, &feats.taps, vocab.len(), cfg)?;
+        let feat_scale = if cfg.standardize {
+            feats.column_scales(&train)?
+        } else {
+            Vec::new()
+        };
         let mut params = init_params(&shape, cfg.seed);
         if let Some(norm) = &target.output_norm {
             params[OUT_NORM].clone_from(norm);
@@ -835,6 +851,7 @@ impl Eagle3Run {
             steps: Vec::new(),
             vals: Vec::new(),
             target_sha256: target.sha256.clone(),
+            feat_scale,
         })
     }
 
@@ -867,7 +884,16 @@ impl Eagle3Run {
             for _ in 0..cfg.seqs_per_step {
                 let i = train[rng.below(train.len())];
                 let seq = read_seq(feats, i, cfg.labels)?;
-                let ex = example(feats, i, &seq, &self.shape, target, &self.vocab, &cfg)?;
+                let ex = example(
+                    feats,
+                    i,
+                    &seq,
+                    &self.shape,
+                    target,
+                    &self.vocab,
+                    &cfg,
+                    &self.feat_scale,
+                )?;
                 if let Some(ex) = ex.filter(|e| !e.targets.is_empty()) {
                     examples.push(ex);
                 }
@@ -949,7 +975,15 @@ impl Eagle3Run {
             moments: self.moments.clone(),
             steps: self.steps.clone(),
             vals: self.vals.clone(),
+            feat_scale: self.feat_scale.clone(),
         }
+    }
+
+    /// The parameters as the head's file holds them: `fc` takes raw features (the feature
+    /// scales folded into its columns).
+    #[must_use]
+    pub fn export_params(&self) -> Vec<Vec<f32>> {
+        crate::features::fold_scales(&self.shape.params(), &self.params, &self.feat_scale)
     }
 
     /// The head on the validation sequences: the TTT loss, and greedy chains of `val_len`
@@ -975,7 +1009,17 @@ impl Eagle3Run {
         let (mut loss_sum, mut loss_n) = (0f64, 0u64);
         for &i in val {
             let seq = read_seq(feats, i, cfg.labels)?;
-            let Some(ex) = example(feats, i, &seq, &self.shape, target, &self.vocab, cfg)? else {
+            let Some(ex) = example(
+                feats,
+                i,
+                &seq,
+                &self.shape,
+                target,
+                &self.vocab,
+                cfg,
+                &self.feat_scale,
+            )?
+            else {
                 continue;
             };
             if !ex.targets.is_empty() {
@@ -1590,14 +1634,27 @@ mod tests {
         other.ttt_steps = 3;
         let e = Eagle3Run::start(&other, &target, &feats, &split, true).expect_err("refused");
         assert!(e.to_string().contains("ttt_steps"), "{e}");
+        // How often it saves is not a setting of the run.
+        let mut every = cfg.clone();
+        every.checkpoint_every += 3;
+        let c = Eagle3Run::start(&every, &target, &feats, &split, true).expect("resumed");
+        assert_eq!(c.params, a.params);
         let e = Eagle3Run::start(&cfg, &target, &feats, &split, false).expect_err("refused");
         assert!(e.to_string().contains("--resume"), "{e}");
 
         // Every export type loads in specula.
         for ty in [ExportType::F16, ExportType::Q8_0, ExportType::Nvfp4] {
             let path = dir.path().join(format!("eagle3-{ty:?}.gguf"));
-            export::write_eagle3(&path, &a.shape, &a.params, &a.vocab, &target, ty, "t")
-                .expect("exported");
+            export::write_eagle3(
+                &path,
+                &a.shape,
+                &a.export_params(),
+                &a.vocab,
+                &target,
+                ty,
+                "t",
+            )
+            .expect("exported");
             let file = Arc::new(Gguf::open(&path).expect("a GGUF"));
             let net = Eagle3::load(&be, file, &model).expect("specula loads the trained head");
             assert_eq!(net.feature_width(), a.shape.width());

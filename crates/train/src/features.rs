@@ -16,7 +16,45 @@ use sha2::{Digest, Sha256};
 use crate::{Result, TrainError};
 
 const MAGIC: &[u8; 8] = b"SPECFEAT";
+/// Rows [`FeatureSet::column_scales`] reads at most.
+pub const SCALE_ROWS: usize = 16_384;
 const HEADER: u64 = 8 + 4 + 4 + 8 + 4 + 4;
+
+/// Divides every row of `rows` (rows of `scale.len()` columns) by `scale`, column by
+/// column; nothing when `scale` is empty.
+pub fn divide_columns(rows: &mut [f32], scale: &[f32]) {
+    if scale.is_empty() {
+        return;
+    }
+    for row in rows.chunks_exact_mut(scale.len()) {
+        for (x, &s) in row.iter_mut().zip(scale) {
+            *x /= s;
+        }
+    }
+}
+
+/// `params` (in `spec` order) with the column scales folded into `fc.weight`: a drafter
+/// trained on features divided by `scale` is the drafter whose `fc` columns are divided by
+/// it, fed raw features. `params` unchanged when `scale` is empty.
+#[must_use]
+pub fn fold_scales(
+    spec: &[(String, Vec<usize>)],
+    params: &[Vec<f32>],
+    scale: &[f32],
+) -> Vec<Vec<f32>> {
+    let mut out = params.to_vec();
+    if scale.is_empty() {
+        return out;
+    }
+    if let Some(fc) = spec
+        .iter()
+        .position(|(n, _)| n == "fc.weight")
+        .and_then(|i| out.get_mut(i))
+    {
+        divide_columns(fc, scale);
+    }
+    out
+}
 
 /// The fields of `manifest.json` the trainer needs.
 #[derive(Clone, Debug, Deserialize)]
@@ -305,6 +343,50 @@ impl FeatureSet {
             }
         }
         Ok(out)
+    }
+
+    /// Each feature column's root mean square over the rows of sequences `seqs` (at most
+    /// [`SCALE_ROWS`] rows), floored at `1e-6` (a column that is always zero keeps scale 1).
+    ///
+    /// A drafter's `fc` sees the features divided by these: the residual streams of deep
+    /// layers carry a few columns hundreds of times larger than the rest (SmolLM2-135M's tap
+    /// 28: one column's RMS ≈ 1100 against a median of 15), and Adam moves every weight by
+    /// about the learning rate whatever its input's size, so in raw coordinates those columns'
+    /// weights swing the projection while the small columns' barely move it. Dividing a column
+    /// by a constant is folded into `fc`'s columns at export, so the drafter's file and graph
+    /// are unchanged.
+    ///
+    /// # Errors
+    /// A shard could not be read.
+    pub fn column_scales(&self, seqs: &[usize]) -> Result<Vec<f32>> {
+        let w = self.width;
+        let mut sum = vec![0f64; w];
+        let mut rows = 0usize;
+        for &i in seqs {
+            if rows >= SCALE_ROWS {
+                break;
+            }
+            let f = self.features(i)?;
+            for row in f.chunks_exact(w).take(SCALE_ROWS - rows) {
+                for (s, &x) in sum.iter_mut().zip(row) {
+                    let x = if x.is_finite() { f64::from(x) } else { 0.0 };
+                    *s += x * x;
+                }
+                rows += 1;
+            }
+        }
+        #[allow(
+            clippy::cast_precision_loss,
+            clippy::cast_possible_truncation,
+            reason = "row counts are far below 2^52; scales as f32"
+        )]
+        Ok(sum
+            .into_iter()
+            .map(|s| {
+                let r = (s / rows.max(1) as f64).sqrt() as f32;
+                if r > 1e-6 { r } else { 1.0 }
+            })
+            .collect())
     }
 
     /// Whether every shard holds the target's top logits.

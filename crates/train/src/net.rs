@@ -326,6 +326,61 @@ mod tests {
         f64::from(v.try_to_vec::<f32>().unwrap()[0])
     }
 
+    /// A drafter trained on features divided by their column scales, exported with the
+    /// scales folded into `fc`, computes on raw features what it computed in training.
+    #[test]
+    fn column_scales_fold_into_fc() {
+        let shape = tiny();
+        let mut rng = Rng::new(11, 1);
+        let params: Vec<Vec<f32>> = shape
+            .params()
+            .iter()
+            .map(|(_, d)| normal(&mut rng, d.iter().product(), 0.3))
+            .collect();
+        let n_ctx = 5;
+        #[allow(clippy::cast_precision_loss, reason = "small test columns")]
+        let scale: Vec<f32> = (0..shape.width())
+            .map(|c| 0.25 + (c % 7) as f32 * 9.0)
+            .collect();
+        let raw = Example {
+            ctx: normal(&mut rng, n_ctx * shape.width(), 20.0),
+            n_ctx,
+            anchors: vec![3, 5],
+            window: None,
+            block_embd: normal(&mut rng, 2 * shape.block * shape.n_embd, 0.5),
+            targets: Vec::new(),
+        };
+        let mut scaled = raw.clone();
+        crate::features::divide_columns(&mut scaled.ctx, &scale);
+        let dev = Device::flex();
+        let run = |p: &[Vec<f32>], ex: &Example| -> Vec<f32> {
+            let w = Weights::new(&shape, p, &dev, false);
+            forward_hidden(&shape, &w, ex, &dev)
+                .to_data()
+                .try_to_vec::<f32>()
+                .unwrap()
+        };
+        let trained = run(&params, &scaled);
+        let folded = crate::features::fold_scales(&shape.params(), &params, &scale);
+        let exported = run(&folded, &raw);
+        let unfolded = run(&params, &raw);
+        let diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        assert!(
+            diff(&trained, &exported) < 1e-4,
+            "{}",
+            diff(&trained, &exported)
+        );
+        assert!(
+            diff(&trained, &unfolded) > 1e-2,
+            "the scales change the graph's input"
+        );
+    }
+
     /// burn's gradients of the block loss equal central finite differences for every
     /// parameter, so what the optimiser follows is the loss's slope.
     #[test]
