@@ -165,6 +165,10 @@ mod imp {
         let target = Target::load(&path).with_context(|| format!("loading {}", path.display()))?;
         let mut feats = FeatureSet::open(&args.features)?;
         if !args.taps.is_empty() {
+            if args.taps.contains(&0) && !feats.manifest.taps.contains(&0) {
+                // Tap 0 is the token embedding the first layer reads: it follows from the ids.
+                feats.derive_tap0(target.embd.clone(), target.hp.embd_scale.unwrap_or(1.0));
+            }
             feats.select_taps(&args.taps)?;
         }
         let labels = match args.labels.as_str() {

@@ -1558,6 +1558,55 @@ mod tests {
         std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
     }
 
+    /// Tap 0 derived from the ids is, to f16, the layer-0 input the target's own forward
+    /// captures, and it is refused when it was neither extracted nor derived.
+    #[test]
+    fn a_derived_tap_0_is_what_the_target_captures_at_layer_0() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let (tpath, target, model, be) = tiny_target(dir.path());
+        let seqs: Vec<Vec<u32>> = vec![vec![3, 9, 27, 8, 17], vec![31, 250, 2]];
+        let fdir = dir.path().join("features");
+        write_features(&fdir, &tpath, &seqs, |t| t + 1);
+        let mut feats = FeatureSet::open(&fdir).expect("the features open");
+        // The shards hold taps 0, 1, 2; read as if only 1 and 2 had been extracted.
+        feats.manifest.taps = vec![7, 1, 2];
+        let e = feats
+            .select_taps(&[0, 2])
+            .expect_err("tap 0 is not there yet");
+        assert!(e.to_string().contains("tap 0 was not extracted"), "{e}");
+        feats.derive_tap0(target.embd.clone(), target.hp.embd_scale.unwrap_or(1.0));
+        feats.select_taps(&[0, 2]).expect("tap 0 derived");
+        let n = tiny::N_EMBD;
+        let mut kv = model
+            .new_kv(&be, 16, QType::F32, QType::F32)
+            .expect("a cache");
+        let mut s = model.scratch(&be);
+        let mut taps = specula_models::Taps {
+            layers: vec![0],
+            rows: Vec::new(),
+        };
+        let pos: Vec<u32> = (0..5).collect();
+        model
+            .forward(&be, &mut kv, &mut s, &seqs[0], &pos, &[], Some(&mut taps))
+            .expect("a forward");
+        let got = feats.features(0).expect("read");
+        assert_eq!(got.len(), 5 * 2 * n);
+        for (j, row) in got.chunks_exact(2 * n).enumerate() {
+            let want: Vec<f32> = taps.rows[0][j * n..(j + 1) * n]
+                .iter()
+                .map(|&x| f16(x))
+                .collect();
+            assert_eq!(&row[..n], &want[..], "row {j}");
+        }
+        // An id past the embedding table is an error, not a panic.
+        let e = feats.features(1).expect_err("token 250 of 32");
+        assert!(
+            e.to_string()
+                .contains("outside the target's embedding table"),
+            "{e}"
+        );
+    }
+
     #[test]
     fn a_run_trains_resumes_as_if_uninterrupted_refuses_other_settings_and_exports() {
         let dir = tempfile::tempdir().expect("a temporary directory");

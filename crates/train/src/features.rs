@@ -9,6 +9,7 @@
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -111,6 +112,15 @@ struct SeqRef {
     index: usize,
 }
 
+/// Where a tap's rows come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Col {
+    /// Stored in the shards, at this index of the manifest's taps.
+    Stored(usize),
+    /// Tap 0, the token embedding the target's first layer reads, derived from the ids.
+    Embedding,
+}
+
 /// The features of a directory, every shard checked.
 #[derive(Debug)]
 pub struct FeatureSet {
@@ -120,8 +130,11 @@ pub struct FeatureSet {
     pub width: usize,
     /// The taps read, in the order their rows are laid side by side.
     pub taps: Vec<usize>,
-    /// Index in the manifest's taps of each tap read.
-    cols: Vec<usize>,
+    /// Where each tap read comes from.
+    cols: Vec<Col>,
+    /// The target's layer-0 input per token, for tap 0 when it was not extracted
+    /// ([`FeatureSet::derive_tap0`]): the embedding table and the factor its rows are scaled by.
+    embedding: Option<(Arc<Vec<f32>>, f32)>,
     shards: Vec<Shard>,
     seqs: Vec<SeqRef>,
 }
@@ -241,7 +254,8 @@ impl FeatureSet {
         }
         let taps = manifest.taps.clone();
         Ok(Self {
-            cols: (0..taps.len()).collect(),
+            cols: (0..taps.len()).map(Col::Stored).collect(),
+            embedding: None,
             taps,
             manifest,
             width,
@@ -250,7 +264,19 @@ impl FeatureSet {
         })
     }
 
-    /// Reads only `taps` (each one the manifest has), side by side in this order.
+    /// Lets [`FeatureSet::select_taps`] take tap 0 when the shards do not hold it: the input
+    /// of the target's first layer is the token's embedding row times `scale` (the model's
+    /// embedding scale, 1 for most), so it follows from the ids. Layer-0 input carries what
+    /// no deeper tap carries plainly — which token stands at a position (SmolLM2-135M's tap 2
+    /// already has an RMS 20× its embedding's) — and that is what a drafter matches its anchor
+    /// against to find where the same token stood before. Rows are rounded to f16 as stored
+    /// taps are.
+    pub fn derive_tap0(&mut self, embd: Arc<Vec<f32>>, scale: f32) {
+        self.embedding = Some((embd, scale));
+    }
+
+    /// Reads only `taps` (each one the manifest has, or tap 0 once
+    /// [`FeatureSet::derive_tap0`] was called), side by side in this order.
     ///
     /// # Errors
     /// A tap the features do not hold, or none.
@@ -262,19 +288,19 @@ impl FeatureSet {
         let cols = taps
             .iter()
             .map(|t| {
-                self.manifest
-                    .taps
-                    .iter()
-                    .position(|m| m == t)
-                    .ok_or_else(|| {
-                        bad(
-                            &mpath,
-                            format!(
-                                "tap {t} was not extracted (the features hold {:?})",
-                                self.manifest.taps
-                            ),
-                        )
-                    })
+                if let Some(c) = self.manifest.taps.iter().position(|m| m == t) {
+                    return Ok(Col::Stored(c));
+                }
+                if *t == 0 && self.embedding.is_some() {
+                    return Ok(Col::Embedding);
+                }
+                Err(bad(
+                    &mpath,
+                    format!(
+                        "tap {t} was not extracted (the features hold {:?})",
+                        self.manifest.taps
+                    ),
+                ))
             })
             .collect::<Result<Vec<_>>>()?;
         self.width = cols.len() * self.manifest.target.n_embd;
@@ -332,14 +358,34 @@ impl FeatureSet {
         let row = 2 * s.width as u64;
         let bytes = read_at(&s.path, s.feats_at + row * off, len * s.width * 2)?;
         let e = self.manifest.target.n_embd;
+        let ids = if self.cols.contains(&Col::Embedding) {
+            self.ids(i)?
+        } else {
+            Vec::new()
+        };
         let mut out = Vec::with_capacity(len * self.width);
-        for r in bytes.chunks_exact(2 * s.width) {
+        for (j, r) in bytes.chunks_exact(2 * s.width).enumerate() {
             for &c in &self.cols {
-                out.extend(
-                    r[2 * c * e..2 * (c + 1) * e]
-                        .chunks_exact(2)
-                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-                );
+                match c {
+                    Col::Stored(c) => out.extend(
+                        r[2 * c * e..2 * (c + 1) * e]
+                            .chunks_exact(2)
+                            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+                    ),
+                    Col::Embedding => {
+                        let (embd, scale) = self.embedding.as_ref().ok_or_else(|| {
+                            bad(&s.path, "tap 0 is derived, but no embedding was given")
+                        })?;
+                        let t = ids.get(j).copied().unwrap_or(0) as usize;
+                        let row = embd.get(t * e..(t + 1) * e).ok_or_else(|| {
+                            bad(
+                                &s.path,
+                                format!("token {t} is outside the target's embedding table"),
+                            )
+                        })?;
+                        out.extend(row.iter().map(|&x| half::f16::from_f32(x * scale).to_f32()));
+                    }
+                }
             }
         }
         Ok(out)

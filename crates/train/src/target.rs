@@ -2,6 +2,7 @@
 //! head (the embedding when tied) and the attention hyperparameters the drafter copies.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use specula_gguf::Gguf;
 use specula_models::Hparams;
@@ -17,7 +18,7 @@ pub struct Target {
     /// sha256 of the GGUF file.
     pub sha256: String,
     /// `[n_vocab][n_embd]` embedding rows, dequantized.
-    pub embd: Vec<f32>,
+    pub embd: Arc<Vec<f32>>,
     /// The output head, `[n_vocab][n_embd]`, when it is not the embedding.
     head: Option<Vec<f32>>,
     /// `tokenizer.ggml.padding_token_id`, else `tokenizer.ggml.eos_token_id`.
@@ -109,7 +110,7 @@ impl Target {
         Ok(Self {
             hp,
             sha256,
-            embd,
+            embd: Arc::new(embd),
             head,
             default_mask,
             output_norm,
