@@ -48,15 +48,16 @@ pub fn run(args: &CiArgs) -> Result<()> {
             "-D",
             "warnings",
         ]))?;
-        // The CLI with the CUDA backend compiled in (`--device cuda`): builds without a CUDA
-        // toolkit; cudarc's bindings pinned to the CUDA 13.0 API `cargo xtask gpu` uses.
+        // The CLI with the CUDA backend compiled in (`--device cuda`), drafter training on
+        // CUDA too (`specula train --device cuda`, burn's CubeCL backend): builds without a
+        // CUDA toolkit; cudarc's bindings pinned to the CUDA 13.0 API `cargo xtask gpu` uses.
         run_cmd(
             cargo([
                 "clippy",
                 "-p",
                 "specula-cli",
                 "--features",
-                "cuda",
+                "cuda,train",
                 "--all-targets",
                 "--locked",
                 "--",

@@ -379,8 +379,10 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         .arg("-o")
         .arg(&dflash_dir)
         .args([
+            // Tap 0 (the token embedding, derived from the ids) lets the draft match the
+            // anchor's token against the context's; the extraction need not store it.
             "--taps",
-            "2,9,15,21,28",
+            "0,2,9,15,21,28",
             "--block",
             "16",
             "--draft-vocab",
@@ -389,6 +391,7 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         .args(["--labels", &args.dflash_labels])
         .args(["--layers", &args.dflash_layers.to_string()])
         .args(["--anchor-loss", &args.dflash_anchor_loss.to_string()])
+        .args(["--qk-norm-init", &args.dflash_qk_norm_init.to_string()])
         .args(["--steps", &args.steps.to_string(), "--export", "f16,q8_0"]);
     if dflash_dir.join("checkpoint.bin").exists() {
         cmd.arg("--resume");
@@ -594,7 +597,7 @@ fn table(
     let _ = writeln!(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
-         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --eagle-steps {} --shards {} \
+         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --dflash-qk-norm-init {} --eagle-steps {} --shards {} \
          -n {} --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads; each cell's time the median of {} runs).\n\n\
@@ -607,6 +610,7 @@ fn table(
         args.steps,
         args.dflash_layers,
         args.dflash_anchor_loss,
+        args.dflash_qk_norm_init,
         args.eagle_steps,
         args.shards,
         args.n,

@@ -107,6 +107,11 @@ struct ExpSpecArgs {
     /// lookup the MASK rows read from it is trained directly.
     #[arg(long, default_value_t = 1.0)]
     dflash_anchor_loss: f32,
+    /// Initial gain of the DFlash draft's query and key norms (`specula train
+    /// --qk-norm-init`): a score is at most gain² · √head_dim, so at 1 attention cannot single
+    /// out one context position among hundreds until the gains grow.
+    #[arg(long, default_value_t = 2.0)]
+    dflash_qk_norm_init: f32,
     /// EAGLE-3 training steps.
     #[arg(long, default_value_t = 400)]
     eagle_steps: usize,

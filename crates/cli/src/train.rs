@@ -84,6 +84,10 @@ pub struct Args {
     /// the anchor up in the context, which the MASK rows then read (0: the DFlash recipe).
     #[arg(long = "anchor-loss", default_value_t = 0.0)]
     pub anchor_loss: f32,
+    /// DFlash: initial gain of the per-head query and key norms (a score is at most
+    /// gain² · √head_dim, so a larger gain lets attention pick one key among hundreds early).
+    #[arg(long = "qk-norm-init", default_value_t = 1.0)]
+    pub qk_norm_init: f32,
     /// Train `fc` on the features as extracted, not divided by each column's RMS (the
     /// division, folded into `fc` at export, keeps a few huge residual columns from
     /// dominating its updates).
@@ -114,6 +118,11 @@ pub struct Args {
     /// are written only when the run is complete.
     #[arg(long = "stop-at")]
     pub stop_at: Option<usize>,
+    /// Where training computes: `cpu` (burn's CPU backend), `cuda` or `cuda:N` (a GPU; needs
+    /// a build with the `cuda` feature). Not a setting of the run: `--resume` may continue a
+    /// checkpoint on the other device.
+    #[arg(long = "device", default_value = "cpu")]
+    pub device: String,
     /// Drafter types written when training ends (comma-separated: f16, q8_0, nvfp4).
     #[arg(long = "export", value_delimiter = ',', default_value = "f16")]
     pub export: Vec<String>,
@@ -142,6 +151,7 @@ mod imp {
 
     use anyhow::{Context, Result, bail};
     use indicatif::{ProgressBar, ProgressStyle};
+    use specula_train::accel::Accel;
     use specula_train::dflash::{DflashConfig, Labels, Run, StepLog, ValLog};
     use specula_train::eagle3::{Eagle3Config, Eagle3Run};
     use specula_train::export::{ExportType, write_dflash, write_eagle3};
@@ -161,6 +171,10 @@ mod imp {
         if args.steps == 0 {
             bail!("--steps must be at least 1");
         }
+        let accel = Accel::parse(&args.device)?;
+        // Checked before the target and the features are read: a device that cannot run
+        // fails in a second, not after the vocabulary pass.
+        accel.device()?;
         let path = load::model_path(args.target.as_deref())?;
         let target = Target::load(&path).with_context(|| format!("loading {}", path.display()))?;
         let mut feats = FeatureSet::open(&args.features)?;
@@ -196,6 +210,7 @@ mod imp {
                     cfg.window_steps = n;
                 }
                 cfg.anchor_loss = args.anchor_loss;
+                cfg.qk_norm_init = args.qk_norm_init;
                 cfg.standardize = !args.raw_features;
                 cfg.labels = labels;
                 cfg.mask = args.mask_token;
@@ -204,6 +219,7 @@ mod imp {
                 cfg.checkpoint_every = args.checkpoint_every;
                 cfg.val_seqs = args.val_seqs;
                 let mut run = Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
+                run.accel = accel;
                 let before = run.step;
                 drive(
                     args,
@@ -271,6 +287,7 @@ mod imp {
                 cfg.checkpoint_every = args.checkpoint_every;
                 cfg.val_seqs = args.val_seqs;
                 let mut run = Eagle3Run::start(&cfg, &target, &feats, &args.out, args.resume)?;
+                run.accel = accel;
                 let before = run.step;
                 drive(
                     args,

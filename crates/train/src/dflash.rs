@@ -19,6 +19,7 @@ use std::time::Instant;
 use burn::tensor::{Device, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use crate::accel::Accel;
 use crate::checkpoint::{self, Checkpoint};
 use crate::features::FeatureSet;
 use crate::net::{self, DraftShape, Example, Weights};
@@ -42,6 +43,10 @@ pub enum Labels {
     /// produces, which [`Labels::Target`] trains on anyway). DFlash only; EAGLE-3 reads it as
     /// [`Labels::Target`].
     Greedy,
+}
+
+fn one() -> f32 {
+    1.0
 }
 
 /// Everything that decides a DFlash training run (saved in its checkpoint; a resume must
@@ -83,6 +88,13 @@ pub struct DflashConfig {
     /// 0: no anchor loss (the DFlash recipe).
     #[serde(default)]
     pub anchor_loss: f32,
+    /// Initial gain of the per-head query and key norms. With both at `g`, a score is at most
+    /// `g² · √head_dim` (unit-RMS heads, perfectly aligned), so at 1 a query cannot put much
+    /// more than a tenth of its attention on one key among hundreds unless the gains grow —
+    /// and Adam moves them by about the learning rate per step. A lookup of the anchor's
+    /// token in the context needs sharp attention from the start.
+    #[serde(default = "one")]
+    pub qk_norm_init: f32,
     /// Whether `fc` trains on features divided by their columns' RMS (folded into `fc` at
     /// export; see [`crate::features::FeatureSet::column_scales`]).
     #[serde(default)]
@@ -115,6 +127,7 @@ impl DflashConfig {
             window: 32,
             window_steps: steps * 3 / 5,
             anchor_loss: 0.0,
+            qk_norm_init: 1.0,
             standardize: true,
             labels: Labels::Greedy,
             mask: None,
@@ -187,6 +200,9 @@ pub struct Run {
     pub target_sha256: String,
     /// What each feature column is divided by before `fc` (empty: nothing).
     pub feat_scale: Vec<f32>,
+    /// Where [`Run::train`] computes (not a setting of the run: a checkpoint continues on
+    /// either device).
+    pub accel: Accel,
 }
 
 /// The drafter's shape for `target` under `cfg` (attention as the target's, every dimension
@@ -397,12 +413,6 @@ fn random_anchors(rng: &mut Rng, len: usize, count: usize) -> Vec<usize> {
     picked
 }
 
-/// The device training runs on: burn's CPU backend with autodiff.
-#[must_use]
-pub fn device() -> Device {
-    Device::flex().autodiff()
-}
-
 fn host(t: &Tensor<2>) -> Vec<f32> {
     t.to_data().try_to_vec::<f32>().unwrap_or_default()
 }
@@ -443,6 +453,7 @@ impl Run {
                 vals: c.vals,
                 target_sha256: target.sha256.clone(),
                 feat_scale: c.feat_scale,
+                accel: Accel::Cpu,
             });
         }
         if !resume && ckpt.exists() {
@@ -467,6 +478,11 @@ impl Run {
             Vec::new()
         };
         let mut params = init_params(&shape, cfg.seed);
+        for (p, (name, _)) in params.iter_mut().zip(shape.params()) {
+            if name.ends_with("attn_q_norm.weight") || name.ends_with("attn_k_norm.weight") {
+                p.fill(cfg.qk_norm_init);
+            }
+        }
         if let Some(norm) = &target.output_norm {
             let at = shape
                 .params()
@@ -488,6 +504,7 @@ impl Run {
             vals: Vec::new(),
             target_sha256: target.sha256.clone(),
             feat_scale,
+            accel: Accel::Cpu,
         })
     }
 
@@ -512,7 +529,7 @@ impl Run {
         stop_at: Option<usize>,
         mut each: impl FnMut(&StepLog, Option<&ValLog>),
     ) -> Result<()> {
-        let dev = device();
+        let dev = self.accel.device()?;
         let head = self.head(target, &dev);
         let (train, val) = split(feats.len(), self.config.val_seqs);
         if train.is_empty() {

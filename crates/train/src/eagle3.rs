@@ -51,6 +51,7 @@ use burn::tensor::activation::{log_softmax, silu, softmax};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use serde::{Deserialize, Serialize};
 
+use crate::accel::Accel;
 use crate::checkpoint::{self, RunCheckpoint};
 use crate::dflash::{self, Labels, StepLog, ValLog};
 use crate::features::FeatureSet;
@@ -648,6 +649,9 @@ pub struct Eagle3Run {
     pub target_sha256: String,
     /// What each feature column is divided by before `fc` (empty: nothing).
     pub feat_scale: Vec<f32>,
+    /// Where [`Eagle3Run::train`] computes (not a setting of the run: a checkpoint continues on
+    /// either device).
+    pub accel: Accel,
 }
 
 /// One sequence, read for training.
@@ -809,6 +813,7 @@ impl Eagle3Run {
                 vals: c.vals,
                 target_sha256: target.sha256.clone(),
                 feat_scale: c.feat_scale,
+                accel: Accel::Cpu,
             });
         }
         if !resume && ckpt.exists() {
@@ -852,6 +857,7 @@ impl Eagle3Run {
             vals: Vec::new(),
             target_sha256: target.sha256.clone(),
             feat_scale,
+            accel: Accel::Cpu,
         })
     }
 
@@ -869,7 +875,7 @@ impl Eagle3Run {
         stop_at: Option<usize>,
         mut each: impl FnMut(&StepLog, Option<&ValLog>),
     ) -> Result<()> {
-        let dev = dflash::device();
+        let dev = self.accel.device()?;
         let (train, val) = dflash::split(feats.len(), self.config.val_seqs);
         if train.is_empty() {
             return Err(TrainError::Config("no training sequences".into()));
@@ -1215,7 +1221,7 @@ mod tests {
             emb: normals(&mut rng, n * 16, 1.0),
             targets,
         };
-        let dev = dflash::device();
+        let dev = Device::flex().autodiff();
         let mut params = init_params(&shape, 3);
         params[HEAD] = normals(&mut rng, 16 * 10, 0.1);
         let w = Weights::new(&shape, &params, &dev, true);
@@ -1605,6 +1611,60 @@ mod tests {
                 .contains("outside the target's embedding table"),
             "{e}"
         );
+    }
+
+    /// A fresh DFlash run starts its query and key norms at the asked gain, keeps the feature
+    /// scales it trains against (a checkpoint carries them), and exports `fc` with them folded.
+    #[test]
+    fn a_dflash_run_starts_from_its_settings_and_exports_fc_folded() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let (tpath, target, _, _) = tiny_target(dir.path());
+        let seqs: Vec<Vec<u32>> = (0..6u32)
+            .map(|k| (0..12).map(|i| (k * 5 + i * 3) % 32).collect())
+            .collect();
+        let fdir = dir.path().join("features");
+        write_features(&fdir, &tpath, &seqs, |t| (t + 1) % 32);
+        let feats = FeatureSet::open(&fdir).expect("the features open");
+        let mut cfg = dflash::DflashConfig::new(4);
+        cfg.draft_vocab = 16;
+        cfg.block = 4;
+        cfg.anchors = 4;
+        cfg.qk_norm_init = 2.5;
+        cfg.val_seqs = 1;
+        let out = dir.path().join("dflash");
+        std::fs::create_dir_all(&out).expect("an output directory");
+        let mut run = dflash::Run::start(&cfg, &target, &feats, &out, false).expect("a run");
+        let spec = run.shape.params();
+        for (p, (name, _)) in run.params.iter().zip(&spec) {
+            if name.ends_with("attn_q_norm.weight") || name.ends_with("attn_k_norm.weight") {
+                assert!(p.iter().all(|&g| g == 2.5), "{name}");
+            }
+        }
+        assert_eq!(run.feat_scale.len(), run.shape.width());
+        assert!(run.feat_scale.iter().all(|&s| s > 0.0 && s.is_finite()));
+        let fc = spec.iter().position(|(n, _)| n == "fc.weight").expect("fc");
+        let w = run.shape.width();
+        let folded = run.export_params();
+        for (row, frow) in run.params[fc]
+            .chunks_exact(w)
+            .zip(folded[fc].chunks_exact(w))
+        {
+            for ((&x, &f), &s) in row.iter().zip(frow).zip(&run.feat_scale) {
+                assert_eq!(f, x / s);
+            }
+        }
+        assert!(
+            folded
+                .iter()
+                .zip(&run.params)
+                .enumerate()
+                .all(|(i, (a, b))| i == fc || a == b)
+        );
+        run.train(&target, &feats, &out, Some(2), |_, _| {})
+            .expect("two steps");
+        let resumed = dflash::Run::start(&cfg, &target, &feats, &out, true).expect("resumed");
+        assert_eq!(resumed.feat_scale, run.feat_scale);
+        assert_eq!(resumed.params, run.params);
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! Drafter training on the target's own hidden states.
 
+pub mod accel;
 pub mod checkpoint;
 pub mod dflash;
 pub mod eagle3;
