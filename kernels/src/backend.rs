@@ -1035,6 +1035,40 @@ impl Backend for CubeBackend {
         self.elementwise(3, &a.h, &a.h, &a.h, a.rows * a.cols, s, 1);
     }
 
+    fn put_cols(&self, src: &CubeTensor, col0: usize, dst: &mut CubeTensor) {
+        assert!(
+            src.rows == dst.rows && col0 + src.cols <= dst.cols,
+            "put_cols: {} rows of {} values at column {col0} of {} rows of {}",
+            src.rows,
+            src.cols,
+            dst.rows,
+            dst.cols
+        );
+        let n = src.rows * src.cols;
+        if n == 0 {
+            return;
+        }
+        // SAFETY: `src` holds `n` values and every write lands in row `r < dst.rows` at a
+        // column below `col0 + src.cols ≤ dst.cols` (checked).
+        unsafe {
+            ew::put_cols::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(src.h.clone(), n),
+                BufferArg::from_raw_parts(dst.h.clone(), dst.rows * dst.cols),
+                u(n),
+                u(src.cols),
+                u(dst.cols),
+                u(col0),
+            );
+        }
+    }
+
+    fn clamp_finite(&self, x: &mut CubeTensor, limit: f32) {
+        self.elementwise(9, &x.h, &x.h, &x.h, x.rows * x.cols, limit, 1);
+    }
+
     fn softcap(&self, x: &mut CubeTensor, c: f32) {
         self.elementwise(4, &x.h, &x.h, &x.h, x.rows * x.cols, c, 1);
     }

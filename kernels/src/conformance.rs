@@ -160,6 +160,11 @@ impl<B: Backend> Pair<'_, B> {
     }
 }
 
+/// `[rows, 7]` of fixed values (`put_cols`'s narrow operand).
+fn rc_narrow<B: Backend>(be: &B, rows: usize) -> B::Tensor {
+    be.from_host(rows, 7, &values(31, rows * 7, 2.0))
+}
+
 /// The whole op-level suite on `be`.
 ///
 /// # Panics
@@ -382,6 +387,43 @@ pub fn conformance<B: Backend>(be: &B) {
         cpu.put_rows(&rc, &[3, 1], &mut pc);
         assert_eq!(be.shape(&pb), (5, cols));
         check("put_rows", &host(be, &pb), &host(cpu, &pc), 0.0);
+
+        // A narrower tensor into a column range of a wider one, its other columns kept; and
+        // both against the host's own copy.
+        let (mut wb, mut wc) = p.tensors(rows, cols + 9, 30, 1.0);
+        let want_wide = {
+            let mut w = host(cpu, &wc);
+            let n = host(cpu, &rc_narrow(cpu, rows));
+            for r in 0..rows {
+                w[r * (cols + 9) + 4..r * (cols + 9) + 11].copy_from_slice(&n[r * 7..r * 7 + 7]);
+            }
+            w
+        };
+        let (nb, nc) = (rc_narrow(be, rows), rc_narrow(cpu, rows));
+        be.put_cols(&nb, 4, &mut wb);
+        cpu.put_cols(&nc, 4, &mut wc);
+        check("put_cols", &host(be, &wb), &host(cpu, &wc), 0.0);
+        check("put_cols (host)", &host(cpu, &wc), &want_wide, 0.0);
+
+        // NaN to 0, infinities and massive values to ±65504, the rest as they are.
+        let special = [
+            f32::NAN,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            1e6,
+            -7e4,
+            65504.0,
+            -3.25,
+            0.0,
+        ];
+        let want_clamped = [
+            0.0, 65504.0, -65504.0, 65504.0, -65504.0, 65504.0, -3.25, 0.0,
+        ];
+        let (mut xb, mut xc) = (be.from_host(2, 4, &special), cpu.from_host(2, 4, &special));
+        be.clamp_finite(&mut xb, 65504.0);
+        cpu.clamp_finite(&mut xc, 65504.0);
+        check("clamp_finite", &host(be, &xb), &want_clamped, 0.0);
+        check("clamp_finite (cpu)", &host(cpu, &xc), &want_clamped, 0.0);
 
         // Argmax per row: random rows; a row whose maximum repeats (the first wins); NaN and
         // −∞ that never win; a row of nothing else; a vocabulary-sized row.

@@ -19,11 +19,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail};
 use serde::Serialize;
+use specula_engine::FeatureBuf;
 use specula_engine::{
     DflashDrafter, Eagle3Drafter, Engine, Injection, PlanEntry, RoundCost, Session, SpecOptions,
     SpecSeq, plan,
 };
-use specula_models::Taps;
 use specula_quant::QType;
 use specula_spec::verify::Verdict;
 use specula_spec::{Drafter, One};
@@ -274,12 +274,11 @@ pub(crate) fn rfc3339(t: std::time::SystemTime) -> String {
 }
 
 /// A feature drafter attached to the benchmark.
-struct Attached {
+struct Attached<B: Backend> {
     kind: &'static str,
     drafter: Box<dyn Drafter>,
     n_max: usize,
-    taps: Taps,
-    features: Vec<f32>,
+    feats: FeatureBuf<B>,
     logits: Vec<f32>,
     /// Nanoseconds spent in the drafter by the timed rounds so far.
     draft_ns: u128,
@@ -292,7 +291,7 @@ fn attach<B: Backend + 'static>(
     target: &Engine<B>,
     n_ctx: usize,
     backend: impl FnOnce() -> Result<B>,
-) -> Result<Option<Attached>> {
+) -> Result<Option<Attached<B>>> {
     let Some(spec) = spec else {
         return Ok(None);
     };
@@ -326,16 +325,12 @@ fn attach<B: Backend + 'static>(
             file.header().architecture().unwrap_or("?")
         ),
     };
-    let taps = Taps {
-        layers: drafter.target_taps().to_vec(),
-        rows: Vec::new(),
-    };
+    let feats = FeatureBuf::new(drafter.target_taps());
     Ok(Some(Attached {
         kind,
         drafter,
         n_max,
-        taps,
-        features: Vec::new(),
+        feats,
         logits: Vec::new(),
         draft_ns: 0,
         rounds: 0,
@@ -348,7 +343,7 @@ fn attach<B: Backend + 'static>(
 fn run_once_spec<B: Backend>(
     e: &Engine<B>,
     s: &mut Session<B>,
-    a: &mut Attached,
+    a: &mut Attached<B>,
     (pp, tg): (usize, usize),
     seed: &mut u64,
 ) -> Result<u64> {
@@ -368,8 +363,7 @@ fn run_once_spec<B: Backend>(
             &toks,
             toks.len() - 1,
             &mut a.logits,
-            &mut a.taps,
-            &mut a.features,
+            &mut a.feats,
             &mut drafter,
             0,
         )?;
@@ -382,8 +376,7 @@ fn run_once_spec<B: Backend>(
         head,
         head.len(),
         &mut a.logits,
-        &mut a.taps,
-        &mut a.features,
+        &mut a.feats,
         &mut drafter,
         0,
     )?;
@@ -418,8 +411,7 @@ fn run_once_spec<B: Backend>(
             seq.rows(),
             0,
             &mut a.logits,
-            &mut a.taps,
-            &mut a.features,
+            &mut a.feats,
             &mut drafter,
             0,
         )?;
@@ -650,7 +642,7 @@ fn run_on<B: Backend + 'static>(
     for &depth in &args.n_depth {
         for &(pp, tg) in &tests {
             let once = |session: &mut Session<B>,
-                        attached: &mut Option<Attached>,
+                        attached: &mut Option<Attached<B>>,
                         seed: &mut u64| match attached.as_mut() {
                 Some(a) => run_once_spec(&engine, session, a, (pp, tg), seed),
                 None => run_once(&engine, session, (pp, tg, depth), seed),

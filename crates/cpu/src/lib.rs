@@ -313,6 +313,14 @@ impl Backend for CpuBackend {
         ops::add_rows_scaled(dst, rows, src, w);
     }
 
+    fn put_cols(&self, src: &CpuTensor, col0: usize, dst: &mut CpuTensor) {
+        ops::put_cols(src, col0, dst);
+    }
+
+    fn clamp_finite(&self, x: &mut CpuTensor, limit: f32) {
+        ops::clamp_finite(self, x, limit);
+    }
+
     fn softcap(&self, x: &mut CpuTensor, c: f32) {
         ops::softcap(self, x, c);
     }

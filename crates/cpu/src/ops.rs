@@ -42,6 +42,35 @@ pub(crate) fn put_rows(src: &CpuTensor, rows: &[usize], dst: &mut CpuTensor) {
     }
 }
 
+/// `dst[r][col0..col0 + src.cols] = src[r]`.
+pub(crate) fn put_cols(src: &CpuTensor, col0: usize, dst: &mut CpuTensor) {
+    let w = src.cols();
+    assert!(
+        src.rows() == dst.rows() && col0 + w <= dst.cols(),
+        "put_cols: {} rows of {w} values at column {col0} of {} rows of {}",
+        src.rows(),
+        dst.rows(),
+        dst.cols()
+    );
+    for r in 0..src.rows() {
+        dst.row_mut(r)[col0..col0 + w].copy_from_slice(src.row(r));
+    }
+}
+
+/// `x = 0` where NaN, else `x` clamped to `[−limit, limit]`.
+pub(crate) fn clamp_finite(be: &CpuBackend, x: &mut CpuTensor, limit: f32) {
+    let cols = x.cols();
+    be.par_rows(x.as_mut_slice(), cols, |_, o| {
+        for v in o {
+            *v = if v.is_nan() {
+                0.0
+            } else {
+                v.clamp(-limit, limit)
+            };
+        }
+    });
+}
+
 /// `out[r] = dequantize(table row ids[r])`.
 pub(crate) fn get_rows(be: &CpuBackend, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
     let n = table.row_len();

@@ -31,7 +31,7 @@ mod state;
 
 use std::time::Instant;
 
-use specula_models::{Model, ModelError, Scratch, SeqRows};
+use specula_models::{Model, ModelError, Scratch, SeqRows, TapSink};
 use specula_quant::QType;
 use specula_sampling::{LogitsMask, Sampler, SamplerParams, SamplingError};
 use specula_tensor::Backend;
@@ -127,7 +127,7 @@ pub use drafters::{
 };
 pub use extract::{ExtractOptions, SeqFeatures};
 pub use rollback::{Checkpoint, Rewound};
-pub use round::{PlanEntry, RoundCost, SpecSeq, plan};
+pub use round::{FeatureBuf, PlanEntry, RoundCost, SpecSeq, plan};
 pub use spec::SpecOptions;
 pub use specula_kv::Rollback;
 
@@ -409,6 +409,22 @@ pub struct BatchEntry<'a, B: Backend> {
     /// Target hidden states to capture for this entry's rows, for a feature drafter; `None`
     /// (every entry of a plain batch) costs nothing.
     pub capture: Option<Capture<'a>>,
+}
+
+/// Where a prefill's captured hidden states go.
+enum Sink<'a, B: Backend> {
+    /// Host tap buffers, interleaved into `features` after each forward.
+    Host {
+        taps: &'a mut specula_models::Taps,
+        features: &'a mut Vec<f32>,
+    },
+    /// A backend tensor of every row's taps side by side; a prefill of several forwards
+    /// captures each into `chunk` and puts its rows in place.
+    Device {
+        layers: &'a [usize],
+        features: &'a mut B::Tensor,
+        chunk: Option<B::Tensor>,
+    },
 }
 
 /// The hidden states a [`BatchEntry`] captures: `taps.layers` are asked for (the layer-input
@@ -744,7 +760,37 @@ impl<B: Backend> Engine<B> {
     ) -> Result<()> {
         self.check_taps(&taps.layers)?;
         features.clear();
-        self.prefill_impl(s, ids, first, out, Some((taps, features)))
+        self.prefill_impl(s, ids, first, out, Some(Sink::Host { taps, features }))
+    }
+
+    /// [`Engine::prefill_with_features`] with the features left on the backend: `features`
+    /// becomes `[ids.len(), layers.len() · n_embd]`, each row the taps side by side
+    /// ([`specula_models::TapSink::Device`]) — what a drafter on the target's backend takes
+    /// ([`specula_spec::Drafter::process_device_features`]) without a trip through the host.
+    ///
+    /// # Errors
+    /// As [`Engine::prefill_with_features`].
+    pub fn prefill_with_device_features(
+        &self,
+        s: &mut Session<B>,
+        ids: &[u32],
+        first: usize,
+        out: &mut Vec<f32>,
+        layers: &[usize],
+        features: &mut B::Tensor,
+    ) -> Result<()> {
+        self.check_taps(layers)?;
+        self.prefill_impl(
+            s,
+            ids,
+            first,
+            out,
+            Some(Sink::Device {
+                layers,
+                features,
+                chunk: None,
+            }),
+        )
     }
 
     fn check_taps(&self, layers: &[usize]) -> Result<()> {
@@ -772,7 +818,7 @@ impl<B: Backend> Engine<B> {
         ids: &[u32],
         first: usize,
         out: &mut Vec<f32>,
-        mut capture: Option<(&mut specula_models::Taps, &mut Vec<f32>)>,
+        mut capture: Option<Sink<'_, B>>,
     ) -> Result<()> {
         if ids.is_empty() {
             return Err(EngineError::EmptyPrompt);
@@ -809,14 +855,31 @@ impl<B: Backend> Engine<B> {
                 .extend((0..chunk.len()).filter(|&r| base + r >= first));
             s.begin_forward(chunk.len());
             let ring = place(&mut s.ring, &s.pos);
-            let logits = self.model.forward_ring(
+            let whole = base == 0 && end == ids.len();
+            let sink = match capture.as_mut() {
+                None => None,
+                Some(Sink::Host { taps, .. }) => Some(TapSink::Host(taps)),
+                // One forward writes the features in place; several write chunks that are
+                // put into their rows.
+                Some(Sink::Device {
+                    layers, features, ..
+                }) if whole => Some(TapSink::Device {
+                    layers,
+                    features: &mut **features,
+                }),
+                Some(Sink::Device { layers, chunk, .. }) => Some(TapSink::Device {
+                    layers,
+                    features: chunk.get_or_insert_with(|| self.backend.zeros(0, 0)),
+                }),
+            };
+            let logits = self.model.forward_to(
                 &self.backend,
                 &mut s.kv,
                 &mut s.scratch,
                 chunk,
                 &s.pos,
                 &s.rows,
-                capture.as_mut().map(|(t, _)| &mut **t),
+                sink,
                 ring,
             )?;
             out.extend_from_slice(logits);
@@ -824,8 +887,23 @@ impl<B: Backend> Engine<B> {
                 s.ids.extend_from_slice(s.scratch.argmax_ids());
             }
             s.n_past += chunk.len();
-            if let Some((taps, features)) = capture.as_mut() {
-                self.interleave(taps, chunk.len(), features);
+            match capture.as_mut() {
+                Some(Sink::Host { taps, features }) => {
+                    self.interleave(taps, chunk.len(), features);
+                }
+                Some(Sink::Device {
+                    layers,
+                    features,
+                    chunk: Some(c),
+                }) if !whole => {
+                    if base == 0 {
+                        let width = layers.len() * self.model.hparams().n_embd;
+                        self.backend.resize(features, ids.len(), width);
+                    }
+                    let rows: Vec<usize> = (base..end).collect();
+                    self.backend.put_rows(c, &rows, features);
+                }
+                _ => {}
             }
             base = end;
         }

@@ -28,7 +28,7 @@ use std::time::Instant;
 
 use specula_spec::policy::Adaptive;
 use specula_spec::verify::Verdict;
-use specula_spec::{BatchDrafter, DraftAsk, DraftParams, SeqFeed, SpecError, SpecStats};
+use specula_spec::{BatchDrafter, DraftAsk, DraftParams, Features, SeqFeed, SpecError, SpecStats};
 use specula_tensor::Backend;
 
 use crate::{Checkpoint, Engine, EngineError, Result, Rewound, Rollback, Session, SpecOptions};
@@ -366,10 +366,52 @@ pub fn plan<B: Backend>(
     failed
 }
 
+/// The target features of one sequence's batches, reused across rounds: the taps a feature
+/// drafter asks for, captured on the host or — for a drafter that reads them where the target
+/// computed them ([`BatchDrafter::takes_device_features`]) — into a backend tensor that never
+/// leaves the backend.
+pub struct FeatureBuf<B: Backend> {
+    taps: specula_models::Taps,
+    host: Vec<f32>,
+    device: Option<B::Tensor>,
+}
+
+impl<B: Backend> std::fmt::Debug for FeatureBuf<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FeatureBuf")
+            .field("taps", &self.taps.layers)
+            .field("host", &self.host.len())
+            .field("device", &self.device.is_some())
+            .finish()
+    }
+}
+
+impl<B: Backend> FeatureBuf<B> {
+    /// Buffers for the taps `layers` (none: nothing is captured).
+    #[must_use]
+    pub fn new(layers: &[usize]) -> Self {
+        Self {
+            taps: specula_models::Taps {
+                layers: layers.to_vec(),
+                rows: Vec::new(),
+            },
+            host: Vec::new(),
+            device: None,
+        }
+    }
+
+    /// Whether any tap is captured.
+    #[must_use]
+    pub fn wanted(&self) -> bool {
+        !self.taps.layers.is_empty()
+    }
+}
+
 impl<B: Backend> Engine<B> {
     /// Runs a target batch of one sequence (a prompt, or a round's rows) with the logits of
-    /// `ids[first..]` into `logits`, capturing `taps` when it has layers (into `features`), and
-    /// feeds it to sequence `seq` of `drafter`; returns the seconds the drafter took.
+    /// `ids[first..]` into `logits`, capturing the taps of `feats` when it has any (on the
+    /// backend when the drafter reads them there), and feeds it to sequence `seq` of
+    /// `drafter`; returns the seconds the drafter took.
     ///
     /// # Errors
     /// The forward's, and the drafter's.
@@ -383,19 +425,27 @@ impl<B: Backend> Engine<B> {
         ids: &[u32],
         first: usize,
         logits: &mut Vec<f32>,
-        taps: &mut specula_models::Taps,
-        features: &mut Vec<f32>,
+        feats: &mut FeatureBuf<B>,
         drafter: &mut dyn BatchDrafter,
         seq: usize,
     ) -> Result<f64> {
         let pos0 = s.n_past();
-        let rows = if taps.layers.is_empty() {
+        let device = feats.wanted() && drafter.takes_device_features();
+        let rows = if !feats.wanted() {
             self.prefill_into(s, ids, first, logits)?;
-            features.clear();
+            feats.host.clear();
             0..0
-        } else {
-            self.prefill_with_features(s, ids, first, logits, taps, features)?;
+        } else if device {
+            let t = feats.device.get_or_insert_with(|| self.backend.zeros(0, 0));
+            self.prefill_with_device_features(s, ids, first, logits, &feats.taps.layers, t)?;
             0..ids.len()
+        } else {
+            self.prefill_with_features(s, ids, first, logits, &mut feats.taps, &mut feats.host)?;
+            0..ids.len()
+        };
+        let features = match (&feats.device, device) {
+            (Some(t), true) => Features::Device(t),
+            _ => Features::Host(&feats.host),
         };
         let t = Instant::now();
         let mut fed = Vec::with_capacity(1);

@@ -25,7 +25,7 @@ use specula_spec::{Drafter, One, SpecStats};
 use specula_tensor::Backend;
 use specula_tokenizer::DecodeOptions;
 
-use crate::round::{PlanEntry, RoundCost, SpecSeq, plan};
+use crate::round::{FeatureBuf, PlanEntry, RoundCost, SpecSeq, plan};
 use crate::{Engine, EngineError, GenerateOptions, Generation, Result, Session, ms, top_k_logits};
 
 /// How a generation drafts.
@@ -150,11 +150,7 @@ impl<B: Backend> Engine<B> {
         // first round, so the first generated token is drafted and verified like every other.
         let mut logits = Vec::new();
         // Feature drafters (DFlash, EAGLE3) see the target's hidden states of every batch.
-        let mut taps = specula_models::Taps {
-            layers: drafter.target_taps().to_vec(),
-            rows: Vec::new(),
-        };
-        let mut features = Vec::new();
+        let mut feats = FeatureBuf::new(drafter.target_taps());
         drafter.begin(prompt).map_err(EngineError::Spec)?;
         let mut drafter = One(drafter);
         let head = &prompt[..prompt.len() - 1];
@@ -164,15 +160,14 @@ impl<B: Backend> Engine<B> {
         // drafts round one from the prompt alone, and the head rides in front of that round's
         // verify rows: one forward for prompt and round, as plain decoding's prefill.
         let mut lead = 0;
-        if !taps.layers.is_empty() && !head.is_empty() {
+        if feats.wanted() && !head.is_empty() {
             // No logits: nothing is sampled from the head.
             self.run_for(
                 s,
                 head,
                 head.len(),
                 &mut logits,
-                &mut taps,
-                &mut features,
+                &mut feats,
                 &mut drafter,
                 0,
             )?;
@@ -215,8 +210,7 @@ impl<B: Backend> Engine<B> {
                 seq.rows(),
                 lead,
                 &mut logits,
-                &mut taps,
-                &mut features,
+                &mut feats,
                 &mut drafter,
                 0,
             )?;

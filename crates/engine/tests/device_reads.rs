@@ -8,8 +8,11 @@
 //! - the tokens are those of the path that downloads the logits (asked for with
 //!   `top_logits`), which downloads a row of the vocabulary per step.
 //!
-//! Feature drafters (DFlash, EAGLE-3) still take their target taps through the host, and a
-//! mixture of experts downloads its router logits: neither is checked here.
+//! - a DFlash drafter reads the target's taps where the target computed them: a greedy DFlash
+//!   generation downloads the same ids and no float, and the drafter uploads no feature.
+//!
+//! EAGLE-3 still takes its target taps through the host, a DFlash draft downloads its rows'
+//! logits, and a mixture of experts downloads its router logits: none is checked here.
 
 use std::sync::Arc;
 
@@ -203,4 +206,154 @@ fn a_batched_greedy_forward_downloads_one_id_per_row() {
         (0, rows as u64, 1),
         "{t:?}"
     );
+}
+
+/// Records the drafts of the drafter it wraps; with `device` false it hides that the drafter
+/// reads features on the backend, so the loop captures them on the host.
+struct Rec<D> {
+    inner: D,
+    device: bool,
+    drafts: Vec<Vec<u32>>,
+}
+
+impl<D: Drafter> Drafter for Rec<D> {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+    fn begin(&mut self, prompt: &[u32]) -> Result<(), SpecError> {
+        self.inner.begin(prompt)
+    }
+    fn max_draft(&self) -> Option<usize> {
+        self.inner.max_draft()
+    }
+    fn target_taps(&self) -> &[usize] {
+        self.inner.target_taps()
+    }
+    fn process(&mut self, tokens: &[u32], pos0: usize) -> Result<(), SpecError> {
+        self.inner.process(tokens, pos0)
+    }
+    fn process_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &[f32],
+    ) -> Result<(), SpecError> {
+        self.inner.process_features(tokens, pos0, features)
+    }
+    fn takes_device_features(&self) -> bool {
+        self.device && self.inner.takes_device_features()
+    }
+    fn process_device_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &(dyn std::any::Any + Send + Sync),
+        rows: std::ops::Range<usize>,
+    ) -> Result<(), SpecError> {
+        self.inner
+            .process_device_features(tokens, pos0, features, rows)
+    }
+    fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
+        let d = self.inner.draft(p)?;
+        self.drafts.push(d.clone());
+        Ok(d)
+    }
+    fn accept(&mut self, n: usize) {
+        self.inner.accept(n);
+    }
+    fn stops_when_unsure(&self) -> bool {
+        self.inner.stops_when_unsure()
+    }
+    fn state(&self) -> DrafterState {
+        self.inner.state()
+    }
+    fn restore(&mut self, s: &DrafterState) -> Result<(), SpecError> {
+        self.inner.restore(s)
+    }
+}
+
+/// A greedy DFlash generation: the target's taps go to the drafter as a backend tensor, so
+/// neither side moves a feature through the host — the target downloads only its verify
+/// rows' ids, the drafter uploads nothing — and the drafts, the counts and the tokens are
+/// those of the same drafter fed through the host (which downloads every tap row there and
+/// uploads it again).
+#[test]
+fn a_greedy_dflash_round_keeps_the_target_features_on_the_backend() {
+    use specula_engine::{DflashDrafter, Injection};
+    let e = engine("llama");
+    let prompt: Vec<u32> = (0..13u32).map(|i| (i * 7 + 3) % 32).collect();
+    let opts = GenerateOptions::greedy(24);
+    let spec = SpecOptions {
+        n_max: 4,
+        p_min: 0.0,
+        adaptive: false,
+        ..SpecOptions::default()
+    };
+    let draft_file = Arc::new(
+        Gguf::from_bytes(specula_testkit::tiny::dflash(false).to_bytes().unwrap()).unwrap(),
+    );
+    let drafter = |policy| {
+        DflashDrafter::new(
+            Counting::new(CpuBackend::new(1)),
+            Arc::clone(&draft_file),
+            &e,
+            64,
+            QType::F16,
+            QType::F16,
+            policy,
+        )
+        .unwrap()
+    };
+    for policy in [Injection::Deferred, Injection::Eager] {
+        // Through the host.
+        let mut host = Rec {
+            inner: drafter(policy),
+            device: false,
+            drafts: Vec::new(),
+        };
+        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+        let before = e.backend.tally();
+        let via_host = e
+            .generate_speculative(&mut s, &prompt, &opts, &mut host, &spec, |_| {})
+            .unwrap();
+        let target_host = since(&e, before);
+        let drafter_host = host.inner.backend().tally();
+        // On the backend.
+        let mut dev = Rec {
+            inner: drafter(policy),
+            device: true,
+            drafts: Vec::new(),
+        };
+        assert!(dev.takes_device_features());
+        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+        let before = e.backend.tally();
+        let g = e
+            .generate_speculative(&mut s, &prompt, &opts, &mut dev, &spec, |_| {})
+            .unwrap();
+        let target = since(&e, before);
+        let drafted = dev.inner.backend().tally();
+
+        assert_eq!(g.generated_ids, via_host.generated_ids, "{policy:?}");
+        assert_eq!(dev.drafts, host.drafts, "{policy:?}: the same drafts");
+        let (st, sh) = (g.spec.unwrap(), via_host.spec.unwrap());
+        assert_eq!(
+            (st.rounds, st.drafted, st.accepted),
+            (sh.rounds, sh.drafted, sh.accepted),
+            "{policy:?}: the same drafts"
+        );
+        assert!(st.drafted > 0, "{st:?}");
+        // The target: only the verify rows' ids, on the backend path.
+        assert_eq!(target.floats_down, 0, "{policy:?}: {target:?}");
+        // (A step with no draft left in the budget verifies its anchor alone.)
+        assert_eq!(
+            target.ids_down,
+            st.drafted as u64 + target.argmax_calls,
+            "{target:?} for {st:?}"
+        );
+        assert!(target.argmax_calls >= st.rounds as u64, "{target:?}");
+        assert!(target_host.floats_down > 0, "the host path downloads taps");
+        // The drafter: no feature uploaded on the backend path.
+        assert_eq!(drafted.floats_up, 0, "{policy:?}: {drafted:?}");
+        assert!(drafter_host.floats_up > 0, "the host path uploads them");
+    }
 }

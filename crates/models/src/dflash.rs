@@ -432,6 +432,8 @@ pub struct DflashScratch<B: Backend> {
     pos: Vec<u32>,
     kv_pos: Vec<u32>,
     cells: Vec<usize>,
+    /// Feature rows to copy ([`Dflash::inject_rows`]).
+    rows: Vec<usize>,
     sanitized: Vec<f32>,
     host: Vec<f32>,
     full: Vec<f32>,
@@ -525,10 +527,13 @@ pub(crate) fn sanitize(src: &[f32], dst: &mut Vec<f32>) {
         if x.is_nan() {
             0.0
         } else {
-            x.clamp(-65504.0, 65504.0)
+            x.clamp(-F16_MAX, F16_MAX)
         }
     }));
 }
+
+/// The largest finite f16: [`sanitize`]'s bound ([`Backend::clamp_finite`]'s on the backend).
+pub(crate) const F16_MAX: f32 = 65504.0;
 
 /// Scatters rows of draft-vocabulary logits into target-vocabulary rows, −∞ elsewhere.
 pub(crate) fn scatter_d2t(d2t: &[u32], draft: &[f32], n_vocab: usize, out: &mut Vec<f32>) {
@@ -791,6 +796,7 @@ impl<B: Backend> Dflash<B> {
             pos: Vec::new(),
             kv_pos: Vec::new(),
             cells: Vec::new(),
+            rows: Vec::new(),
             sanitized: Vec::new(),
             host: Vec::new(),
             full: Vec::new(),
@@ -846,9 +852,66 @@ impl<B: Backend> Dflash<B> {
                 n_ctx,
             });
         }
-        let hp = &self.hp;
         sanitize(features, &mut s.sanitized);
         s.feats = be.from_host(n, w, &s.sanitized);
+        self.encode_context(be, kv, s, pos);
+        Ok(())
+    }
+
+    /// [`Dflash::inject`] of features that lie on the backend: `rows` of `features` (a
+    /// `[_, feature_width]` tensor, the target's taps as [`crate::TapSink::Device`] writes
+    /// them) for positions `pos`, sanitized there — nothing goes through the host.
+    ///
+    /// # Errors
+    /// As [`Dflash::inject`]: a tensor of the wrong width or too few rows, positions past the
+    /// cache.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "inject's inputs, the features as a tensor and its rows"
+    )]
+    pub fn inject_rows(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut DflashScratch<B>,
+        features: &B::Tensor,
+        rows: std::ops::Range<usize>,
+        pos: &[u32],
+    ) -> Result<()> {
+        let (n, w) = (pos.len(), self.feature_width());
+        if n == 0 {
+            return Ok(());
+        }
+        let (t_rows, t_cols) = be.shape(features);
+        if t_cols != w || rows.len() != n || rows.end > t_rows {
+            return Err(ModelError::Features {
+                what: "DFlash injection",
+                got: rows.len().min(t_rows) * t_cols,
+                rows: n,
+                width: w,
+            });
+        }
+        if let Some(&p) = pos.iter().find(|&&p| p as usize >= n_ctx) {
+            return Err(ModelError::PastCache {
+                what: "DFlash injection",
+                rows: n,
+                pos: p as usize,
+                n_ctx,
+            });
+        }
+        s.rows.clear();
+        s.rows.extend(rows);
+        be.copy_rows(features, &s.rows, &mut s.feats);
+        be.clamp_finite(&mut s.feats, F16_MAX);
+        self.encode_context(be, kv, s, pos);
+        Ok(())
+    }
+
+    /// `fc`, the encoder norm and every layer's K/V of the sanitized features in `s.feats`,
+    /// written into cells `pos`.
+    fn encode_context(&self, be: &B, kv: &mut B::Kv, s: &mut DflashScratch<B>, pos: &[u32]) {
+        let hp = &self.hp;
         self.fc.matmul(be, &s.feats, &mut s.fc);
         be.rms_norm(&s.fc, Some(&self.enc_norm), hp.rms_eps, &mut s.g);
         s.cells.clear();
@@ -861,7 +924,6 @@ impl<B: Backend> Dflash<B> {
             be.rope(&mut s.k, hp.head_dim, pos, &rope);
             be.kv_write(kv, il, &s.cells, &s.k, &s.v);
         }
-        Ok(())
     }
 
     /// The noise block: `tokens` (`[anchor, MASK, …]`) at positions `pos0..`, attending to the

@@ -473,6 +473,22 @@ pub struct Taps {
     pub rows: Vec<Vec<f32>>,
 }
 
+/// Where a forward puts the hidden states it captures.
+#[derive(Debug)]
+pub enum TapSink<'a, B: Backend> {
+    /// One host buffer per tap ([`Taps::rows`]).
+    Host(&'a mut Taps),
+    /// One backend tensor, resized to `[n_tokens, layers.len() · n_embd]`: each row the taps
+    /// side by side in `layers` order (a feature drafter's input), written on the backend
+    /// ([`Backend::put_cols`]) — the states never reach the host.
+    Device {
+        /// Tap indices, as [`Taps::layers`].
+        layers: &'a [usize],
+        /// The features.
+        features: &'a mut B::Tensor,
+    },
+}
+
 impl<B: Backend> Scratch<B> {
     /// Reads out each logits row's argmax instead of the row (`true`), or the rows (`false`,
     /// the default), from the next forward on.
@@ -1836,7 +1852,39 @@ impl<B: Backend> Model<B> {
         tokens: &[u32],
         pos: &[u32],
         logits_rows: &[usize],
-        mut taps: Option<&mut Taps>,
+        taps: Option<&mut Taps>,
+        ring: Option<Ring<'_>>,
+    ) -> Result<&'s [f32]> {
+        self.forward_to(
+            be,
+            kv,
+            s,
+            tokens,
+            pos,
+            logits_rows,
+            taps.map(TapSink::Host),
+            ring,
+        )
+    }
+
+    /// [`Model::forward_ring`] with the captured hidden states going to `sink` (on the host,
+    /// or into a backend tensor that a feature drafter reads where it lies).
+    ///
+    /// # Errors
+    /// As [`Model::forward_ring`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the forward pass's inputs are all needed"
+    )]
+    pub fn forward_to<'s>(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        s: &'s mut Scratch<B>,
+        tokens: &[u32],
+        pos: &[u32],
+        logits_rows: &[usize],
+        mut taps: Option<TapSink<'_, B>>,
         ring: Option<Ring<'_>>,
     ) -> Result<&'s [f32]> {
         let n = tokens.len();
@@ -1861,18 +1909,31 @@ impl<B: Backend> Model<B> {
         s.kv_pos.clear();
         s.kv_pos
             .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
-        if let Some(t) = taps.as_deref_mut() {
-            t.rows.resize(t.layers.len(), Vec::new());
+        let n_embd = self.hp.n_embd;
+        match taps.as_mut() {
+            Some(TapSink::Host(t)) => t.rows.resize(t.layers.len(), Vec::new()),
+            Some(TapSink::Device { layers, features }) => {
+                be.resize(features, n, layers.len() * n_embd);
+            }
+            None => {}
         }
         let want = taps.is_some();
-        let mut capture = |be: &B, s: &mut Scratch<B>, layer: usize| {
-            if let Some(t) = taps.as_deref_mut() {
+        let mut capture = |be: &B, s: &mut Scratch<B>, layer: usize| match taps.as_mut() {
+            Some(TapSink::Host(t)) => {
                 for (i, &l) in t.layers.iter().enumerate() {
                     if l == layer {
                         be.to_host(&s.x, &mut t.rows[i]);
                     }
                 }
             }
+            Some(TapSink::Device { layers, features }) => {
+                for (i, &l) in layers.iter().enumerate() {
+                    if l == layer {
+                        be.put_cols(&s.x, i * n_embd, features);
+                    }
+                }
+            }
+            None => {}
         };
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
 

@@ -26,7 +26,7 @@ use specula_models::{Scratch, Taps};
 use specula_quant::QType;
 use specula_sampling::{Candidates, Sampler, SamplerParams, steps};
 use specula_spec::verify::{match_argmax, sample_and_match};
-use specula_spec::{BatchDrafter, Drafter, PerSeq, SeqFeed, SpecError, SpecStats};
+use specula_spec::{BatchDrafter, Drafter, Features, PerSeq, SeqFeed, SpecError, SpecStats};
 use specula_tensor::Backend;
 use tokio::sync::{mpsc, oneshot};
 
@@ -787,7 +787,7 @@ impl<B: Backend> Worker<B> {
             }
             if !feeds.is_empty() {
                 let td = Instant::now();
-                d.process(&feeds, &self.features, &mut self.fed);
+                d.process(&feeds, Features::Host(&self.features), &mut self.fed);
                 in_drafter_s = td.elapsed().as_secs_f64();
                 for (f, r) in feeds.iter().zip(self.fed.drain(..)) {
                     if let Err(e) = r {

@@ -33,6 +33,26 @@ pub struct SeqFeed<'a> {
     pub rows: Range<usize>,
 }
 
+/// A target batch's captured hidden states, `[Σ rows, taps · n_embd]`, each row the taps side
+/// by side.
+#[derive(Clone, Copy)]
+pub enum Features<'a> {
+    /// Row-major on the host (empty without taps).
+    Host(&'a [f32]),
+    /// Left on the target's backend: its tensor (`B::Tensor`), type-erased, for drafters that
+    /// run there ([`BatchDrafter::takes_device_features`]).
+    Device(&'a (dyn std::any::Any + Send + Sync)),
+}
+
+impl std::fmt::Debug for Features<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Host(v) => f.debug_tuple("Host").field(&v.len()).finish(),
+            Self::Device(_) => f.write_str("Device"),
+        }
+    }
+}
+
 /// A drafter over the sequences `0..n_seq()` (a server's slots, or one generation).
 pub trait BatchDrafter {
     /// A short name for statistics and errors.
@@ -65,13 +85,19 @@ pub trait BatchDrafter {
     /// Drafts for every ask; `out` (cleared first) gets one result per ask, in order.
     fn draft(&mut self, asks: &[DraftAsk<'_>], out: &mut Vec<Result<Vec<u32>, SpecError>>);
 
+    /// Whether its drafters read features left on the target's backend
+    /// ([`Drafter::takes_device_features`]; every sequence the same).
+    fn takes_device_features(&self) -> bool;
+
     /// The target ran `feeds` (a prompt chunk or a verify batch of each, before rejected rows
     /// are rolled back); `features` holds all their captured rows, `[Σ rows, taps · n_embd]`
-    /// (empty without taps). `out` (cleared first) gets one result per feed, in order.
+    /// (empty without taps; [`Features::Device`] only when
+    /// [`BatchDrafter::takes_device_features`]). `out` (cleared first) gets one result per
+    /// feed, in order.
     fn process(
         &mut self,
         feeds: &[SeqFeed<'_>],
-        features: &[f32],
+        features: Features<'_>,
         out: &mut Vec<Result<(), SpecError>>,
     );
 
@@ -105,35 +131,51 @@ fn guarded<T>(
     })
 }
 
+/// One feed's rows of a batch's [`Features`].
+enum FeedRows<'a> {
+    Host(&'a [f32]),
+    Device(&'a (dyn std::any::Any + Send + Sync), Range<usize>),
+}
+
 /// Calls `f` for each feed with its rows of `features` (`None` without taps), the results into
 /// `out` (cleared first).
 fn feed_each(
     feeds: &[SeqFeed<'_>],
-    features: &[f32],
+    features: Features<'_>,
     taps: bool,
     out: &mut Vec<Result<(), SpecError>>,
-    mut f: impl FnMut(&SeqFeed<'_>, Option<&[f32]>) -> Result<(), SpecError>,
+    mut f: impl FnMut(&SeqFeed<'_>, Option<FeedRows<'_>>) -> Result<(), SpecError>,
 ) {
     out.clear();
-    let width = features
-        .len()
-        .checked_div(feeds.iter().map(|f| f.rows.len()).sum())
-        .unwrap_or(0);
+    let width = match features {
+        Features::Host(v) => v
+            .len()
+            .checked_div(feeds.iter().map(|f| f.rows.len()).sum())
+            .unwrap_or(0),
+        Features::Device(_) => 0,
+    };
     for feed in feeds {
-        let rows = taps.then(|| &features[feed.rows.start * width..feed.rows.end * width]);
+        let rows = taps.then(|| match features {
+            Features::Host(v) => FeedRows::Host(&v[feed.rows.start * width..feed.rows.end * width]),
+            Features::Device(t) => FeedRows::Device(t, feed.rows.clone()),
+        });
         out.push(f(feed, rows));
     }
 }
 
-/// A per-sequence drafter takes in its rows ([`Drafter::process_features`] with features, else
-/// [`Drafter::process`]).
+/// A per-sequence drafter takes in its rows ([`Drafter::process_features`] or
+/// [`Drafter::process_device_features`] with features, else [`Drafter::process`]).
 fn feed<D: Drafter + ?Sized>(
     d: &mut D,
     f: &SeqFeed<'_>,
-    rows: Option<&[f32]>,
+    rows: Option<FeedRows<'_>>,
 ) -> Result<(), SpecError> {
     match rows {
-        Some(rows) => d.process_features(f.tokens, f.pos0, rows),
+        Some(FeedRows::Host(rows)) => d.process_features(f.tokens, f.pos0, rows),
+        Some(FeedRows::Device(t, rows)) if d.takes_device_features() => {
+            d.process_device_features(f.tokens, f.pos0, t, rows)
+        }
+        Some(FeedRows::Device(..)) => Err(SpecError::DeviceFeatures { drafter: d.name() }),
         None => d.process(f.tokens, f.pos0),
     }
 }
@@ -229,10 +271,14 @@ impl<D: Drafter + ?Sized> BatchDrafter for PerSeq<D> {
         }
     }
 
+    fn takes_device_features(&self) -> bool {
+        !self.drafters.is_empty() && self.drafters.iter().all(|d| d.takes_device_features())
+    }
+
     fn process(
         &mut self,
         feeds: &[SeqFeed<'_>],
-        features: &[f32],
+        features: Features<'_>,
         out: &mut Vec<Result<(), SpecError>>,
     ) {
         let taps = !self.target_taps().is_empty();
@@ -298,10 +344,14 @@ impl BatchDrafter for One<'_> {
         out.extend(asks.iter().map(|a| self.0.draft(&a.params)));
     }
 
+    fn takes_device_features(&self) -> bool {
+        self.0.takes_device_features()
+    }
+
     fn process(
         &mut self,
         feeds: &[SeqFeed<'_>],
-        features: &[f32],
+        features: Features<'_>,
         out: &mut Vec<Result<(), SpecError>>,
     ) {
         let taps = !self.0.target_taps().is_empty();

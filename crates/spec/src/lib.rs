@@ -40,7 +40,7 @@ pub mod verify;
 
 mod stats;
 
-pub use batch::{BatchDrafter, DraftAsk, One, PerSeq, SeqFeed};
+pub use batch::{BatchDrafter, DraftAsk, Features, One, PerSeq, SeqFeed};
 pub use stats::SpecStats;
 
 /// Errors of drafters and verifiers.
@@ -97,6 +97,12 @@ pub enum SpecError {
         tokens: usize,
         /// Values per token.
         width: usize,
+    },
+    /// Features left on a backend handed to a drafter that does not run there.
+    #[error("{drafter}: target features on a backend this drafter does not run on")]
+    DeviceFeatures {
+        /// The drafter's name.
+        drafter: &'static str,
     },
     /// Drafters of one batch that ask for different target taps (one batch of features has
     /// one row layout).
@@ -232,6 +238,34 @@ pub trait Drafter {
         self.process(tokens, pos0)
     }
 
+    /// Whether this drafter reads the target's features where the target computed them
+    /// ([`Drafter::process_device_features`]): a drafter running on the target's backend, so
+    /// that the features of a round never travel to the host and back. The default: no.
+    fn takes_device_features(&self) -> bool {
+        false
+    }
+
+    /// [`Drafter::process_features`] with the features left on the target's backend: rows
+    /// `rows` of `features`, the backend's tensor (`B::Tensor`, `[_, taps · n_embd]`, each
+    /// row the taps side by side), type-erased. Called only when
+    /// [`Drafter::takes_device_features`]; the default refuses.
+    ///
+    /// # Errors
+    /// [`SpecError::DeviceFeatures`] for a tensor of another backend (or by default), and
+    /// the drafter's own failures.
+    fn process_device_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &(dyn std::any::Any + Send + Sync),
+        rows: std::ops::Range<usize>,
+    ) -> Result<(), SpecError> {
+        let _ = (tokens, pos0, features, rows);
+        Err(SpecError::DeviceFeatures {
+            drafter: self.name(),
+        })
+    }
+
     /// Up to `p.n_max` tokens to follow `p.history` (possibly none).
     ///
     /// # Errors
@@ -351,6 +385,33 @@ impl Drafter for DrafterChain {
             if !fed && !d.target_taps().is_empty() {
                 fed = true;
                 d.process_features(tokens, pos0, features)?;
+            } else {
+                d.process(tokens, pos0)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the chain's feature drafter ([`DrafterChain::target_taps`]) does.
+    fn takes_device_features(&self) -> bool {
+        self.drafters
+            .iter()
+            .find(|d| !d.target_taps().is_empty())
+            .is_some_and(|d| d.takes_device_features())
+    }
+
+    fn process_device_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &(dyn std::any::Any + Send + Sync),
+        rows: std::ops::Range<usize>,
+    ) -> Result<(), SpecError> {
+        let mut fed = false;
+        for d in &mut self.drafters {
+            if !fed && !d.target_taps().is_empty() {
+                fed = true;
+                d.process_device_features(tokens, pos0, features, rows.clone())?;
             } else {
                 d.process(tokens, pos0)?;
             }

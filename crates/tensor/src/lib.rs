@@ -511,7 +511,7 @@ pub struct AttentionParams<'a> {
 /// can reuse its buffers across tokens.
 pub trait Backend: Send + Sync {
     /// An f32 activation matrix on the device.
-    type Tensor: Send + Sync;
+    type Tensor: Send + Sync + 'static;
     /// A weight (matrix or vector) in its block format.
     type Weight: Send + Sync;
     /// The KV cache of all layers.
@@ -570,6 +570,15 @@ pub trait Backend: Send + Sync {
     /// other rows as they are (one sequence's attention output into the batch's, with no
     /// trip through the host). `rows` are distinct and below `dst`'s row count.
     fn put_rows(&self, src: &Self::Tensor, rows: &[usize], dst: &mut Self::Tensor);
+    /// `dst[r][col0 .. col0 + src.cols] = src[r]` for every row (`dst` has `src`'s row count):
+    /// writes `src` into a column range of `dst`, leaving `dst`'s other columns as they are —
+    /// a captured hidden state into its place in the rows of a feature drafter's input,
+    /// without a trip through the host.
+    fn put_cols(&self, src: &Self::Tensor, col0: usize, dst: &mut Self::Tensor);
+    /// `x = 0` where `x` is NaN, else `x` clamped to `[−limit, limit]` (llama.cpp's guard on
+    /// target features before a drafter reads them: massive activations must not poison a
+    /// draft cache through f16 staging).
+    fn clamp_finite(&self, x: &mut Self::Tensor, limit: f32);
     /// `out[r] = table[ids[r]]` (dequantized embedding rows).
     fn get_rows(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
     /// `out = x · wᵀ`: `x` is `[rows, n_in]`, `out` is `[rows, n_out]`.

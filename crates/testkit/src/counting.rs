@@ -162,6 +162,12 @@ impl<B: Backend> Backend for Counting<B> {
     ) {
         self.inner.gather_cols(src, stride, range, out);
     }
+    fn put_cols(&self, src: &Self::Tensor, col0: usize, dst: &mut Self::Tensor) {
+        self.inner.put_cols(src, col0, dst);
+    }
+    fn clamp_finite(&self, x: &mut Self::Tensor, limit: f32) {
+        self.inner.clamp_finite(x, limit);
+    }
     fn add_rows_scaled(
         &self,
         dst: &mut Self::Tensor,

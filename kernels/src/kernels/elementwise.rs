@@ -147,7 +147,8 @@ fn gelu_f16(x: f32) -> f32 {
 /// Element-wise ops of one or two operands, by `op`: 0 `out = silu(a) · b`, 1
 /// `out = gelu(a) · b`, 2 `out = a + b`, 3 `out = a · s`, 4 `out = s · tanh(a / s)`, 5
 /// `out = silu(a)`, 6 `out = a + b[i % b_len]` (a bias), 7 `out = a · σ(b[i / per])`, 8
-/// `out = a · softplus(b[i / per])` (`per` consecutive values share one gate value).
+/// `out = a · softplus(b[i / per])` (`per` consecutive values share one gate value), 9
+/// `out = 0` where `a` is NaN, else `a` clamped to `[−s, s]`.
 #[cube(launch)]
 pub fn elementwise(
     a: &[f32],
@@ -186,6 +187,19 @@ pub fn elementwise(
         } else if y == 7 {
             let g = b[i / per as usize];
             out[i] = x * (1.0f32 / (1.0f32 + (-g).exp()));
+        } else if y == 9 {
+            // NaN is the one value that is not equal to itself.
+            #[allow(clippy::eq_op, reason = "the NaN test, inside a kernel")]
+            let finite_or_inf = x == x;
+            let mut c = 0.0f32;
+            if x > s {
+                c = s;
+            } else if x < 0.0f32 - s {
+                c = 0.0f32 - s;
+            } else if finite_or_inf {
+                c = x;
+            }
+            out[i] = c;
         } else {
             let g = b[i / per as usize];
             let mut sp = g;
@@ -232,6 +246,18 @@ pub fn scatter(src: &[f32], idx: &[u32], dst: &mut [f32], n: u32, cols: u32) {
         let r = i / cols as usize;
         let c = i % cols as usize;
         dst[idx[r] as usize * cols as usize + c] = src[i];
+    }
+}
+
+/// `dst[r][col0 + c] = src[r][c]` for rows of `cols` values into rows of `dst_cols`: one unit
+/// per value of `src`.
+#[cube(launch)]
+pub fn put_cols(src: &[f32], dst: &mut [f32], n: u32, cols: u32, dst_cols: u32, col0: u32) {
+    let i = ABSOLUTE_POS;
+    if i < n as usize {
+        let r = i / cols as usize;
+        let c = i % cols as usize;
+        dst[r * dst_cols as usize + col0 as usize + c] = src[i];
     }
 }
 

@@ -31,6 +31,7 @@
 //! first) relies on (llama.cpp fork bug TheTom#231: a flush deferred into `draft()` left
 //! snapshots and cache hits without context, so those requests drafted nothing).
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use specula_gguf::Gguf;
@@ -54,34 +55,96 @@ pub enum Injection {
 
 /// Target batches not yet injected (deferred injection): positions `pos0..pos0 + len`, the
 /// first `committed` of them committed, the rest a verify batch waiting for its acceptance.
-#[derive(Clone, Debug)]
-struct Stash {
+/// Their features stay on the backend: rows `0..tokens.len()` of `features`.
+struct Stash<B: Backend> {
     pos0: usize,
     tokens: Vec<u32>,
-    features: Vec<f32>,
+    features: B::Tensor,
     committed: usize,
 }
 
-impl Stash {
+impl<B: Backend> Stash<B> {
+    /// An empty stash from `pos0` for features `width` wide.
+    fn new(be: &B, pos0: usize, width: usize) -> Self {
+        Self {
+            pos0,
+            tokens: Vec::new(),
+            features: be.zeros(0, width),
+            committed: 0,
+        }
+    }
+
     /// Keeps the first `n` rows (the rest are not in the target's cache).
-    fn truncate(&mut self, n: usize, width: usize) {
+    fn truncate(&mut self, n: usize) {
         let n = n.min(self.tokens.len());
         self.tokens.truncate(n);
-        self.features.truncate(n * width);
         self.committed = self.committed.min(n);
     }
 
     fn end(&self) -> usize {
         self.pos0 + self.tokens.len()
     }
+
+    /// Appends `tokens` with rows `rows` of `features`, on the backend.
+    fn append(&mut self, be: &B, tokens: &[u32], features: &B::Tensor, rows: Range<usize>) {
+        let (n, m) = (self.tokens.len(), tokens.len());
+        let (cap, width) = be.shape(&self.features);
+        let mut tmp = be.zeros(0, width);
+        if cap < n + m {
+            // Room for the stash to grow by doubling, copying its rows once each time.
+            let mut grown = be.zeros((n + m).max(2 * cap).max(16), width);
+            if n > 0 {
+                let kept: Vec<usize> = (0..n).collect();
+                be.copy_rows(&self.features, &kept, &mut tmp);
+                be.put_rows(&tmp, &kept, &mut grown);
+            }
+            self.features = grown;
+        }
+        let from: Vec<usize> = rows.collect();
+        let to: Vec<usize> = (n..n + m).collect();
+        be.copy_rows(features, &from, &mut tmp);
+        be.put_rows(&tmp, &to, &mut self.features);
+        self.tokens.extend_from_slice(tokens);
+    }
+
+    /// Drops the first `d` rows.
+    fn drain_front(&mut self, be: &B, d: usize) {
+        let n = self.tokens.len();
+        let d = d.min(n);
+        if d > 0 && d < n {
+            let mut tmp = be.zeros(0, 0);
+            let rest: Vec<usize> = (d..n).collect();
+            be.copy_rows(&self.features, &rest, &mut tmp);
+            let to: Vec<usize> = (0..n - d).collect();
+            be.put_rows(&tmp, &to, &mut self.features);
+        }
+        self.tokens.drain(..d);
+        self.pos0 += d;
+        self.committed -= d.min(self.committed);
+    }
+
+    /// A copy of the first `n` rows (tokens and features).
+    fn head(&self, be: &B, n: usize) -> Self {
+        let n = n.min(self.tokens.len());
+        let mut features = be.zeros(0, be.shape(&self.features).1);
+        if n > 0 {
+            let rows: Vec<usize> = (0..n).collect();
+            be.copy_rows(&self.features, &rows, &mut features);
+        }
+        Self {
+            pos0: self.pos0,
+            tokens: self.tokens[..n].to_vec(),
+            features,
+            committed: self.committed.min(n),
+        }
+    }
 }
 
 /// What [`Drafter::state`] saves.
-#[derive(Clone, Debug)]
-struct State {
+struct State<B: Backend> {
     /// Tokens of positions `0..len`; the cache holds the context of `base..len`.
     ctx_tokens: Vec<u32>,
-    stash: Option<Stash>,
+    stash: Option<Stash<B>>,
 }
 
 /// Rows injected per pass (bounds the scratch memory of long prompts), and the most committed
@@ -102,9 +165,9 @@ pub struct DflashDrafter<B: Backend> {
     ctx_tokens: Vec<u32>,
     /// First position of the cache's context (0 unless a probe restarted it from a window).
     base: usize,
-    stash: Option<Stash>,
+    stash: Option<Stash<B>>,
     /// The committed rows a windowed restart skipped (with the window's), for the next draft.
-    held: Option<Stash>,
+    held: Option<Stash<B>>,
     /// The last draft was a probe asked with this window.
     probing: Option<usize>,
     last_draft: Vec<u32>,
@@ -200,6 +263,12 @@ impl<B: Backend> DflashDrafter<B> {
         })
     }
 
+    /// The backend the drafter runs on.
+    #[must_use]
+    pub fn backend(&self) -> &B {
+        &self.backend
+    }
+
     /// The network.
     #[must_use]
     pub fn net(&self) -> &Dflash<B> {
@@ -228,19 +297,18 @@ impl<B: Backend> DflashDrafter<B> {
         self.base = self.base.min(self.ctx_tokens.len());
     }
 
-    /// Writes the context of `tokens` at `pos0..` into the cache. A batch that starts past the
-    /// context leaves a gap: the cache then ends where the gap starts.
-    fn inject(&mut self, tokens: &[u32], pos0: usize, features: &[f32]) -> Result<(), SpecError> {
+    /// Writes the context of `tokens` at `pos0..` into the cache, from rows `rows` of
+    /// `features` (on the backend). A batch that starts past the context leaves a gap: the
+    /// cache then ends where the gap starts.
+    fn inject(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &B::Tensor,
+        rows: Range<usize>,
+    ) -> Result<(), SpecError> {
         let n = tokens.len();
-        let w = self.net.feature_width();
-        if features.len() != n * w {
-            return Err(SpecError::Features {
-                drafter: "draft-dflash",
-                got: features.len(),
-                tokens: n,
-                width: w,
-            });
-        }
+        self.check_features(n, features, &rows)?;
         // A batch that rewrites positions before the cache's context starts it again there.
         self.truncate_ctx(pos0.min(self.ctx_tokens.len()));
         if pos0 > self.ctx_tokens.len() || pos0 - self.base + n > self.n_ctx {
@@ -256,12 +324,13 @@ impl<B: Backend> DflashDrafter<B> {
                 (local0 + start..local0 + end).map(|p| u32::try_from(p).unwrap_or(u32::MAX)),
             );
             self.net
-                .inject(
+                .inject_rows(
                     &self.backend,
                     &mut self.kv,
                     self.n_ctx,
                     &mut self.scratch,
-                    &features[start * w..end * w],
+                    features,
+                    rows.start + start..rows.start + end,
                     &pos,
                 )
                 .map_err(err)?;
@@ -270,11 +339,30 @@ impl<B: Backend> DflashDrafter<B> {
         Ok(())
     }
 
+    /// Rows `rows` of `features` are `n` rows of this drafter's feature width.
+    fn check_features(
+        &self,
+        n: usize,
+        features: &B::Tensor,
+        rows: &Range<usize>,
+    ) -> Result<(), SpecError> {
+        let w = self.net.feature_width();
+        let (t_rows, t_cols) = self.backend.shape(features);
+        if t_cols != w || rows.len() != n || rows.end > t_rows {
+            return Err(SpecError::Features {
+                drafter: "draft-dflash",
+                got: rows.len().min(t_rows.saturating_sub(rows.start)) * t_cols,
+                tokens: n,
+                width: w,
+            });
+        }
+        Ok(())
+    }
+
     /// Restarts the context at `start` (≥ the stash's first row, ≤ its committed end): the
     /// stash's rows before it become tokens without context, the cache holds nothing yet.
     /// `history` supplies the tokens of a gap between the context and the stash.
     fn skip_to(&mut self, start: usize, history: &[u32]) {
-        let w = self.net.feature_width();
         let Some(st) = self.stash.as_mut() else {
             return;
         };
@@ -287,10 +375,8 @@ impl<B: Backend> DflashDrafter<B> {
         }
         self.ctx_tokens.truncate(st.pos0);
         let d = start.clamp(st.pos0, st.pos0 + st.committed) - st.pos0;
-        self.ctx_tokens.extend(st.tokens.drain(..d));
-        st.features.drain(..d * w);
-        st.pos0 += d;
-        st.committed -= d;
+        self.ctx_tokens.extend_from_slice(&st.tokens[..d]);
+        st.drain_front(&self.backend, d);
         self.base = self.ctx_tokens.len();
         if st.tokens.is_empty() {
             self.stash = None;
@@ -309,13 +395,11 @@ impl<B: Backend> DflashDrafter<B> {
         if joined && waiting <= window {
             return;
         }
-        let w = self.net.feature_width();
         let n = committed.saturating_sub(st.pos0).min(st.committed);
-        self.held = (joined && n > 0).then(|| Stash {
-            pos0: st.pos0,
-            tokens: st.tokens[..n].to_vec(),
-            features: st.features[..n * w].to_vec(),
-            committed: n,
+        self.held = (joined && n > 0).then(|| {
+            let mut h = st.head(&self.backend, n);
+            h.committed = n;
+            h
         });
         self.skip_to(committed.saturating_sub(window), history);
     }
@@ -333,7 +417,7 @@ impl<B: Backend> DflashDrafter<B> {
         if intact {
             self.ctx_tokens.truncate(h.pos0);
             self.base = h.pos0;
-            self.inject(&h.tokens, h.pos0, &h.features)?;
+            self.inject(&h.tokens, h.pos0, &h.features, 0..h.tokens.len())?;
         }
         Ok(())
     }
@@ -342,35 +426,78 @@ impl<B: Backend> DflashDrafter<B> {
     fn flush(&mut self, keep: usize) -> Result<(), SpecError> {
         if let Some(st) = self.stash.take() {
             let keep = keep.min(st.tokens.len());
-            let w = self.net.feature_width();
-            self.inject(&st.tokens[..keep], st.pos0, &st.features[..keep * w])?;
+            self.inject(&st.tokens[..keep], st.pos0, &st.features, 0..keep)?;
         }
         Ok(())
     }
 
     /// Injects the stash's committed rows, keeping the rows that wait for acceptance.
     fn flush_committed(&mut self) -> Result<(), SpecError> {
-        let Some(st) = self.stash.as_mut() else {
+        let Some(mut st) = self.stash.take() else {
             return Ok(());
         };
         let n = st.committed;
         if n == 0 {
+            self.stash = Some(st);
             return Ok(());
         }
-        let w = self.net.feature_width();
-        let tokens: Vec<u32> = st.tokens.drain(..n).collect();
-        let features: Vec<f32> = st.features.drain(..n * w).collect();
-        let pos0 = st.pos0;
-        st.pos0 += n;
-        st.committed = 0;
-        if st.tokens.is_empty() {
-            self.stash = None;
+        let r = self.inject(&st.tokens[..n], st.pos0, &st.features, 0..n);
+        st.drain_front(&self.backend, n);
+        if !st.tokens.is_empty() {
+            self.stash = Some(st);
         }
-        self.inject(&tokens, pos0, &features)
+        r
+    }
+
+    /// [`Drafter::process_features`] with rows `rows` of `features` on the backend.
+    fn take_in(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &B::Tensor,
+        rows: Range<usize>,
+    ) -> Result<(), SpecError> {
+        self.check_features(tokens.len(), features, &rows)?;
+        // A stash reaching into this batch holds rows of a round whose acceptance never came:
+        // the target's cache keeps them only up to where this batch starts, all committed.
+        if let Some(st) = self.stash.as_mut() {
+            st.truncate(pos0.saturating_sub(st.pos0));
+            st.committed = st.tokens.len();
+        }
+        if self.policy == Injection::Eager {
+            self.flush(usize::MAX)?;
+            return self.inject(tokens, pos0, features, rows);
+        }
+        let own_verify = !self.last_draft.is_empty()
+            && tokens.len() == self.last_draft.len() + 1
+            && tokens[1..] == self.last_draft[..];
+        if self.stash.as_ref().is_some_and(|st| st.end() != pos0) {
+            // A gap before this batch: what the stash holds goes in first.
+            self.flush(usize::MAX)?;
+        }
+        let w = self.net.feature_width();
+        let be = &self.backend;
+        let st = self.stash.get_or_insert_with(|| Stash::new(be, pos0, w));
+        st.append(be, tokens, features, rows);
+        if !own_verify {
+            st.committed = st.tokens.len();
+        }
+        if st.committed >= INJECT_CHUNK {
+            let joined = st.pos0 <= self.ctx_tokens.len();
+            if let (Some(window), true) = (self.probing, joined) {
+                // Only probes are asked: the next one restarts from its window anyway.
+                let start = st.pos0 + st.committed - window.min(st.committed);
+                self.held = None;
+                self.skip_to(start, &[]);
+            } else {
+                self.flush_committed()?;
+            }
+        }
+        Ok(())
     }
 }
 
-impl<B: Backend> Drafter for DflashDrafter<B> {
+impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
     fn name(&self) -> &'static str {
         "draft-dflash"
     }
@@ -434,55 +561,35 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
                 width: w,
             });
         }
-        // A stash reaching into this batch holds rows of a round whose acceptance never came:
-        // the target's cache keeps them only up to where this batch starts, all committed.
-        if let Some(st) = self.stash.as_mut() {
-            st.truncate(pos0.saturating_sub(st.pos0), w);
-            st.committed = st.tokens.len();
-        }
-        if self.policy == Injection::Eager {
-            self.flush(usize::MAX)?;
-            return self.inject(tokens, pos0, features);
-        }
-        let own_verify = !self.last_draft.is_empty()
-            && tokens.len() == self.last_draft.len() + 1
-            && tokens[1..] == self.last_draft[..];
-        if self.stash.as_ref().is_some_and(|st| st.end() != pos0) {
-            // A gap before this batch: what the stash holds goes in first.
-            self.flush(usize::MAX)?;
-        }
-        let st = self.stash.get_or_insert_with(|| Stash {
-            pos0,
-            tokens: Vec::new(),
-            features: Vec::new(),
-            committed: 0,
-        });
-        st.tokens.extend_from_slice(tokens);
-        st.features.extend_from_slice(features);
-        if !own_verify {
-            st.committed = st.tokens.len();
-        }
-        if st.committed >= INJECT_CHUNK {
-            let joined = st.pos0 <= self.ctx_tokens.len();
-            if let (Some(window), true) = (self.probing, joined) {
-                // Only probes are asked: the next one restarts from its window anyway.
-                let start = st.pos0 + st.committed - window.min(st.committed);
-                self.held = None;
-                self.skip_to(start, &[]);
-            } else {
-                self.flush_committed()?;
-            }
-        }
-        Ok(())
+        let t = self.backend.from_host(tokens.len(), w, features);
+        self.take_in(tokens, pos0, &t, 0..tokens.len())
+    }
+
+    fn takes_device_features(&self) -> bool {
+        true
+    }
+
+    fn process_device_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &(dyn std::any::Any + Send + Sync),
+        rows: Range<usize>,
+    ) -> Result<(), SpecError> {
+        let t = features
+            .downcast_ref::<B::Tensor>()
+            .ok_or(SpecError::DeviceFeatures {
+                drafter: "draft-dflash",
+            })?;
+        self.take_in(tokens, pos0, t, rows)
     }
 
     fn accept(&mut self, n: usize) {
         // The anchor and `n` drafts of the verify batch at the stash's end are committed; the
         // rest were rejected. They are injected when a draft needs them.
-        let w = self.net.feature_width();
         if let Some(st) = self.stash.as_mut() {
             let keep = st.committed + n + 1;
-            st.truncate(keep, w);
+            st.truncate(keep);
             st.committed = st.tokens.len();
         }
     }
@@ -574,21 +681,27 @@ impl<B: Backend> Drafter for DflashDrafter<B> {
     }
 
     fn state(&self) -> DrafterState {
-        Box::new(State {
+        Box::new(State::<B> {
             ctx_tokens: self.ctx_tokens.clone(),
-            stash: self.stash.clone(),
+            stash: self
+                .stash
+                .as_ref()
+                .map(|st| st.head(&self.backend, st.tokens.len())),
         })
     }
 
     fn restore(&mut self, state: &DrafterState) -> Result<(), SpecError> {
         let st = state
-            .downcast_ref::<State>()
+            .downcast_ref::<State<B>>()
             .ok_or(SpecError::ForeignState("draft-dflash"))?;
         // Cells are positions: what the cache still holds of the snapshot is the common prefix
         // of both token lists; the rest comes back with the next target batches.
         let common = crate::common_prefix(&self.ctx_tokens, &st.ctx_tokens);
         self.truncate_ctx(common);
-        self.stash.clone_from(&st.stash);
+        self.stash = st
+            .stash
+            .as_ref()
+            .map(|x| x.head(&self.backend, x.tokens.len()));
         self.held = None;
         self.last_draft.clear();
         Ok(())
