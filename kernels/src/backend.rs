@@ -698,6 +698,36 @@ impl Backend for CubeBackend {
         out.extend_from_slice(&u32::from_bytes(&bytes)[..x.rows]);
     }
 
+    fn top1_rows(&self, x: &CubeTensor, ids: &mut Vec<u32>, probs: &mut Vec<f32>) {
+        ids.clear();
+        probs.clear();
+        if x.rows == 0 {
+            return;
+        }
+        let id_h = self.client.empty(x.rows * 4);
+        let p_h = self.client.empty(x.rows * 4);
+        // SAFETY: `x` holds `rows · cols` values, `id_h` and `p_h` one value per row.
+        unsafe {
+            ew::top1_rows::launch(
+                &self.client,
+                CubeCount::Static(u(x.rows), 1, 1),
+                CubeDim::new_1d(u(self.units)),
+                BufferArg::from_raw_parts(x.h.clone(), x.rows * x.cols),
+                BufferArg::from_raw_parts(id_h.clone(), x.rows),
+                BufferArg::from_raw_parts(p_h.clone(), x.rows),
+                u(x.cols),
+                self.units,
+            );
+        }
+        let read = |h| {
+            self.client
+                .read_one(h)
+                .unwrap_or_else(|e| panic!("{} backend: a kernel failed: {e:?}", self.name))
+        };
+        ids.extend_from_slice(&u32::from_bytes(&read(id_h))[..x.rows]);
+        probs.extend_from_slice(&f32::from_bytes(&read(p_h))[..x.rows]);
+    }
+
     fn resize(&self, t: &mut CubeTensor, rows: usize, cols: usize) {
         let n = rows * cols;
         if n > t.cap {

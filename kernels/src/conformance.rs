@@ -456,6 +456,25 @@ pub fn conformance<B: Backend>(be: &B) {
         be.argmax_rows(&vb, &mut ib);
         cpu.argmax_rows(&vc, &mut ic);
         assert_eq!(ib, ic, "argmax_rows over a vocabulary");
+
+        // Top-1 and its probability: the ids exactly, the probabilities within rounding of
+        // the host's f64 sums (`top1_row`), on the rows above.
+        for (what, xb, xc, rows) in [("rows", &xb, &xc, 4), ("vocabulary", &vb, &vc, 2)] {
+            let (mut ib, mut pb, mut ic, mut pc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            be.top1_rows(xb, &mut ib, &mut pb);
+            cpu.top1_rows(xc, &mut ic, &mut pc);
+            let flat = host(cpu, xc);
+            let cols = flat.len() / rows;
+            let want: Vec<(u32, f32)> = flat
+                .chunks_exact(cols)
+                .map(specula_tensor::top1_row)
+                .collect();
+            let (wi, wp): (Vec<u32>, Vec<f32>) = want.into_iter().unzip();
+            assert_eq!(ib, wi, "top1_rows {what}");
+            assert_eq!(ic, wi, "top1_rows {what} (cpu)");
+            check(&format!("top1_rows {what}"), &pb, &wp, tol::LIBM);
+            check(&format!("top1_rows {what} (cpu)"), &pc, &wp, 0.0);
+        }
     }
 
     // Attention: each cache format the device keeps, K and V apart, GQA, every mask,

@@ -257,6 +257,17 @@ impl Backend for CpuBackend {
         );
     }
 
+    fn top1_rows(&self, x: &CpuTensor, ids: &mut Vec<u32>, probs: &mut Vec<f32>) {
+        ids.clear();
+        probs.clear();
+        let cols = x.cols().max(1);
+        for row in x.as_slice().chunks_exact(cols).take(x.rows()) {
+            let (id, p) = specula_tensor::top1_row(row);
+            ids.push(id);
+            probs.push(p);
+        }
+    }
+
     fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
         t.resize(rows, cols);
     }

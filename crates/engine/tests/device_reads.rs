@@ -11,8 +11,10 @@
 //! - a DFlash drafter reads the target's taps where the target computed them: a greedy DFlash
 //!   generation downloads the same ids and no float, and the drafter uploads no feature.
 //!
-//! EAGLE-3 still takes its target taps through the host, a DFlash draft downloads its rows'
-//! logits, and a mixture of experts downloads its router logits: none is checked here.
+//!   Its draft rows come down as ids with their probabilities, not as logits.
+//!
+//! EAGLE-3 still takes its target taps through the host, and a mixture of experts downloads
+//! its router logits: neither is checked here.
 
 use std::sync::Arc;
 
@@ -41,6 +43,7 @@ fn since(e: &Engine<Counting<CpuBackend>>, before: Tally) -> Tally {
         floats_down: now.floats_down - before.floats_down,
         argmax_calls: now.argmax_calls - before.argmax_calls,
         ids_down: now.ids_down - before.ids_down,
+        probs_down: now.probs_down - before.probs_down,
         floats_up: now.floats_up - before.floats_up,
     }
 }
@@ -352,8 +355,16 @@ fn a_greedy_dflash_round_keeps_the_target_features_on_the_backend() {
         );
         assert!(target.argmax_calls >= st.rounds as u64, "{target:?}");
         assert!(target_host.floats_down > 0, "the host path downloads taps");
-        // The drafter: no feature uploaded on the backend path.
+        // The drafter: no feature uploaded, and its draft rows read out as ids and their
+        // probabilities — no logits row comes down.
         assert_eq!(drafted.floats_up, 0, "{policy:?}: {drafted:?}");
         assert!(drafter_host.floats_up > 0, "the host path uploads them");
+        assert_eq!(drafted.floats_down, 0, "{policy:?}: {drafted:?}");
+        assert_eq!(drafted.downloads, 0, "{policy:?}: {drafted:?}");
+        assert_eq!(drafted.ids_down, drafted.probs_down);
+        assert!(
+            drafted.ids_down >= st.drafted as u64,
+            "{drafted:?} for {st:?}"
+        );
     }
 }

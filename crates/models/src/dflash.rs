@@ -948,6 +948,88 @@ impl<B: Backend> Dflash<B> {
         rows: &[usize],
     ) -> Result<&'s [f32]> {
         let hp = &self.hp;
+        self.block_logits(be, kv, n_ctx, s, tokens, pos0, rows)?;
+        if rows.is_empty() {
+            s.host.clear();
+            return Ok(&s.host);
+        }
+        be.to_host(&s.logits, &mut s.host);
+        if let Some(h2) = &hp.dflash2 {
+            // The selector scores with the target's own output transforms.
+            for x in &mut s.host {
+                if let Some(sc) = h2.logit_scale {
+                    *x *= sc;
+                }
+                if let Some(cap) = h2.softcap {
+                    *x = (*x / cap).tanh() * cap;
+                }
+            }
+        }
+        if let Some(d2t) = &self.d2t {
+            scatter_d2t(d2t, &s.host, self.n_vocab, &mut s.full);
+            return Ok(&s.full);
+        }
+        Ok(&s.host)
+    }
+
+    /// [`Dflash::block`] read out on the backend ([`Backend::top1_rows`]): the top-1 token
+    /// (target id) of each of `rows` and its probability, into `ids` and `probs` — the logits
+    /// never reach the host. Among equal maxima the lowest draft-vocabulary index wins (with
+    /// a `d2t` that increases, as the trainer writes it, the lowest target id, as
+    /// [`Dflash::block`]'s rows give it). Not for DFlash2 (its selector reads the rows).
+    ///
+    /// # Errors
+    /// As [`Dflash::block`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the block forward's inputs and its two outputs"
+    )]
+    pub fn block_top1(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut DflashScratch<B>,
+        tokens: &[u32],
+        pos0: usize,
+        rows: &[usize],
+        ids: &mut Vec<u32>,
+        probs: &mut Vec<f32>,
+    ) -> Result<()> {
+        self.block_logits(be, kv, n_ctx, s, tokens, pos0, rows)?;
+        ids.clear();
+        probs.clear();
+        if rows.is_empty() {
+            return Ok(());
+        }
+        be.top1_rows(&s.logits, ids, probs);
+        if let Some(d2t) = &self.d2t {
+            for id in ids.iter_mut() {
+                if let Some(&t) = d2t.get(*id as usize) {
+                    *id = t;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The block forward of [`Dflash::block`], leaving the (draft-vocabulary) logits of `rows`
+    /// in `s.logits` on the backend.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the block forward's inputs are all needed"
+    )]
+    fn block_logits(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut DflashScratch<B>,
+        tokens: &[u32],
+        pos0: usize,
+        rows: &[usize],
+    ) -> Result<()> {
+        let hp = &self.hp;
         let n = tokens.len();
         if n == 0 || pos0 + n > n_ctx {
             return Err(ModelError::PastCache {
@@ -1077,29 +1159,12 @@ impl<B: Backend> Dflash<B> {
             be.add(&mut s.x, &s.proj);
         }
         if rows.is_empty() {
-            s.host.clear();
-            return Ok(&s.host);
+            return Ok(());
         }
         be.copy_rows(&s.x, rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
         self.output.matmul(be, &s.norm, &mut s.logits);
-        be.to_host(&s.logits, &mut s.host);
-        if let Some(h2) = &hp.dflash2 {
-            // The selector scores with the target's own output transforms.
-            for x in &mut s.host {
-                if let Some(sc) = h2.logit_scale {
-                    *x *= sc;
-                }
-                if let Some(cap) = h2.softcap {
-                    *x = (*x / cap).tanh() * cap;
-                }
-            }
-        }
-        if let Some(d2t) = &self.d2t {
-            scatter_d2t(d2t, &s.host, self.n_vocab, &mut s.full);
-            return Ok(&s.full);
-        }
-        Ok(&s.host)
+        Ok(())
     }
 
     /// Whether this is a DFlash2 draft (its drafts come from [`Dflash::select`]).

@@ -125,6 +125,30 @@ pub fn argmax_row(row: &[f32]) -> u32 {
         .unwrap_or(NO_ARGMAX)
 }
 
+/// [`argmax_row`] and the softmax probability of that maximum, `1 / Σ exp(x − max)` (each
+/// `exp` in f32, summed in f64 in column order; NaN counts for nothing): a drafter's top-1
+/// and how sure it is ([`Backend::top1_rows`] of one row). A row with no winner gives
+/// ([`NO_ARGMAX`], 0).
+#[must_use]
+pub fn top1_row(row: &[f32]) -> (u32, f32) {
+    let id = argmax_row(row);
+    if id == NO_ARGMAX {
+        return (NO_ARGMAX, 0.0);
+    }
+    let max = row[id as usize];
+    let sum: f64 = row
+        .iter()
+        .filter(|x| !x.is_nan())
+        .map(|&x| f64::from((x - max).exp()))
+        .sum();
+    #[allow(
+        clippy::cast_possible_truncation,
+        reason = "a probability in [0, 1] as f32"
+    )]
+    let p = (1.0 / sum) as f32;
+    (id, p)
+}
+
 /// Memory that weights can borrow from for as long as they live (a model file's memory map, a
 /// test's byte vector). It must return the same bytes on every call.
 pub trait ByteSource: Send + Sync {
@@ -562,6 +586,23 @@ pub trait Backend: Send + Sync {
         self.to_host(x, &mut host);
         out.clear();
         out.extend(host.chunks_exact(cols.max(1)).take(rows).map(argmax_row));
+    }
+
+    /// `ids[r]`, `probs[r]` = [`top1_row`] of row `r` of `x` (both cleared first): a
+    /// drafter's top-1 token of each draft row and its probability, without the rows reaching
+    /// the host. Backends sum the probability's denominator in their own order (within
+    /// rounding of the reference). The default downloads `x` and scans it on the host.
+    fn top1_rows(&self, x: &Self::Tensor, ids: &mut Vec<u32>, probs: &mut Vec<f32>) {
+        let (rows, cols) = self.shape(x);
+        let mut host = Vec::with_capacity(rows * cols);
+        self.to_host(x, &mut host);
+        ids.clear();
+        probs.clear();
+        for row in host.chunks_exact(cols.max(1)).take(rows) {
+            let (id, p) = top1_row(row);
+            ids.push(id);
+            probs.push(p);
+        }
     }
 
     /// `out[i] = src[rows[i]]`: gathers rows (e.g. the rows whose logits are wanted).

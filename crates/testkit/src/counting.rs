@@ -1,6 +1,7 @@
 //! A backend that counts what crosses between host and device: every op goes to the backend
 //! it wraps, and each transfer is tallied — floats downloaded by `to_host` (logits rows,
-//! hidden-state taps, router logits), ids downloaded by `argmax_rows`, floats uploaded by
+//! hidden-state taps, router logits), ids downloaded by `argmax_rows` and `top1_rows` (with
+//! one probability per row), floats uploaded by
 //! `from_host`. Tests run a generation on it and read the tallies, to show what a round moves
 //! (issue 16's counting test backend).
 
@@ -17,10 +18,12 @@ pub struct Tally {
     pub downloads: u64,
     /// f32 values they downloaded.
     pub floats_down: u64,
-    /// `argmax_rows` calls.
+    /// `argmax_rows` and `top1_rows` calls.
     pub argmax_calls: u64,
     /// Ids they downloaded (one per row).
     pub ids_down: u64,
+    /// Probabilities `top1_rows` downloaded (one per row).
+    pub probs_down: u64,
     /// f32 values `from_host` uploaded.
     pub floats_up: u64,
 }
@@ -33,6 +36,7 @@ pub struct Counting<B> {
     floats_down: AtomicU64,
     argmax_calls: AtomicU64,
     ids_down: AtomicU64,
+    probs_down: AtomicU64,
     floats_up: AtomicU64,
 }
 
@@ -45,6 +49,7 @@ impl<B> Counting<B> {
             floats_down: AtomicU64::new(0),
             argmax_calls: AtomicU64::new(0),
             ids_down: AtomicU64::new(0),
+            probs_down: AtomicU64::new(0),
             floats_up: AtomicU64::new(0),
         }
     }
@@ -56,6 +61,7 @@ impl<B> Counting<B> {
             floats_down: self.floats_down.load(Ordering::Relaxed),
             argmax_calls: self.argmax_calls.load(Ordering::Relaxed),
             ids_down: self.ids_down.load(Ordering::Relaxed),
+            probs_down: self.probs_down.load(Ordering::Relaxed),
             floats_up: self.floats_up.load(Ordering::Relaxed),
         }
     }
@@ -95,6 +101,12 @@ impl<B: Backend> Backend for Counting<B> {
         self.inner.argmax_rows(x, out);
         add(&self.argmax_calls, 1);
         add(&self.ids_down, out.len());
+    }
+    fn top1_rows(&self, x: &Self::Tensor, ids: &mut Vec<u32>, probs: &mut Vec<f32>) {
+        self.inner.top1_rows(x, ids, probs);
+        add(&self.argmax_calls, 1);
+        add(&self.ids_down, ids.len());
+        add(&self.probs_down, probs.len());
     }
     fn shape(&self, t: &Self::Tensor) -> (usize, usize) {
         self.inner.shape(t)

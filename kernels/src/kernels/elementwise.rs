@@ -310,3 +310,65 @@ pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usi
         }
     }
 }
+
+/// `ids[r]`, `probs[r]`: row `r`'s argmax as [`argmax_rows`] finds it (`u32::MAX` and 0 for a
+/// row with no winner) and the softmax probability of its value, `1 / Σ exp(x − max)` (each
+/// `exp` in f32, summed in f64 per unit in column order, then a fixed tree; NaN counts for
+/// nothing). One cube per
+/// row.
+#[cube(launch)]
+pub fn top1_rows(
+    x: &[f32],
+    ids: &mut [u32],
+    probs: &mut [f32],
+    cols: u32,
+    #[comptime] units: usize,
+) {
+    let r = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let cols = cols as usize;
+    let mut s_val = Shared::<[f32]>::new_slice(units);
+    let mut s_idx = Shared::<[u32]>::new_slice(units);
+    let mut s_sum = Shared::<[f64]>::new_slice(units);
+    let mut best = neg_inf();
+    let mut at = u32::cast_from(cols);
+    let mut i = u;
+    while i < cols {
+        let v = x[r * cols + i];
+        if v > best {
+            best = v;
+            at = u32::cast_from(i);
+        }
+        i += units;
+    }
+    s_val[u] = best;
+    s_idx[u] = at;
+    tree_max_first(&mut s_val, &mut s_idx, u);
+    let w = s_idx[0];
+    let max = s_val[0];
+    let mut sum = 0.0f64;
+    if (w as usize) < cols {
+        let mut j = u;
+        while j < cols {
+            let v = x[r * cols + j];
+            // NaN (the one value not equal to itself) counts for nothing.
+            #[allow(clippy::eq_op, reason = "the NaN test, inside a kernel")]
+            let number = v == v;
+            if number {
+                sum += f64::cast_from((v - max).exp());
+            }
+            j += units;
+        }
+    }
+    s_sum[u] = sum;
+    tree_sum(&mut s_sum, u);
+    if u == 0 {
+        if (w as usize) < cols {
+            ids[r] = w;
+            probs[r] = f32::cast_from(1.0f64 / s_sum[0]);
+        } else {
+            ids[r] = u32::MAX;
+            probs[r] = 0.0f32;
+        }
+    }
+}

@@ -40,7 +40,6 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
-use super::top1;
 use crate::{Engine, EngineError, Result};
 
 /// When target features are written into the draft cache (`--dflash-defer-injection`).
@@ -173,7 +172,9 @@ pub struct DflashDrafter<B: Backend> {
     last_draft: Vec<u32>,
     block: Vec<u32>,
     rows: Vec<usize>,
-    logits: Vec<f32>,
+    /// Each draft row's top-1 and its probability.
+    ids: Vec<u32>,
+    probs: Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for DflashDrafter<B> {
@@ -259,7 +260,8 @@ impl<B: Backend> DflashDrafter<B> {
             last_draft: Vec::new(),
             block: Vec::new(),
             rows: Vec::new(),
-            logits: Vec::new(),
+            ids: Vec::new(),
+            probs: Vec::new(),
         })
     }
 
@@ -645,9 +647,28 @@ impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
         self.block.resize(k + 1, mask);
         self.rows.clear();
         self.rows.extend(1..=k);
-        let logits = self
-            .net
-            .block(
+        if self.net.is_dflash2() {
+            // DFlash2: the selector walks the candidates from the anchor (it reads the rows).
+            self.net
+                .block(
+                    &self.backend,
+                    &mut self.kv,
+                    self.n_ctx,
+                    &mut self.scratch,
+                    &self.block,
+                    committed - self.base,
+                    &self.rows,
+                )
+                .map_err(err)?;
+            let out = self
+                .net
+                .select(&self.backend, &mut self.scratch, anchor, p.p_min);
+            self.last_draft.clone_from(&out);
+            return Ok(out);
+        }
+        // Each row's top-1 and its probability, read out on the backend.
+        self.net
+            .block_top1(
                 &self.backend,
                 &mut self.kv,
                 self.n_ctx,
@@ -655,23 +676,13 @@ impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
                 &self.block,
                 committed - self.base,
                 &self.rows,
+                &mut self.ids,
+                &mut self.probs,
             )
             .map_err(err)?;
-        if self.net.is_dflash2() {
-            // DFlash2: the selector walks the candidates from the anchor.
-            let out = self
-                .net
-                .select(&self.backend, &mut self.scratch, anchor, p.p_min);
-            self.last_draft.clone_from(&out);
-            return Ok(out);
-        }
-        self.logits.clear();
-        self.logits.extend_from_slice(logits);
-        let n_vocab = self.net.n_vocab();
         let mut out = Vec::with_capacity(k);
-        for row in self.logits.chunks_exact(n_vocab) {
-            let (tok, prob) = top1(row);
-            if prob < p.p_min {
+        for (&tok, &prob) in self.ids.iter().zip(&self.probs) {
+            if tok == specula_tensor::NO_ARGMAX || prob < p.p_min {
                 break;
             }
             out.push(tok);
