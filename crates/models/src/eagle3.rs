@@ -158,8 +158,6 @@ pub struct Eagle3Scratch<B: Backend> {
     kv_pos: Vec<u32>,
     cells: Vec<usize>,
     h1: Vec<f32>,
-    h2: Vec<f32>,
-    hcat: Vec<f32>,
     sanitized: Vec<f32>,
     /// Logits of the last decode (target vocabulary).
     pub logits_host: Vec<f32>,
@@ -358,8 +356,6 @@ impl<B: Backend> Eagle3<B> {
             kv_pos: Vec::new(),
             cells: Vec::new(),
             h1: Vec::new(),
-            h2: Vec::new(),
-            hcat: Vec::new(),
             sanitized: Vec::new(),
             logits_host: Vec::new(),
             prenorm: Vec::new(),
@@ -464,15 +460,10 @@ impl<B: Backend> Eagle3<B> {
         be.rms_norm(&s.emb, Some(&self.attn_norm), hp.rms_eps, &mut s.enorm);
         let gt = be.from_host(n, e, g);
         be.rms_norm(&gt, Some(&self.hidden_norm), hp.rms_eps, &mut s.gnorm);
-        // [embed_norm | g_norm], 2·E wide.
-        be.to_host(&s.enorm, &mut s.h1);
-        be.to_host(&s.gnorm, &mut s.h2);
-        s.hcat.clear();
-        for r in 0..n {
-            s.hcat.extend_from_slice(&s.h1[r * e..(r + 1) * e]);
-            s.hcat.extend_from_slice(&s.h2[r * e..(r + 1) * e]);
-        }
-        s.cat = be.from_host(n, 2 * e, &s.hcat);
+        // [embed_norm | g_norm], 2·E wide, put together on the backend.
+        be.resize(&mut s.cat, n, 2 * e);
+        be.put_cols(&s.enorm, 0, &mut s.cat);
+        be.put_cols(&s.gnorm, e, &mut s.cat);
         self.wq.matmul(be, &s.cat, &mut s.q);
         self.wk.matmul(be, &s.cat, &mut s.k);
         self.wv.matmul(be, &s.cat, &mut s.v);
