@@ -172,7 +172,11 @@ impl<B: Backend> Engine<B> {
                     session,
                     tokens,
                     logits_from: if opts.top_k > 0 { 0 } else { tokens.len() },
-                    capture: Some(Capture { taps, features }),
+                    capture: Some(Capture {
+                        taps,
+                        features,
+                        device: None,
+                    }),
                 })
                 .collect();
             self.decode_multi(&mut entries, &mut scratch, &mut readout)?;

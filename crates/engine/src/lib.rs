@@ -408,7 +408,7 @@ pub struct BatchEntry<'a, B: Backend> {
     pub logits_from: usize,
     /// Target hidden states to capture for this entry's rows, for a feature drafter; `None`
     /// (every entry of a plain batch) costs nothing.
-    pub capture: Option<Capture<'a>>,
+    pub capture: Option<Capture<'a, B>>,
 }
 
 /// Where a prefill's captured hidden states go.
@@ -432,12 +432,25 @@ enum Sink<'a, B: Backend> {
 /// `[tokens.len(), taps · n_embd]` row-major, each row the taps side by side — what
 /// [`specula_spec::Drafter::process_features`] takes, as [`Engine::prefill_with_features`]
 /// gives it.
-#[derive(Debug)]
-pub struct Capture<'a> {
+pub struct Capture<'a, B: Backend> {
     /// The taps (their `rows` are the engine's buffers).
     pub taps: &'a mut specula_models::Taps,
-    /// The entry's features.
+    /// The entry's features (left empty when they go to `device`).
     pub features: &'a mut Vec<f32>,
+    /// `Some`: the features go into this backend tensor instead, `[tokens.len(), taps ·
+    /// n_embd]` ([`specula_models::TapSink::Device`]) — for a drafter that reads them there
+    /// ([`specula_spec::Drafter::takes_device_features`]).
+    pub device: Option<&'a mut B::Tensor>,
+}
+
+impl<B: Backend> std::fmt::Debug for Capture<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Capture")
+            .field("taps", &self.taps.layers)
+            .field("features", &self.features.len())
+            .field("device", &self.device.is_some())
+            .finish()
+    }
 }
 
 impl<B: Backend> std::fmt::Debug for BatchEntry<'_, B> {
@@ -979,7 +992,13 @@ impl<B: Backend> Engine<B> {
                     tokens: e.tokens,
                     pos: &s.pos,
                     logits_rows: &s.rows,
-                    taps: e.capture.as_mut().map(|c| &mut *c.taps),
+                    taps: e.capture.as_mut().map(|c| match c.device.as_mut() {
+                        Some(t) => TapSink::Device {
+                            layers: &c.taps.layers,
+                            features: &mut **t,
+                        },
+                        None => TapSink::Host(&mut *c.taps),
+                    }),
                     ring: place(&mut s.ring, &s.pos),
                 }
             })
@@ -996,7 +1015,9 @@ impl<B: Backend> Engine<B> {
             e.session.n_past += e.tokens.len();
             if let Some(c) = &mut e.capture {
                 c.features.clear();
-                self.interleave(c.taps, e.tokens.len(), c.features);
+                if c.device.is_none() {
+                    self.interleave(c.taps, e.tokens.len(), c.features);
+                }
             }
         }
         Ok(())
@@ -1073,12 +1094,29 @@ impl<B: Backend> Engine<B> {
         let mut logits: Vec<Readout> = vec![Readout::default(); n];
         let mut feats: Vec<Vec<f32>> = vec![Vec::new(); n];
         let mut part_feats: Vec<Vec<f32>> = vec![Vec::new(); n];
+        // Device captures: each piece's rows, put into the entry's tensor at their offset.
+        let mut part_dev: Vec<B::Tensor> = (0..n).map(|_| self.backend.zeros(0, 0)).collect();
+        let n_embd = self.model.hparams().n_embd;
+        for e in entries.iter_mut() {
+            if let Some(c) = e.capture.as_mut()
+                && let Some(t) = c.device.as_mut()
+            {
+                let width = c.taps.layers.len() * n_embd;
+                self.backend.resize(t, e.tokens.len(), width);
+            }
+        }
         let mut part = Readout::default();
         loop {
             let mut idx = Vec::with_capacity(n);
             let mut rows = Vec::with_capacity(n);
             let mut sub: Vec<BatchEntry<'_, B>> = Vec::with_capacity(n);
-            for (i, (e, pf)) in entries.iter_mut().zip(part_feats.iter_mut()).enumerate() {
+            let mut starts = Vec::with_capacity(n);
+            for (i, ((e, pf), pd)) in entries
+                .iter_mut()
+                .zip(part_feats.iter_mut())
+                .zip(part_dev.iter_mut())
+                .enumerate()
+            {
                 let len = e.tokens.len();
                 if done[i] == len {
                     continue;
@@ -1095,6 +1133,7 @@ impl<B: Backend> Engine<B> {
                 let logits_from = e.logits_from.saturating_sub(done[i]).min(take);
                 idx.push(i);
                 rows.push(take - logits_from);
+                starts.push(done[i]);
                 sub.push(BatchEntry {
                     session: &mut *e.session,
                     tokens: piece,
@@ -1102,6 +1141,7 @@ impl<B: Backend> Engine<B> {
                     capture: e.capture.as_mut().map(|c| Capture {
                         taps: &mut *c.taps,
                         features: pf,
+                        device: c.device.is_some().then_some(&mut *pd),
                     }),
                 });
                 done[i] += take;
@@ -1114,7 +1154,12 @@ impl<B: Backend> Engine<B> {
             let total: usize = rows.iter().sum();
             let width = part.logits.len().checked_div(total).unwrap_or(0);
             let (mut off, mut id_off) = (0, 0);
-            for (&i, &r) in idx.iter().zip(&rows) {
+            for ((&i, &r), &at) in idx.iter().zip(&rows).zip(&starts) {
+                if let Some(t) = entries[i].capture.as_mut().and_then(|c| c.device.as_mut()) {
+                    let (piece_rows, _) = self.backend.shape(&part_dev[i]);
+                    let to: Vec<usize> = (at..at + piece_rows).collect();
+                    self.backend.put_rows(&part_dev[i], &to, t);
+                }
                 logits[i]
                     .logits
                     .extend_from_slice(&part.logits[off..off + r * width]);

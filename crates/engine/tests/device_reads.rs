@@ -24,6 +24,7 @@ use specula_gguf::Gguf;
 use specula_models::Model;
 use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_tensor::Backend;
 use specula_testkit::counting::{Counting, Tally};
 use specula_tokenizer::Tokenizer;
 
@@ -159,7 +160,8 @@ fn a_greedy_speculative_round_downloads_only_its_verify_rows_ids() {
 }
 
 /// The server's batched forward over several sessions (`decode_multi`) in argmax mode: one
-/// id per logits row and no float, the ids the argmaxes of the rows the logits mode reads.
+/// id per logits row and no float, the ids the argmaxes of the rows the logits mode reads —
+/// and the same when entries capture their hidden states into backend tensors.
 #[test]
 fn a_batched_greedy_forward_downloads_one_id_per_row() {
     use specula_engine::{BatchEntry, Readout};
@@ -168,32 +170,57 @@ fn a_batched_greedy_forward_downloads_one_id_per_row() {
     // Rows asked for: the last of the first, every row of the second, the last two of the
     // third.
     let from = [3, 0, 4];
-    let run = |argmax: bool| {
+    // With `capture`, the first and the last entry capture taps 1 and 2 into backend tensors
+    // (a feature drafter that reads them there, as the server's slots do).
+    let run = |argmax: bool, capture: bool| {
         let mut sessions: Vec<_> = prompts
             .iter()
             .map(|_| e.session(64, QType::F16, QType::F16).unwrap())
             .collect();
         let mut scratch = e.scratch();
         scratch.set_argmax(argmax);
+        let mut taps: Vec<_> = (0..3)
+            .map(|_| specula_models::Taps {
+                layers: vec![1, 2],
+                rows: Vec::new(),
+            })
+            .collect();
+        let mut host = vec![Vec::new(); 3];
+        let mut dev: Vec<_> = (0..3).map(|_| e.backend.zeros(0, 0)).collect();
         let mut entries: Vec<BatchEntry<'_, _>> = sessions
             .iter_mut()
             .zip(prompts)
             .zip(from)
-            .map(|((session, tokens), logits_from)| BatchEntry {
-                session,
-                tokens,
-                logits_from,
-                capture: None,
-            })
+            .zip(taps.iter_mut().zip(host.iter_mut()).zip(dev.iter_mut()))
+            .enumerate()
+            .map(
+                |(i, (((session, tokens), logits_from), ((t, f), d)))| BatchEntry {
+                    session,
+                    tokens,
+                    logits_from,
+                    capture: (capture && i != 1).then_some(specula_engine::Capture {
+                        taps: t,
+                        features: f,
+                        device: Some(d),
+                    }),
+                },
+            )
             .collect();
         let before = e.backend.tally();
         let mut out = Readout::default();
         e.decode_multi(&mut entries, &mut scratch, &mut out)
             .unwrap();
-        (out, since(&e, before))
+        drop(entries);
+        let shapes: Vec<(usize, usize)> = dev.iter().map(|d| e.backend.shape(d)).collect();
+        (out, since(&e, before), shapes)
     };
-    let (logits, _) = run(false);
-    let (ids, t) = run(true);
+    let (logits, _, _) = run(false, false);
+    let (ids, t, _) = run(true, false);
+    let (captured, tc, shapes) = run(true, true);
+    assert_eq!(captured.ids, ids.ids, "capturing changes no id");
+    assert_eq!(tc, t, "features captured on the backend move nothing more");
+    let width = 2 * e.model.hparams().n_embd;
+    assert_eq!(shapes, [(4, width), (0, 0), (6, width)]);
     let n_vocab = e.model.hparams().n_vocab;
     let rows: usize = 1 + 2 + 2;
     assert_eq!(logits.logits.len(), rows * n_vocab);

@@ -15,6 +15,7 @@ use specula_models::Model;
 use specula_quant::QType;
 use specula_sampling::SamplerParams;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
+use specula_tensor::Backend;
 use specula_testkit::{byte_symbols, splitmix64, values};
 use specula_tokenizer::Tokenizer;
 
@@ -464,6 +465,59 @@ fn ring_prefill_chunks_decodes_and_batches_have_the_same_bits() {
         .collect();
     assert_eq!(bits(&out), bits(&want));
     assert_eq!(n_past, [33, 15]);
+
+    // The split batch capturing the first session's taps, on the host and into a backend
+    // tensor (the pieces put into their rows there): the same rows, the same bits.
+    let captured = |device: bool| {
+        let mut sa = e.session(CTX, QType::F16, QType::F16).unwrap();
+        let mut sb = e.session(CTX, QType::F16, QType::F16).unwrap();
+        e.prefill(&mut sa, &a[..24], false).unwrap();
+        e.prefill(&mut sb, &b[..14], false).unwrap();
+        let mut taps = specula_models::Taps {
+            layers: vec![1, 3],
+            rows: Vec::new(),
+        };
+        let mut host = Vec::new();
+        let mut dev = e.backend.zeros(0, 0);
+        let mut scratch = e.scratch();
+        let mut out = specula_engine::Readout::default();
+        e.decode_multi(
+            &mut [
+                specula_engine::BatchEntry {
+                    session: &mut sa,
+                    tokens: &a[24..],
+                    logits_from: 2,
+                    capture: Some(specula_engine::Capture {
+                        taps: &mut taps,
+                        features: &mut host,
+                        device: device.then_some(&mut dev),
+                    }),
+                },
+                specula_engine::BatchEntry {
+                    session: &mut sb,
+                    tokens: &b[14..],
+                    logits_from: 0,
+                    capture: None,
+                },
+            ],
+            &mut scratch,
+            &mut out,
+        )
+        .unwrap();
+        if device {
+            assert!(host.is_empty());
+            e.backend.to_host(&dev, &mut host);
+        }
+        (out.logits, host)
+    };
+    let (on_host, on_device) = (captured(false), captured(true));
+    assert_eq!(bits(&on_host.0), bits(&want), "logits with a capture");
+    assert_eq!(on_host.1.len(), 9 * 2 * e.model.hparams().n_embd);
+    assert_eq!(
+        bits(&on_device.1),
+        bits(&on_host.1),
+        "features of a split batch"
+    );
 }
 
 /// The ring and a full-size cache hold the same keys, and the attention visits the ring in

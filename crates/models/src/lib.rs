@@ -489,6 +489,17 @@ pub enum TapSink<'a, B: Backend> {
     },
 }
 
+impl<B: Backend> TapSink<'_, B> {
+    /// The tap indices asked for.
+    #[must_use]
+    pub fn layers(&self) -> &[usize] {
+        match self {
+            Self::Host(t) => &t.layers,
+            Self::Device { layers, .. } => layers,
+        }
+    }
+}
+
 impl<B: Backend> Scratch<B> {
     /// Reads out each logits row's argmax instead of the row (`true`), or the rows (`false`,
     /// the default), from the next forward on.
@@ -622,9 +633,9 @@ pub struct SeqRows<'a, B: Backend> {
     pub pos: &'a [u32],
     /// Rows (indices into `tokens`) whose logits are wanted.
     pub logits_rows: &'a [usize],
-    /// Hidden states to capture for this sequence's rows only (a feature drafter's taps);
-    /// `None` costs nothing.
-    pub taps: Option<&'a mut Taps>,
+    /// Hidden states to capture for this sequence's rows only (a feature drafter's taps), on
+    /// the host or into a backend tensor of this sequence's rows; `None` costs nothing.
+    pub taps: Option<TapSink<'a, B>>,
     /// Where the rows go in the sliding-window layers when their cache keeps a ring; `None`:
     /// cell = position in every layer.
     pub ring: Option<Ring<'a>>,
@@ -651,7 +662,7 @@ impl<B: Backend> std::fmt::Debug for SeqRows<'_, B> {
             .field("tokens", &self.tokens)
             .field("pos", &self.pos)
             .field("logits_rows", &self.logits_rows)
-            .field("taps", &self.taps.as_ref().map(|t| &t.layers))
+            .field("taps", &self.taps.as_ref().map(TapSink::layers))
             .finish_non_exhaustive()
     }
 }
@@ -1984,14 +1995,22 @@ impl<B: Backend> Model<B> {
         s: &'s mut Scratch<B>,
     ) -> Result<&'s [f32]> {
         if let [one] = seqs {
-            return self.forward_ring(
+            let taps = match one.taps.as_mut() {
+                None => None,
+                Some(TapSink::Host(t)) => Some(TapSink::Host(t)),
+                Some(TapSink::Device { layers, features }) => Some(TapSink::Device {
+                    layers,
+                    features: &mut **features,
+                }),
+            };
+            return self.forward_to(
                 be,
                 one.kv,
                 s,
                 one.tokens,
                 one.pos,
                 one.logits_rows,
-                one.taps.as_deref_mut(),
+                taps,
                 one.ring,
             );
         }
@@ -2029,12 +2048,18 @@ impl<B: Backend> Model<B> {
         }
         // The sequences that capture hidden states, with their rows in the batch: taken out of
         // `seqs` for the forward (the attention borrows `seqs`), put back after it.
-        let mut tapped: Vec<(usize, std::ops::Range<usize>, &mut Taps)> = Vec::new();
+        let mut tapped: Vec<(usize, std::ops::Range<usize>, TapSink<'_, B>)> = Vec::new();
         let mut off = 0;
+        let n_embd = self.hp.n_embd;
         for (i, q) in seqs.iter_mut().enumerate() {
             let n = q.tokens.len();
-            if let Some(t) = q.taps.take() {
-                t.rows.resize(t.layers.len(), Vec::new());
+            if let Some(mut t) = q.taps.take() {
+                match &mut t {
+                    TapSink::Host(t) => t.rows.resize(t.layers.len(), Vec::new()),
+                    TapSink::Device { layers, features } => {
+                        be.resize(features, n, layers.len() * n_embd);
+                    }
+                }
                 tapped.push((i, off..off + n, t));
             }
             off += n;
@@ -2042,12 +2067,18 @@ impl<B: Backend> Model<B> {
         let want = !tapped.is_empty();
         let mut capture = |be: &B, s: &mut Scratch<B>, layer: usize| {
             for (_, range, t) in &mut tapped {
-                for (i, &l) in t.layers.iter().enumerate() {
-                    if l == layer {
-                        s.seq_rows.clear();
-                        s.seq_rows.extend(range.clone());
-                        be.copy_rows(&s.x, &s.seq_rows, &mut s.tap_rows);
-                        be.to_host(&s.tap_rows, &mut t.rows[i]);
+                for i in 0..t.layers().len() {
+                    if t.layers()[i] != layer {
+                        continue;
+                    }
+                    s.seq_rows.clear();
+                    s.seq_rows.extend(range.clone());
+                    be.copy_rows(&s.x, &s.seq_rows, &mut s.tap_rows);
+                    match t {
+                        TapSink::Host(t) => be.to_host(&s.tap_rows, &mut t.rows[i]),
+                        TapSink::Device { features, .. } => {
+                            be.put_cols(&s.tap_rows, i * n_embd, features);
+                        }
                     }
                 }
             }

@@ -174,6 +174,9 @@ struct Slot<B: Backend> {
     taps: Taps,
     /// This step's captured rows of the slot, `[rows, taps · n_embd]`.
     features: Vec<f32>,
+    /// The same rows left on the backend, when the drafter reads them there
+    /// ([`BatchDrafter::takes_device_features`]); `features` then stays empty.
+    device: Option<B::Tensor>,
     task: Option<Task>,
     last_used: u64,
 }
@@ -203,6 +206,8 @@ pub(crate) struct Worker<B: Backend> {
     readout: Readout,
     /// This step's features of all slots, `[rows, taps · n_embd]`.
     features: Vec<f32>,
+    /// The same on the backend, when the drafter reads them there.
+    device_features: Option<B::Tensor>,
     drafts: Vec<Result<Vec<u32>, SpecError>>,
     fed: Vec<Result<(), SpecError>>,
     clock: u64,
@@ -252,6 +257,10 @@ impl<B: Backend> Worker<B> {
                     .map_or_else(Vec::new, |d| d.target_taps().to_vec()),
                 rows: Vec::new(),
             };
+            let device = drafter
+                .as_ref()
+                .is_some_and(|d| !d.target_taps().is_empty() && d.takes_device_features())
+                .then(|| engine.backend.zeros(0, 0));
             drafters.extend(drafter);
             slots.push(Slot {
                 id,
@@ -259,6 +268,7 @@ impl<B: Backend> Worker<B> {
                 cached: Vec::new(),
                 taps,
                 features: Vec::new(),
+                device,
                 task: None,
                 last_used: 0,
             });
@@ -322,6 +332,7 @@ impl<B: Backend> Worker<B> {
             scratch,
             readout: Readout::default(),
             features: Vec::new(),
+            device_features: None,
             drafts: Vec::new(),
             fed: Vec::new(),
             clock: 0,
@@ -696,13 +707,17 @@ impl<B: Backend> Worker<B> {
                     task,
                     taps,
                     features,
+                    device,
                     ..
                 } = slot;
                 let Some(t) = task else { continue };
                 // Hidden states only for a slot whose drafter learns from them and drafts
                 // for this request.
-                let capture = (t.seq.drafting() && !taps.layers.is_empty())
-                    .then_some(Capture { taps, features });
+                let capture = (t.seq.drafting() && !taps.layers.is_empty()).then_some(Capture {
+                    taps,
+                    features,
+                    device: device.as_mut(),
+                });
                 let (tokens, logits_from) = match t.phase {
                     // Prompt rows: their KV only, no logits.
                     Phase::Prefill { next } if t.prefill_end > next => {
@@ -761,6 +776,8 @@ impl<B: Backend> Worker<B> {
             self.features.clear();
             let mut feeds = Vec::with_capacity(order.len());
             let mut n_rows = 0;
+            // Slots whose features stay on the backend: (slot, first row in the batch).
+            let mut on_device = Vec::new();
             for (&(i, _), start) in order.iter().zip(&starts) {
                 let slot = &self.slots[i];
                 let Some(t) = slot.task.as_ref().filter(|t| t.seq.drafting()) else {
@@ -780,14 +797,37 @@ impl<B: Backend> Worker<B> {
                 };
                 if !slot.taps.layers.is_empty() {
                     feed.rows = n_rows..n_rows + feed.tokens.len();
+                    if slot.device.is_some() {
+                        on_device.push((i, n_rows));
+                    } else {
+                        self.features.extend_from_slice(&slot.features);
+                    }
                     n_rows += feed.tokens.len();
-                    self.features.extend_from_slice(&slot.features);
                 }
                 feeds.push(feed);
             }
+            // Every drafter of the batch reads its features on the backend, or none does
+            // (one kind of drafter serves every slot): the slots' rows go into one tensor.
+            let be = &self.engine.backend;
+            let features = if on_device.is_empty() {
+                Features::Host(&self.features)
+            } else {
+                let batch = self.device_features.get_or_insert_with(|| be.zeros(0, 0));
+                let width = self.slots[on_device[0].0].taps.layers.len()
+                    * self.engine.model.hparams().n_embd;
+                be.resize(batch, n_rows, width);
+                for &(i, at) in &on_device {
+                    if let Some(t) = &self.slots[i].device {
+                        let (rows, _) = be.shape(t);
+                        let to: Vec<usize> = (at..at + rows).collect();
+                        be.put_rows(t, &to, batch);
+                    }
+                }
+                Features::Device(batch)
+            };
             if !feeds.is_empty() {
                 let td = Instant::now();
-                d.process(&feeds, Features::Host(&self.features), &mut self.fed);
+                d.process(&feeds, features, &mut self.fed);
                 in_drafter_s = td.elapsed().as_secs_f64();
                 for (f, r) in feeds.iter().zip(self.fed.drain(..)) {
                     if let Err(e) = r {

@@ -22,6 +22,7 @@ use serde_json::{Value, json};
 use specula_engine::{BatchEntry, Capture};
 use specula_quant::QType;
 use specula_server::ServerConfig;
+use specula_tensor::Backend;
 
 fn cfg(n_parallel: usize) -> ServerConfig {
     ServerConfig {
@@ -174,6 +175,7 @@ fn a_batched_decode_captures_each_session_its_own_features_bit_for_bit() {
             capture: (!t.layers.is_empty()).then_some(Capture {
                 taps: t,
                 features: f,
+                device: None,
             }),
         })
         .collect();
@@ -191,6 +193,50 @@ fn a_batched_decode_captures_each_session_its_own_features_bit_for_bit() {
             assert_eq!(got.len(), next[i].len() * layers[i].len() * 64);
             assert_eq!(bits(got), bits(want), "features of entry {i}");
         }
+    }
+
+    // The same batch capturing into backend tensors: the same bits there, nothing on the host.
+    let mut sessions: Vec<_> = prompts
+        .iter()
+        .map(|p| {
+            let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+            e.prefill(&mut s, p, false).unwrap();
+            s
+        })
+        .collect();
+    let mut feats = vec![Vec::new(); 3];
+    let mut dev: Vec<_> = (0..3).map(|_| e.backend.zeros(0, 0)).collect();
+    let mut entries: Vec<BatchEntry<'_, _>> = sessions
+        .iter_mut()
+        .zip(&next)
+        .zip(taps.iter_mut().zip(feats.iter_mut()).zip(dev.iter_mut()))
+        .map(|((s, n), ((t, f), d))| BatchEntry {
+            session: s,
+            tokens: n,
+            logits_from: 0,
+            capture: (!t.layers.is_empty()).then_some(Capture {
+                taps: t,
+                features: f,
+                device: Some(d),
+            }),
+        })
+        .collect();
+    e.decode_multi(&mut entries, &mut scratch, &mut out)
+        .unwrap();
+    drop(entries);
+    assert_eq!(
+        bits(&out.logits),
+        bits(&alone_logits),
+        "logits (device capture)"
+    );
+    for (i, want) in alone.iter().enumerate() {
+        if layers[i].is_empty() {
+            continue;
+        }
+        assert!(feats[i].is_empty(), "entry {i}: no host features");
+        let mut got = Vec::new();
+        e.backend.to_host(&dev[i], &mut got);
+        assert_eq!(bits(&got), bits(want), "device features of entry {i}");
     }
 }
 
