@@ -8,13 +8,13 @@
 //! - the tokens are those of the path that downloads the logits (asked for with
 //!   `top_logits`), which downloads a row of the vocabulary per step.
 //!
-//! - a DFlash drafter reads the target's taps where the target computed them: a greedy DFlash
-//!   generation downloads the same ids and no float, and the drafter uploads no feature.
+//! - a feature drafter (DFlash, EAGLE-3) reads the target's taps where the target computed
+//!   them: a greedy generation with one downloads the same ids and no float, and the drafter
+//!   uploads no feature and reads its draft rows out as ids with their probabilities, not as
+//!   logits;
+//! - the server's batched forward capturing taps into backend tensors moves nothing more.
 //!
-//!   Its draft rows come down as ids with their probabilities, not as logits.
-//!
-//! EAGLE-3 still takes its target taps through the host, and a mixture of experts downloads
-//! its router logits: neither is checked here.
+//! A mixture of experts downloads its router logits: not checked here.
 
 use std::sync::Arc;
 
@@ -302,15 +302,33 @@ impl<D: Drafter> Drafter for Rec<D> {
     }
 }
 
-/// A greedy DFlash generation: the target's taps go to the drafter as a backend tensor, so
-/// neither side moves a feature through the host — the target downloads only its verify
-/// rows' ids, the drafter uploads nothing — and the drafts, the counts and the tokens are
-/// those of the same drafter fed through the host (which downloads every tap row there and
-/// uploads it again).
-#[test]
-fn a_greedy_dflash_round_keeps_the_target_features_on_the_backend() {
-    use specula_engine::{DflashDrafter, Injection};
-    let e = engine("llama");
+/// A drafter on the counting backend, and its tallies.
+trait Counted: Drafter {
+    fn tally(&self) -> Tally;
+}
+
+impl Counted for specula_engine::DflashDrafter<Counting<CpuBackend>> {
+    fn tally(&self) -> Tally {
+        self.backend().tally()
+    }
+}
+
+impl Counted for specula_engine::Eagle3Drafter<Counting<CpuBackend>> {
+    fn tally(&self) -> Tally {
+        self.backend().tally()
+    }
+}
+
+/// A greedy generation with a feature drafter: the target's taps go to the drafter as a
+/// backend tensor, so neither side moves a feature through the host — the target downloads
+/// only its verify rows' ids, the drafter uploads nothing and reads its draft rows out as ids
+/// with their probabilities — and the drafts, the counts and the tokens are those of the same
+/// drafter fed through the host (which downloads every tap row there and uploads it again).
+fn features_stay_on_the_backend<D: Counted>(
+    label: &str,
+    e: &Engine<Counting<CpuBackend>>,
+    make: impl Fn() -> D,
+) {
     let prompt: Vec<u32> = (0..13u32).map(|i| (i * 7 + 3) % 32).collect();
     let opts = GenerateOptions::greedy(24);
     let spec = SpecOptions {
@@ -319,79 +337,104 @@ fn a_greedy_dflash_round_keeps_the_target_features_on_the_backend() {
         adaptive: false,
         ..SpecOptions::default()
     };
-    let draft_file = Arc::new(
+    // Through the host.
+    let mut host = Rec {
+        inner: make(),
+        device: false,
+        drafts: Vec::new(),
+    };
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let before = e.backend.tally();
+    let via_host = e
+        .generate_speculative(&mut s, &prompt, &opts, &mut host, &spec, |_| {})
+        .unwrap();
+    let target_host = since(e, before);
+    let drafter_host = host.inner.tally();
+    // On the backend.
+    let mut dev = Rec {
+        inner: make(),
+        device: true,
+        drafts: Vec::new(),
+    };
+    assert!(dev.takes_device_features(), "{label}");
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let before = e.backend.tally();
+    let g = e
+        .generate_speculative(&mut s, &prompt, &opts, &mut dev, &spec, |_| {})
+        .unwrap();
+    let target = since(e, before);
+    let drafted = dev.inner.tally();
+
+    assert_eq!(g.generated_ids, via_host.generated_ids, "{label}");
+    assert_eq!(dev.drafts, host.drafts, "{label}: the same drafts");
+    let (st, sh) = (g.spec.unwrap(), via_host.spec.unwrap());
+    assert_eq!(
+        (st.rounds, st.drafted, st.accepted),
+        (sh.rounds, sh.drafted, sh.accepted),
+        "{label}: the same counts"
+    );
+    assert!(st.drafted > 0, "{label}: {st:?}");
+    // The target: only the verify rows' ids, on the backend path. (A step with no draft
+    // left in the budget verifies its anchor alone.)
+    assert_eq!(target.floats_down, 0, "{label}: {target:?}");
+    assert_eq!(
+        target.ids_down,
+        st.drafted as u64 + target.argmax_calls,
+        "{label}: {target:?} for {st:?}"
+    );
+    assert!(target.argmax_calls >= st.rounds as u64, "{target:?}");
+    assert!(target_host.floats_down > 0, "the host path downloads taps");
+    // The drafter: no feature uploaded, and its draft rows read out as ids and their
+    // probabilities — no logits row comes down.
+    assert_eq!(drafted.floats_up, 0, "{label}: {drafted:?}");
+    assert!(drafter_host.floats_up > 0, "the host path uploads them");
+    assert_eq!(drafted.floats_down, 0, "{label}: {drafted:?}");
+    assert_eq!(drafted.downloads, 0, "{label}: {drafted:?}");
+    assert_eq!(drafted.ids_down, drafted.probs_down);
+    assert!(
+        drafted.ids_down >= st.drafted as u64,
+        "{drafted:?} for {st:?}"
+    );
+}
+
+#[test]
+fn a_greedy_dflash_round_keeps_the_target_features_on_the_backend() {
+    use specula_engine::{DflashDrafter, Injection};
+    let e = engine("llama");
+    let file = Arc::new(
         Gguf::from_bytes(specula_testkit::tiny::dflash(false).to_bytes().unwrap()).unwrap(),
     );
-    let drafter = |policy| {
-        DflashDrafter::new(
+    for policy in [Injection::Deferred, Injection::Eager] {
+        features_stay_on_the_backend(&format!("dflash {policy:?}"), &e, || {
+            DflashDrafter::new(
+                Counting::new(CpuBackend::new(1)),
+                Arc::clone(&file),
+                &e,
+                64,
+                QType::F16,
+                QType::F16,
+                policy,
+            )
+            .unwrap()
+        });
+    }
+}
+
+#[test]
+fn a_greedy_eagle3_round_keeps_the_target_features_on_the_backend() {
+    use specula_engine::Eagle3Drafter;
+    let e = engine("llama");
+    let file =
+        Arc::new(Gguf::from_bytes(specula_testkit::tiny::eagle3().to_bytes().unwrap()).unwrap());
+    features_stay_on_the_backend("eagle3", &e, || {
+        Eagle3Drafter::new(
             Counting::new(CpuBackend::new(1)),
-            Arc::clone(&draft_file),
+            Arc::clone(&file),
             &e,
             64,
             QType::F16,
             QType::F16,
-            policy,
         )
         .unwrap()
-    };
-    for policy in [Injection::Deferred, Injection::Eager] {
-        // Through the host.
-        let mut host = Rec {
-            inner: drafter(policy),
-            device: false,
-            drafts: Vec::new(),
-        };
-        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
-        let before = e.backend.tally();
-        let via_host = e
-            .generate_speculative(&mut s, &prompt, &opts, &mut host, &spec, |_| {})
-            .unwrap();
-        let target_host = since(&e, before);
-        let drafter_host = host.inner.backend().tally();
-        // On the backend.
-        let mut dev = Rec {
-            inner: drafter(policy),
-            device: true,
-            drafts: Vec::new(),
-        };
-        assert!(dev.takes_device_features());
-        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
-        let before = e.backend.tally();
-        let g = e
-            .generate_speculative(&mut s, &prompt, &opts, &mut dev, &spec, |_| {})
-            .unwrap();
-        let target = since(&e, before);
-        let drafted = dev.inner.backend().tally();
-
-        assert_eq!(g.generated_ids, via_host.generated_ids, "{policy:?}");
-        assert_eq!(dev.drafts, host.drafts, "{policy:?}: the same drafts");
-        let (st, sh) = (g.spec.unwrap(), via_host.spec.unwrap());
-        assert_eq!(
-            (st.rounds, st.drafted, st.accepted),
-            (sh.rounds, sh.drafted, sh.accepted),
-            "{policy:?}: the same drafts"
-        );
-        assert!(st.drafted > 0, "{st:?}");
-        // The target: only the verify rows' ids, on the backend path.
-        assert_eq!(target.floats_down, 0, "{policy:?}: {target:?}");
-        // (A step with no draft left in the budget verifies its anchor alone.)
-        assert_eq!(
-            target.ids_down,
-            st.drafted as u64 + target.argmax_calls,
-            "{target:?} for {st:?}"
-        );
-        assert!(target.argmax_calls >= st.rounds as u64, "{target:?}");
-        assert!(target_host.floats_down > 0, "the host path downloads taps");
-        // The drafter: no feature uploaded, and its draft rows read out as ids and their
-        // probabilities — no logits row comes down.
-        assert_eq!(drafted.floats_up, 0, "{policy:?}: {drafted:?}");
-        assert!(drafter_host.floats_up > 0, "the host path uploads them");
-        assert_eq!(drafted.floats_down, 0, "{policy:?}: {drafted:?}");
-        assert_eq!(drafted.downloads, 0, "{policy:?}: {drafted:?}");
-        assert_eq!(drafted.ids_down, drafted.probs_down);
-        assert!(
-            drafted.ids_down >= st.drafted as u64,
-            "{drafted:?} for {st:?}"
-        );
-    }
+    });
 }

@@ -143,6 +143,8 @@ pub struct Eagle3Scratch<B: Backend> {
     enorm: B::Tensor,
     gnorm: B::Tensor,
     cat: B::Tensor,
+    /// The decoder's `g` rows.
+    gt: B::Tensor,
     q: B::Tensor,
     k: B::Tensor,
     v: B::Tensor,
@@ -164,6 +166,20 @@ pub struct Eagle3Scratch<B: Backend> {
     /// Prenorm states of the last decode.
     pub prenorm: Vec<f32>,
     full: Vec<f32>,
+}
+
+impl<B: Backend> Eagle3Scratch<B> {
+    /// The `g` rows of the last [`Eagle3::encode_rows`], on the backend.
+    #[must_use]
+    pub fn g_rows(&self) -> &B::Tensor {
+        &self.g
+    }
+
+    /// The prenorm states of the last decode, on the backend: the next chain step's `g`.
+    #[must_use]
+    pub fn prenorm_rows(&self) -> &B::Tensor {
+        &self.x
+    }
 }
 
 /// A loaded EAGLE-3 head.
@@ -341,6 +357,7 @@ impl<B: Backend> Eagle3<B> {
             enorm: z(),
             gnorm: z(),
             cat: z(),
+            gt: z(),
             q: z(),
             k: z(),
             v: z(),
@@ -389,15 +406,52 @@ impl<B: Backend> Eagle3<B> {
         }
         sanitize(features, &mut s.sanitized);
         s.feats = be.from_host(n, w, &s.sanitized);
+        self.encode_feats(be, s);
+        be.to_host(&s.g, &mut s.h1);
+        out.extend_from_slice(&s.h1);
+        Ok(())
+    }
+
+    /// [`Eagle3::encode`] of rows `rows` of `features`, a backend tensor (`[_,
+    /// feature_width]`, the target's taps as [`crate::TapSink::Device`] writes them),
+    /// sanitized there; the `g` rows are left in [`Eagle3Scratch::g`] — nothing goes through
+    /// the host.
+    ///
+    /// # Errors
+    /// A tensor of the wrong width or too few rows.
+    pub fn encode_rows(
+        &self,
+        be: &B,
+        s: &mut Eagle3Scratch<B>,
+        features: &B::Tensor,
+        rows: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let w = self.feature_width();
+        let (t_rows, t_cols) = be.shape(features);
+        if t_cols != w || rows.end > t_rows {
+            return Err(ModelError::Features {
+                what: "EAGLE-3 encoder",
+                got: rows.len().min(t_rows) * t_cols,
+                rows: rows.len(),
+                width: w,
+            });
+        }
+        s.cells.clear();
+        s.cells.extend(rows);
+        be.copy_rows(features, &s.cells, &mut s.feats);
+        be.clamp_finite(&mut s.feats, crate::dflash::F16_MAX);
+        self.encode_feats(be, s);
+        Ok(())
+    }
+
+    /// `s.g = fc(fc_norm(s.feats))`.
+    fn encode_feats(&self, be: &B, s: &mut Eagle3Scratch<B>) {
         if let Some(nw) = &self.fc_norm {
             be.rms_norm(&s.feats, Some(nw), self.hp.rms_eps, &mut s.fnorm);
             self.fc.matmul(be, &s.fnorm, &mut s.g);
         } else {
             self.fc.matmul(be, &s.feats, &mut s.g);
         }
-        be.to_host(&s.g, &mut s.h1);
-        out.extend_from_slice(&s.h1);
-        Ok(())
     }
 
     /// Runs decoder rows `(tokens[i], g[i])` at positions `pos[i]` (cell = position), causal
@@ -421,8 +475,7 @@ impl<B: Backend> Eagle3<B> {
         pos: &[u32],
         logits: bool,
     ) -> Result<()> {
-        let hp = &self.hp;
-        let (n, e) = (tokens.len(), hp.n_embd);
+        let (n, e) = (tokens.len(), self.hp.n_embd);
         if n == 0 || pos.len() != n || g.len() != n * e {
             return Err(ModelError::DecoderRows {
                 what: "EAGLE-3 decoder",
@@ -432,6 +485,95 @@ impl<B: Backend> Eagle3<B> {
                 width: e,
             });
         }
+        s.gt = be.from_host(n, e, g);
+        self.decode_gt(be, kv, n_ctx, s, tokens, pos)?;
+        be.to_host(&s.x, &mut s.prenorm);
+        if !logits {
+            return Ok(());
+        }
+        self.head(be, s);
+        be.to_host(&s.logits, &mut s.logits_host);
+        if let Some(d2t) = &self.d2t {
+            scatter_d2t(d2t, &s.logits_host, self.n_vocab, &mut s.full);
+            std::mem::swap(&mut s.full, &mut s.logits_host);
+        }
+        Ok(())
+    }
+
+    /// [`Eagle3::decode`] with `g` on the backend: rows `g_rows` of `g` (`[_, n_embd]`).
+    /// The prenorm states stay in [`Eagle3Scratch::prenorm_rows`]; with `top1`, each row's
+    /// top-1 token (a target id, through `d2t`) and its probability go to `ids` and `probs`
+    /// ([`Backend::top1_rows`]) — nothing else reaches the host.
+    ///
+    /// # Errors
+    /// As [`Eagle3::decode`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the decoder's inputs and its read-out"
+    )]
+    pub fn decode_rows(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut Eagle3Scratch<B>,
+        tokens: &[u32],
+        g: &B::Tensor,
+        g_rows: &[usize],
+        pos: &[u32],
+        top1: Option<(&mut Vec<u32>, &mut Vec<f32>)>,
+    ) -> Result<()> {
+        let (n, e) = (tokens.len(), self.hp.n_embd);
+        let (t_rows, t_cols) = be.shape(g);
+        if n == 0
+            || pos.len() != n
+            || g_rows.len() != n
+            || t_cols != e
+            || g_rows.iter().any(|&r| r >= t_rows)
+        {
+            return Err(ModelError::DecoderRows {
+                what: "EAGLE-3 decoder",
+                tokens: n,
+                positions: pos.len(),
+                values: g_rows.len() * t_cols,
+                width: e,
+            });
+        }
+        be.copy_rows(g, g_rows, &mut s.gt);
+        self.decode_gt(be, kv, n_ctx, s, tokens, pos)?;
+        if let Some((ids, probs)) = top1 {
+            self.head(be, s);
+            be.top1_rows(&s.logits, ids, probs);
+            if let Some(d2t) = &self.d2t {
+                for id in ids.iter_mut() {
+                    if let Some(&t) = d2t.get(*id as usize) {
+                        *id = t;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The output norm and head over the prenorm rows `s.x`: draft-vocabulary logits in
+    /// `s.logits`.
+    fn head(&self, be: &B, s: &mut Eagle3Scratch<B>) {
+        be.rms_norm(&s.x, Some(&self.output_norm), self.hp.rms_eps, &mut s.norm);
+        self.output.matmul(be, &s.norm, &mut s.logits);
+    }
+
+    /// The decoder over the `g` rows in `s.gt`, leaving the prenorm states in `s.x`.
+    fn decode_gt(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut Eagle3Scratch<B>,
+        tokens: &[u32],
+        pos: &[u32],
+    ) -> Result<()> {
+        let hp = &self.hp;
+        let (n, e) = (tokens.len(), hp.n_embd);
         let max = pos.iter().max().map_or(0, |&p| p as usize);
         if max >= n_ctx {
             return Err(ModelError::PastCache {
@@ -458,8 +600,7 @@ impl<B: Backend> Eagle3<B> {
 
         be.get_rows(&self.tok_embd, tokens, &mut s.emb);
         be.rms_norm(&s.emb, Some(&self.attn_norm), hp.rms_eps, &mut s.enorm);
-        let gt = be.from_host(n, e, g);
-        be.rms_norm(&gt, Some(&self.hidden_norm), hp.rms_eps, &mut s.gnorm);
+        be.rms_norm(&s.gt, Some(&self.hidden_norm), hp.rms_eps, &mut s.gnorm);
         // [embed_norm | g_norm], 2·E wide, put together on the backend.
         be.resize(&mut s.cat, n, 2 * e);
         be.put_cols(&s.enorm, 0, &mut s.cat);
@@ -490,7 +631,7 @@ impl<B: Backend> Eagle3<B> {
         if hp.norm_before_residual {
             be.add(&mut s.x, &s.gnorm);
         } else {
-            be.add(&mut s.x, &gt);
+            be.add(&mut s.x, &s.gt);
         }
         be.rms_norm(&s.x, Some(&self.ffn_norm), hp.rms_eps, &mut s.cur);
         self.ffn_gate.matmul(be, &s.cur, &mut s.gate);
@@ -498,17 +639,6 @@ impl<B: Backend> Eagle3<B> {
         be.swiglu(&s.gate, &s.up, &mut s.act);
         self.ffn_down.matmul(be, &s.act, &mut s.proj);
         be.add(&mut s.x, &s.proj);
-        be.to_host(&s.x, &mut s.prenorm);
-        if !logits {
-            return Ok(());
-        }
-        be.rms_norm(&s.x, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
-        self.output.matmul(be, &s.norm, &mut s.logits);
-        be.to_host(&s.logits, &mut s.logits_host);
-        if let Some(d2t) = &self.d2t {
-            scatter_d2t(d2t, &s.logits_host, self.n_vocab, &mut s.full);
-            std::mem::swap(&mut s.full, &mut s.logits_host);
-        }
         Ok(())
     }
 }

@@ -40,6 +40,7 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
+use super::rows::DevRows;
 use crate::{Engine, EngineError, Result};
 
 /// When target features are written into the draft cache (`--dflash-defer-injection`).
@@ -54,11 +55,11 @@ pub enum Injection {
 
 /// Target batches not yet injected (deferred injection): positions `pos0..pos0 + len`, the
 /// first `committed` of them committed, the rest a verify batch waiting for its acceptance.
-/// Their features stay on the backend: rows `0..tokens.len()` of `features`.
+/// Their features stay on the backend, one row per token.
 struct Stash<B: Backend> {
     pos0: usize,
     tokens: Vec<u32>,
-    features: B::Tensor,
+    features: DevRows<B>,
     committed: usize,
 }
 
@@ -68,7 +69,7 @@ impl<B: Backend> Stash<B> {
         Self {
             pos0,
             tokens: Vec::new(),
-            features: be.zeros(0, width),
+            features: DevRows::new(be, width),
             committed: 0,
         }
     }
@@ -77,6 +78,7 @@ impl<B: Backend> Stash<B> {
     fn truncate(&mut self, n: usize) {
         let n = n.min(self.tokens.len());
         self.tokens.truncate(n);
+        self.features.truncate(n);
         self.committed = self.committed.min(n);
     }
 
@@ -86,37 +88,14 @@ impl<B: Backend> Stash<B> {
 
     /// Appends `tokens` with rows `rows` of `features`, on the backend.
     fn append(&mut self, be: &B, tokens: &[u32], features: &B::Tensor, rows: Range<usize>) {
-        let (n, m) = (self.tokens.len(), tokens.len());
-        let (cap, width) = be.shape(&self.features);
-        let mut tmp = be.zeros(0, width);
-        if cap < n + m {
-            // Room for the stash to grow by doubling, copying its rows once each time.
-            let mut grown = be.zeros((n + m).max(2 * cap).max(16), width);
-            if n > 0 {
-                let kept: Vec<usize> = (0..n).collect();
-                be.copy_rows(&self.features, &kept, &mut tmp);
-                be.put_rows(&tmp, &kept, &mut grown);
-            }
-            self.features = grown;
-        }
-        let from: Vec<usize> = rows.collect();
-        let to: Vec<usize> = (n..n + m).collect();
-        be.copy_rows(features, &from, &mut tmp);
-        be.put_rows(&tmp, &to, &mut self.features);
+        self.features.append(be, features, rows);
         self.tokens.extend_from_slice(tokens);
     }
 
     /// Drops the first `d` rows.
     fn drain_front(&mut self, be: &B, d: usize) {
-        let n = self.tokens.len();
-        let d = d.min(n);
-        if d > 0 && d < n {
-            let mut tmp = be.zeros(0, 0);
-            let rest: Vec<usize> = (d..n).collect();
-            be.copy_rows(&self.features, &rest, &mut tmp);
-            let to: Vec<usize> = (0..n - d).collect();
-            be.put_rows(&tmp, &to, &mut self.features);
-        }
+        let d = d.min(self.tokens.len());
+        self.features.drain_front(be, d);
         self.tokens.drain(..d);
         self.pos0 += d;
         self.committed -= d.min(self.committed);
@@ -125,15 +104,10 @@ impl<B: Backend> Stash<B> {
     /// A copy of the first `n` rows (tokens and features).
     fn head(&self, be: &B, n: usize) -> Self {
         let n = n.min(self.tokens.len());
-        let mut features = be.zeros(0, be.shape(&self.features).1);
-        if n > 0 {
-            let rows: Vec<usize> = (0..n).collect();
-            be.copy_rows(&self.features, &rows, &mut features);
-        }
         Self {
             pos0: self.pos0,
             tokens: self.tokens[..n].to_vec(),
-            features,
+            features: self.features.head(be, n),
             committed: self.committed.min(n),
         }
     }
@@ -419,7 +393,7 @@ impl<B: Backend> DflashDrafter<B> {
         if intact {
             self.ctx_tokens.truncate(h.pos0);
             self.base = h.pos0;
-            self.inject(&h.tokens, h.pos0, &h.features, 0..h.tokens.len())?;
+            self.inject(&h.tokens, h.pos0, h.features.tensor(), 0..h.tokens.len())?;
         }
         Ok(())
     }
@@ -428,7 +402,7 @@ impl<B: Backend> DflashDrafter<B> {
     fn flush(&mut self, keep: usize) -> Result<(), SpecError> {
         if let Some(st) = self.stash.take() {
             let keep = keep.min(st.tokens.len());
-            self.inject(&st.tokens[..keep], st.pos0, &st.features, 0..keep)?;
+            self.inject(&st.tokens[..keep], st.pos0, st.features.tensor(), 0..keep)?;
         }
         Ok(())
     }
@@ -443,7 +417,7 @@ impl<B: Backend> DflashDrafter<B> {
             self.stash = Some(st);
             return Ok(());
         }
-        let r = self.inject(&st.tokens[..n], st.pos0, &st.features, 0..n);
+        let r = self.inject(&st.tokens[..n], st.pos0, st.features.tensor(), 0..n);
         st.drain_front(&self.backend, n);
         if !st.tokens.is_empty() {
             self.stash = Some(st);

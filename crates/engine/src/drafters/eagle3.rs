@@ -1,7 +1,8 @@
 //! EAGLE-3 as a [`Drafter`]: chain drafting in feature space.
 //!
-//! Target batches are encoded lazily (`g = fc(features)`, kept on the host: one row of the
-//! head's width per position): a batch's raw features wait until a draft needs them and are
+//! Target batches are encoded lazily (`g = fc(features)`, kept on the backend: one row of the
+//! head's width per position; the features come as a backend tensor when the target captures
+//! them there, [`Drafter::process_device_features`]): a batch's raw features wait until a draft needs them and are
 //! then encoded with every other waiting row in one matrix product (at most
 //! [`ENCODE_CHUNK`] rows wait; a longer wait is encoded), so steps the policy runs without a
 //! draft cost the drafter nothing but a copy. The head's cache holds pairs `(token[P + 1], g[P])` at
@@ -19,6 +20,7 @@
 //! that is not a probe (drafting paid) encodes them and writes the pairs from the first held
 //! position again.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use specula_gguf::Gguf;
@@ -27,26 +29,24 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
-use super::top1;
+use super::rows::DevRows;
 use crate::{Engine, Result};
 
 /// What [`Drafter::state`] saves: the head's context.
-#[derive(Clone, Debug)]
-struct State {
+struct State<B: Backend> {
     seq: Vec<u32>,
-    g: Vec<f32>,
+    g: DevRows<B>,
     g_base: usize,
-    raw: Vec<f32>,
+    raw: DevRows<B>,
     pairs: usize,
 }
 
 /// What a windowed restart set aside: `g` rows of positions `g_base..`, then raw rows up to
 /// the window.
-#[derive(Clone, Debug)]
-struct Held {
+struct Held<B: Backend> {
     g_base: usize,
-    g: Vec<f32>,
-    raw: Vec<f32>,
+    g: DevRows<B>,
+    raw: DevRows<B>,
 }
 
 /// The most rows whose raw features wait to be encoded; a batch that would pass it encodes
@@ -63,23 +63,29 @@ pub struct Eagle3Drafter<B: Backend> {
     taps: Vec<usize>,
     /// Tokens at positions `0..seq.len()` whose features are known (target-run positions).
     seq: Vec<u32>,
-    /// `g` of positions `g_base..`, row-major…
-    g: Vec<f32>,
+    /// `g` of positions `g_base..`…
+    g: DevRows<B>,
     /// First position with a `g` row (0 unless a probe restarted the context).
     g_base: usize,
     /// Rows set aside by a probe's windowed restart.
-    held: Option<Held>,
+    held: Option<Held<B>>,
     /// The last draft was a probe asked with this window.
     probing: Option<usize>,
     /// …and the raw features of the rest, waiting to be encoded (`feature_width` per row).
-    raw: Vec<f32>,
+    raw: DevRows<B>,
     /// Pairs written into the cache: positions `pairs_base..pairs`.
     pairs: usize,
     /// First position whose pair the cache holds (0 unless a probe restarted it).
     pairs_base: usize,
     tokens: Vec<u32>,
     pos: Vec<u32>,
-    gbuf: Vec<f32>,
+    /// Row indices into `g`.
+    rows: Vec<usize>,
+    /// The chain's current `g` row (the previous step's prenorm state).
+    chain_g: B::Tensor,
+    /// Each chain step's top-1 and its probability.
+    ids: Vec<u32>,
+    probs: Vec<f32>,
 }
 
 impl<B: Backend> std::fmt::Debug for Eagle3Drafter<B> {
@@ -131,6 +137,9 @@ impl<B: Backend> Eagle3Drafter<B> {
             .map_err(specula_models::ModelError::from)?;
         let scratch = net.scratch(&backend);
         let taps = net.hparams().target_layers.clone();
+        let g = DevRows::new(&*backend, net.hparams().n_embd);
+        let raw = DevRows::new(&*backend, net.feature_width());
+        let chain_g = backend.zeros(0, 0);
         Ok(Self {
             backend,
             net,
@@ -139,8 +148,8 @@ impl<B: Backend> Eagle3Drafter<B> {
             scratch,
             taps,
             seq: Vec::new(),
-            g: Vec::new(),
-            raw: Vec::new(),
+            g,
+            raw,
             pairs: 0,
             pairs_base: 0,
             g_base: 0,
@@ -148,8 +157,17 @@ impl<B: Backend> Eagle3Drafter<B> {
             probing: None,
             tokens: Vec::new(),
             pos: Vec::new(),
-            gbuf: Vec::new(),
+            rows: Vec::new(),
+            chain_g,
+            ids: Vec::new(),
+            probs: Vec::new(),
         })
+    }
+
+    /// The backend the drafter runs on.
+    #[must_use]
+    pub fn backend(&self) -> &B {
+        &self.backend
     }
 
     /// The network.
@@ -165,7 +183,7 @@ impl<B: Backend> Eagle3Drafter<B> {
     }
 }
 
-impl<B: Backend> Drafter for Eagle3Drafter<B> {
+impl<B: Backend + 'static> Drafter for Eagle3Drafter<B> {
     fn name(&self) -> &'static str {
         "draft-eagle3"
     }
@@ -204,11 +222,6 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
         pos0: usize,
         features: &[f32],
     ) -> Result<(), SpecError> {
-        if pos0 > self.seq.len() {
-            // The target ran positions we never saw: no context past the gap.
-            return Ok(());
-        }
-        self.truncate(pos0);
         let w = self.net.feature_width();
         if features.len() != tokens.len() * w {
             return Err(SpecError::Features {
@@ -218,21 +231,27 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
                 width: w,
             });
         }
-        if self.raw.len() + features.len() > ENCODE_CHUNK * w {
-            let e = self.net.hparams().n_embd;
-            let g_end = self.g_base + self.g.len() / e;
-            match self.probing {
-                // Only probes are asked: the next one starts from its window anyway.
-                Some(window) if self.seq.len() > g_end + window => {
-                    self.window_to(self.seq.len() - window);
-                    self.held = None;
-                }
-                _ => self.encode_waiting()?,
-            }
-        }
-        self.raw.extend_from_slice(features);
-        self.seq.extend_from_slice(tokens);
-        Ok(())
+        let t = self.backend.from_host(tokens.len(), w, features);
+        self.take_in(tokens, pos0, &t, 0..tokens.len())
+    }
+
+    fn takes_device_features(&self) -> bool {
+        true
+    }
+
+    fn process_device_features(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &(dyn std::any::Any + Send + Sync),
+        rows: Range<usize>,
+    ) -> Result<(), SpecError> {
+        let t = features
+            .downcast_ref::<B::Tensor>()
+            .ok_or(SpecError::DeviceFeatures {
+                drafter: "draft-eagle3",
+            })?;
+        self.take_in(tokens, pos0, t, rows)
     }
 
     fn draft(&mut self, p: &DraftParams<'_>) -> Result<Vec<u32>, SpecError> {
@@ -261,7 +280,6 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             return Ok(Vec::new());
         }
         self.encode_waiting()?;
-        let e = self.net.hparams().n_embd;
         // Pairs of the committed positions not written yet: (token[P + 1], g[P]), P < N − 1.
         if self.pairs + 1 < n {
             self.tokens.clear();
@@ -270,72 +288,78 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
             self.pos.extend(
                 (self.pairs - base..n - 1 - base).map(|q| u32::try_from(q).unwrap_or(u32::MAX)),
             );
+            self.rows.clear();
+            self.rows
+                .extend(self.pairs - self.g_base..n - 1 - self.g_base);
             self.net
-                .decode(
+                .decode_rows(
                     &self.backend,
                     &mut self.kv,
                     self.n_ctx,
                     &mut self.scratch,
                     &self.tokens,
-                    &self.g[(self.pairs - self.g_base) * e..(n - 1 - self.g_base) * e],
+                    self.g.tensor(),
+                    &self.rows,
                     &self.pos,
-                    false,
+                    None,
                 )
                 .map_err(err)?;
             self.pairs = n - 1;
         }
         // The chain: seed (anchor, g[N − 1]) at N − 1, then (draft, prenorm) onwards.
-        self.gbuf.clear();
-        self.gbuf
-            .extend_from_slice(&self.g[(n - 1 - self.g_base) * e..(n - self.g_base) * e]);
+        self.backend
+            .copy_rows(self.g.tensor(), &[n - 1 - self.g_base], &mut self.chain_g);
         let mut tok = anchor;
         let mut out = Vec::with_capacity(k);
         for step in 0..k {
             let pos = u32::try_from(n - 1 - base + step).unwrap_or(u32::MAX);
             self.net
-                .decode(
+                .decode_rows(
                     &self.backend,
                     &mut self.kv,
                     self.n_ctx,
                     &mut self.scratch,
                     &[tok],
-                    &self.gbuf,
+                    &self.chain_g,
+                    &[0],
                     &[pos],
-                    true,
+                    Some((&mut self.ids, &mut self.probs)),
                 )
                 .map_err(err)?;
-            let (t, prob) = top1(&self.scratch.logits_host);
-            if prob < p.p_min {
+            let (t, prob) = (self.ids[0], self.probs[0]);
+            if t == specula_tensor::NO_ARGMAX || prob < p.p_min {
                 break;
             }
             out.push(t);
             tok = t;
-            self.gbuf.clone_from(&self.scratch.prenorm);
+            self.backend
+                .copy_rows(self.scratch.prenorm_rows(), &[0], &mut self.chain_g);
         }
         Ok(out)
     }
 
     fn state(&self) -> DrafterState {
-        Box::new(State {
+        let be = &*self.backend;
+        Box::new(State::<B> {
             seq: self.seq.clone(),
-            g: self.g.clone(),
+            g: self.g.copy(be),
             g_base: self.g_base,
-            raw: self.raw.clone(),
+            raw: self.raw.copy(be),
             pairs: self.pairs,
         })
     }
 
     fn restore(&mut self, state: &DrafterState) -> Result<(), SpecError> {
         let st = state
-            .downcast_ref::<State>()
+            .downcast_ref::<State<B>>()
             .ok_or(SpecError::ForeignState("draft-eagle3"))?;
         // Cells are positions: the cache still holds the pairs of the common prefix.
         let common = crate::common_prefix(&self.seq, &st.seq);
         let pairs = self.pairs.min(st.pairs).min(common.saturating_sub(1));
         self.seq.clone_from(&st.seq);
-        self.g.clone_from(&st.g);
+        self.g = st.g.copy(&self.backend);
         self.g_base = st.g_base;
-        self.raw.clone_from(&st.raw);
+        self.raw = st.raw.copy(&self.backend);
         self.held = None;
         self.pairs = pairs;
         self.pairs_base = self.pairs_base.min(pairs);
@@ -349,21 +373,58 @@ impl<B: Backend> Drafter for Eagle3Drafter<B> {
 }
 
 impl<B: Backend> Eagle3Drafter<B> {
+    /// [`Drafter::process_features`] with rows `rows` of `features` on the backend.
+    fn take_in(
+        &mut self,
+        tokens: &[u32],
+        pos0: usize,
+        features: &B::Tensor,
+        rows: Range<usize>,
+    ) -> Result<(), SpecError> {
+        let w = self.net.feature_width();
+        let (t_rows, t_cols) = self.backend.shape(features);
+        if t_cols != w || rows.len() != tokens.len() || rows.end > t_rows {
+            return Err(SpecError::Features {
+                drafter: "draft-eagle3",
+                got: rows.len().min(t_rows.saturating_sub(rows.start)) * t_cols,
+                tokens: tokens.len(),
+                width: w,
+            });
+        }
+        if pos0 > self.seq.len() {
+            // The target ran positions we never saw: no context past the gap.
+            return Ok(());
+        }
+        self.truncate(pos0);
+        if self.raw.len() + tokens.len() > ENCODE_CHUNK {
+            let g_end = self.g_base + self.g.len();
+            match self.probing {
+                // Only probes are asked: the next one starts from its window anyway.
+                Some(window) if self.seq.len() > g_end + window => {
+                    self.window_to(self.seq.len() - window);
+                    self.held = None;
+                }
+                _ => self.encode_waiting()?,
+            }
+        }
+        self.raw.append(&self.backend, features, rows);
+        self.seq.extend_from_slice(tokens);
+        Ok(())
+    }
+
     /// Keeps the context of positions `0..n`: pairs need the token after them.
     fn truncate(&mut self, n: usize) {
-        let e = self.net.hparams().n_embd;
-        let g_end = self.g_base + self.g.len() / e;
+        let g_end = self.g_base + self.g.len();
         self.seq.truncate(n);
         if n < self.g_base {
             // Before the context's start: it starts again at `n`.
-            self.g.clear();
-            self.raw.clear();
+            self.g.truncate(0);
+            self.raw.truncate(0);
             self.g_base = n;
             self.held = None;
         }
-        self.g.truncate((n - self.g_base) * e);
-        self.raw
-            .truncate(n.saturating_sub(g_end) * self.net.feature_width());
+        self.g.truncate(n - self.g_base);
+        self.raw.truncate(n.saturating_sub(g_end));
         self.pairs = self.pairs.min(n.saturating_sub(1));
         if self.pairs < self.g_base {
             self.pairs = self.g_base;
@@ -375,14 +436,14 @@ impl<B: Backend> Eagle3Drafter<B> {
     /// A probe's restart at `start`: pairs from there on; when the window's rows are all
     /// still raw, the rows before it are held, not encoded.
     fn window_to(&mut self, start: usize) {
-        let (e, fw) = (self.net.hparams().n_embd, self.net.feature_width());
-        let g_end = self.g_base + self.g.len() / e;
+        let g_end = self.g_base + self.g.len();
         if start > g_end {
-            let skip = (start - g_end) * fw;
+            let be = &*self.backend;
+            let width = self.net.hparams().n_embd;
             self.held = Some(Held {
                 g_base: self.g_base,
-                g: std::mem::take(&mut self.g),
-                raw: self.raw.drain(..skip).collect(),
+                g: std::mem::replace(&mut self.g, DevRows::new(be, width)),
+                raw: self.raw.drain_front(be, start - g_end),
             });
             self.g_base = start;
         }
@@ -393,20 +454,24 @@ impl<B: Backend> Eagle3Drafter<B> {
     /// A draft that is not a probe: held rows are encoded and joined to the context again,
     /// and the pairs are written from the first position with a `g` row.
     fn bring_back(&mut self) -> Result<(), SpecError> {
-        let e = self.net.hparams().n_embd;
-        if let Some(h) = self.held.take() {
-            let fw = self.net.feature_width();
-            if h.g_base + h.g.len() / e + h.raw.len() / fw == self.g_base {
-                let mut g = h.g;
-                if !h.raw.is_empty() {
-                    self.net
-                        .encode(&self.backend, &mut self.scratch, &h.raw, &mut g)
-                        .map_err(err)?;
-                }
-                g.extend_from_slice(&self.g);
-                self.g = g;
-                self.g_base = h.g_base;
+        if let Some(h) = self.held.take()
+            && h.g_base + h.g.len() + h.raw.len() == self.g_base
+        {
+            let mut g = h.g;
+            if h.raw.len() > 0 {
+                self.net
+                    .encode_rows(
+                        &self.backend,
+                        &mut self.scratch,
+                        h.raw.tensor(),
+                        0..h.raw.len(),
+                    )
+                    .map_err(err)?;
+                g.append(&self.backend, self.scratch.g_rows(), 0..h.raw.len());
             }
+            g.extend(&self.backend, &self.g);
+            self.g = g;
+            self.g_base = h.g_base;
         }
         if self.pairs_base > self.g_base {
             self.pairs = self.g_base;
@@ -417,30 +482,24 @@ impl<B: Backend> Eagle3Drafter<B> {
 
     /// Encodes the waiting raw features in one pass, appending their `g` rows.
     fn encode_waiting(&mut self) -> Result<(), SpecError> {
-        if self.raw.is_empty() {
+        let rows = self.raw.len();
+        if rows == 0 {
             return Ok(());
         }
-        let e = self.net.hparams().n_embd;
-        let rows = self.raw.len() / self.net.feature_width();
-        let before = self.g.len();
-        let encoded = self
-            .net
-            .encode(&self.backend, &mut self.scratch, &self.raw, &mut self.g);
-        if let Err(e) = encoded {
-            self.g.truncate(before);
-            return Err(err(e));
-        }
-        if self.g.len() - before != rows * e {
-            let got = self.g.len() - before;
-            self.g.truncate(before);
+        self.net
+            .encode_rows(&self.backend, &mut self.scratch, self.raw.tensor(), 0..rows)
+            .map_err(err)?;
+        let (got, width) = self.backend.shape(self.scratch.g_rows());
+        if got != rows {
             return Err(SpecError::Features {
                 drafter: "draft-eagle3",
-                got,
+                got: got * width,
                 tokens: rows,
-                width: e,
+                width,
             });
         }
-        self.raw.clear();
+        self.g.append(&self.backend, self.scratch.g_rows(), 0..rows);
+        self.raw.truncate(0);
         Ok(())
     }
 }

@@ -8,8 +8,8 @@
 mod dflash;
 mod draft_model;
 mod eagle3;
+mod rows;
 
 pub use dflash::{DflashDrafter, Injection};
-pub(crate) use draft_model::top1;
 pub use draft_model::{DraftModel, VocabMismatch, check_vocab, frequent_tokens};
 pub use eagle3::Eagle3Drafter;

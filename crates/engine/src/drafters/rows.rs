@@ -1,0 +1,99 @@
+//! Rows a drafter keeps on its backend — target features waiting to be encoded or injected,
+//! EAGLE-3's encoded `g` rows — so that they never travel to the host and back: a tensor
+//! with room to grow and the count of its rows in use.
+
+use std::ops::Range;
+
+use specula_tensor::Backend;
+
+/// The first `n` rows of `t` (`[capacity, width]`).
+pub(crate) struct DevRows<B: Backend> {
+    t: B::Tensor,
+    n: usize,
+}
+
+impl<B: Backend> DevRows<B> {
+    /// No rows, `width` wide.
+    pub(crate) fn new(be: &B, width: usize) -> Self {
+        Self {
+            t: be.zeros(0, width),
+            n: 0,
+        }
+    }
+
+    /// Rows in use.
+    pub(crate) fn len(&self) -> usize {
+        self.n
+    }
+
+    /// The tensor (its first [`DevRows::len`] rows are the rows).
+    pub(crate) fn tensor(&self) -> &B::Tensor {
+        &self.t
+    }
+
+    /// Keeps the first `n` rows.
+    pub(crate) fn truncate(&mut self, n: usize) {
+        self.n = self.n.min(n);
+    }
+
+    /// Appends rows `rows` of `src` (of this width).
+    pub(crate) fn append(&mut self, be: &B, src: &B::Tensor, rows: Range<usize>) {
+        let m = rows.len();
+        if m == 0 {
+            return;
+        }
+        let (cap, width) = be.shape(&self.t);
+        let mut tmp = be.zeros(0, width);
+        if cap < self.n + m {
+            // Room to grow by doubling: each row is copied once per doubling.
+            let mut grown = be.zeros((self.n + m).max(2 * cap).max(16), width);
+            if self.n > 0 {
+                let kept: Vec<usize> = (0..self.n).collect();
+                be.copy_rows(&self.t, &kept, &mut tmp);
+                be.put_rows(&tmp, &kept, &mut grown);
+            }
+            self.t = grown;
+        }
+        let from: Vec<usize> = rows.collect();
+        let to: Vec<usize> = (self.n..self.n + m).collect();
+        be.copy_rows(src, &from, &mut tmp);
+        be.put_rows(&tmp, &to, &mut self.t);
+        self.n += m;
+    }
+
+    /// Appends every row of `other`.
+    pub(crate) fn extend(&mut self, be: &B, other: &Self) {
+        self.append(be, &other.t, 0..other.n);
+    }
+
+    /// Removes the first `d` rows and returns them.
+    pub(crate) fn drain_front(&mut self, be: &B, d: usize) -> Self {
+        let d = d.min(self.n);
+        let head = self.head(be, d);
+        if d > 0 && d < self.n {
+            let mut tmp = be.zeros(0, 0);
+            let rest: Vec<usize> = (d..self.n).collect();
+            be.copy_rows(&self.t, &rest, &mut tmp);
+            let to: Vec<usize> = (0..self.n - d).collect();
+            be.put_rows(&tmp, &to, &mut self.t);
+        }
+        self.n -= d;
+        head
+    }
+
+    /// A copy of the first `n` rows.
+    pub(crate) fn head(&self, be: &B, n: usize) -> Self {
+        let n = n.min(self.n);
+        let mut t = be.zeros(0, be.shape(&self.t).1);
+        if n > 0 {
+            let rows: Vec<usize> = (0..n).collect();
+            be.copy_rows(&self.t, &rows, &mut t);
+        }
+        Self { t, n }
+    }
+
+    /// A copy of every row.
+    pub(crate) fn copy(&self, be: &B) -> Self {
+        self.head(be, self.n)
+    }
+}
