@@ -434,7 +434,6 @@ pub struct DflashScratch<B: Backend> {
     cells: Vec<usize>,
     /// Feature rows to copy ([`Dflash::inject_rows`]).
     rows: Vec<usize>,
-    sanitized: Vec<f32>,
     host: Vec<f32>,
     full: Vec<f32>,
     dyn_attn: Vec<f32>,
@@ -519,20 +518,9 @@ pub(crate) fn read_d2t(file: &Gguf, n_vocab_target: usize) -> Result<Option<Vec<
     Ok(Some(out))
 }
 
-/// `NaN → 0`, `|x| > 65504 → ±65504` (llama.cpp's guard against massive activations poisoning
-/// the draft cache through f16 staging).
-pub(crate) fn sanitize(src: &[f32], dst: &mut Vec<f32>) {
-    dst.clear();
-    dst.extend(src.iter().map(|&x| {
-        if x.is_nan() {
-            0.0
-        } else {
-            x.clamp(-F16_MAX, F16_MAX)
-        }
-    }));
-}
-
-/// The largest finite f16: [`sanitize`]'s bound ([`Backend::clamp_finite`]'s on the backend).
+/// The largest finite f16: target features are clamped to it, NaN set to 0
+/// ([`Backend::clamp_finite`]) — llama.cpp's guard against massive activations poisoning the
+/// draft cache through f16 staging.
 pub(crate) const F16_MAX: f32 = 65504.0;
 
 /// Scatters rows of draft-vocabulary logits into target-vocabulary rows, −∞ elsewhere.
@@ -797,7 +785,6 @@ impl<B: Backend> Dflash<B> {
             kv_pos: Vec::new(),
             cells: Vec::new(),
             rows: Vec::new(),
-            sanitized: Vec::new(),
             host: Vec::new(),
             full: Vec::new(),
             dyn_attn: Vec::new(),
@@ -844,18 +831,8 @@ impl<B: Backend> Dflash<B> {
                 width: w,
             });
         }
-        if let Some(&p) = pos.iter().find(|&&p| p as usize >= n_ctx) {
-            return Err(ModelError::PastCache {
-                what: "DFlash injection",
-                rows: n,
-                pos: p as usize,
-                n_ctx,
-            });
-        }
-        sanitize(features, &mut s.sanitized);
-        s.feats = be.from_host(n, w, &s.sanitized);
-        self.encode_context(be, kv, s, pos);
-        Ok(())
+        let t = be.from_host(n, w, features);
+        self.inject_rows(be, kv, n_ctx, s, &t, 0..n, pos)
     }
 
     /// [`Dflash::inject`] of features that lie on the backend: `rows` of `features` (a

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use specula_gguf::Gguf;
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, RopeConfig, RopeKind};
 
-use crate::dflash::{read_d2t, sanitize, scatter_d2t, usize_array};
+use crate::dflash::{read_d2t, scatter_d2t, usize_array};
 use crate::{
     AttnHparams, Linear, Loader, Model, ModelError, Result, count, get_usize, int_bound, mul,
     opt_usize,
@@ -160,7 +160,6 @@ pub struct Eagle3Scratch<B: Backend> {
     kv_pos: Vec<u32>,
     cells: Vec<usize>,
     h1: Vec<f32>,
-    sanitized: Vec<f32>,
     /// Logits of the last decode (target vocabulary).
     pub logits_host: Vec<f32>,
     /// Prenorm states of the last decode.
@@ -373,7 +372,6 @@ impl<B: Backend> Eagle3<B> {
             kv_pos: Vec::new(),
             cells: Vec::new(),
             h1: Vec::new(),
-            sanitized: Vec::new(),
             logits_host: Vec::new(),
             prenorm: Vec::new(),
             full: Vec::new(),
@@ -404,9 +402,8 @@ impl<B: Backend> Eagle3<B> {
         if n == 0 {
             return Ok(());
         }
-        sanitize(features, &mut s.sanitized);
-        s.feats = be.from_host(n, w, &s.sanitized);
-        self.encode_feats(be, s);
+        let t = be.from_host(n, w, features);
+        self.encode_rows(be, s, &t, 0..n)?;
         be.to_host(&s.g, &mut s.h1);
         out.extend_from_slice(&s.h1);
         Ok(())

@@ -274,18 +274,20 @@ pub fn add_rows_scaled(dst: &mut [f32], rows: &[u32], src: &[f32], w: &[f32], n:
     }
 }
 
-/// `out[r]` = the column of the largest value of row `r` (`cols` values), the lowest among
-/// equal maxima; NaN and −∞ never win, and a row of nothing else gives `u32::MAX`
-/// (`specula_tensor::NO_ARGMAX`). One cube per row: each unit scans its columns in order
-/// (keeping the first of equal values), then a fixed tree keeps the larger value, or the
-/// lower column of equal ones.
-#[cube(launch)]
-pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usize) {
-    let r = CUBE_POS_X as usize;
-    let u = UNIT_POS_X as usize;
-    let cols = cols as usize;
-    let mut s_val = Shared::<[f32]>::new_slice(units);
-    let mut s_idx = Shared::<[u32]>::new_slice(units);
+/// The first maximum of row `r` (`cols` values): each unit scans its columns `u, u + units,
+/// …` in order (keeping the first of equal values; NaN never wins), then a fixed tree keeps
+/// the larger value, or the lower column of equal ones, in `(s_val[0], s_idx[0])` — index
+/// `cols` where no value beats −∞.
+#[cube]
+fn row_max_first(
+    x: &[f32],
+    r: usize,
+    cols: usize,
+    u: usize,
+    s_val: &mut Shared<[f32]>,
+    s_idx: &mut Shared<[u32]>,
+    #[comptime] units: usize,
+) {
     let mut best = neg_inf();
     // `cols` stands for "none yet" (a runtime value; it loses every tie).
     let mut at = u32::cast_from(cols);
@@ -300,7 +302,22 @@ pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usi
     }
     s_val[u] = best;
     s_idx[u] = at;
-    tree_max_first(&mut s_val, &mut s_idx, u);
+    tree_max_first(s_val, s_idx, u);
+}
+
+/// `out[r]` = the column of the largest value of row `r` (`cols` values), the lowest among
+/// equal maxima; NaN and −∞ never win, and a row of nothing else gives `u32::MAX`
+/// (`specula_tensor::NO_ARGMAX`). One cube per row: each unit scans its columns in order
+/// (keeping the first of equal values), then a fixed tree keeps the larger value, or the
+/// lower column of equal ones.
+#[cube(launch)]
+pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usize) {
+    let r = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let cols = cols as usize;
+    let mut s_val = Shared::<[f32]>::new_slice(units);
+    let mut s_idx = Shared::<[u32]>::new_slice(units);
+    row_max_first(x, r, cols, u, &mut s_val, &mut s_idx, units);
     if u == 0 {
         let w = s_idx[0];
         if (w as usize) < cols {
@@ -330,20 +347,7 @@ pub fn top1_rows(
     let mut s_val = Shared::<[f32]>::new_slice(units);
     let mut s_idx = Shared::<[u32]>::new_slice(units);
     let mut s_sum = Shared::<[f64]>::new_slice(units);
-    let mut best = neg_inf();
-    let mut at = u32::cast_from(cols);
-    let mut i = u;
-    while i < cols {
-        let v = x[r * cols + i];
-        if v > best {
-            best = v;
-            at = u32::cast_from(i);
-        }
-        i += units;
-    }
-    s_val[u] = best;
-    s_idx[u] = at;
-    tree_max_first(&mut s_val, &mut s_idx, u);
+    row_max_first(x, r, cols, u, &mut s_val, &mut s_idx, units);
     let w = s_idx[0];
     let max = s_val[0];
     let mut sum = 0.0f64;

@@ -40,7 +40,7 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
-use super::rows::DevRows;
+use super::rows::{self, DevRows};
 use crate::{Engine, EngineError, Result};
 
 /// When target features are written into the draft cache (`--dflash-defer-injection`).
@@ -529,15 +529,7 @@ impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
         features: &[f32],
     ) -> Result<(), SpecError> {
         let w = self.net.feature_width();
-        if features.len() != tokens.len() * w {
-            return Err(SpecError::Features {
-                drafter: "draft-dflash",
-                got: features.len(),
-                tokens: tokens.len(),
-                width: w,
-            });
-        }
-        let t = self.backend.from_host(tokens.len(), w, features);
+        let t = rows::upload(&*self.backend, "draft-dflash", tokens.len(), w, features)?;
         self.take_in(tokens, pos0, &t, 0..tokens.len())
     }
 
@@ -552,11 +544,7 @@ impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
         features: &(dyn std::any::Any + Send + Sync),
         rows: Range<usize>,
     ) -> Result<(), SpecError> {
-        let t = features
-            .downcast_ref::<B::Tensor>()
-            .ok_or(SpecError::DeviceFeatures {
-                drafter: "draft-dflash",
-            })?;
+        let t = rows::on_backend::<B>("draft-dflash", features)?;
         self.take_in(tokens, pos0, t, rows)
     }
 

@@ -29,7 +29,7 @@ use specula_quant::QType;
 use specula_spec::{DraftParams, Drafter, DrafterState, SpecError};
 use specula_tensor::Backend;
 
-use super::rows::DevRows;
+use super::rows::{self, DevRows};
 use crate::{Engine, Result};
 
 /// What [`Drafter::state`] saves: the head's context.
@@ -223,15 +223,7 @@ impl<B: Backend + 'static> Drafter for Eagle3Drafter<B> {
         features: &[f32],
     ) -> Result<(), SpecError> {
         let w = self.net.feature_width();
-        if features.len() != tokens.len() * w {
-            return Err(SpecError::Features {
-                drafter: "draft-eagle3",
-                got: features.len(),
-                tokens: tokens.len(),
-                width: w,
-            });
-        }
-        let t = self.backend.from_host(tokens.len(), w, features);
+        let t = rows::upload(&*self.backend, "draft-eagle3", tokens.len(), w, features)?;
         self.take_in(tokens, pos0, &t, 0..tokens.len())
     }
 
@@ -246,11 +238,7 @@ impl<B: Backend + 'static> Drafter for Eagle3Drafter<B> {
         features: &(dyn std::any::Any + Send + Sync),
         rows: Range<usize>,
     ) -> Result<(), SpecError> {
-        let t = features
-            .downcast_ref::<B::Tensor>()
-            .ok_or(SpecError::DeviceFeatures {
-                drafter: "draft-eagle3",
-            })?;
+        let t = rows::on_backend::<B>("draft-eagle3", features)?;
         self.take_in(tokens, pos0, t, rows)
     }
 

@@ -4,7 +4,39 @@
 
 use std::ops::Range;
 
+use specula_spec::SpecError;
 use specula_tensor::Backend;
+
+/// Host features `[tokens, width]` uploaded to `be` for a drafter that keeps them there
+/// ([`specula_spec::Drafter::process_features`] of a drafter that reads them on the backend).
+pub(crate) fn upload<B: Backend>(
+    be: &B,
+    drafter: &'static str,
+    tokens: usize,
+    width: usize,
+    features: &[f32],
+) -> Result<B::Tensor, SpecError> {
+    if features.len() != tokens * width {
+        return Err(SpecError::Features {
+            drafter,
+            got: features.len(),
+            tokens,
+            width,
+        });
+    }
+    Ok(be.from_host(tokens, width, features))
+}
+
+/// The backend tensor behind type-erased device features
+/// ([`specula_spec::Drafter::process_device_features`]), if they are `B`'s.
+pub(crate) fn on_backend<'a, B: Backend>(
+    drafter: &'static str,
+    features: &'a (dyn std::any::Any + Send + Sync),
+) -> Result<&'a B::Tensor, SpecError> {
+    features
+        .downcast_ref::<B::Tensor>()
+        .ok_or(SpecError::DeviceFeatures { drafter })
+}
 
 /// The first `n` rows of `t` (`[capacity, width]`).
 pub(crate) struct DevRows<B: Backend> {
