@@ -411,7 +411,7 @@ impl<B: Backend> Eagle3<B> {
 
     /// [`Eagle3::encode`] of rows `rows` of `features`, a backend tensor (`[_,
     /// feature_width]`, the target's taps as [`crate::TapSink::Device`] writes them),
-    /// sanitized there; the `g` rows are left in [`Eagle3Scratch::g`] — nothing goes through
+    /// sanitized there; the `g` rows are left in [`Eagle3Scratch::g_rows`] — nothing goes through
     /// the host.
     ///
     /// # Errors

@@ -328,7 +328,7 @@ pub fn argmax_rows(x: &[f32], out: &mut [u32], cols: u32, #[comptime] units: usi
     }
 }
 
-/// `ids[r]`, `probs[r]`: row `r`'s argmax as [`argmax_rows`] finds it (`u32::MAX` and 0 for a
+/// `ids[r]`, `probs[r]`: row `r`'s argmax as [`argmax_rows()`] finds it (`u32::MAX` and 0 for a
 /// row with no winner) and the softmax probability of its value, `1 / Σ exp(x − max)` (each
 /// `exp` in f32, summed in f64 per unit in column order, then a fixed tree; NaN counts for
 /// nothing). One cube per
