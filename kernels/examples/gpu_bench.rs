@@ -319,11 +319,11 @@ fn main() -> Res<()> {
                 .map(|i| ((i % 29) as f32 - 14.0) / 14.0)
                 .collect();
             let kt = be.from_host(depth + 1, n_kv * hd, &kvv);
-            let cells: Vec<usize> = (0..=depth).collect();
-            be.kv_write(&mut kv, 0, &cells, &kt, &kt);
-            let q = be.from_host(1, n_head * hd, &vec![0.1; n_head * hd]);
-            let q_pos = [u32::try_from(depth)?];
             let kv_pos: Vec<u32> = (0..=u32::try_from(depth)?).collect();
+            let kv_pos = be.index(&kv_pos);
+            be.kv_write(&mut kv, 0, &kv_pos, &kt, &kt);
+            let q = be.from_host(1, n_head * hd, &vec![0.1; n_head * hd]);
+            let q_pos = be.index(&[u32::try_from(depth)?]);
             let p = AttentionParams {
                 layer: 0,
                 n_head,

@@ -30,15 +30,51 @@ pub struct CubeBackend {
     units: usize,
     /// Units per cube of the element-wise kernels.
     ew: u32,
-    /// The last RoPE angle table (positions, config, device table): every layer of a forward
-    /// rotates its Q and K rows by the same positions, so the table is made once per forward.
-    rope: Mutex<Option<(Vec<u32>, RopeConfig, Handle)>>,
+    /// The RoPE angle tables of the latest position indices (index id, config, device table):
+    /// every layer of a forward rotates its Q and K rows by the same position index, so each
+    /// config's table is made once per forward ([`ROPE_TABLES`] configs kept: Gemma's local
+    /// and global layers alternate two).
+    rope: Mutex<Vec<(u64, RopeConfig, Handle)>>,
+    /// The identity index `0..n` of the largest `n` asked so far (column gathers read it).
+    iota: Mutex<(usize, Handle)>,
+    /// The id of the next index tensor.
+    next_index: std::sync::atomic::AtomicU64,
     /// The table of the softmax's `e^x` ([`specula_cpu::expf::TAB`]).
     exp_tab: Handle,
     /// The codebooks of the codebook weight formats ([`layout::Table::all`]).
     nl_tab: Handle,
     /// The turbo caches' rotation signs, centroids and thresholds (`kv::turbo_tables`).
     turbo_tab: Handle,
+}
+
+/// RoPE angle tables kept by [`CubeBackend`].
+const ROPE_TABLES: usize = 4;
+
+/// The CubeCL backend's index tensor: the indices on the device, and their host copy (the
+/// host-side bounds checks and the RoPE angle table read it, so no index is read back), with
+/// an id that names its contents for the RoPE table cache.
+pub struct CubeIndex {
+    h: Handle,
+    host: Vec<u32>,
+    /// The largest index (`None` when empty).
+    max: Option<u32>,
+    id: u64,
+}
+
+impl std::fmt::Debug for CubeIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CubeIndex")
+            .field("len", &self.host.len())
+            .field("max", &self.max)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CubeIndex {
+    /// Whether every index is below `n`.
+    fn below(&self, n: usize) -> bool {
+        self.max.is_none_or(|m| (m as usize) < n)
+    }
 }
 
 /// An f32 activation matrix on the device.
@@ -380,12 +416,15 @@ impl CubeBackend {
         let exp_tab = client.create_from_slice(u64::as_bytes(&specula_cpu::expf::TAB));
         let nl_tab = client.create_from_slice(i32::as_bytes(&layout::Table::all()));
         let turbo_tab = client.create_from_slice(f32::as_bytes(&kq::turbo_tables()));
+        let iota = client.empty(4);
         Self {
             client,
             name,
             units,
             ew,
-            rope: Mutex::new(None),
+            rope: Mutex::new(Vec::new()),
+            iota: Mutex::new((0, iota)),
+            next_index: std::sync::atomic::AtomicU64::new(0),
             exp_tab,
             nl_tab,
             turbo_tab,
@@ -495,33 +534,43 @@ impl CubeBackend {
         }
     }
 
+    /// The identity index `0..n` (at least), made once for the largest `n` asked.
+    fn iota(&self, n: usize) -> Handle {
+        let mut cache = self.iota.lock().expect("iota lock");
+        if cache.0 < n {
+            let v: Vec<u32> = (0..u(n.next_power_of_two())).collect();
+            *cache = (v.len(), self.upload_u32(&v));
+        }
+        cache.1.clone()
+    }
+
     /// Gathers `width` columns from each group of `stride` columns (starting at `start`) of
-    /// source rows `idx` into `out` (`cols` wide).
+    /// source rows `idx` (`n_idx` of them, on the device) into `out` (`cols` wide).
     #[allow(clippy::too_many_arguments, reason = "a gather's shape")]
     fn gather(
         &self,
         src: &Handle,
         src_cols: usize,
-        idx: &[u32],
+        idx: &Handle,
+        n_idx: usize,
         out: &Handle,
         cols: usize,
         width: usize,
         stride: usize,
         start: usize,
     ) {
-        let n = idx.len() * cols;
+        let n = n_idx * cols;
         if n == 0 {
             return;
         }
-        let ids = self.upload_u32(idx);
-        // SAFETY: `idx` rows lie inside `src` and `out` holds `idx.len() · cols` values.
+        // SAFETY: `idx` rows lie inside `src` and `out` holds `n_idx · cols` values.
         unsafe {
             ew::gather::launch(
                 &self.client,
                 self.ew_count(n),
                 CubeDim::new_1d(self.ew),
                 BufferArg::from_raw_parts(src.clone(), 1),
-                BufferArg::from_raw_parts(ids, idx.len()),
+                BufferArg::from_raw_parts(idx.clone(), n_idx),
                 BufferArg::from_raw_parts(out.clone(), n),
                 u(n),
                 u(cols),
@@ -541,17 +590,21 @@ impl CubeBackend {
         );
     }
 
-    fn rope_table(&self, pos: &[u32], cfg: &RopeConfig) -> Handle {
+    fn rope_table(&self, pos: &CubeIndex, cfg: &RopeConfig) -> Handle {
         let mut cache = self.rope.lock().expect("rope cache lock");
-        if let Some((p, c, h)) = cache.as_ref()
-            && p == pos
-            && c == cfg
-        {
+        if let Some((_, _, h)) = cache.iter().find(|(id, c, _)| *id == pos.id && c == cfg) {
             return h.clone();
         }
-        let t = specula_cpu::angle_table(cfg, pos);
+        let t = specula_cpu::angle_table(cfg, &pos.host);
         let h = self.upload_f32(&t);
-        *cache = Some((pos.to_vec(), cfg.clone(), h.clone()));
+        if cache.first().is_some_and(|(id, _, _)| *id != pos.id) {
+            // A new forward's positions: the tables of the last are done with.
+            cache.clear();
+        }
+        if cache.len() == ROPE_TABLES {
+            cache.remove(0);
+        }
+        cache.push((pos.id, cfg.clone(), h.clone()));
         h
     }
 }
@@ -560,6 +613,7 @@ impl Backend for CubeBackend {
     type Tensor = CubeTensor;
     type Weight = CubeWeight;
     type Kv = CubeKv;
+    type Index = CubeIndex;
 
     fn name(&self) -> &'static str {
         self.name
@@ -669,6 +723,25 @@ impl Backend for CubeBackend {
         out.extend_from_slice(&f32::from_bytes(&bytes)[..n]);
     }
 
+    fn index(&self, v: &[u32]) -> CubeIndex {
+        CubeIndex {
+            h: self.upload_u32(v),
+            host: v.to_vec(),
+            max: v.iter().copied().max(),
+            id: self
+                .next_index
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        }
+    }
+
+    fn set_index(&self, i: &mut CubeIndex, v: &[u32]) {
+        *i = self.index(v);
+    }
+
+    fn index_len(&self, i: &CubeIndex) -> usize {
+        i.host.len()
+    }
+
     fn shape(&self, t: &CubeTensor) -> (usize, usize) {
         (t.rows, t.cols)
     }
@@ -738,48 +811,46 @@ impl Backend for CubeBackend {
         t.cols = cols;
     }
 
-    fn copy_rows(&self, src: &CubeTensor, rows: &[usize], out: &mut CubeTensor) {
-        self.resize(out, rows.len(), src.cols);
-        let idx: Vec<u32> = rows
-            .iter()
-            .map(|&r| {
-                assert!(r < src.rows, "copy_rows: row {r} of {}", src.rows);
-                u(r)
-            })
-            .collect();
+    fn copy_rows(&self, src: &CubeTensor, rows: &CubeIndex, out: &mut CubeTensor) {
+        let n = rows.host.len();
+        self.resize(out, n, src.cols);
+        assert!(
+            rows.below(src.rows),
+            "copy_rows: row {:?} of {}",
+            rows.max,
+            src.rows
+        );
         self.gather(
-            &src.h, src.cols, &idx, &out.h, src.cols, src.cols, src.cols, 0,
+            &src.h, src.cols, &rows.h, n, &out.h, src.cols, src.cols, src.cols, 0,
         );
     }
 
-    fn put_rows(&self, src: &CubeTensor, rows: &[usize], dst: &mut CubeTensor) {
+    fn put_rows(&self, src: &CubeTensor, rows: &CubeIndex, dst: &mut CubeTensor) {
         assert!(
-            src.rows == rows.len() && src.cols == dst.cols,
+            src.rows == rows.host.len() && src.cols == dst.cols,
             "put_rows: {} rows of {} values into rows of {}",
             src.rows,
             src.cols,
             dst.cols
         );
-        let idx: Vec<u32> = rows
-            .iter()
-            .map(|&r| {
-                assert!(r < dst.rows, "put_rows: row {r} of {}", dst.rows);
-                u(r)
-            })
-            .collect();
+        assert!(
+            rows.below(dst.rows),
+            "put_rows: row {:?} of {}",
+            rows.max,
+            dst.rows
+        );
         let n = src.rows * src.cols;
         if n == 0 {
             return;
         }
-        let ids = self.upload_u32(&idx);
-        // SAFETY: every `idx` row lies inside `dst` (checked) and `src` holds `n` values.
+        // SAFETY: every index row lies inside `dst` (checked) and `src` holds `n` values.
         unsafe {
             ew::scatter::launch(
                 &self.client,
                 self.ew_count(n),
                 CubeDim::new_1d(self.ew),
                 BufferArg::from_raw_parts(src.h.clone(), n),
-                BufferArg::from_raw_parts(ids, idx.len()),
+                BufferArg::from_raw_parts(rows.h.clone(), rows.host.len()),
                 BufferArg::from_raw_parts(dst.h.clone(), dst.rows * dst.cols),
                 u(n),
                 u(src.cols),
@@ -787,19 +858,19 @@ impl Backend for CubeBackend {
         }
     }
 
-    fn get_rows(&self, table: &CubeWeight, ids: &[u32], out: &mut CubeTensor) {
+    fn get_rows(&self, table: &CubeWeight, ids: &CubeIndex, out: &mut CubeTensor) {
         let cols = table.n_in;
-        self.resize(out, ids.len(), cols);
-        for &i in ids {
-            assert!(
-                (i as usize) < table.n_out,
-                "get_rows: id {i} of {} rows in `{}`",
-                table.n_out,
-                table.name
-            );
-        }
+        let n_ids = ids.host.len();
+        self.resize(out, n_ids, cols);
+        assert!(
+            ids.below(table.n_out),
+            "get_rows: id {:?} of {} rows in `{}`",
+            ids.max,
+            table.n_out,
+            table.name
+        );
         match &table.data {
-            WeightData::F32(h) => self.gather(h, cols, ids, &out.h, cols, cols, cols, 0),
+            WeightData::F32(h) => self.gather(h, cols, &ids.h, n_ids, &out.h, cols, cols, cols, 0),
             WeightData::Groups {
                 fmt,
                 codes,
@@ -808,11 +879,10 @@ impl Backend for CubeBackend {
                 gsc,
                 gmn,
             } => {
-                let n = ids.len() * cols;
+                let n = n_ids * cols;
                 if n == 0 {
                     return;
                 }
-                let idh = self.upload_u32(ids);
                 // SAFETY: the ids are rows of the table (checked above); `out` holds `n`.
                 unsafe {
                     at::get_rows_blocks::launch(
@@ -825,7 +895,7 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(gsc.clone(), 1),
                         BufferArg::from_raw_parts(gmn.clone(), 1),
                         BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
-                        BufferArg::from_raw_parts(idh, ids.len()),
+                        BufferArg::from_raw_parts(ids.h.clone(), n_ids),
                         BufferArg::from_raw_parts(out.h.clone(), n),
                         u(n),
                         u(cols),
@@ -995,12 +1065,12 @@ impl Backend for CubeBackend {
         );
     }
 
-    fn rope(&self, x: &mut CubeTensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig) {
+    fn rope(&self, x: &mut CubeTensor, head_dim: usize, pos: &CubeIndex, cfg: &RopeConfig) {
         assert_eq!(
-            pos.len(),
+            pos.host.len(),
             x.rows,
             "rope: {} positions for {} rows",
-            pos.len(),
+            pos.host.len(),
             x.rows
         );
         assert!(
@@ -1144,11 +1214,12 @@ impl Backend for CubeBackend {
         let width = range.len();
         let cols = src.cols / stride * width;
         self.resize(out, src.rows, cols);
-        let idx: Vec<u32> = (0..u(src.rows)).collect();
+        let idx = self.iota(src.rows);
         self.gather(
             &src.h,
             src.cols,
             &idx,
+            src.rows,
             &out.h,
             cols,
             width.max(1),
@@ -1157,21 +1228,21 @@ impl Backend for CubeBackend {
         );
     }
 
-    fn add_rows_scaled(&self, dst: &mut CubeTensor, rows: &[usize], src: &CubeTensor, w: &[f32]) {
-        assert_eq!(rows.len(), src.rows, "add_rows_scaled: rows");
+    fn add_rows_scaled(&self, dst: &mut CubeTensor, rows: &CubeIndex, src: &CubeTensor, w: &[f32]) {
+        let n_rows = rows.host.len();
+        assert_eq!(n_rows, src.rows, "add_rows_scaled: rows");
         assert_eq!(w.len(), src.rows, "add_rows_scaled: weights");
         assert_eq!(dst.cols, src.cols, "add_rows_scaled: columns");
-        if rows.is_empty() || dst.cols == 0 {
+        if n_rows == 0 || dst.cols == 0 {
             return;
         }
-        let idx: Vec<u32> = rows
-            .iter()
-            .map(|&r| {
-                assert!(r < dst.rows, "add_rows_scaled: row {r} of {}", dst.rows);
-                u(r)
-            })
-            .collect();
-        let (ih, wh) = (self.upload_u32(&idx), self.upload_f32(w));
+        assert!(
+            rows.below(dst.rows),
+            "add_rows_scaled: row {:?} of {}",
+            rows.max,
+            dst.rows
+        );
+        let (ih, wh) = (rows.h.clone(), self.upload_f32(w));
         // SAFETY: destination rows are checked; `src` is `[rows.len(), cols]`.
         unsafe {
             ew::add_rows_scaled::launch(
@@ -1179,10 +1250,10 @@ impl Backend for CubeBackend {
                 self.ew_count(dst.cols),
                 CubeDim::new_1d(self.ew),
                 BufferArg::from_raw_parts(dst.h.clone(), dst.rows * dst.cols),
-                BufferArg::from_raw_parts(ih, rows.len()),
+                BufferArg::from_raw_parts(ih, n_rows),
                 BufferArg::from_raw_parts(src.h.clone(), src.rows * src.cols),
-                BufferArg::from_raw_parts(wh, rows.len()),
-                u(rows.len()),
+                BufferArg::from_raw_parts(wh, n_rows),
+                u(n_rows),
                 u(dst.cols),
             );
         }
@@ -1318,23 +1389,19 @@ impl Backend for CubeBackend {
         &self,
         kv: &mut CubeKv,
         layer: usize,
-        cells: &[usize],
+        cells: &CubeIndex,
         k: &CubeTensor,
         v: &CubeTensor,
     ) {
         let l = &kv.layers[layer];
-        let idx: Vec<u32> = cells
-            .iter()
-            .map(|&c| {
-                assert!(
-                    c < l.cells,
-                    "kv_write: cell {c} of {} in layer {layer}",
-                    l.cells
-                );
-                u(c)
-            })
-            .collect();
-        let ih = self.upload_u32(&idx);
+        assert!(
+            cells.below(l.cells),
+            "kv_write: cell {:?} of {} in layer {layer}",
+            cells.max,
+            l.cells
+        );
+        let ih = cells.h.clone();
+        let cells = &cells.host;
         let l = &mut kv.layers[layer];
         let (f16, n_cells, n_kv) = (l.f16, l.cells, l.n_kv_head);
         for (src, dst, hd) in [(k, &mut l.k, l.hd_k), (v, &mut l.v, l.hd_v)] {
@@ -1772,12 +1839,12 @@ impl Backend for CubeBackend {
         &self,
         q: &CubeTensor,
         kv: &CubeKv,
-        p: &AttentionParams<'_>,
+        p: &AttentionParams<'_, CubeIndex>,
         out: &mut CubeTensor,
     ) {
         let l = &kv.layers[p.layer];
         assert_eq!(q.cols, p.n_head * l.hd_k, "attention: query columns");
-        assert_eq!(p.q_pos.len(), q.rows, "attention: query positions");
+        assert_eq!(p.q_pos.host.len(), q.rows, "attention: query positions");
         assert!(
             p.n_head.is_multiple_of(l.n_kv_head),
             "attention: {} heads over {} K/V heads",
@@ -1785,7 +1852,7 @@ impl Backend for CubeBackend {
             l.n_kv_head
         );
         self.resize(out, q.rows, p.n_head * l.hd_v);
-        let kv_len = p.kv_pos.len();
+        let kv_len = p.kv_pos.host.len();
         if q.rows == 0 {
             return;
         }
@@ -1794,8 +1861,7 @@ impl Backend for CubeBackend {
             Mask::SlidingWindow(w) => (1, u32::try_from(w).unwrap_or(u32::MAX)),
             Mask::None => (2, 0),
         };
-        let qp = self.upload_u32(p.q_pos);
-        let kp = self.upload_u32(p.kv_pos);
+        let (qp, kp) = (p.q_pos.h.clone(), p.kv_pos.h.clone());
         let group = p.n_head / l.n_kv_head;
         // Queries for block-format keys: `q·m`, rotated and quantized once per call.
         let none = || self.client.empty(4);

@@ -231,8 +231,8 @@ pub fn conformance<B: Backend>(be: &B) {
             // get_rows dequantizes rows exactly (the same dequantizer).
             let ids = [0u32, u32::try_from(n_out - 1).unwrap(), 2];
             let (mut gb, mut gc) = (be.zeros(0, 0), cpu.zeros(0, 0));
-            be.get_rows(&wb, &ids, &mut gb);
-            cpu.get_rows(&wc, &ids, &mut gc);
+            be.get_rows(&wb, &be.index(&ids), &mut gb);
+            cpu.get_rows(&wc, &cpu.index(&ids), &mut gc);
             check(
                 &format!("get_rows {ty}"),
                 &host(be, &gb),
@@ -304,8 +304,8 @@ pub fn conformance<B: Backend>(be: &B) {
     ] {
         let pos = [0u32, 7, 1000, 31_999];
         let (mut xb, mut xc) = p.tensors(4, hd * 3, 17, 1.0);
-        be.rope(&mut xb, hd, &pos, &cfg);
-        cpu.rope(&mut xc, hd, &pos, &cfg);
+        be.rope(&mut xb, hd, &be.index(&pos), &cfg);
+        cpu.rope(&mut xc, hd, &cpu.index(&pos), &cfg);
         check(
             &format!("rope {:?} n_rot {} hd {hd}", cfg.kind, cfg.n_rot),
             &host(be, &xb),
@@ -370,21 +370,22 @@ pub fn conformance<B: Backend>(be: &B) {
         assert_eq!(be.shape(&ob), cpu.shape(&oc));
         check("gather_cols", &host(be, &ob), &host(cpu, &oc), 0.0);
 
-        be.copy_rows(&ab, &[2, 0, 2], &mut ob);
-        cpu.copy_rows(&ac, &[2, 0, 2], &mut oc);
+        be.copy_rows(&ab, &be.index(&[2, 0, 2]), &mut ob);
+        cpu.copy_rows(&ac, &cpu.index(&[2, 0, 2]), &mut oc);
         check("copy_rows", &host(be, &ob), &host(cpu, &oc), 0.0);
 
         let (sb, sc) = p.tensors(4, cols, 26, 1.0);
         let (mut db, mut dc) = p.tensors(3, cols, 27, 1.0);
-        be.add_rows_scaled(&mut db, &[1, 0, 1, 2], &sb, &[0.5, 2.0, -1.0, 0.25]);
-        cpu.add_rows_scaled(&mut dc, &[1, 0, 1, 2], &sc, &[0.5, 2.0, -1.0, 0.25]);
+        let w = [0.5, 2.0, -1.0, 0.25];
+        be.add_rows_scaled(&mut db, &be.index(&[1, 0, 1, 2]), &sb, &w);
+        cpu.add_rows_scaled(&mut dc, &cpu.index(&[1, 0, 1, 2]), &sc, &w);
         check("add_rows_scaled", &host(be, &db), &host(cpu, &dc), 0.0);
 
         // Two of the four rows scattered into the middle of a five-row tensor, the rest kept.
         let (mut pb, mut pc) = p.tensors(5, cols, 28, 1.0);
         let (rb, rc) = p.tensors(2, cols, 29, 1.0);
-        be.put_rows(&rb, &[3, 1], &mut pb);
-        cpu.put_rows(&rc, &[3, 1], &mut pc);
+        be.put_rows(&rb, &be.index(&[3, 1]), &mut pb);
+        cpu.put_rows(&rc, &cpu.index(&[3, 1]), &mut pc);
         assert_eq!(be.shape(&pb), (5, cols));
         check("put_rows", &host(be, &pb), &host(cpu, &pc), 0.0);
 
@@ -530,11 +531,11 @@ pub fn conformance<B: Backend>(be: &B) {
                 be.kv_new(shape.clone()).unwrap(),
                 cpu.kv_new(shape).unwrap(),
             );
-            let cells: Vec<usize> = (0..depth + n_q).collect();
+            let cells: Vec<u32> = (0..u32::try_from(depth + n_q).unwrap()).collect();
             let (knb, knc) = p.tensors(cells.len(), n_kv * hd, 31, 1.0);
             let (vnb, vnc) = p.tensors(cells.len(), n_kv * hd, 32, 1.0);
-            be.kv_write(&mut kb, 1, &cells, &knb, &vnb);
-            cpu.kv_write(&mut kc, 1, &cells, &knc, &vnc);
+            be.kv_write(&mut kb, 1, &be.index(&cells), &knb, &vnb);
+            cpu.kv_write(&mut kc, 1, &cpu.index(&cells), &knc, &vnc);
             let (qb, qc) = p.tensors(n_q, n_head * hd, 33, 1.0);
             let (lo, hi) = (
                 u32::try_from(depth).unwrap(),
@@ -545,17 +546,19 @@ pub fn conformance<B: Backend>(be: &B) {
             let params = AttentionParams {
                 layer: 1,
                 n_head,
-                q_pos: &q_pos,
-                kv_pos: &kv_pos,
+                q_pos: &q_pos[..],
+                kv_pos: &kv_pos[..],
                 scale: 1.0 / (hd as f32).sqrt(),
                 mask,
                 softcap,
             };
+            let (qib, kib) = (be.index(&q_pos), be.index(&kv_pos));
+            let (qic, kic) = (cpu.index(&q_pos), cpu.index(&kv_pos));
             // Without soft-capping: the CPU backend's operations in its order, so its bits
             // (soft-capping calls the C library's tanhf, which the device does not reproduce).
             let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
-            be.attention(&qb, &kb, &params, &mut ob);
-            cpu.attention(&qc, &kc, &params, &mut oc);
+            be.attention(&qb, &kb, &params.with_positions(&qib, &kib), &mut ob);
+            cpu.attention(&qc, &kc, &params.with_positions(&qic, &kic), &mut oc);
             check(
                 &format!("attention {ty} {mask:?} {softcap:?} {n_head}/{n_kv}×{hd}"),
                 &host(be, &ob),
@@ -568,12 +571,9 @@ pub fn conformance<B: Backend>(be: &B) {
             let qs = host(be, &qb);
             let w = n_head * hd;
             let q1 = be.from_host(1, w, &qs[(n_q - 1) * w..]);
-            let p1 = AttentionParams {
-                q_pos: &q_pos[n_q - 1..],
-                ..params
-            };
+            let q1b = be.index(&q_pos[n_q - 1..]);
             let mut o1 = be.zeros(0, 0);
-            be.attention(&q1, &kb, &p1, &mut o1);
+            be.attention(&q1, &kb, &params.with_positions(&q1b, &kib), &mut o1);
             assert!(
                 host(be, &o1)
                     .iter()

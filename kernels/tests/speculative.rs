@@ -63,7 +63,7 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
         let drafters = || -> Vec<(&str, Box<dyn Drafter>)> {
             let dflash = |two: bool| {
                 DflashDrafter::new(
-                    backend(),
+                    Arc::clone(&e.backend),
                     file(&tiny::dflash(two)),
                     &e,
                     N_CTX,
@@ -74,7 +74,7 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
                 .expect("a tiny DFlash drafter loads")
             };
             let eagle3 = Eagle3Drafter::new(
-                backend(),
+                Arc::clone(&e.backend),
                 file(&tiny::eagle3()),
                 &e,
                 N_CTX,

@@ -290,7 +290,7 @@ fn attach<B: Backend + 'static>(
     spec: Option<SpecType>,
     target: &Engine<B>,
     n_ctx: usize,
-    backend: impl FnOnce() -> Result<B>,
+    backend: impl FnOnce() -> Result<Arc<B>>,
 ) -> Result<Option<Attached<B>>> {
     let Some(spec) = spec else {
         return Ok(None);
@@ -579,7 +579,7 @@ fn run_on<B: Backend + 'static>(
     (k_type, v_type): (QType, QType),
     overrides: Vec<specula_kv::LayerOverride>,
     spec: Option<SpecType>,
-    drafter_backend: impl FnOnce() -> Result<B>,
+    drafter_backend: impl FnOnce() -> Result<Arc<B>>,
 ) -> Result<String> {
     engine.n_batch = args.batch_size;
     engine.swa_full = args.swa_full;

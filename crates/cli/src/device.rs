@@ -6,6 +6,7 @@
 //! clear error before any work.
 
 use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::{Result, bail};
 
@@ -40,8 +41,10 @@ impl Device {
     }
 }
 
-/// A backend like the target's for a drafter, given its thread count (`-td`; the CPU's).
-pub type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<B>;
+/// The backend a drafter runs on, given its thread count (`-td`; the CPU's): the target's own
+/// instance wherever it can be (always on a device; on the CPU when the thread counts agree),
+/// so that a target and its drafters share one backend.
+pub type BackendFor<'a, B> = &'a dyn Fn(usize) -> Result<Arc<B>>;
 
 /// A command's work on an engine of whichever backend `--device` picks: written once, run on
 /// the CPU backend or the CubeCL one ([`on_device`]).
@@ -75,10 +78,24 @@ pub fn on_device<W: OnDevice>(
     work: W,
 ) -> Result<W::Out> {
     match device {
-        Device::Cpu => work.run(crate::load::cpu_engine(path, threads)?, &|t| {
-            Ok(specula_cpu::CpuBackend::new(crate::load::threads(t)))
-        }),
-        Device::Cuda(i) => work.run(cuda_engine(path, i)?, &|_| cuda_backend(i)),
+        Device::Cpu => {
+            let engine = crate::load::cpu_engine(path, threads)?;
+            let shared = Arc::clone(&engine.backend);
+            let n = crate::load::threads(threads);
+            work.run(engine, &|t| {
+                let t = crate::load::threads(t);
+                Ok(if t == n {
+                    Arc::clone(&shared)
+                } else {
+                    Arc::new(specula_cpu::CpuBackend::new(t))
+                })
+            })
+        }
+        Device::Cuda(i) => {
+            let engine = cuda_engine(path, i)?;
+            let shared = Arc::clone(&engine.backend);
+            work.run(engine, &|_| Ok(Arc::clone(&shared)))
+        }
     }
 }
 
@@ -115,15 +132,6 @@ fn no_cuda(index: usize) -> anyhow::Error {
 /// # Errors
 /// Always.
 #[cfg(not(feature = "cuda"))]
-pub fn cuda_backend(index: usize) -> Result<specula_cpu::CpuBackend> {
-    Err(no_cuda(index))
-}
-
-/// Without the `cuda` feature: the error that says how to build with it.
-///
-/// # Errors
-/// Always.
-#[cfg(not(feature = "cuda"))]
 pub fn cuda_engine(
     path: &Path,
     index: usize,
@@ -153,7 +161,10 @@ mod tests {
     #[cfg(not(feature = "cuda"))]
     #[test]
     fn cuda_without_the_feature_says_how_to_build_it() {
-        let e = cuda_backend(0).unwrap_err().to_string();
+        let e = cuda_engine(Path::new("model.gguf"), 0)
+            .err()
+            .unwrap()
+            .to_string();
         assert!(e.contains("--features cuda"), "{e}");
         for (flag, n) in [("cuda", 0), ("cuda:3", 3)] {
             let e = Device::parse(flag).unwrap_err().to_string();
@@ -162,5 +173,41 @@ mod tests {
                 "{e}"
             );
         }
+    }
+
+    /// Whether the drafter backend for `threads` (and for one thread more) is the target's
+    /// own instance.
+    struct Shares {
+        threads: usize,
+    }
+
+    impl OnDevice for Shares {
+        type Out = (bool, bool);
+
+        fn run<B>(
+            self,
+            engine: specula_engine::Engine<B>,
+            backend: BackendFor<'_, B>,
+        ) -> Result<(bool, bool)>
+        where
+            B: specula_tensor::Backend + Send + Sync + 'static,
+            specula_engine::Engine<B>: Send + Sync,
+        {
+            Ok((
+                Arc::ptr_eq(&engine.backend, &backend(self.threads)?),
+                Arc::ptr_eq(&engine.backend, &backend(self.threads + 1)?),
+            ))
+        }
+    }
+
+    #[test]
+    fn a_drafter_runs_on_the_target_s_backend_instance() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("tiny.gguf");
+        let g = specula_testkit::tiny::target("llama");
+        std::fs::write(&path, g.to_bytes().unwrap()).unwrap();
+        // Same thread count: one instance; another count (`-td`): a CPU backend of its own.
+        let (same, other) = on_device(Device::Cpu, &path, 2, Shares { threads: 2 }).unwrap();
+        assert!(same && !other);
     }
 }

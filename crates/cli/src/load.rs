@@ -66,14 +66,18 @@ pub fn threads(threads: usize) -> usize {
 }
 
 /// Opens the model file and builds its engine on `backend`.
-pub fn engine_on<B: specula_tensor::Backend>(backend: B, path: &Path) -> Result<Engine<B>> {
+pub fn engine_on<B: specula_tensor::Backend>(
+    backend: impl Into<Arc<B>>,
+    path: &Path,
+) -> Result<Engine<B>> {
+    let backend = backend.into();
     let file =
         Arc::new(Gguf::open(path).with_context(|| format!("cannot load {}", path.display()))?);
     let tokenizer = Tokenizer::from_gguf(&file)
         .with_context(|| format!("cannot build the tokenizer of {}", path.display()))?;
-    let model = Model::load(&backend, file)
+    let model = Model::load(&*backend, file)
         .with_context(|| format!("cannot load the model in {}", path.display()))?;
-    Ok(Engine::new(backend, model, tokenizer))
+    Ok(Engine::shared(backend, model, tokenizer))
 }
 
 /// Parses a KV cache type flag (`f16`, `q8_0`, `turbo4`, …).

@@ -597,7 +597,7 @@ fn drafter<B: specula_tensor::Backend + 'static>(
         }
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
-            let mut draft = load::engine_on(backend(threads)?, &path)?;
+            let mut draft = load::engine_on::<B>(backend(threads)?, &path)?;
             draft.n_batch = args.batch_size;
             draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {

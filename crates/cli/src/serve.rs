@@ -601,7 +601,7 @@ where
         SpecType::DraftDflash => {
             let (path, file) = draft_file(args)?;
             let backend = backend(load::threads(args.draft.threads(args.threads)))?;
-            let net = Dflash::load(&backend, file, &target.model)
+            let net = Dflash::load(&*backend, file, &target.model)
                 .with_context(|| format!("cannot use {} as a DFlash drafter", path.display()))?;
             let block = net.hparams().block_size;
             if options.n_max > block - 1 {
@@ -617,7 +617,7 @@ where
             } else {
                 Injection::Eager
             };
-            let (backend, net) = (Arc::new(backend), Arc::new(net));
+            let net = Arc::new(net);
             let (n_ctx, k, v) = feature_cache(args, n_ctx_slot)?;
             Box::new(move || {
                 DflashDrafter::shared(Arc::clone(&backend), Arc::clone(&net), n_ctx, k, v, policy)
@@ -628,9 +628,9 @@ where
         SpecType::DraftEagle3 => {
             let (path, file) = draft_file(args)?;
             let backend = backend(load::threads(args.draft.threads(args.threads)))?;
-            let net = Eagle3::load(&backend, file, &target.model)
+            let net = Eagle3::load(&*backend, file, &target.model)
                 .with_context(|| format!("cannot use {} as an EAGLE-3 head", path.display()))?;
-            let (backend, net) = (Arc::new(backend), Arc::new(net));
+            let net = Arc::new(net);
             let (n_ctx, k, v) = feature_cache(args, n_ctx_slot)?;
             Box::new(move || {
                 Eagle3Drafter::shared(Arc::clone(&backend), Arc::clone(&net), n_ctx, k, v)
@@ -641,7 +641,7 @@ where
         SpecType::DraftSimple => {
             let path = load::model_path(args.model_draft.as_deref())?;
             let threads = load::threads(args.draft.threads(args.threads));
-            let mut draft = load::engine_on(backend(threads)?, &path)?;
+            let mut draft = load::engine_on::<B>(backend(threads)?, &path)?;
             draft.n_batch = args.batch_size.min(args.ubatch_size);
             draft.swa_full = args.swa_full;
             if let Some(msg) = crate::draft_args::restrict_draft_vocab(&mut draft, &args.draft)? {

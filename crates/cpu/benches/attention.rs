@@ -17,8 +17,14 @@ use std::time::Duration;
 
 use common::values;
 use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
-use specula_cpu::{CpuBackend, CpuKv};
+use specula_cpu::{CpuBackend, CpuIndex, CpuKv};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, QType};
+
+/// Cells (or rows) as an index tensor of `be`.
+fn ix(be: &CpuBackend, c: &[usize]) -> specula_cpu::CpuIndex {
+    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    be.index(&v)
+}
 
 const PREFILL_ROWS: usize = 64;
 /// The cache types measured by default.
@@ -111,7 +117,7 @@ fn cache(be: &CpuBackend, ty: QType, n: usize, h: Heads, n_layer: usize) -> CpuK
             let seed = u64::try_from(c0 + layer * n).unwrap_or(0);
             let k = be.from_host(m, w, &values(m * w, 1 + seed));
             let v = be.from_host(m, w, &values(m * w, 2 + seed));
-            be.kv_write(&mut kv, layer, &cells, &k, &v);
+            be.kv_write(&mut kv, layer, &ix(be, &cells), &k, &v);
         }
     }
     kv
@@ -146,7 +152,8 @@ fn bench(c: &mut Criterion) {
                     .collect();
                 let w = h.n_head * h.hd;
                 let q = be.from_host(rows, w, &values(rows * w, 3));
-                let params: Vec<AttentionParams<'_>> = (0..n_layer)
+                let (q_pos, kv_pos) = (be.index(&q_pos), be.index(&kv_pos));
+                let params: Vec<AttentionParams<'_, CpuIndex>> = (0..n_layer)
                     .map(|layer| AttentionParams {
                         layer,
                         n_head: h.n_head,

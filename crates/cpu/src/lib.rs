@@ -76,7 +76,7 @@ pub use attention::CpuKv;
 pub use attention::expf;
 pub use ops::{gelu_tanh, gelu_tanh_f16, silu};
 pub use rope::angle_table;
-pub use tensor::{CpuTensor, CpuWeight};
+pub use tensor::{CpuIndex, CpuTensor, CpuWeight};
 
 /// Values per thread below which a row-wise op runs on the calling thread alone.
 const ROWS_PARALLEL_MIN: usize = 32 * 1024;
@@ -214,6 +214,7 @@ impl Backend for CpuBackend {
     type Tensor = CpuTensor;
     type Weight = CpuWeight;
     type Kv = CpuKv;
+    type Index = CpuIndex;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -246,6 +247,18 @@ impl Backend for CpuBackend {
         (t.rows(), t.cols())
     }
 
+    fn index(&self, v: &[u32]) -> CpuIndex {
+        CpuIndex::new(v)
+    }
+
+    fn set_index(&self, i: &mut CpuIndex, v: &[u32]) {
+        i.set(v);
+    }
+
+    fn index_len(&self, i: &CpuIndex) -> usize {
+        i.as_u32().len()
+    }
+
     fn argmax_rows(&self, x: &CpuTensor, out: &mut Vec<u32>) {
         out.clear();
         let cols = x.cols().max(1);
@@ -272,16 +285,16 @@ impl Backend for CpuBackend {
         t.resize(rows, cols);
     }
 
-    fn copy_rows(&self, src: &CpuTensor, rows: &[usize], out: &mut CpuTensor) {
-        ops::copy_rows(src, rows, out);
+    fn copy_rows(&self, src: &CpuTensor, rows: &CpuIndex, out: &mut CpuTensor) {
+        ops::copy_rows(src, rows.as_usize(), out);
     }
 
-    fn put_rows(&self, src: &CpuTensor, rows: &[usize], dst: &mut CpuTensor) {
-        ops::put_rows(src, rows, dst);
+    fn put_rows(&self, src: &CpuTensor, rows: &CpuIndex, dst: &mut CpuTensor) {
+        ops::put_rows(src, rows.as_usize(), dst);
     }
 
-    fn get_rows(&self, table: &CpuWeight, ids: &[u32], out: &mut CpuTensor) {
-        ops::get_rows(self, table, ids, out);
+    fn get_rows(&self, table: &CpuWeight, ids: &CpuIndex, out: &mut CpuTensor) {
+        ops::get_rows(self, table, ids.as_u32(), out);
     }
 
     fn matmul(&self, x: &CpuTensor, w: &CpuWeight, out: &mut CpuTensor) {
@@ -300,8 +313,8 @@ impl Backend for CpuBackend {
         ops::rms_norm_groups(self, x, group, w, eps);
     }
 
-    fn rope(&self, x: &mut CpuTensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig) {
-        rope::rope(self, x, head_dim, pos, cfg);
+    fn rope(&self, x: &mut CpuTensor, head_dim: usize, pos: &CpuIndex, cfg: &RopeConfig) {
+        rope::rope(self, x, head_dim, pos.as_u32(), cfg);
     }
 
     fn swiglu(&self, gate: &CpuTensor, up: &CpuTensor, out: &mut CpuTensor) {
@@ -320,8 +333,8 @@ impl Backend for CpuBackend {
         ops::scale(self, a, s);
     }
 
-    fn add_rows_scaled(&self, dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor, w: &[f32]) {
-        ops::add_rows_scaled(dst, rows, src, w);
+    fn add_rows_scaled(&self, dst: &mut CpuTensor, rows: &CpuIndex, src: &CpuTensor, w: &[f32]) {
+        ops::add_rows_scaled(dst, rows.as_usize(), src, w);
     }
 
     fn put_cols(&self, src: &CpuTensor, col0: usize, dst: &mut CpuTensor) {
@@ -401,11 +414,11 @@ impl Backend for CpuBackend {
         &self,
         kv: &mut CpuKv,
         layer: usize,
-        cells: &[usize],
+        cells: &CpuIndex,
         k: &CpuTensor,
         v: &CpuTensor,
     ) {
-        attention::kv_write(self, kv, layer, cells, k, v);
+        attention::kv_write(self, kv, layer, cells.as_usize(), k, v);
     }
 
     fn kv_export(&self, kv: &CpuKv, n: usize, out: &mut Vec<u8>) -> Result<()> {
@@ -420,9 +433,10 @@ impl Backend for CpuBackend {
         &self,
         q: &CpuTensor,
         kv: &CpuKv,
-        params: &AttentionParams<'_>,
+        params: &AttentionParams<'_, CpuIndex>,
         out: &mut CpuTensor,
     ) {
-        attention::attention(self, q, kv, params, out);
+        let host = params.with_positions(params.q_pos.as_u32(), params.kv_pos.as_u32());
+        attention::attention(self, q, kv, &host, out);
     }
 }

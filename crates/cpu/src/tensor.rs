@@ -368,3 +368,41 @@ fn is_weight_type(ty: QType) -> bool {
         QType::Q8_1 | QType::Q8_K | QType::Turbo2 | QType::Turbo3 | QType::Turbo4
     )
 }
+
+/// The CPU backend's index tensor: the indices as the host gave them, and as `usize` for the
+/// ops that index rows and cells with them (both filled once, when the index is made).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct CpuIndex {
+    ids: Vec<u32>,
+    at: Vec<usize>,
+}
+
+impl CpuIndex {
+    /// An index holding `v`.
+    #[must_use]
+    pub fn new(v: &[u32]) -> Self {
+        let mut i = Self::default();
+        i.set(v);
+        i
+    }
+
+    /// Makes the index hold `v`, reusing its storage.
+    pub fn set(&mut self, v: &[u32]) {
+        self.ids.clear();
+        self.ids.extend_from_slice(v);
+        self.at.clear();
+        self.at.extend(v.iter().map(|&i| i as usize));
+    }
+
+    /// The indices.
+    #[must_use]
+    pub fn as_u32(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The indices as `usize`.
+    #[must_use]
+    pub fn as_usize(&self) -> &[usize] {
+        &self.at
+    }
+}

@@ -9,6 +9,24 @@ use specula_quant::blocks::Half;
 use specula_quant::dot::SimdLevel;
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, QType, TensorError};
 
+/// Cells (or rows) as an index tensor of `be`.
+fn ix(be: &CpuBackend, c: &[usize]) -> specula_cpu::CpuIndex {
+    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    be.index(&v)
+}
+
+/// `be.attention` of host-side parameters, their positions made index tensors of `be`.
+fn attend(
+    be: &CpuBackend,
+    q: &specula_cpu::CpuTensor,
+    kv: &specula_cpu::CpuKv,
+    p: &AttentionParams<'_>,
+    out: &mut specula_cpu::CpuTensor,
+) {
+    let (qi, ki) = (be.index(p.q_pos), be.index(p.kv_pos));
+    be.attention(q, kv, &p.with_positions(&qi, &ki), out);
+}
+
 struct Case {
     n_head: usize,
     n_kv_head: usize,
@@ -177,7 +195,7 @@ fn attention_matches_the_definition() {
             be.kv_write(
                 &mut kv,
                 1,
-                &cells,
+                &ix(&be, &cells),
                 &tensor(n_kv, kw, ks),
                 &tensor(n_kv, vw, vs),
             );
@@ -191,14 +209,14 @@ fn attention_matches_the_definition() {
                     let p = AttentionParams {
                         layer: 1,
                         n_head: c.n_head,
-                        q_pos: &q_pos,
-                        kv_pos: &kv_pos,
+                        q_pos: &q_pos[..],
+                        kv_pos: &kv_pos[..],
                         scale,
                         mask,
                         softcap,
                     };
                     let mut out = be.zeros(0, 0);
-                    be.attention(&qt, &kv, &p, &mut out);
+                    attend(&be, &qt, &kv, &p, &mut out);
                     assert_eq!(be.shape(&out), (q_pos.len(), c.n_head * c.hd_v));
                     let want = reference(c, &q, &k, &v, &q_pos, &kv_pos, scale, mask, softcap);
                     let e = nmse(out.as_slice(), &want);
@@ -235,7 +253,7 @@ fn the_cache_stores_f16_rounded_values_and_refuses_bad_heads() {
     be.kv_write(
         &mut kv,
         0,
-        &[2],
+        &be.index(&[2]),
         &tensor(1, 4, k.to_vec()),
         &tensor(1, 4, k.to_vec()),
     );

@@ -11,6 +11,24 @@ use specula_quant::dot::SimdLevel;
 use specula_quant::{QType, wht};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask};
 
+/// Cells (or rows) as an index tensor of `be`.
+fn ix(be: &CpuBackend, c: &[usize]) -> specula_cpu::CpuIndex {
+    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    be.index(&v)
+}
+
+/// `be.attention` of host-side parameters, their positions made index tensors of `be`.
+fn attend(
+    be: &CpuBackend,
+    q: &specula_cpu::CpuTensor,
+    kv: &specula_cpu::CpuKv,
+    p: &AttentionParams<'_>,
+    out: &mut specula_cpu::CpuTensor,
+) {
+    let (qi, ki) = (be.index(p.q_pos), be.index(p.kv_pos));
+    be.attention(q, kv, &p.with_positions(&qi, &ki), out);
+}
+
 const N_KV_HEAD: usize = 2;
 const N_HEAD: usize = 6;
 const HD: usize = 64;
@@ -94,7 +112,13 @@ fn filled(be: &CpuBackend, k_ty: QType, v_ty: QType, n: usize, rng: &mut Rng) ->
     }
     let v = rng.values(n * w, 1.0);
     let cells: Vec<usize> = (0..n).collect();
-    be.kv_write(&mut kv, 0, &cells, &tensor(n, w, k), &tensor(n, w, v));
+    be.kv_write(
+        &mut kv,
+        0,
+        &ix(be, &cells),
+        &tensor(n, w, k),
+        &tensor(n, w, v),
+    );
     kv
 }
 
@@ -110,7 +134,8 @@ fn run(be: &CpuBackend, kv: &CpuKv, q: &[f32], q_pos: &[u32], n: usize, mask: Ma
         softcap: None,
     };
     let mut out = be.zeros(0, 0);
-    be.attention(
+    attend(
+        be,
         &tensor(q_pos.len(), N_HEAD * HD, q.to_vec()),
         kv,
         &p,
@@ -209,7 +234,13 @@ fn turbo_rotated_domain_equals_original_domain() {
         let k: Vec<f32> = (0..n).flat_map(|j| kv.k_row(0, j)).collect();
         let v: Vec<f32> = (0..n).flat_map(|j| kv.v_row(0, j)).collect();
         let cells: Vec<usize> = (0..n).collect();
-        be.kv_write(&mut f, 0, &cells, &tensor(n, w, k), &tensor(n, w, v));
+        be.kv_write(
+            &mut f,
+            0,
+            &ix(&be, &cells),
+            &tensor(n, w, k),
+            &tensor(n, w, v),
+        );
         let q_pos: Vec<u32> = (0..u32::try_from(n).unwrap()).step_by(3).collect();
         let q = rng.values(q_pos.len() * N_HEAD * HD, 1.0);
         let a = run(&be, &kv, &q, &q_pos, n, Mask::Causal);
@@ -318,25 +349,31 @@ fn rewrite_after_rollback_gives_the_same_bytes() {
         be.kv_write(
             &mut x,
             0,
-            &cells,
+            &ix(&be, &cells),
             &tensor(6, w, a_k.clone()),
             &tensor(6, w, a_v.clone()),
         );
         be.kv_write(
             &mut x,
             0,
-            &[3, 4, 5],
+            &be.index(&[3, 4, 5]),
             &tensor(3, w, tail.clone()),
             &tensor(3, w, tail),
         );
         be.kv_write(
             &mut x,
             0,
-            &[3, 4, 5],
+            &be.index(&[3, 4, 5]),
             &tensor(3, w, a_k[3 * w..].to_vec()),
             &tensor(3, w, a_v[3 * w..].to_vec()),
         );
-        be.kv_write(&mut y, 0, &cells, &tensor(6, w, a_k), &tensor(6, w, a_v));
+        be.kv_write(
+            &mut y,
+            0,
+            &ix(&be, &cells),
+            &tensor(6, w, a_k),
+            &tensor(6, w, a_v),
+        );
         assert_eq!(x.plane_bytes(0, false), y.plane_bytes(0, false), "{t} K");
         assert_eq!(x.plane_bytes(0, true), y.plane_bytes(0, true), "{t} V");
     }

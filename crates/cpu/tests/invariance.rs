@@ -8,6 +8,24 @@ use common::{BATCHES, Rng, THREADS, bits, random_weight, tensor, vector};
 use specula_cpu::{CpuBackend, CpuTensor};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, QType, RopeConfig, RopeKind, Yarn};
 
+/// Cells (or rows) as an index tensor of `be`.
+fn ix(be: &CpuBackend, c: &[usize]) -> specula_cpu::CpuIndex {
+    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    be.index(&v)
+}
+
+/// `be.attention` of host-side parameters, their positions made index tensors of `be`.
+fn attend(
+    be: &CpuBackend,
+    q: &specula_cpu::CpuTensor,
+    kv: &specula_cpu::CpuKv,
+    p: &AttentionParams<'_>,
+    out: &mut specula_cpu::CpuTensor,
+) {
+    let (qi, ki) = (be.index(p.q_pos), be.index(p.kv_pos));
+    be.attention(q, kv, &p.with_positions(&qi, &ki), out);
+}
+
 /// Rows of the test inputs; batches are windows of them.
 const N_ROWS: usize = 20;
 
@@ -124,13 +142,13 @@ fn rms_norm_and_rope_are_batch_invariant() {
         let alone: Vec<Vec<u32>> = (0..N_ROWS)
             .map(|r| {
                 let mut t = rows_of(&x, cols, r..r + 1);
-                one.rope(&mut t, hd, &pos[r..=r], &cfg);
+                one.rope(&mut t, hd, &one.index(&pos[r..=r]), &cfg);
                 bits(t.as_slice())
             })
             .collect();
         check(&format!("rope {cfg:?}"), &alone, |be, r| {
             let mut t = rows_of(&x, cols, r.clone());
-            be.rope(&mut t, hd, &pos[r], &cfg);
+            be.rope(&mut t, hd, &be.index(&pos[r]), &cfg);
             t
         });
     }
@@ -165,7 +183,7 @@ fn attention_is_batch_invariant() {
             let k = tensor(N_ROWS, kw, rng.values(N_ROWS * kw, 1.0));
             let v = tensor(N_ROWS, kw, rng.values(N_ROWS * kw, 1.0));
             let cells: Vec<usize> = (0..N_ROWS).collect();
-            one.kv_write(&mut kv, 0, &cells, &k, &v);
+            one.kv_write(&mut kv, 0, &ix(&one, &cells), &k, &v);
             let cols = n_head * hd;
             let q = rng.values(N_ROWS * cols, 2.0);
             let pos: Vec<u32> = (0..N_ROWS).map(|i| u32::try_from(i).unwrap()).collect();
@@ -180,7 +198,7 @@ fn attention_is_batch_invariant() {
                     softcap: Some(20.0),
                 };
                 let mut out = be.zeros(0, 0);
-                be.attention(&rows_of(&q, cols, r), &kv, &p, &mut out);
+                attend(be, &rows_of(&q, cols, r), &kv, &p, &mut out);
                 out
             };
             let alone: Vec<Vec<u32>> = (0..N_ROWS)

@@ -254,10 +254,10 @@ fn every_output_is_the_bits_of_the_single_row_dot_product() {
                 if prepared {
                     let mut plain = be.zeros(0, 0);
                     let ids: Vec<u32> = (0..u32::try_from(n_out).unwrap()).collect();
-                    be.get_rows(&w, &ids, &mut plain);
+                    be.get_rows(&w, &be.index(&ids), &mut plain);
                     be.prepare_matmul(&mut w);
                     let mut got = be.zeros(0, 0);
-                    be.get_rows(&w, &ids, &mut got);
+                    be.get_rows(&w, &be.index(&ids), &mut got);
                     assert_eq!(
                         got.as_slice(),
                         plain.as_slice(),

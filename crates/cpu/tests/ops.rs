@@ -38,7 +38,7 @@ fn get_rows_dequantizes_the_requested_rows() {
         let all = decode(ty, &bytes, n_in);
         let ids: Vec<u32> = (0..300).map(|i| (i * 7 + 3) % 40).collect();
         let mut out = be.zeros(0, 0);
-        be.get_rows(&w, &ids, &mut out);
+        be.get_rows(&w, &be.index(&ids), &mut out);
         assert_eq!(be.shape(&out), (ids.len(), n_in));
         for (r, &id) in ids.iter().enumerate() {
             let id = usize::try_from(id).unwrap();
@@ -56,7 +56,7 @@ fn copy_rows_gathers_rows() {
     let be = CpuBackend::new(1);
     let src = tensor(3, 2, vec![0.0, 1.0, 2.0, 3.0, 4.0, 5.0]);
     let mut out = be.zeros(0, 0);
-    be.copy_rows(&src, &[2, 0, 2], &mut out);
+    be.copy_rows(&src, &be.index(&[2, 0, 2]), &mut out);
     assert_eq!(out.as_slice(), [4.0, 5.0, 0.0, 1.0, 4.0, 5.0]);
 }
 
@@ -66,7 +66,7 @@ fn put_rows_scatters_rows_and_keeps_the_others() {
     let dst: Vec<f32> = (0..15u8).map(f32::from).collect();
     let mut d = be.from_host(5, 3, &dst);
     let src = be.from_host(2, 3, &[-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]);
-    be.put_rows(&src, &[3, 0], &mut d);
+    be.put_rows(&src, &be.index(&[3, 0]), &mut d);
     let mut got = Vec::new();
     be.to_host(&d, &mut got);
     assert_eq!(
@@ -295,7 +295,7 @@ fn rope_matches_the_pairing_and_angle_formulas() {
         let pos: Vec<u32> = vec![0, 1, 2, 7, 100, 1000, 4095, 20_000, 131_071];
         let x = rng.values(pos.len() * heads * hd, 1.0);
         let mut t = tensor(pos.len(), heads * hd, x.clone());
-        be.rope(&mut t, hd, &pos, &cfg);
+        be.rope(&mut t, hd, &be.index(&pos), &cfg);
         let want: Vec<f64> = x
             .chunks(heads * hd)
             .zip(&pos)
@@ -338,7 +338,7 @@ fn rope_at_position_zero_is_the_identity() {
         .collect();
     for cfg in rope_configs().into_iter().filter(|c| c.yarn.is_none()) {
         let mut t: CpuTensor = tensor(1, 128, x.clone());
-        be.rope(&mut t, 64, &[0], &cfg);
+        be.rope(&mut t, 64, &be.index(&[0]), &cfg);
         assert_eq!(t.as_slice(), &x[..], "{cfg:?}");
     }
 }

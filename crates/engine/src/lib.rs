@@ -29,6 +29,7 @@ mod round;
 mod spec;
 mod state;
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use specula_models::{Model, ModelError, Scratch, SeqRows, TapSink};
@@ -152,8 +153,9 @@ pub const KV_CALIBRATION_TOKENS: usize = 128;
 
 /// A model with its tokenizer on a backend.
 pub struct Engine<B: Backend> {
-    /// The device.
-    pub backend: B,
+    /// The device: one backend instance, shared with the drafters that run beside the model
+    /// (`Arc::clone` it for [`drafters::DflashDrafter::new`] and the others).
+    pub backend: Arc<B>,
     /// The model.
     pub model: Model<B>,
     /// Its tokenizer.
@@ -564,6 +566,12 @@ fn ms(since: Instant) -> f64 {
 impl<B: Backend> Engine<B> {
     /// An engine with the default prefill chunk (512 tokens).
     pub fn new(backend: B, model: Model<B>, tokenizer: Tokenizer) -> Self {
+        Self::shared(Arc::new(backend), model, tokenizer)
+    }
+
+    /// [`Engine::new`] on a backend instance shared with another engine (a draft model beside
+    /// its target) or with drafters.
+    pub fn shared(backend: Arc<B>, model: Model<B>, tokenizer: Tokenizer) -> Self {
         Self {
             backend,
             model,
@@ -913,7 +921,7 @@ impl<B: Backend> Engine<B> {
                         let width = layers.len() * self.model.hparams().n_embd;
                         self.backend.resize(features, ids.len(), width);
                     }
-                    let rows: Vec<usize> = (base..end).collect();
+                    let rows = self.backend.index_range(base..end);
                     self.backend.put_rows(c, &rows, features);
                 }
                 _ => {}
@@ -1157,7 +1165,7 @@ impl<B: Backend> Engine<B> {
             for ((&i, &r), &at) in idx.iter().zip(&rows).zip(&starts) {
                 if let Some(t) = entries[i].capture.as_mut().and_then(|c| c.device.as_mut()) {
                     let (piece_rows, _) = self.backend.shape(&part_dev[i]);
-                    let to: Vec<usize> = (at..at + piece_rows).collect();
+                    let to = self.backend.index_range(at..at + piece_rows);
                     self.backend.put_rows(&part_dev[i], &to, t);
                 }
                 logits[i]

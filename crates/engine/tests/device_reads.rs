@@ -46,7 +46,65 @@ fn since(e: &Engine<Counting<CpuBackend>>, before: Tally) -> Tally {
         ids_down: now.ids_down - before.ids_down,
         probs_down: now.probs_down - before.probs_down,
         floats_up: now.floats_up - before.floats_up,
+        index_uploads: now.index_uploads - before.index_uploads,
+        indices_up: now.indices_up - before.indices_up,
     }
+}
+
+/// A forward builds its index tensors once (tokens, logits rows, and each sequence's
+/// positions and the cells its queries read; a batch of several sequences adds its rows and
+/// positions) and every layer reads them: what it uploads does not grow with the layers.
+#[test]
+fn a_forward_uploads_its_indices_once_for_every_layer() {
+    use specula_models::SeqRows;
+    let e = engine("llama");
+    let (be, model) = (&*e.backend, &e.model);
+    assert!(model.hparams().n_layer >= 2);
+    let shape = || model.kv_shape(64, QType::F16, QType::F16);
+    let mut s = model.scratch(be);
+    let mut kv = be.kv_new(shape()).unwrap();
+    let tokens = [3u32, 7, 11, 2, 5];
+    let pos: Vec<u32> = (0..5).collect();
+
+    let before = be.tally();
+    model
+        .forward(be, &mut kv, &mut s, &tokens, &pos, &[4], None)
+        .unwrap();
+    let t = since(&e, before);
+    assert_eq!(
+        t.index_uploads, 4,
+        "tokens, logits rows, positions, cells read: {t:?}"
+    );
+    assert_eq!(t.indices_up, 5 + 1 + 5 + 5, "{t:?}");
+
+    // A decode step on top of the prompt.
+    let before = be.tally();
+    model
+        .forward(be, &mut kv, &mut s, &[9], &[5], &[0], None)
+        .unwrap();
+    let t = since(&e, before);
+    assert_eq!(t.index_uploads, 4, "{t:?}");
+    assert_eq!(t.indices_up, 1 + 1 + 1 + 6, "{t:?}");
+
+    // Three sequences in one batch: the batch's tokens, logits rows and positions, then each
+    // sequence's rows, positions and cells read.
+    let mut kvs: Vec<_> = (0..3).map(|_| be.kv_new(shape()).unwrap()).collect();
+    let p3: Vec<u32> = (0..3).collect();
+    let before = be.tally();
+    let mut seqs: Vec<SeqRows<'_, _>> = kvs
+        .iter_mut()
+        .map(|kv| SeqRows {
+            kv,
+            tokens: &tokens[..3],
+            pos: &p3,
+            logits_rows: &[2],
+            taps: None,
+            ring: None,
+        })
+        .collect();
+    model.forward_multi(be, &mut seqs, &mut s).unwrap();
+    let t = since(&e, before);
+    assert_eq!(t.index_uploads, 3 + 3 * 3, "{t:?}");
 }
 
 /// Proposes the true continuation, with every third round's second token wrong.
@@ -407,7 +465,7 @@ fn a_greedy_dflash_round_keeps_the_target_features_on_the_backend() {
     for policy in [Injection::Deferred, Injection::Eager] {
         features_stay_on_the_backend(&format!("dflash {policy:?}"), &e, || {
             DflashDrafter::new(
-                Counting::new(CpuBackend::new(1)),
+                Arc::new(Counting::new(CpuBackend::new(1))),
                 Arc::clone(&file),
                 &e,
                 64,
@@ -428,7 +486,7 @@ fn a_greedy_eagle3_round_keeps_the_target_features_on_the_backend() {
         Arc::new(Gguf::from_bytes(specula_testkit::tiny::eagle3().to_bytes().unwrap()).unwrap());
     features_stay_on_the_backend("eagle3", &e, || {
         Eagle3Drafter::new(
-            Counting::new(CpuBackend::new(1)),
+            Arc::new(Counting::new(CpuBackend::new(1))),
             Arc::clone(&file),
             &e,
             64,

@@ -344,7 +344,7 @@ fn drafter(
     policy: Injection,
 ) -> Result<DflashDrafter<CpuBackend>, specula_engine::EngineError> {
     DflashDrafter::new(
-        CpuBackend::new(1),
+        Arc::clone(&e.backend),
         Arc::new(Gguf::from_bytes(draft(spec)).unwrap()),
         e,
         256,
@@ -812,12 +812,12 @@ fn taps_are_layer_inputs_in_the_order_asked_for() {
 
 fn block_logits(e: &Engine<CpuBackend>, spec: &DraftSpec) -> Vec<f32> {
     let net = specula_models::dflash::Dflash::load(
-        &e.backend,
+        &*e.backend,
         Arc::new(Gguf::from_bytes(draft(spec)).unwrap()),
         &e.model,
     )
     .unwrap();
-    let be = &e.backend;
+    let be = &*e.backend;
     let mut kv =
         specula_tensor::Backend::kv_new(be, net.kv_shape(64, QType::F32, QType::F32)).unwrap();
     let mut s = net.scratch(be);
@@ -1040,7 +1040,7 @@ fn eagle3(seed: u64, taps: &[i32], own_head: bool, nbr: bool) -> Vec<u8> {
 
 fn eagle3_drafter(e: &Engine<CpuBackend>, bytes: Vec<u8>) -> Eagle3Drafter<CpuBackend> {
     Eagle3Drafter::new(
-        CpuBackend::new(1),
+        Arc::clone(&e.backend),
         Arc::new(Gguf::from_bytes(bytes).unwrap()),
         e,
         256,

@@ -40,7 +40,8 @@ fn greedy(n: usize) -> GenerateOptions {
 
 /// The drafters of one run, built for target `e`.
 fn drafters(arch: &str, e: &Engine<CpuBackend>) -> Vec<(&'static str, Box<dyn Drafter>)> {
-    let be = || CpuBackend::new(1);
+    // The target's own backend instance, as `specula run` shares it.
+    let be = || Arc::clone(&e.backend);
     let dflash = |two: bool| {
         DflashDrafter::new(
             be(),

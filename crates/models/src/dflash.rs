@@ -429,11 +429,15 @@ pub struct DflashScratch<B: Backend> {
     sel: B::Tensor,
     norm: B::Tensor,
     logits: B::Tensor,
-    pos: Vec<u32>,
-    kv_pos: Vec<u32>,
-    cells: Vec<usize>,
-    /// Feature rows to copy ([`Dflash::inject_rows`]).
-    rows: Vec<usize>,
+    /// The index tensors of a pass (built once, read by every layer): its tokens, positions
+    /// (also its cells: cell = position), the cells its queries read, and the rows it copies
+    /// (feature rows of [`Dflash::inject_rows`], logits rows of a block).
+    tokens: B::Index,
+    pos: B::Index,
+    kv_pos: B::Index,
+    rows: B::Index,
+    /// Where an index is staged on the host.
+    stage: Vec<u32>,
     host: Vec<f32>,
     full: Vec<f32>,
     dyn_attn: Vec<f32>,
@@ -781,10 +785,11 @@ impl<B: Backend> Dflash<B> {
             sel: z(),
             norm: z(),
             logits: z(),
-            pos: Vec::new(),
-            kv_pos: Vec::new(),
-            cells: Vec::new(),
-            rows: Vec::new(),
+            tokens: be.index(&[]),
+            pos: be.index(&[]),
+            kv_pos: be.index(&[]),
+            rows: be.index(&[]),
+            stage: Vec::new(),
             host: Vec::new(),
             full: Vec::new(),
             dyn_attn: Vec::new(),
@@ -877,8 +882,12 @@ impl<B: Backend> Dflash<B> {
                 n_ctx,
             });
         }
-        s.rows.clear();
-        s.rows.extend(rows);
+        crate::index::stage(
+            be,
+            &mut s.rows,
+            &mut s.stage,
+            rows.map(crate::index::index_of),
+        );
         be.copy_rows(features, &s.rows, &mut s.feats);
         be.clamp_finite(&mut s.feats, F16_MAX);
         self.encode_context(be, kv, s, pos);
@@ -891,15 +900,14 @@ impl<B: Backend> Dflash<B> {
         let hp = &self.hp;
         self.fc.matmul(be, &s.feats, &mut s.fc);
         be.rms_norm(&s.fc, Some(&self.enc_norm), hp.rms_eps, &mut s.g);
-        s.cells.clear();
-        s.cells.extend(pos.iter().map(|&p| p as usize));
+        be.set_index(&mut s.pos, pos);
         let rope = self.rope();
         for (il, layer) in self.layers.iter().enumerate() {
             layer.wk.matmul(be, &s.g, &mut s.k);
             layer.wv.matmul(be, &s.g, &mut s.v);
             be.rms_norm_groups(&mut s.k, hp.head_dim, &layer.k_norm, hp.rms_eps);
-            be.rope(&mut s.k, hp.head_dim, pos, &rope);
-            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
+            be.rope(&mut s.k, hp.head_dim, &s.pos, &rope);
+            be.kv_write(kv, il, &s.pos, &s.k, &s.v);
         }
     }
 
@@ -1030,18 +1038,15 @@ impl<B: Backend> Dflash<B> {
                 rows: n,
             });
         }
-        let start = u32::try_from(pos0).unwrap_or(u32::MAX);
-        s.pos.clear();
-        s.pos.extend((start..).take(n));
-        s.cells.clear();
-        s.cells.extend(pos0..pos0 + n);
-        s.kv_pos.clear();
-        s.kv_pos
-            .extend(0..u32::try_from(pos0 + n).unwrap_or(u32::MAX));
+        let at = crate::index::index_of;
+        crate::index::stage(be, &mut s.pos, &mut s.stage, (pos0..pos0 + n).map(at));
+        crate::index::stage(be, &mut s.kv_pos, &mut s.stage, (0..pos0 + n).map(at));
+        crate::index::stage(be, &mut s.rows, &mut s.stage, rows.iter().map(|&r| at(r)));
+        be.set_index(&mut s.tokens, tokens);
         let rope = self.rope();
         let mask = if hp.causal { Mask::Causal } else { Mask::None };
 
-        be.get_rows(&self.tok_embd, tokens, &mut s.x);
+        be.get_rows(&self.tok_embd, &s.tokens, &mut s.x);
         if hp.embedding_scale != 1.0 {
             be.scale(&mut s.x, hp.embedding_scale);
         }
@@ -1072,7 +1077,7 @@ impl<B: Backend> Dflash<B> {
             be.rms_norm_groups(&mut s.k, hp.head_dim, &layer.k_norm, hp.rms_eps);
             be.rope(&mut s.q, hp.head_dim, &s.pos, &rope);
             be.rope(&mut s.k, hp.head_dim, &s.pos, &rope);
-            be.kv_write(kv, il, &s.cells, &s.k, &s.v);
+            be.kv_write(kv, il, &s.pos, &s.k, &s.v);
             be.attention(
                 &s.q,
                 kv,
@@ -1138,7 +1143,7 @@ impl<B: Backend> Dflash<B> {
         if rows.is_empty() {
             return Ok(());
         }
-        be.copy_rows(&s.x, rows, &mut s.sel);
+        be.copy_rows(&s.x, &s.rows, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
         self.output.matmul(be, &s.norm, &mut s.logits);
         Ok(())
@@ -1180,12 +1185,14 @@ impl<B: Backend> Dflash<B> {
                 idx.truncate(k);
             }
             idx.sort_by(cmp);
-            be.get_rows(&sel.prev, &[pred], &mut s.code);
+            be.set_index(&mut s.tokens, &[pred]);
+            be.get_rows(&sel.prev, &s.tokens, &mut s.code);
             be.to_host(&s.code, &mut s.h2);
             for ((o, x), y) in a.iter_mut().zip(&s.h2).zip(&s.h1[r * rank..(r + 1) * rank]) {
                 *o = x * y;
             }
-            be.get_rows(&sel.next, &idx, &mut s.codes);
+            be.set_index(&mut s.tokens, &idx);
+            be.get_rows(&sel.next, &s.tokens, &mut s.codes);
             be.to_host(&s.codes, &mut s.h2);
             for (j, &v) in idx.iter().enumerate() {
                 let b = &s.h2[j * rank..(j + 1) * rank];

@@ -157,8 +157,14 @@ pub struct Eagle3Scratch<B: Backend> {
     proj: B::Tensor,
     norm: B::Tensor,
     logits: B::Tensor,
-    kv_pos: Vec<u32>,
-    cells: Vec<usize>,
+    /// The index tensors of a pass (built once, read by its ops): the rows it copies, its
+    /// tokens, positions (also its cells: cell = position) and the cells its queries read.
+    rows: B::Index,
+    tokens: B::Index,
+    pos: B::Index,
+    kv_pos: B::Index,
+    /// Where an index is staged on the host.
+    stage: Vec<u32>,
     h1: Vec<f32>,
     /// Logits of the last decode (target vocabulary).
     pub logits_host: Vec<f32>,
@@ -369,8 +375,11 @@ impl<B: Backend> Eagle3<B> {
             proj: z(),
             norm: z(),
             logits: z(),
-            kv_pos: Vec::new(),
-            cells: Vec::new(),
+            rows: be.index(&[]),
+            tokens: be.index(&[]),
+            pos: be.index(&[]),
+            kv_pos: be.index(&[]),
+            stage: Vec::new(),
             h1: Vec::new(),
             logits_host: Vec::new(),
             prenorm: Vec::new(),
@@ -433,9 +442,9 @@ impl<B: Backend> Eagle3<B> {
                 width: w,
             });
         }
-        s.cells.clear();
-        s.cells.extend(rows);
-        be.copy_rows(features, &s.cells, &mut s.feats);
+        let at = crate::index::index_of;
+        crate::index::stage(be, &mut s.rows, &mut s.stage, rows.map(at));
+        be.copy_rows(features, &s.rows, &mut s.feats);
         be.clamp_finite(&mut s.feats, crate::dflash::F16_MAX);
         self.encode_feats(be, s);
         Ok(())
@@ -536,7 +545,9 @@ impl<B: Backend> Eagle3<B> {
                 width: e,
             });
         }
-        be.copy_rows(g, g_rows, &mut s.gt);
+        let at = crate::index::index_of;
+        crate::index::stage(be, &mut s.rows, &mut s.stage, g_rows.iter().map(|&r| at(r)));
+        be.copy_rows(g, &s.rows, &mut s.gt);
         self.decode_gt(be, kv, n_ctx, s, tokens, pos)?;
         if let Some((ids, probs)) = top1 {
             self.head(be, s);
@@ -587,15 +598,14 @@ impl<B: Backend> Eagle3<B> {
                 n_vocab: self.n_vocab,
             });
         }
-        s.cells.clear();
-        s.cells.extend(pos.iter().map(|&p| p as usize));
-        s.kv_pos.clear();
-        s.kv_pos
-            .extend(0..u32::try_from(max + 1).unwrap_or(u32::MAX));
+        be.set_index(&mut s.pos, pos);
+        be.set_index(&mut s.tokens, tokens);
+        let at = crate::index::index_of;
+        crate::index::stage(be, &mut s.kv_pos, &mut s.stage, (0..=max).map(at));
         let mut rope = RopeConfig::new(RopeKind::Normal, hp.n_rot, hp.rope_freq_base);
         rope.freq_scale = hp.rope_freq_scale;
 
-        be.get_rows(&self.tok_embd, tokens, &mut s.emb);
+        be.get_rows(&self.tok_embd, &s.tokens, &mut s.emb);
         be.rms_norm(&s.emb, Some(&self.attn_norm), hp.rms_eps, &mut s.enorm);
         be.rms_norm(&s.gt, Some(&self.hidden_norm), hp.rms_eps, &mut s.gnorm);
         // [embed_norm | g_norm], 2·E wide, put together on the backend.
@@ -605,9 +615,9 @@ impl<B: Backend> Eagle3<B> {
         self.wq.matmul(be, &s.cat, &mut s.q);
         self.wk.matmul(be, &s.cat, &mut s.k);
         self.wv.matmul(be, &s.cat, &mut s.v);
-        be.rope(&mut s.q, hp.head_dim, pos, &rope);
-        be.rope(&mut s.k, hp.head_dim, pos, &rope);
-        be.kv_write(kv, 0, &s.cells, &s.k, &s.v);
+        be.rope(&mut s.q, hp.head_dim, &s.pos, &rope);
+        be.rope(&mut s.k, hp.head_dim, &s.pos, &rope);
+        be.kv_write(kv, 0, &s.pos, &s.k, &s.v);
         #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
         let scale = 1.0 / (hp.head_dim as f32).sqrt();
         be.attention(
@@ -616,7 +626,7 @@ impl<B: Backend> Eagle3<B> {
             &AttentionParams {
                 layer: 0,
                 n_head: hp.n_head,
-                q_pos: pos,
+                q_pos: &s.pos,
                 kv_pos: &s.kv_pos,
                 scale,
                 mask: Mask::Causal,

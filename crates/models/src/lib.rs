@@ -32,6 +32,7 @@ mod arch;
 pub mod dflash;
 pub mod eagle3;
 mod hparams;
+mod index;
 mod linear;
 mod moe;
 pub mod spec;
@@ -546,8 +547,8 @@ pub struct Scratch<B: Backend> {
     sel: B::Tensor,
     norm: B::Tensor,
     logits: B::Tensor,
-    kv_pos: Vec<u32>,
-    cells: Vec<usize>,
+    /// The index tensors of the current forward (taken out while it runs).
+    ix: Option<index::ForwardIndex<B>>,
     host: Vec<f32>,
     /// Whether a forward reads out the argmax of each logits row ([`Scratch::set_argmax`])
     /// instead of the rows.
@@ -560,7 +561,6 @@ pub struct Scratch<B: Backend> {
     seq_k: B::Tensor,
     seq_v: B::Tensor,
     seq_attn: B::Tensor,
-    seq_rows: Vec<usize>,
     all_tokens: Vec<u32>,
     all_pos: Vec<u32>,
     all_logits_rows: Vec<usize>,
@@ -1675,8 +1675,7 @@ impl<B: Backend> Model<B> {
             sel: z(),
             norm: z(),
             logits: z(),
-            kv_pos: Vec::new(),
-            cells: Vec::new(),
+            ix: None,
             host: Vec::new(),
             argmax: false,
             ids: Vec::new(),
@@ -1684,7 +1683,6 @@ impl<B: Backend> Model<B> {
             seq_k: z(),
             seq_v: z(),
             seq_attn: z(),
-            seq_rows: Vec::new(),
             all_tokens: Vec::new(),
             all_pos: Vec::new(),
             all_logits_rows: Vec::new(),
@@ -1806,9 +1804,9 @@ impl<B: Backend> Model<B> {
     fn attn_params<'p>(
         &self,
         il: usize,
-        q_pos: &'p [u32],
-        kv_pos: &'p [u32],
-    ) -> AttentionParams<'p> {
+        q_pos: &'p B::Index,
+        kv_pos: &'p B::Index,
+    ) -> AttentionParams<'p, B::Index> {
         let a = self.attn_spec(il);
         AttentionParams {
             layer: self.kv_layer(il),
@@ -1914,12 +1912,6 @@ impl<B: Backend> Model<B> {
                 rows: n,
             });
         }
-        s.cells.clear();
-        s.cells.extend(pos.iter().map(|&p| p as usize));
-        let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
-        s.kv_pos.clear();
-        s.kv_pos
-            .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
         let n_embd = self.hp.n_embd;
         match taps.as_mut() {
             Some(TapSink::Host(t)) => t.rows.resize(t.layers.len(), Vec::new()),
@@ -1949,7 +1941,12 @@ impl<B: Backend> Model<B> {
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
 
         self.check_recurrent(be, kv, 0, pos)?;
-        self.layers_and_head(be, s, tokens, pos, logits_rows, tap, &mut |be, s, il| {
+        self.check_tokens(tokens)?;
+        let mut ix = s.ix.take().unwrap_or_else(|| index::ForwardIndex::new(be));
+        ix.fill_batch(be, tokens, logits_rows);
+        ix.fill_seq(be, 0, None, pos, ring.as_ref());
+        let seq = &ix.seqs[0];
+        let result = self.layers_and_head(be, s, &ix, &seq.pos, tap, &mut |be, s, il| {
             if let MixerSpec::DeltaNet(_) = &self.hp.layers[il].mixer {
                 let dn = &mut s.dn;
                 self.delta_rule(
@@ -1965,15 +1962,19 @@ impl<B: Backend> Model<B> {
                 );
                 return;
             }
-            let (cells, kv_pos) = match &ring {
-                Some(r) if self.hp.is_swa(il) => (r.cells, r.kv_pos),
-                _ => (&s.cells[..], &s.kv_pos[..]),
-            };
+            let (cells, kv_pos) = seq.cells(ring.is_some() && self.hp.is_swa(il));
             if self.kv_layer(il) == il {
                 be.kv_write(kv, il, cells, &s.k, &s.v);
             }
-            be.attention(&s.q, kv, &self.attn_params(il, pos, kv_pos), &mut s.attn);
-        })?;
+            be.attention(
+                &s.q,
+                kv,
+                &self.attn_params(il, &seq.pos, kv_pos),
+                &mut s.attn,
+            );
+        });
+        s.ix = Some(ix);
+        result?;
         Ok(&s.host)
     }
 
@@ -2046,10 +2047,26 @@ impl<B: Backend> Model<B> {
             all_tokens.extend_from_slice(q.tokens);
             all_pos.extend_from_slice(q.pos);
         }
-        // The sequences that capture hidden states, with their rows in the batch: taken out of
-        // `seqs` for the forward (the attention borrows `seqs`), put back after it.
-        let mut tapped: Vec<(usize, std::ops::Range<usize>, TapSink<'_, B>)> = Vec::new();
+        if let Err(e) = self.check_tokens(&all_tokens) {
+            s.all_tokens = all_tokens;
+            s.all_pos = all_pos;
+            s.all_logits_rows = all_rows;
+            return Err(e);
+        }
+        // Every index tensor of the forward, once: the batch's, and each sequence's rows,
+        // positions and cells, which every layer then reads.
+        let mut ix = s.ix.take().unwrap_or_else(|| index::ForwardIndex::new(be));
+        ix.fill_batch(be, &all_tokens, &all_rows);
+        be.set_index(&mut ix.pos, &all_pos);
         let mut off = 0;
+        for (i, q) in seqs.iter().enumerate() {
+            let n = q.tokens.len();
+            ix.fill_seq(be, i, Some(off..off + n), q.pos, q.ring.as_ref());
+            off += n;
+        }
+        // The sequences that capture hidden states: taken out of `seqs` for the forward (the
+        // attention borrows `seqs`), put back after it.
+        let mut tapped: Vec<(usize, TapSink<'_, B>)> = Vec::new();
         let n_embd = self.hp.n_embd;
         for (i, q) in seqs.iter_mut().enumerate() {
             let n = q.tokens.len();
@@ -2060,20 +2077,18 @@ impl<B: Backend> Model<B> {
                         be.resize(features, n, layers.len() * n_embd);
                     }
                 }
-                tapped.push((i, off..off + n, t));
+                tapped.push((i, t));
             }
-            off += n;
         }
         let want = !tapped.is_empty();
+        let seq_ix = &ix.seqs;
         let mut capture = |be: &B, s: &mut Scratch<B>, layer: usize| {
-            for (_, range, t) in &mut tapped {
+            for (seq, t) in &mut tapped {
                 for i in 0..t.layers().len() {
                     if t.layers()[i] != layer {
                         continue;
                     }
-                    s.seq_rows.clear();
-                    s.seq_rows.extend(range.clone());
-                    be.copy_rows(&s.x, &s.seq_rows, &mut s.tap_rows);
+                    be.copy_rows(&s.x, &seq_ix[*seq].rows, &mut s.tap_rows);
                     match t {
                         TapSink::Host(t) => be.to_host(&s.tap_rows, &mut t.rows[i]),
                         TapSink::Device { features, .. } => {
@@ -2085,90 +2100,64 @@ impl<B: Backend> Model<B> {
         };
         let tap: Option<&mut TapFn<'_, B>> = if want { Some(&mut capture) } else { None };
         let hp = &self.hp;
-        let all_len = all_tokens.len();
-        let result = self.layers_and_head(
-            be,
-            s,
-            &all_tokens,
-            &all_pos,
-            &all_rows,
-            tap,
-            &mut |be, s, il| {
-                let total = all_len;
-                let mut off = 0;
-                if let MixerSpec::DeltaNet(_) = &hp.layers[il].mixer {
-                    for q in seqs.iter_mut() {
-                        let n = q.tokens.len();
-                        s.seq_rows.clear();
-                        s.seq_rows.extend(off..off + n);
-                        off += n;
-                        let dn = &mut s.dn;
-                        be.copy_rows(&dn.mixed, &s.seq_rows, &mut dn.seq_mixed);
-                        be.copy_rows(&dn.alpha, &s.seq_rows, &mut dn.seq_alpha);
-                        be.copy_rows(&dn.beta, &s.seq_rows, &mut dn.seq_beta);
-                        self.delta_rule(
-                            be,
-                            q.kv,
-                            &mut dn.scratch,
-                            il,
-                            q.pos[0] as usize,
-                            &dn.seq_mixed,
-                            &dn.seq_alpha,
-                            &dn.seq_beta,
-                            &mut dn.seq_out,
-                        );
-                        // Into the batch's rows, on the backend.
-                        if s.seq_rows[0] == 0 {
-                            let cols = be.shape(&dn.seq_out).1;
-                            be.resize(&mut dn.out, total, cols);
-                        }
-                        be.put_rows(&dn.seq_out, &s.seq_rows, &mut dn.out);
-                    }
-                    return;
-                }
-                for q in seqs.iter_mut() {
-                    let n = q.tokens.len();
-                    s.seq_rows.clear();
-                    s.seq_rows.extend(off..off + n);
-                    off += n;
-                    be.copy_rows(&s.q, &s.seq_rows, &mut s.seq_q);
-                    let own = self.kv_layer(il) == il;
-                    if own {
-                        be.copy_rows(&s.k, &s.seq_rows, &mut s.seq_k);
-                        be.copy_rows(&s.v, &s.seq_rows, &mut s.seq_v);
-                    }
-                    s.cells.clear();
-                    s.cells.extend(q.pos.iter().map(|&p| p as usize));
-                    let kv_len = s.cells.iter().max().map_or(0, |&m| m + 1);
-                    s.kv_pos.clear();
-                    s.kv_pos
-                        .extend(0..u32::try_from(kv_len).unwrap_or(u32::MAX));
-                    let (cells, kv_pos) = match &q.ring {
-                        Some(r) if hp.is_swa(il) => (r.cells, r.kv_pos),
-                        _ => (&s.cells[..], &s.kv_pos[..]),
-                    };
-                    if own {
-                        be.kv_write(q.kv, il, cells, &s.seq_k, &s.seq_v);
-                    }
-                    be.attention(
-                        &s.seq_q,
+        let total = all_tokens.len();
+        let result = self.layers_and_head(be, s, &ix, &ix.pos, tap, &mut |be, s, il| {
+            if let MixerSpec::DeltaNet(_) = &hp.layers[il].mixer {
+                for (i, (q, qi)) in seqs.iter_mut().zip(seq_ix).enumerate() {
+                    let dn = &mut s.dn;
+                    be.copy_rows(&dn.mixed, &qi.rows, &mut dn.seq_mixed);
+                    be.copy_rows(&dn.alpha, &qi.rows, &mut dn.seq_alpha);
+                    be.copy_rows(&dn.beta, &qi.rows, &mut dn.seq_beta);
+                    self.delta_rule(
+                        be,
                         q.kv,
-                        &self.attn_params(il, q.pos, kv_pos),
-                        &mut s.seq_attn,
+                        &mut dn.scratch,
+                        il,
+                        q.pos[0] as usize,
+                        &dn.seq_mixed,
+                        &dn.seq_alpha,
+                        &dn.seq_beta,
+                        &mut dn.seq_out,
                     );
                     // Into the batch's rows, on the backend (sized by the first sequence).
-                    if s.seq_rows[0] == 0 {
-                        let cols = be.shape(&s.seq_attn).1;
-                        be.resize(&mut s.attn, total, cols);
+                    if i == 0 {
+                        let cols = be.shape(&dn.seq_out).1;
+                        be.resize(&mut dn.out, total, cols);
                     }
-                    be.put_rows(&s.seq_attn, &s.seq_rows, &mut s.attn);
+                    be.put_rows(&dn.seq_out, &qi.rows, &mut dn.out);
                 }
-            },
-        );
+                return;
+            }
+            for (i, (q, qi)) in seqs.iter_mut().zip(seq_ix).enumerate() {
+                be.copy_rows(&s.q, &qi.rows, &mut s.seq_q);
+                let own = self.kv_layer(il) == il;
+                if own {
+                    be.copy_rows(&s.k, &qi.rows, &mut s.seq_k);
+                    be.copy_rows(&s.v, &qi.rows, &mut s.seq_v);
+                }
+                let (cells, kv_pos) = qi.cells(q.ring.is_some() && hp.is_swa(il));
+                if own {
+                    be.kv_write(q.kv, il, cells, &s.seq_k, &s.seq_v);
+                }
+                be.attention(
+                    &s.seq_q,
+                    q.kv,
+                    &self.attn_params(il, &qi.pos, kv_pos),
+                    &mut s.seq_attn,
+                );
+                // Into the batch's rows, on the backend (sized by the first sequence).
+                if i == 0 {
+                    let cols = be.shape(&s.seq_attn).1;
+                    be.resize(&mut s.attn, total, cols);
+                }
+                be.put_rows(&s.seq_attn, &qi.rows, &mut s.attn);
+            }
+        });
+        s.ix = Some(ix);
         s.all_tokens = all_tokens;
         s.all_pos = all_pos;
         s.all_logits_rows = all_rows;
-        for (i, _, t) in tapped {
+        for (i, t) in tapped {
             seqs[i].taps = Some(t);
         }
         result?;
@@ -2196,7 +2185,7 @@ impl<B: Backend> Model<B> {
         w: &AttnWeights<B::Weight>,
         a: &AttnSpec,
         eps: f32,
-        pos: &[u32],
+        pos: &B::Index,
     ) {
         if let Some(g) = &w.gate {
             // From the layer's normed input, as the projections.
@@ -2254,7 +2243,7 @@ impl<B: Backend> Model<B> {
         be: &B,
         s: &mut Scratch<B>,
         p: &PerLayerInputs<B::Weight>,
-        tokens: &[u32],
+        tokens: &B::Index,
     ) {
         let b = &mut s.inputs;
         #[allow(
@@ -2281,35 +2270,34 @@ impl<B: Backend> Model<B> {
         }
     }
 
+    /// Every token must be a row of the embedding.
+    fn check_tokens(&self, tokens: &[u32]) -> Result<()> {
+        let n_vocab = self.hp.n_vocab;
+        match tokens.iter().find(|&&t| t as usize >= n_vocab) {
+            Some(&token) => Err(ModelError::TokenOutOfVocab { token, n_vocab }),
+            None => Ok(()),
+        }
+    }
+
     /// Every layer around the attention `attend` computes (from `s.q/k/v` into `s.attn`,
-    /// writing the cache), then the output head for `logits_rows` into `s.host`.
-    #[allow(
-        clippy::too_many_arguments,
-        reason = "the forward pass's inputs are all needed"
-    )]
+    /// writing the cache), then the output head for the rows `ix.logits` into `s.host`; the
+    /// tokens `ix.tokens` (checked) at positions `pos`.
     fn layers_and_head(
         &self,
         be: &B,
         s: &mut Scratch<B>,
-        tokens: &[u32],
-        pos: &[u32],
-        logits_rows: &[usize],
+        ix: &index::ForwardIndex<B>,
+        pos: &B::Index,
         mut tap: Option<&mut TapFn<'_, B>>,
         attend: &mut dyn FnMut(&B, &mut Scratch<B>, usize),
     ) -> Result<()> {
         let hp = &self.hp;
-        if let Some(&token) = tokens.iter().find(|&&t| t as usize >= hp.n_vocab) {
-            return Err(ModelError::TokenOutOfVocab {
-                token,
-                n_vocab: hp.n_vocab,
-            });
-        }
-        be.get_rows(&self.tok_embd, tokens, &mut s.x);
+        be.get_rows(&self.tok_embd, &ix.tokens, &mut s.x);
         if let Some(f) = hp.embd_scale {
             be.scale(&mut s.x, f);
         }
         if let Some(p) = &self.inputs {
-            self.per_layer_inputs(be, s, p, tokens);
+            self.per_layer_inputs(be, s, p, &ix.tokens);
         }
         for (il, (layer, spec)) in self.layers.iter().zip(&hp.layers).enumerate() {
             if let Some(f) = tap.as_deref_mut() {
@@ -2412,11 +2400,11 @@ impl<B: Backend> Model<B> {
         }
 
         s.ids.clear();
-        if logits_rows.is_empty() {
+        if be.index_len(&ix.logits) == 0 {
             s.host.clear();
             return Ok(());
         }
-        be.copy_rows(&s.x, logits_rows, &mut s.sel);
+        be.copy_rows(&s.x, &ix.logits, &mut s.sel);
         be.rms_norm(&s.sel, Some(&self.output_norm), hp.rms_eps, &mut s.norm);
         let head = Linear {
             w: self.output.as_ref().unwrap_or(&self.tok_embd).as_ref(),

@@ -229,6 +229,9 @@ pub(crate) struct MoeScratch<B: Backend> {
     act: B::Tensor,
     y: B::Tensor,
     routing: Routing,
+    /// One expert's rows as an index tensor, and where it is staged.
+    rows: B::Index,
+    stage: Vec<u32>,
 }
 
 impl<B: Backend> MoeScratch<B> {
@@ -243,6 +246,8 @@ impl<B: Backend> MoeScratch<B> {
             act: z(),
             y: z(),
             routing: Routing::default(),
+            rows: be.index(&[]),
+            stage: Vec::new(),
         }
     }
 }
@@ -268,7 +273,9 @@ pub(crate) fn forward<B: Backend>(
         if rows.is_empty() {
             continue;
         }
-        be.copy_rows(x, rows, &mut s.x);
+        let at = crate::index::index_of;
+        crate::index::stage(be, &mut s.rows, &mut s.stage, rows.iter().map(|&r| at(r)));
+        be.copy_rows(x, &s.rows, &mut s.x);
         expert.gate.matmul(be, &s.x, &mut s.gate);
         expert.up.matmul(be, &s.x, &mut s.up);
         match spec.act {
@@ -276,7 +283,7 @@ pub(crate) fn forward<B: Backend>(
             Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
         }
         expert.down.matmul(be, &s.act, &mut s.y);
-        be.add_rows_scaled(out, rows, &s.y, &s.routing.weights[e]);
+        be.add_rows_scaled(out, &s.rows, &s.y, &s.routing.weights[e]);
     }
     if let Some(sh) = &w.shared {
         sh.gate.matmul(be, x, &mut s.gate);

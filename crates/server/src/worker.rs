@@ -819,8 +819,7 @@ impl<B: Backend> Worker<B> {
                 for &(i, at) in &on_device {
                     if let Some(t) = &self.slots[i].device {
                         let (rows, _) = be.shape(t);
-                        let to: Vec<usize> = (at..at + rows).collect();
-                        be.put_rows(t, &to, batch);
+                        be.put_rows(t, &be.index_range(at..at + rows), batch);
                     }
                 }
                 Features::Device(batch)

@@ -509,25 +509,52 @@ impl KvShape {
     }
 }
 
-/// One attention call: `n_head` query heads over the cache cells of `layer`.
-#[derive(Clone, Copy, Debug)]
-pub struct AttentionParams<'a> {
+/// One attention call: `n_head` query heads over the cache cells of `layer`. The positions are
+/// index tensors of the backend ([`Backend::Index`]) in [`Backend::attention`], host slices
+/// (the default `I`) inside a backend's own kernels.
+#[derive(Debug)]
+pub struct AttentionParams<'a, I: ?Sized = [u32]> {
     /// Layer index into the cache: the layer whose cells are read (for a KV-shared layer, its
     /// source, [`KvShape::shared`]).
     pub layer: usize,
     /// Query heads (a multiple of the cache's K/V heads: grouped-query attention).
     pub n_head: usize,
     /// Position of each query row.
-    pub q_pos: &'a [u32],
+    pub q_pos: &'a I,
     /// Position of each cache cell `0..kv_len` (cells past `kv_len` are not read; in a ring,
     /// entry `j` is cell `j % cells`, see [`Backend::attention`]).
-    pub kv_pos: &'a [u32],
+    pub kv_pos: &'a I,
     /// Score scale, usually `1/√head_dim`.
     pub scale: f32,
     /// Mask rule.
     pub mask: Mask,
     /// Logit soft-capping (`tanh(x/c)·c`), when the model uses it.
     pub softcap: Option<f32>,
+}
+
+impl<I: ?Sized> Clone for AttentionParams<'_, I> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<I: ?Sized> Copy for AttentionParams<'_, I> {}
+
+impl<'a, I: ?Sized> AttentionParams<'a, I> {
+    /// The same call with the positions `q_pos` and `kv_pos` (a backend's index tensors read
+    /// as its kernels want them).
+    #[must_use]
+    pub fn with_positions<J: ?Sized>(&self, q_pos: &'a J, kv_pos: &'a J) -> AttentionParams<'a, J> {
+        AttentionParams {
+            layer: self.layer,
+            n_head: self.n_head,
+            q_pos,
+            kv_pos,
+            scale: self.scale,
+            mask: self.mask,
+            softcap: self.softcap,
+        }
+    }
 }
 
 /// The op set. Shapes are `[rows, cols]` of f32 activations; weights are `[n_out, n_in]` in
@@ -540,6 +567,10 @@ pub trait Backend: Send + Sync {
     type Weight: Send + Sync;
     /// The KV cache of all layers.
     type Kv: Send + Sync;
+    /// A vector of `u32` indices on the device: token ids, positions, cache cells, row
+    /// numbers. A forward builds each of its index tensors once from the host and every layer
+    /// and op that reads them shares it, so a layer uploads nothing.
+    type Index: Send + Sync + std::fmt::Debug + 'static;
 
     /// A short name (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -571,6 +602,19 @@ pub trait Backend: Send + Sync {
     fn to_host(&self, t: &Self::Tensor, out: &mut Vec<f32>);
     /// `(rows, cols)` of a tensor.
     fn shape(&self, t: &Self::Tensor) -> (usize, usize);
+    /// An index tensor holding `v` (one upload).
+    fn index(&self, v: &[u32]) -> Self::Index;
+    /// Makes `i` hold `v` (one upload; storage reused where the backend can).
+    fn set_index(&self, i: &mut Self::Index, v: &[u32]) {
+        *i = self.index(v);
+    }
+    /// The number of indices `i` holds.
+    fn index_len(&self, i: &Self::Index) -> usize;
+    /// An index tensor holding `r` (rows `r` of a tensor; one upload).
+    fn index_range(&self, r: std::ops::Range<usize>) -> Self::Index {
+        let v: Vec<u32> = r.map(|i| u32::try_from(i).unwrap_or(u32::MAX)).collect();
+        self.index(&v)
+    }
     /// Changes the number of rows of `t` (reusing its storage when it is large enough); the
     /// contents become unspecified.
     fn resize(&self, t: &mut Self::Tensor, rows: usize, cols: usize);
@@ -606,11 +650,11 @@ pub trait Backend: Send + Sync {
     }
 
     /// `out[i] = src[rows[i]]`: gathers rows (e.g. the rows whose logits are wanted).
-    fn copy_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor);
+    fn copy_rows(&self, src: &Self::Tensor, rows: &Self::Index, out: &mut Self::Tensor);
     /// `dst[rows[i]] = src[i]`: scatters rows into a tensor of the same width, leaving its
     /// other rows as they are (one sequence's attention output into the batch's, with no
     /// trip through the host). `rows` are distinct and below `dst`'s row count.
-    fn put_rows(&self, src: &Self::Tensor, rows: &[usize], dst: &mut Self::Tensor);
+    fn put_rows(&self, src: &Self::Tensor, rows: &Self::Index, dst: &mut Self::Tensor);
     /// `dst[r][col0 .. col0 + src.cols] = src[r]` for every row (`dst` has `src`'s row count):
     /// writes `src` into a column range of `dst`, leaving `dst`'s other columns as they are —
     /// a captured hidden state into its place in the rows of a feature drafter's input,
@@ -621,7 +665,7 @@ pub trait Backend: Send + Sync {
     /// draft cache through f16 staging).
     fn clamp_finite(&self, x: &mut Self::Tensor, limit: f32);
     /// `out[r] = table[ids[r]]` (dequantized embedding rows).
-    fn get_rows(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor);
+    fn get_rows(&self, table: &Self::Weight, ids: &Self::Index, out: &mut Self::Tensor);
     /// `out = x · wᵀ`: `x` is `[rows, n_in]`, `out` is `[rows, n_out]`.
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor);
     /// `x[r] += b` for every row (bias).
@@ -638,7 +682,7 @@ pub trait Backend: Send + Sync {
     /// (length `group`): QK-norm per head.
     fn rms_norm_groups(&self, x: &mut Self::Tensor, group: usize, w: &Self::Weight, eps: f32);
     /// Rotates each `head_dim` slice of row `r` by position `pos[r]`.
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig);
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &Self::Index, cfg: &RopeConfig);
     /// `out = silu(gate) ⊙ up`.
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor);
     /// `out = gelu_tanh(gate) ⊙ up` (GELU as ggml-cpu computes it: through an f16 table).
@@ -671,7 +715,7 @@ pub trait Backend: Send + Sync {
     fn add_rows_scaled(
         &self,
         dst: &mut Self::Tensor,
-        rows: &[usize],
+        rows: &Self::Index,
         src: &Self::Tensor,
         w: &[f32],
     );
@@ -687,7 +731,7 @@ pub trait Backend: Send + Sync {
         &self,
         kv: &mut Self::Kv,
         layer: usize,
-        cells: &[usize],
+        cells: &Self::Index,
         k: &Self::Tensor,
         v: &Self::Tensor,
     );
@@ -776,7 +820,7 @@ pub trait Backend: Send + Sync {
         &self,
         q: &Self::Tensor,
         kv: &Self::Kv,
-        params: &AttentionParams<'_>,
+        params: &AttentionParams<'_, Self::Index>,
         out: &mut Self::Tensor,
     );
 }

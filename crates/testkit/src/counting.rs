@@ -2,7 +2,8 @@
 //! it wraps, and each transfer is tallied — floats downloaded by `to_host` (logits rows,
 //! hidden-state taps, router logits), ids downloaded by `argmax_rows` and `top1_rows` (with
 //! one probability per row), floats uploaded by
-//! `from_host`. Tests run a generation on it and read the tallies, to show what a round moves
+//! `from_host` (and a mixture's routing weights by `add_rows_scaled`), index tensors uploaded by
+//! `index` and `set_index`. Tests run a generation on it and read the tallies, to show what a round moves
 //! (issue 16's counting test backend).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -24,8 +25,13 @@ pub struct Tally {
     pub ids_down: u64,
     /// Probabilities `top1_rows` downloaded (one per row).
     pub probs_down: u64,
-    /// f32 values `from_host` uploaded.
+    /// f32 values `from_host` and `add_rows_scaled` uploaded.
     pub floats_up: u64,
+    /// `index` and `set_index` calls with at least one index: index tensors built from the
+    /// host.
+    pub index_uploads: u64,
+    /// Indices they uploaded.
+    pub indices_up: u64,
 }
 
 /// `B` with its transfers counted.
@@ -38,6 +44,8 @@ pub struct Counting<B> {
     ids_down: AtomicU64,
     probs_down: AtomicU64,
     floats_up: AtomicU64,
+    index_uploads: AtomicU64,
+    indices_up: AtomicU64,
 }
 
 impl<B> Counting<B> {
@@ -51,6 +59,8 @@ impl<B> Counting<B> {
             ids_down: AtomicU64::new(0),
             probs_down: AtomicU64::new(0),
             floats_up: AtomicU64::new(0),
+            index_uploads: AtomicU64::new(0),
+            indices_up: AtomicU64::new(0),
         }
     }
 
@@ -63,6 +73,18 @@ impl<B> Counting<B> {
             ids_down: self.ids_down.load(Ordering::Relaxed),
             probs_down: self.probs_down.load(Ordering::Relaxed),
             floats_up: self.floats_up.load(Ordering::Relaxed),
+            index_uploads: self.index_uploads.load(Ordering::Relaxed),
+            indices_up: self.indices_up.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl<B> Counting<B> {
+    /// An index tensor built from `v` (an empty one moves nothing and is not counted).
+    fn count_index(&self, v: &[u32]) {
+        if !v.is_empty() {
+            add(&self.index_uploads, 1);
+            add(&self.indices_up, v.len());
         }
     }
 }
@@ -75,6 +97,7 @@ impl<B: Backend> Backend for Counting<B> {
     type Tensor = B::Tensor;
     type Weight = B::Weight;
     type Kv = B::Kv;
+    type Index = B::Index;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -111,16 +134,27 @@ impl<B: Backend> Backend for Counting<B> {
     fn shape(&self, t: &Self::Tensor) -> (usize, usize) {
         self.inner.shape(t)
     }
+    fn index(&self, v: &[u32]) -> Self::Index {
+        self.count_index(v);
+        self.inner.index(v)
+    }
+    fn set_index(&self, i: &mut Self::Index, v: &[u32]) {
+        self.count_index(v);
+        self.inner.set_index(i, v);
+    }
+    fn index_len(&self, i: &Self::Index) -> usize {
+        self.inner.index_len(i)
+    }
     fn resize(&self, t: &mut Self::Tensor, rows: usize, cols: usize) {
         self.inner.resize(t, rows, cols);
     }
-    fn copy_rows(&self, src: &Self::Tensor, rows: &[usize], out: &mut Self::Tensor) {
+    fn copy_rows(&self, src: &Self::Tensor, rows: &Self::Index, out: &mut Self::Tensor) {
         self.inner.copy_rows(src, rows, out);
     }
-    fn put_rows(&self, src: &Self::Tensor, rows: &[usize], dst: &mut Self::Tensor) {
+    fn put_rows(&self, src: &Self::Tensor, rows: &Self::Index, dst: &mut Self::Tensor) {
         self.inner.put_rows(src, rows, dst);
     }
-    fn get_rows(&self, table: &Self::Weight, ids: &[u32], out: &mut Self::Tensor) {
+    fn get_rows(&self, table: &Self::Weight, ids: &Self::Index, out: &mut Self::Tensor) {
         self.inner.get_rows(table, ids, out);
     }
     fn matmul(&self, x: &Self::Tensor, w: &Self::Weight, out: &mut Self::Tensor) {
@@ -141,7 +175,7 @@ impl<B: Backend> Backend for Counting<B> {
     fn rms_norm_groups(&self, x: &mut Self::Tensor, group: usize, w: &Self::Weight, eps: f32) {
         self.inner.rms_norm_groups(x, group, w, eps);
     }
-    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &[u32], cfg: &RopeConfig) {
+    fn rope(&self, x: &mut Self::Tensor, head_dim: usize, pos: &Self::Index, cfg: &RopeConfig) {
         self.inner.rope(x, head_dim, pos, cfg);
     }
     fn swiglu(&self, gate: &Self::Tensor, up: &Self::Tensor, out: &mut Self::Tensor) {
@@ -183,10 +217,11 @@ impl<B: Backend> Backend for Counting<B> {
     fn add_rows_scaled(
         &self,
         dst: &mut Self::Tensor,
-        rows: &[usize],
+        rows: &Self::Index,
         src: &Self::Tensor,
         w: &[f32],
     ) {
+        add(&self.floats_up, w.len());
         self.inner.add_rows_scaled(dst, rows, src, w);
     }
     fn kv_new(&self, shape: KvShape) -> Result<Self::Kv> {
@@ -196,7 +231,7 @@ impl<B: Backend> Backend for Counting<B> {
         &self,
         kv: &mut Self::Kv,
         layer: usize,
-        cells: &[usize],
+        cells: &Self::Index,
         k: &Self::Tensor,
         v: &Self::Tensor,
     ) {
@@ -242,7 +277,7 @@ impl<B: Backend> Backend for Counting<B> {
         &self,
         q: &Self::Tensor,
         kv: &Self::Kv,
-        params: &AttentionParams<'_>,
+        params: &AttentionParams<'_, Self::Index>,
         out: &mut Self::Tensor,
     ) {
         self.inner.attention(q, kv, params, out);

@@ -173,7 +173,7 @@ impl<B: Backend> DflashDrafter<B> {
     /// Loading errors of the draft (unsupported variants by name, shapes, taps past the
     /// target's layers, a MASK id outside the vocabulary) and cache formats the backend refuses.
     pub fn new(
-        backend: B,
+        backend: Arc<B>,
         file: Arc<Gguf>,
         target: &Engine<B>,
         n_ctx: usize,
@@ -181,15 +181,8 @@ impl<B: Backend> DflashDrafter<B> {
         v_type: QType,
         policy: Injection,
     ) -> Result<Self> {
-        let net = Dflash::load(&backend, file, &target.model)?;
-        Self::shared(
-            Arc::new(backend),
-            Arc::new(net),
-            n_ctx,
-            k_type,
-            v_type,
-            policy,
-        )
+        let net = Dflash::load(&*backend, file, &target.model)?;
+        Self::shared(backend, Arc::new(net), n_ctx, k_type, v_type, policy)
     }
 
     /// A drafter over a network (and the backend it runs on) shared with other drafters, one

@@ -83,6 +83,9 @@ pub struct Eagle3Drafter<B: Backend> {
     rows: Vec<usize>,
     /// The chain's current `g` row (the previous step's prenorm state).
     chain_g: B::Tensor,
+    /// The chain's row indices: the seed's `g` row, and row 0 (each later step's prenorm).
+    seed_row: B::Index,
+    row0: B::Index,
     /// Each chain step's top-1 and its probability.
     ids: Vec<u32>,
     probs: Vec<f32>,
@@ -108,15 +111,15 @@ impl<B: Backend> Eagle3Drafter<B> {
     /// # Errors
     /// Loading errors of the head and cache formats the backend refuses.
     pub fn new(
-        backend: B,
+        backend: Arc<B>,
         file: Arc<Gguf>,
         target: &Engine<B>,
         n_ctx: usize,
         k_type: QType,
         v_type: QType,
     ) -> Result<Self> {
-        let net = Eagle3::load(&backend, file, &target.model)?;
-        Self::shared(Arc::new(backend), Arc::new(net), n_ctx, k_type, v_type)
+        let net = Eagle3::load(&*backend, file, &target.model)?;
+        Self::shared(backend, Arc::new(net), n_ctx, k_type, v_type)
     }
 
     /// A drafter over a head (and the backend it runs on) shared with other drafters, one per
@@ -140,6 +143,7 @@ impl<B: Backend> Eagle3Drafter<B> {
         let g = DevRows::new(&*backend, net.hparams().n_embd);
         let raw = DevRows::new(&*backend, net.feature_width());
         let chain_g = backend.zeros(0, 0);
+        let (seed_row, row0) = (backend.index(&[]), backend.index(&[0]));
         Ok(Self {
             backend,
             net,
@@ -159,6 +163,8 @@ impl<B: Backend> Eagle3Drafter<B> {
             pos: Vec::new(),
             rows: Vec::new(),
             chain_g,
+            seed_row,
+            row0,
             ids: Vec::new(),
             probs: Vec::new(),
         })
@@ -295,8 +301,10 @@ impl<B: Backend + 'static> Drafter for Eagle3Drafter<B> {
             self.pairs = n - 1;
         }
         // The chain: seed (anchor, g[N − 1]) at N − 1, then (draft, prenorm) onwards.
+        let seed = u32::try_from(n - 1 - self.g_base).unwrap_or(u32::MAX);
+        self.backend.set_index(&mut self.seed_row, &[seed]);
         self.backend
-            .copy_rows(self.g.tensor(), &[n - 1 - self.g_base], &mut self.chain_g);
+            .copy_rows(self.g.tensor(), &self.seed_row, &mut self.chain_g);
         let mut tok = anchor;
         let mut out = Vec::with_capacity(k);
         for step in 0..k {
@@ -321,7 +329,7 @@ impl<B: Backend + 'static> Drafter for Eagle3Drafter<B> {
             out.push(t);
             tok = t;
             self.backend
-                .copy_rows(self.scratch.prenorm_rows(), &[0], &mut self.chain_g);
+                .copy_rows(self.scratch.prenorm_rows(), &self.row0, &mut self.chain_g);
         }
         Ok(out)
     }

@@ -80,14 +80,14 @@ impl<B: Backend> DevRows<B> {
             // Room to grow by doubling: each row is copied once per doubling.
             let mut grown = be.zeros((self.n + m).max(2 * cap).max(16), width);
             if self.n > 0 {
-                let kept: Vec<usize> = (0..self.n).collect();
+                let kept = be.index_range(0..self.n);
                 be.copy_rows(&self.t, &kept, &mut tmp);
                 be.put_rows(&tmp, &kept, &mut grown);
             }
             self.t = grown;
         }
-        let from: Vec<usize> = rows.collect();
-        let to: Vec<usize> = (self.n..self.n + m).collect();
+        let from = be.index_range(rows);
+        let to = be.index_range(self.n..self.n + m);
         be.copy_rows(src, &from, &mut tmp);
         be.put_rows(&tmp, &to, &mut self.t);
         self.n += m;
@@ -104,9 +104,9 @@ impl<B: Backend> DevRows<B> {
         let head = self.head(be, d);
         if d > 0 && d < self.n {
             let mut tmp = be.zeros(0, 0);
-            let rest: Vec<usize> = (d..self.n).collect();
+            let rest = be.index_range(d..self.n);
             be.copy_rows(&self.t, &rest, &mut tmp);
-            let to: Vec<usize> = (0..self.n - d).collect();
+            let to = be.index_range(0..self.n - d);
             be.put_rows(&tmp, &to, &mut self.t);
         }
         self.n -= d;
@@ -118,7 +118,7 @@ impl<B: Backend> DevRows<B> {
         let n = n.min(self.n);
         let mut t = be.zeros(0, be.shape(&self.t).1);
         if n > 0 {
-            let rows: Vec<usize> = (0..n).collect();
+            let rows = be.index_range(0..n);
             be.copy_rows(&self.t, &rows, &mut t);
         }
         Self { t, n }
