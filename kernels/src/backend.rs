@@ -801,6 +801,83 @@ impl Backend for CubeBackend {
         probs.extend_from_slice(&f32::from_bytes(&read(p_h))[..x.rows]);
     }
 
+    fn topk_rows(&self, x: &CubeTensor, k: usize, ids: &mut Vec<u32>, vals: &mut Vec<f32>) {
+        ids.clear();
+        vals.clear();
+        let k = k.min(x.cols);
+        if x.rows == 0 || k == 0 {
+            return;
+        }
+        let n = x.rows * k;
+        let (id_h, v_h) = (self.client.empty(n * 4), self.empty_f32(n));
+        // SAFETY: `x` holds `rows · cols` values; `id_h` and `v_h` `k` values per row.
+        unsafe {
+            ew::topk_rows::launch(
+                &self.client,
+                CubeCount::Static(u(x.rows), 1, 1),
+                CubeDim::new_1d(u(self.units)),
+                BufferArg::from_raw_parts(x.h.clone(), x.rows * x.cols),
+                BufferArg::from_raw_parts(id_h.clone(), n),
+                BufferArg::from_raw_parts(v_h.clone(), n),
+                u(x.cols),
+                u(k),
+                self.units,
+            );
+        }
+        let read = |h| {
+            self.client
+                .read_one(h)
+                .unwrap_or_else(|e| panic!("{} backend: a kernel failed: {e:?}", self.name))
+        };
+        ids.extend_from_slice(&u32::from_bytes(&read(id_h))[..n]);
+        vals.extend_from_slice(&f32::from_bytes(&read(v_h))[..n]);
+    }
+
+    fn block_conv(
+        &self,
+        x: &CubeTensor,
+        dynamic: &CubeTensor,
+        base: &CubeTensor,
+        side: usize,
+        kernel: usize,
+        group: usize,
+        out: &mut CubeTensor,
+    ) {
+        let (n, e) = (x.rows, x.cols);
+        assert!(
+            side < 2 && group > 0 && e.is_multiple_of(group),
+            "block_conv: side {side}, groups of {group} in {e}"
+        );
+        assert_eq!(
+            (dynamic.rows, dynamic.cols, base.rows, base.cols),
+            (n, 2 * kernel * (e / group), 2 * kernel, e),
+            "block_conv: operand shapes"
+        );
+        self.resize(out, n, e);
+        let total = n * e;
+        if total == 0 {
+            return;
+        }
+        // SAFETY: the shapes are checked above; `out` holds `n · e` values.
+        unsafe {
+            ew::block_conv::launch(
+                &self.client,
+                self.ew_count(total),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(x.h.clone(), total),
+                BufferArg::from_raw_parts(dynamic.h.clone(), dynamic.rows * dynamic.cols),
+                BufferArg::from_raw_parts(base.h.clone(), base.rows * base.cols),
+                BufferArg::from_raw_parts(out.h.clone(), total),
+                u(n),
+                u(e),
+                u(kernel),
+                u(group),
+                u(side),
+                0,
+            );
+        }
+    }
+
     fn resize(&self, t: &mut CubeTensor, rows: usize, cols: usize) {
         let n = rows * cols;
         if n > t.cap {

@@ -476,6 +476,75 @@ pub fn conformance<B: Backend>(be: &B) {
             check(&format!("top1_rows {what}"), &pb, &wp, tol::LIBM);
             check(&format!("top1_rows {what} (cpu)"), &pc, &wp, 0.0);
         }
+
+        // Top-k (DFlash2's candidates): the ids and values exactly, in `total_cmp` order with
+        // equal values by lower column (ties, NaN, −∞ in the rows above), k of 1, 8, more
+        // than a row holds; a vocabulary-sized row.
+        for (what, xb, xc, rows, k) in [
+            ("rows", &xb, &xc, 4, 8),
+            ("rows, k 1", &xb, &xc, 4, 1),
+            ("rows, k past the row", &xb, &xc, 4, 1200),
+            ("vocabulary", &vb, &vc, 2, 9),
+        ] {
+            let (mut ib, mut vb_, mut ic, mut vc_) =
+                (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            be.topk_rows(xb, k, &mut ib, &mut vb_);
+            cpu.topk_rows(xc, k, &mut ic, &mut vc_);
+            let flat = host(cpu, xc);
+            let cols = flat.len() / rows;
+            let (mut wi, mut wv) = (Vec::new(), Vec::new());
+            for row in flat.chunks_exact(cols) {
+                specula_tensor::topk_row(row, k, &mut wi, &mut wv);
+            }
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+            assert_eq!(ib, wi, "topk_rows {what}");
+            assert_eq!(ic, wi, "topk_rows {what} (cpu)");
+            assert_eq!(bits(&vb_), bits(&wv), "topk_rows {what}: values");
+            assert_eq!(bits(&vc_), bits(&wv), "topk_rows {what} (cpu): values");
+        }
+        // Equal maxima come lowest column first; NaN leads (`total_cmp`).
+        let mut want = (Vec::new(), Vec::new());
+        specula_tensor::topk_row(&rows_in[1], 3, &mut want.0, &mut want.1);
+        assert_eq!(want.0, [17, 400, 999], "topk_row: equal values by column");
+        want.0.clear();
+        specula_tensor::topk_row(&rows_in[2], 2, &mut want.0, &mut want.1);
+        assert_eq!(want.0, [3, 500], "topk_row: NaN first, in total_cmp order");
+    }
+
+    // DFlash2's block convolution: 7 rows of 24 values in groups of 4, kernel 3, both sides;
+    // the CPU backend against the host reference exactly, the device within rounding (its
+    // products are not fused, so its bits too).
+    {
+        let (n, e, kernel, group) = (7, 24, 3, 4);
+        let (xb_, xc_) = p.tensors(n, e, 50, 2.0);
+        let (db, dc) = p.tensors(n, 2 * kernel * (e / group), 51, 0.5);
+        let (bb, bc) = p.tensors(2 * kernel, e, 52, 1.0);
+        for side in 0..2 {
+            let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+            be.block_conv(&xb_, &db, &bb, side, kernel, group, &mut ob);
+            cpu.block_conv(&xc_, &dc, &bc, side, kernel, group, &mut oc);
+            let mut want = Vec::new();
+            specula_tensor::block_conv_rows(
+                &host(cpu, &xc_),
+                &host(cpu, &dc),
+                &host(cpu, &bc),
+                side,
+                (e, kernel, group),
+                &mut want,
+            );
+            check(
+                &format!("block_conv side {side}"),
+                &host(be, &ob),
+                &want,
+                0.0,
+            );
+            check(
+                &format!("block_conv side {side} (cpu)"),
+                &host(cpu, &oc),
+                &want,
+                0.0,
+            );
+        }
     }
 
     // Attention: each cache format the device keeps, K and V apart, GQA, every mask,

@@ -281,6 +281,38 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn topk_rows(&self, x: &CpuTensor, k: usize, ids: &mut Vec<u32>, vals: &mut Vec<f32>) {
+        ids.clear();
+        vals.clear();
+        let cols = x.cols().max(1);
+        for row in x.as_slice().chunks_exact(cols).take(x.rows()) {
+            specula_tensor::topk_row(row, k, ids, vals);
+        }
+    }
+
+    fn block_conv(
+        &self,
+        x: &CpuTensor,
+        dynamic: &CpuTensor,
+        base: &CpuTensor,
+        side: usize,
+        kernel: usize,
+        group: usize,
+        out: &mut CpuTensor,
+    ) {
+        let (rows, e) = (x.rows(), x.cols());
+        let mut o = Vec::new();
+        specula_tensor::block_conv_rows(
+            x.as_slice(),
+            dynamic.as_slice(),
+            base.as_slice(),
+            side,
+            (e, kernel, group),
+            &mut o,
+        );
+        *out = CpuTensor::new(rows, e, o);
+    }
+
     fn resize(&self, t: &mut CpuTensor, rows: usize, cols: usize) {
         t.resize(rows, cols);
     }

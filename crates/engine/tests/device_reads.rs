@@ -496,3 +496,58 @@ fn a_greedy_eagle3_round_keeps_the_target_features_on_the_backend() {
         .unwrap()
     });
 }
+
+/// DFlash2's selector reads each block row's candidates as `K + 1` ids and logits
+/// (`topk_rows`), and its convolutions run on the backend: what the drafter downloads besides
+/// is the selector's own codes — `P·h` of each row, the predecessor's code and the `K`
+/// candidates' codes — never a logits row.
+#[test]
+fn a_dflash2_draft_reads_its_candidates_not_its_logits() {
+    use specula_engine::{DflashDrafter, Injection};
+    let e = engine("llama");
+    let file = Arc::new(
+        Gguf::from_bytes(specula_testkit::tiny::dflash(true).to_bytes().unwrap()).unwrap(),
+    );
+    let mut d = DflashDrafter::new(
+        Arc::new(Counting::new(CpuBackend::new(1))),
+        file,
+        &e,
+        64,
+        QType::F16,
+        QType::F16,
+        Injection::Eager,
+    )
+    .unwrap();
+    let h2 = d.net().hparams().dflash2.clone().expect("a DFlash2 draft");
+    let prompt: Vec<u32> = (0..13u32).map(|i| (i * 7 + 3) % 32).collect();
+    let opts = GenerateOptions::greedy(24);
+    let plain = {
+        let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+        e.generate(&mut s, &prompt, &opts, |_| {}).unwrap()
+    };
+    let spec = SpecOptions {
+        n_max: 4,
+        p_min: 0.0,
+        adaptive: false,
+        ..SpecOptions::default()
+    };
+    let mut s = e.session(64, QType::F16, QType::F16).unwrap();
+    let g = e
+        .generate_speculative(&mut s, &prompt, &opts, &mut d, &spec, |_| {})
+        .unwrap();
+    assert_eq!(g.generated_ids, plain.generated_ids);
+    let t = d.backend().tally();
+    let k = h2.top_k.min(e.model.hparams().n_vocab);
+    assert!(t.ids_down > 0 && t.ids_down == t.probs_down, "{t:?}");
+    assert_eq!(
+        t.ids_down % (k as u64 + 1),
+        0,
+        "K + 1 candidates a row: {t:?}"
+    );
+    let rows = t.ids_down / (k as u64 + 1);
+    assert_eq!(
+        t.floats_down,
+        rows * (h2.rank * (k + 2)) as u64,
+        "the selector's codes and nothing else: {t:?}"
+    );
+}

@@ -94,6 +94,21 @@ pub struct Dflash2Hparams {
     pub softcap: Option<f32>,
 }
 
+impl Dflash2Hparams {
+    /// A draft logit as the selector scores it: the target's own output transforms (scale,
+    /// then soft-capping).
+    #[must_use]
+    pub fn transform(&self, mut x: f32) -> f32 {
+        if let Some(sc) = self.logit_scale {
+            x *= sc;
+        }
+        if let Some(cap) = self.softcap {
+            x = (x / cap).tanh() * cap;
+        }
+        x
+    }
+}
+
 fn bad(key: &str, detail: impl Into<String>) -> ModelError {
     ModelError::BadValue {
         key: key.to_owned(),
@@ -322,7 +337,7 @@ impl DflashHparams {
 }
 
 #[derive(Debug)]
-struct DLayer<W> {
+struct DLayer<W, T> {
     attn_norm: W,
     wq: Linear<W>,
     wk: Linear<W>,
@@ -335,68 +350,32 @@ struct DLayer<W> {
     ffn_up: Linear<W>,
     ffn_down: Linear<W>,
     /// DFlash2: the attention and MLP convolutions.
-    attn_conv: Option<Conv<W>>,
-    ffn_conv: Option<Conv<W>>,
+    attn_conv: Option<Conv<W, T>>,
+    ffn_conv: Option<Conv<W, T>>,
 }
 
 /// One DFlash2 grouped dynamic convolution pair ("in" before a sublayer, "out" after it).
 #[derive(Debug)]
-struct Conv<W> {
-    /// `[2][kernel][n_embd]` (side, tap, channel), as HF's `base_kernel`.
-    base: Vec<f32>,
+struct Conv<W, T> {
+    /// `[2 · kernel, n_embd]` (side, tap; channel), as HF's `base_kernel`, on the backend.
+    base: T,
     /// `n_embd → 2 · kernel · groups` coefficients, read `[side][tap][group]`.
     proj: Linear<W>,
 }
 
-/// DFlash2's causal grouped dynamic convolution inside one block (rows `0..n`):
-/// `out[i, c] = Σ_t (base[side][t][c] + dyn[i][side][t][c / group]) · x[i − t, c]`, rows before
-/// the block read as zero (Inco AI / z-lab `GroupedDynamicCausalConv`).
-fn conv_block(
-    x: &[f32],
-    dynamic: &[f32],
-    base: &[f32],
-    side: usize,
-    (e, kernel, group): (usize, usize, usize),
-    out: &mut Vec<f32>,
-) {
-    let n = x.len() / e;
-    let groups = e / group;
-    let per_row = 2 * kernel * groups;
-    out.clear();
-    out.resize(n * e, 0.0);
-    for i in 0..n {
-        let dy = &dynamic[i * per_row + side * kernel * groups..];
-        for t in 0..kernel.min(i + 1) {
-            let src = &x[(i - t) * e..(i - t + 1) * e];
-            let b = &base[(side * kernel + t) * e..(side * kernel + t + 1) * e];
-            let o = &mut out[i * e..(i + 1) * e];
-            for c in 0..e {
-                o[c] += (b[c] + dy[t * groups + c / group]) * src[c];
-            }
-        }
-    }
-}
-
-/// Applies the convolution of `conv` on `side` to `x` (on the host; the CPU backend's tensors
-/// are host memory).
-#[allow(
-    clippy::too_many_arguments,
-    reason = "the convolution's inputs and buffers"
-)]
+/// `x` through DFlash2's convolution `conv` on `side` with the block's coefficients `dynamic`
+/// (`conv.proj` of the sublayer's input), on the backend ([`Backend::block_conv`]).
 fn conv_apply<B: Backend>(
     be: &B,
-    conv: &Conv<B::Weight>,
-    dynamic: &[f32],
+    conv: &Conv<B::Weight, B::Tensor>,
+    dynamic: &B::Tensor,
     side: usize,
-    shape: (usize, usize, usize),
+    (kernel, group): (usize, usize),
     x: &mut B::Tensor,
-    h1: &mut Vec<f32>,
-    h2: &mut Vec<f32>,
+    tmp: &mut B::Tensor,
 ) {
-    be.to_host(x, h1);
-    conv_block(h1, dynamic, &conv.base, side, shape, h2);
-    let (rows, cols) = be.shape(x);
-    *x = be.from_host(rows, cols, h2);
+    be.block_conv(x, dynamic, &conv.base, side, kernel, group, tmp);
+    std::mem::swap(x, tmp);
 }
 
 /// DFlash2's candidate selector.
@@ -440,8 +419,14 @@ pub struct DflashScratch<B: Backend> {
     stage: Vec<u32>,
     host: Vec<f32>,
     full: Vec<f32>,
-    dyn_attn: Vec<f32>,
-    dyn_ffn: Vec<f32>,
+    /// DFlash2: each block row's candidates as the backend finds them (`K + 1` ids and
+    /// logits), and as the walk reads them (`K`, best first, transformed).
+    top_ids: Vec<u32>,
+    top_vals: Vec<f32>,
+    cand_ids: Vec<u32>,
+    cand_vals: Vec<f32>,
+    /// DFlash2: a convolution's output, swapped with its input.
+    conv: B::Tensor,
     h1: Vec<f32>,
     h2: Vec<f32>,
     dynt: B::Tensor,
@@ -462,7 +447,7 @@ pub struct Dflash<B: Backend> {
     d2t: Option<Vec<u32>>,
     n_vocab: usize,
     n_embd_target: usize,
-    layers: Vec<DLayer<B::Weight>>,
+    layers: Vec<DLayer<B::Weight, B::Tensor>>,
     selector: Option<Selector<B::Weight>>,
 }
 
@@ -653,7 +638,7 @@ impl<B: Backend> Dflash<B> {
                     arch: format!("dflash with shared K/V (no `{}`)", n("attn_v.weight")),
                 });
             }
-            let conv = |which: &str| -> Result<Option<Conv<B::Weight>>> {
+            let conv = |which: &str| -> Result<Option<Conv<B::Weight, B::Tensor>>> {
                 let Some(h2) = &hp.dflash2 else {
                     return Ok(None);
                 };
@@ -663,7 +648,7 @@ impl<B: Backend> Dflash<B> {
                 let base = base_values(&file, &base_name, e * h2.kernel * 2)?;
                 drop(base_w);
                 Ok(Some(Conv {
-                    base,
+                    base: backend.from_host(2 * h2.kernel, e, &base),
                     proj: l.linear(
                         &n(&format!("{which}_conv_proj")),
                         &[e, 2 * h2.kernel * groups],
@@ -792,8 +777,11 @@ impl<B: Backend> Dflash<B> {
             stage: Vec::new(),
             host: Vec::new(),
             full: Vec::new(),
-            dyn_attn: Vec::new(),
-            dyn_ffn: Vec::new(),
+            top_ids: Vec::new(),
+            top_vals: Vec::new(),
+            cand_ids: Vec::new(),
+            cand_vals: Vec::new(),
+            conv: z(),
             h1: Vec::new(),
             h2: Vec::new(),
             dynt: z(),
@@ -942,12 +930,7 @@ impl<B: Backend> Dflash<B> {
         if let Some(h2) = &hp.dflash2 {
             // The selector scores with the target's own output transforms.
             for x in &mut s.host {
-                if let Some(sc) = h2.logit_scale {
-                    *x *= sc;
-                }
-                if let Some(cap) = h2.softcap {
-                    *x = (*x / cap).tanh() * cap;
-                }
+                *x = h2.transform(*x);
             }
         }
         if let Some(d2t) = &self.d2t {
@@ -1053,22 +1036,12 @@ impl<B: Backend> Dflash<B> {
         let cshape = hp
             .dflash2
             .as_ref()
-            .map_or((0, 0, 1), |h2| (hp.n_embd, h2.kernel, h2.group));
+            .map_or((0, 1), |h2| (h2.kernel, h2.group));
         for (il, layer) in self.layers.iter().enumerate() {
             be.rms_norm(&s.x, Some(&layer.attn_norm), hp.rms_eps, &mut s.cur);
             if let Some(c) = &layer.attn_conv {
                 c.proj.matmul(be, &s.cur, &mut s.dynt);
-                be.to_host(&s.dynt, &mut s.dyn_attn);
-                conv_apply(
-                    be,
-                    c,
-                    &s.dyn_attn,
-                    0,
-                    cshape,
-                    &mut s.cur,
-                    &mut s.h1,
-                    &mut s.h2,
-                );
+                conv_apply(be, c, &s.dynt, 0, cshape, &mut s.cur, &mut s.conv);
             }
             layer.wq.matmul(be, &s.cur, &mut s.q);
             layer.wk.matmul(be, &s.cur, &mut s.k);
@@ -1097,26 +1070,14 @@ impl<B: Backend> Dflash<B> {
             }
             layer.wo.matmul(be, &s.attn, &mut s.proj);
             if let Some(c) = &layer.attn_conv {
-                conv_apply(
-                    be,
-                    c,
-                    &s.dyn_attn,
-                    1,
-                    cshape,
-                    &mut s.proj,
-                    &mut s.h1,
-                    &mut s.h2,
-                );
+                conv_apply(be, c, &s.dynt, 1, cshape, &mut s.proj, &mut s.conv);
             }
             be.add(&mut s.x, &s.proj);
 
             be.rms_norm(&s.x, Some(&layer.ffn_norm), hp.rms_eps, &mut s.cur);
             if let Some(c) = &layer.ffn_conv {
                 c.proj.matmul(be, &s.cur, &mut s.dynt);
-                be.to_host(&s.dynt, &mut s.dyn_ffn);
-                conv_apply(
-                    be, c, &s.dyn_ffn, 0, cshape, &mut s.cur, &mut s.h1, &mut s.h2,
-                );
+                conv_apply(be, c, &s.dynt, 0, cshape, &mut s.cur, &mut s.conv);
             }
             layer.ffn_gate.matmul(be, &s.cur, &mut s.gate);
             layer.ffn_up.matmul(be, &s.cur, &mut s.up);
@@ -1127,16 +1088,7 @@ impl<B: Backend> Dflash<B> {
             }
             layer.ffn_down.matmul(be, &s.act, &mut s.proj);
             if let Some(c) = &layer.ffn_conv {
-                conv_apply(
-                    be,
-                    c,
-                    &s.dyn_ffn,
-                    1,
-                    cshape,
-                    &mut s.proj,
-                    &mut s.h1,
-                    &mut s.h2,
-                );
+                conv_apply(be, c, &s.dynt, 1, cshape, &mut s.proj, &mut s.conv);
             }
             be.add(&mut s.x, &s.proj);
         }
@@ -1161,49 +1113,150 @@ impl<B: Backend> Dflash<B> {
     /// first row), take the best and carry it; stop where its softmax over the K scores falls
     /// below `p_min` (llama.cpp's walk). Returns the drafts (empty for a DFlash draft).
     pub fn select(&self, be: &B, s: &mut DflashScratch<B>, anchor: u32, p_min: f32) -> Vec<u32> {
-        let (Some(sel), Some(h2)) = (&self.selector, &self.hp.dflash2) else {
+        let Some(h2) = &self.hp.dflash2 else {
             return Vec::new();
         };
         let n_vocab = self.n_vocab;
         let rows = s.host.len() / n_vocab;
+        let k = h2.top_k.min(n_vocab);
+        s.cand_ids.clear();
+        s.cand_vals.clear();
+        for r in 0..rows {
+            let row = &s.host[r * n_vocab..(r + 1) * n_vocab];
+            specula_tensor::topk_row(row, k, &mut s.cand_ids, &mut s.cand_vals);
+        }
+        self.walk(be, s, rows, k, anchor, p_min)
+    }
+
+    /// [`Dflash::block`] and [`Dflash::select`] with the logits left on the backend: each
+    /// row's candidates come to the host as `K + 1` ids and logits ([`Backend::topk_rows`]),
+    /// not as a row of the vocabulary. The selector's logit transforms (scale, soft-capping)
+    /// keep the order, so these are the host path's candidates; where they could tie with the
+    /// next one (equal after the transforms at the K-th), or a transform is not increasing,
+    /// the block takes the host path, so the drafts are that path's in every case.
+    ///
+    /// # Errors
+    /// As [`Dflash::block`].
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the block forward's inputs and the walk's"
+    )]
+    pub fn block_select(
+        &self,
+        be: &B,
+        kv: &mut B::Kv,
+        n_ctx: usize,
+        s: &mut DflashScratch<B>,
+        tokens: &[u32],
+        pos0: usize,
+        rows: &[usize],
+        anchor: u32,
+        p_min: f32,
+    ) -> Result<Vec<u32>> {
+        let Some(h2) = &self.hp.dflash2 else {
+            return Ok(Vec::new());
+        };
+        let increasing =
+            h2.logit_scale.is_none_or(|sc| sc > 0.0) && h2.softcap.is_none_or(|c| c > 0.0);
+        if !increasing {
+            self.block(be, kv, n_ctx, s, tokens, pos0, rows)?;
+            return Ok(self.select(be, s, anchor, p_min));
+        }
+        self.block_logits(be, kv, n_ctx, s, tokens, pos0, rows)?;
+        let n_rows = rows.len();
+        if n_rows == 0 {
+            return Ok(Vec::new());
+        }
+        let n_vocab = self.n_vocab;
+        let k = h2.top_k.min(n_vocab);
+        let wide = (k + 1).min(n_vocab);
+        let (mut ids, mut vals) = (
+            std::mem::take(&mut s.top_ids),
+            std::mem::take(&mut s.top_vals),
+        );
+        be.topk_rows(&s.logits, wide, &mut ids, &mut vals);
+        for x in &mut vals {
+            *x = h2.transform(*x);
+        }
+        // Candidates of each row by transformed logit, then id (the host path's order).
+        let mut tie = false;
+        s.cand_ids.clear();
+        s.cand_vals.clear();
+        let mut order: Vec<usize> = Vec::with_capacity(wide);
+        for r in 0..n_rows {
+            let (ri, rv) = (
+                &ids[r * wide..(r + 1) * wide],
+                &vals[r * wide..(r + 1) * wide],
+            );
+            order.clear();
+            order.extend(0..wide);
+            order.sort_by(|&a, &b| rv[b].total_cmp(&rv[a]).then(ri[a].cmp(&ri[b])));
+            if wide > k && rv[order[k - 1]].total_cmp(&rv[order[k]]).is_eq() {
+                tie = true;
+            }
+            s.cand_ids.extend(order[..k].iter().map(|&j| ri[j]));
+            s.cand_vals.extend(order[..k].iter().map(|&j| rv[j]));
+        }
+        s.top_ids = ids;
+        s.top_vals = vals;
+        if tie {
+            // The K-th candidate may not be the host path's: read the rows.
+            be.to_host(&s.logits, &mut s.host);
+            for x in &mut s.host {
+                *x = h2.transform(*x);
+            }
+            return Ok(self.select(be, s, anchor, p_min));
+        }
+        Ok(self.walk(be, s, n_rows, k, anchor, p_min))
+    }
+
+    /// The selector's walk over `rows` rows of `k` candidates each (`s.cand_ids`,
+    /// `s.cand_vals`, best first), from `anchor`.
+    fn walk(
+        &self,
+        be: &B,
+        s: &mut DflashScratch<B>,
+        rows: usize,
+        k: usize,
+        anchor: u32,
+        p_min: f32,
+    ) -> Vec<u32> {
+        let (Some(sel), Some(h2)) = (&self.selector, &self.hp.dflash2) else {
+            return Vec::new();
+        };
         be.matmul(&s.norm, &sel.hidden, &mut s.selh);
         be.to_host(&s.selh, &mut s.h1);
-        let (rank, k) = (h2.rank, h2.top_k.min(n_vocab));
+        let rank = h2.rank;
         let mut out = Vec::with_capacity(rows);
         let mut pred = anchor;
-        let mut idx: Vec<u32> = Vec::new();
         let mut scores = vec![0.0f32; k];
         let mut a = vec![0.0f32; rank];
         for r in 0..rows {
-            let row = &s.host[r * n_vocab..(r + 1) * n_vocab];
-            idx.clear();
-            idx.extend(0..u32::try_from(n_vocab).unwrap_or(u32::MAX));
-            let cmp =
-                |x: &u32, y: &u32| row[*y as usize].total_cmp(&row[*x as usize]).then(x.cmp(y));
-            if k < idx.len() {
-                idx.select_nth_unstable_by(k - 1, cmp);
-                idx.truncate(k);
-            }
-            idx.sort_by(cmp);
+            let idx = &s.cand_ids[r * k..(r + 1) * k];
+            let val = &s.cand_vals[r * k..(r + 1) * k];
             be.set_index(&mut s.tokens, &[pred]);
             be.get_rows(&sel.prev, &s.tokens, &mut s.code);
             be.to_host(&s.code, &mut s.h2);
             for ((o, x), y) in a.iter_mut().zip(&s.h2).zip(&s.h1[r * rank..(r + 1) * rank]) {
                 *o = x * y;
             }
-            be.set_index(&mut s.tokens, &idx);
+            be.set_index(&mut s.tokens, idx);
             be.get_rows(&sel.next, &s.tokens, &mut s.codes);
             be.to_host(&s.codes, &mut s.h2);
-            for (j, &v) in idx.iter().enumerate() {
+            for (j, &v) in val.iter().enumerate() {
                 let b = &s.h2[j * rank..(j + 1) * rank];
-                scores[j] = row[v as usize] + a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
+                scores[j] = v + a.iter().zip(b).map(|(x, y)| x * y).sum::<f32>();
             }
-            let (best, max) = scores[..idx.len()].iter().enumerate().fold(
-                (0, f32::NEG_INFINITY),
-                |m, (j, &x)| if x > m.1 { (j, x) } else { m },
-            );
+            let (best, max) =
+                scores[..k]
+                    .iter()
+                    .enumerate()
+                    .fold(
+                        (0, f32::NEG_INFINITY),
+                        |m, (j, &x)| if x > m.1 { (j, x) } else { m },
+                    );
             if p_min > 0.0 {
-                let sum: f32 = scores[..idx.len()].iter().map(|&x| (x - max).exp()).sum();
+                let sum: f32 = scores[..k].iter().map(|&x| (x - max).exp()).sum();
                 if 1.0 / sum < p_min {
                     break;
                 }

@@ -873,5 +873,23 @@ fn dflash2_matches_the_pytorch_reference() {
         .unwrap();
         let path = net.select(&be, &mut s, block[0], 0.0);
         assert_eq!(path, ids(&round["path"]), "{what}: selector path");
+        // The same walk over candidates read out on the backend (top-K + 1 per row).
+        let fast = net
+            .block_select(
+                &be,
+                &mut kv,
+                N_CTX,
+                &mut s,
+                &block,
+                usize_of(&round["block_pos0"]),
+                &rows,
+                block[0],
+                0.0,
+            )
+            .unwrap();
+        assert_eq!(
+            fast, path,
+            "{what}: selector path from the backend's candidates"
+        );
     }
 }

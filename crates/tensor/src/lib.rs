@@ -149,6 +149,64 @@ pub fn top1_row(row: &[f32]) -> (u32, f32) {
     (id, p)
 }
 
+/// `f32` bits as a key whose unsigned order is [`f32::total_cmp`]'s (−NaN < −∞ < … < −0 < +0
+/// < … < +∞ < +NaN).
+#[must_use]
+pub fn total_order_key(x: f32) -> u32 {
+    let b = x.to_bits();
+    if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
+}
+
+/// Appends the `k` largest values of `row` to `ids` and `vals`, from the largest, in
+/// [`f32::total_cmp`] order with equal values by lower column first (all of them when the row
+/// has fewer): a drafter's candidates ([`Backend::topk_rows`] of one row).
+pub fn topk_row(row: &[f32], k: usize, ids: &mut Vec<u32>, vals: &mut Vec<f32>) {
+    let mut idx: Vec<u32> = (0..u32::try_from(row.len()).unwrap_or(u32::MAX)).collect();
+    let cmp = |x: &u32, y: &u32| row[*y as usize].total_cmp(&row[*x as usize]).then(x.cmp(y));
+    let k = k.min(idx.len());
+    if k == 0 {
+        return;
+    }
+    if k < idx.len() {
+        idx.select_nth_unstable_by(k - 1, cmp);
+        idx.truncate(k);
+    }
+    idx.sort_by(cmp);
+    vals.extend(idx.iter().map(|&i| row[i as usize]));
+    ids.extend(idx);
+}
+
+/// DFlash2's grouped dynamic causal convolution inside one block of `n` rows of `e` values:
+/// `out[i][c] = Σ_{t < min(kernel, i + 1)} (base[side][t][c] + dynamic[i][side][t][c / group])
+/// · x[i − t][c]`, summed in `t` order from 0, rows before the block read as zero (Inco AI /
+/// z-lab `GroupedDynamicCausalConv`). `base` is `[2][kernel][e]`, `dynamic` `[n][2][kernel]
+/// [e / group]` ([`Backend::block_conv`] on the host).
+pub fn block_conv_rows(
+    x: &[f32],
+    dynamic: &[f32],
+    base: &[f32],
+    side: usize,
+    (e, kernel, group): (usize, usize, usize),
+    out: &mut Vec<f32>,
+) {
+    let n = x.len() / e.max(1);
+    let groups = e / group.max(1);
+    let per_row = 2 * kernel * groups;
+    out.clear();
+    out.resize(n * e, 0.0);
+    for i in 0..n {
+        let dy = &dynamic[i * per_row + side * kernel * groups..];
+        for t in 0..kernel.min(i + 1) {
+            let src = &x[(i - t) * e..(i - t + 1) * e];
+            let b = &base[(side * kernel + t) * e..(side * kernel + t + 1) * e];
+            let o = &mut out[i * e..(i + 1) * e];
+            for c in 0..e {
+                o[c] += (b[c] + dy[t * groups + c / group]) * src[c];
+            }
+        }
+    }
+}
+
 /// Memory that weights can borrow from for as long as they live (a model file's memory map, a
 /// test's byte vector). It must return the same bytes on every call.
 pub trait ByteSource: Send + Sync {
@@ -647,6 +705,47 @@ pub trait Backend: Send + Sync {
             ids.push(id);
             probs.push(p);
         }
+    }
+
+    /// `ids`, `vals` (both cleared first) = [`topk_row`] of every row of `x`, `min(k, cols)`
+    /// per row, row after row: DFlash2's candidates without the logits rows reaching the host.
+    /// The default downloads `x` and scans it on the host.
+    fn topk_rows(&self, x: &Self::Tensor, k: usize, ids: &mut Vec<u32>, vals: &mut Vec<f32>) {
+        let (rows, cols) = self.shape(x);
+        let mut host = Vec::with_capacity(rows * cols);
+        self.to_host(x, &mut host);
+        ids.clear();
+        vals.clear();
+        for row in host.chunks_exact(cols.max(1)).take(rows) {
+            topk_row(row, k, ids, vals);
+        }
+    }
+
+    /// `out` = [`block_conv_rows`] of the rows of `x` (`[n, e]`, one block) with `dynamic`
+    /// (`[n, 2 · kernel · e / group]`) and `base` (`[2 · kernel, e]`) on `side` (0: before a
+    /// sublayer, 1: after it): DFlash2's convolutions on the backend. The default computes
+    /// on the host.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the convolution's operands and shape"
+    )]
+    fn block_conv(
+        &self,
+        x: &Self::Tensor,
+        dynamic: &Self::Tensor,
+        base: &Self::Tensor,
+        side: usize,
+        kernel: usize,
+        group: usize,
+        out: &mut Self::Tensor,
+    ) {
+        let (rows, e) = self.shape(x);
+        let (mut hx, mut hd, mut hb, mut ho) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        self.to_host(x, &mut hx);
+        self.to_host(dynamic, &mut hd);
+        self.to_host(base, &mut hb);
+        block_conv_rows(&hx, &hd, &hb, side, (e, kernel, group), &mut ho);
+        *out = self.from_host(rows, e, &ho);
     }
 
     /// `out[i] = src[rows[i]]`: gathers rows (e.g. the rows whose logits are wanted).

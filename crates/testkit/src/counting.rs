@@ -19,11 +19,11 @@ pub struct Tally {
     pub downloads: u64,
     /// f32 values they downloaded.
     pub floats_down: u64,
-    /// `argmax_rows` and `top1_rows` calls.
+    /// `argmax_rows`, `top1_rows` and `topk_rows` calls.
     pub argmax_calls: u64,
-    /// Ids they downloaded (one per row).
+    /// Ids they downloaded (one per row; `k` per row for `topk_rows`).
     pub ids_down: u64,
-    /// Probabilities `top1_rows` downloaded (one per row).
+    /// Probabilities `top1_rows` downloaded (one per row), and values `topk_rows` downloaded.
     pub probs_down: u64,
     /// f32 values `from_host` and `add_rows_scaled` uploaded.
     pub floats_up: u64,
@@ -130,6 +130,25 @@ impl<B: Backend> Backend for Counting<B> {
         add(&self.argmax_calls, 1);
         add(&self.ids_down, ids.len());
         add(&self.probs_down, probs.len());
+    }
+    fn topk_rows(&self, x: &Self::Tensor, k: usize, ids: &mut Vec<u32>, vals: &mut Vec<f32>) {
+        self.inner.topk_rows(x, k, ids, vals);
+        add(&self.argmax_calls, 1);
+        add(&self.ids_down, ids.len());
+        add(&self.probs_down, vals.len());
+    }
+    fn block_conv(
+        &self,
+        x: &Self::Tensor,
+        dynamic: &Self::Tensor,
+        base: &Self::Tensor,
+        side: usize,
+        kernel: usize,
+        group: usize,
+        out: &mut Self::Tensor,
+    ) {
+        self.inner
+            .block_conv(x, dynamic, base, side, kernel, group, out);
     }
     fn shape(&self, t: &Self::Tensor) -> (usize, usize) {
         self.inner.shape(t)

@@ -376,3 +376,118 @@ pub fn top1_rows(
         }
     }
 }
+
+/// The key of `v` whose unsigned order is `f32::total_cmp`'s
+/// (`specula_tensor::total_order_key`).
+#[cube]
+fn order_key(v: f32) -> u32 {
+    let b = u32::reinterpret(v);
+    if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
+}
+
+/// `(key[0], idx[0])` = the first in order of `(key[0..], idx[0..])`: the larger key, or the
+/// lower index of equal keys, by a fixed tree; every unit calls it after writing its own.
+#[cube]
+fn tree_first_key(key: &mut Shared<[u32]>, idx: &mut Shared<[u32]>, u: usize) {
+    sync_cube();
+    let mut stride = CUBE_DIM_X as usize / 2;
+    while stride > 0 {
+        if u < stride {
+            let (a, ia) = (key[u], idx[u]);
+            let (o, io) = (key[u + stride], idx[u + stride]);
+            if o > a || (o == a && io < ia) {
+                key[u] = o;
+                idx[u] = io;
+            }
+        }
+        sync_cube();
+        stride /= 2;
+    }
+}
+
+/// `ids[r·k + p]`, `vals[r·k + p]` for `p < k`: the `k` largest values of row `r` (`cols`
+/// values, `k ≤ cols`) from the largest, in `f32::total_cmp` order with equal values by lower
+/// column first (`specula_tensor::topk_row`). One cube per row and `k` passes, each taking the
+/// first value after the previous pass's in that order: each unit scans its columns, then a
+/// fixed tree.
+#[cube(launch)]
+pub fn topk_rows(
+    x: &[f32],
+    ids: &mut [u32],
+    vals: &mut [f32],
+    cols: u32,
+    k: u32,
+    #[comptime] units: usize,
+) {
+    let r = CUBE_POS_X as usize;
+    let u = UNIT_POS_X as usize;
+    let n = cols as usize;
+    let mut s_key = Shared::<[u32]>::new_slice(units);
+    let mut s_idx = Shared::<[u32]>::new_slice(units);
+    // The previous pick: (key, column); before the first pass, one past every value.
+    let mut pk = 0u32;
+    let mut pi = 0u32;
+    let mut first = true;
+    for p in 0..k as usize {
+        // "None yet" is key 0 at column `cols`: any value wins over it.
+        let mut bk = 0u32;
+        let mut bi = cols;
+        let mut i = u;
+        while i < n {
+            let key = order_key(x[r * n + i]);
+            let c = u32::cast_from(i);
+            let after = first || key < pk || (key == pk && c > pi);
+            if after && (key > bk || (key == bk && c < bi)) {
+                bk = key;
+                bi = c;
+            }
+            i += units;
+        }
+        s_key[u] = bk;
+        s_idx[u] = bi;
+        tree_first_key(&mut s_key, &mut s_idx, u);
+        pk = s_key[0];
+        pi = s_idx[0];
+        first = false;
+        if u == 0 {
+            ids[r * k as usize + p] = pi;
+            vals[r * k as usize + p] = x[r * n + pi as usize];
+        }
+        sync_cube();
+    }
+}
+
+/// DFlash2's grouped dynamic causal convolution (`specula_tensor::block_conv_rows`): one
+/// unit per output value `(i, c)` of the `n · e` values, the taps added in order from 0.
+#[cube(launch)]
+pub fn block_conv(
+    x: &[f32],
+    dynamic: &[f32],
+    base: &[f32],
+    out: &mut [f32],
+    n: u32,
+    e: u32,
+    kernel: u32,
+    group: u32,
+    side: u32,
+    zero: u32,
+) {
+    let at = ABSOLUTE_POS;
+    if at < (n * e) as usize {
+        let e = e as usize;
+        let kernel = kernel as usize;
+        let groups = e / group as usize;
+        let i = at / e;
+        let c = at % e;
+        let dy = i * 2 * kernel * groups + side as usize * kernel * groups;
+        let mut acc = 0.0f32;
+        let mut t = 0usize;
+        while t < kernel && t <= i {
+            let b = base[(side as usize * kernel + t) * e + c];
+            let w = b + dynamic[dy + t * groups + c / group as usize];
+            acc += exact(w * x[(i - t) * e + c], zero);
+            t += 1;
+        }
+        out[at] = acc;
+    }
+}

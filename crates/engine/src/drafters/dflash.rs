@@ -603,9 +603,11 @@ impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
         self.rows.clear();
         self.rows.extend(1..=k);
         if self.net.is_dflash2() {
-            // DFlash2: the selector walks the candidates from the anchor (it reads the rows).
-            self.net
-                .block(
+            // DFlash2: the selector walks the candidates from the anchor (each row's top-K
+            // read out on the backend).
+            let out = self
+                .net
+                .block_select(
                     &self.backend,
                     &mut self.kv,
                     self.n_ctx,
@@ -613,11 +615,10 @@ impl<B: Backend + 'static> Drafter for DflashDrafter<B> {
                     &self.block,
                     committed - self.base,
                     &self.rows,
+                    anchor,
+                    p.p_min,
                 )
                 .map_err(err)?;
-            let out = self
-                .net
-                .select(&self.backend, &mut self.scratch, anchor, p.p_min);
             self.last_draft.clone_from(&out);
             return Ok(out);
         }
