@@ -4,30 +4,12 @@
 
 mod common;
 
-use common::{Rng, nmse, tensor};
+use common::{Rng, attend, ix, nmse, tensor};
 use specula_cpu::{CpuBackend, CpuKv};
 use specula_kv::{CACHE_TYPES, Rotation, hadamard, is_turbo, k_rotation, v_rotation};
 use specula_quant::dot::SimdLevel;
 use specula_quant::{QType, wht};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask};
-
-/// Cells (or rows) as an index tensor of `be`.
-fn ix(be: &CpuBackend, c: &[usize]) -> specula_cpu::CpuIndex {
-    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
-    be.index(&v)
-}
-
-/// `be.attention` of host-side parameters, their positions made index tensors of `be`.
-fn attend(
-    be: &CpuBackend,
-    q: &specula_cpu::CpuTensor,
-    kv: &specula_cpu::CpuKv,
-    p: &AttentionParams<'_>,
-    out: &mut specula_cpu::CpuTensor,
-) {
-    let (qi, ki) = (be.index(p.q_pos), be.index(p.kv_pos));
-    be.attention(q, kv, &p.with_positions(&qi, &ki), out);
-}
 
 const N_KV_HEAD: usize = 2;
 const N_HEAD: usize = 6;

@@ -4,27 +4,9 @@
 
 mod common;
 
-use common::{BATCHES, Rng, THREADS, bits, random_weight, tensor, vector};
+use common::{BATCHES, Rng, THREADS, attend, bits, ix, random_weight, tensor, vector};
 use specula_cpu::{CpuBackend, CpuTensor};
 use specula_tensor::{AttentionParams, Backend, KvShape, Mask, QType, RopeConfig, RopeKind, Yarn};
-
-/// Cells (or rows) as an index tensor of `be`.
-fn ix(be: &CpuBackend, c: &[usize]) -> specula_cpu::CpuIndex {
-    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
-    be.index(&v)
-}
-
-/// `be.attention` of host-side parameters, their positions made index tensors of `be`.
-fn attend(
-    be: &CpuBackend,
-    q: &specula_cpu::CpuTensor,
-    kv: &specula_cpu::CpuKv,
-    p: &AttentionParams<'_>,
-    out: &mut specula_cpu::CpuTensor,
-) {
-    let (qi, ki) = (be.index(p.q_pos), be.index(p.kv_pos));
-    be.attention(q, kv, &p.with_positions(&qi, &ki), out);
-}
 
 /// Rows of the test inputs; batches are windows of them.
 const N_ROWS: usize = 20;

@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
-use specula_cpu::{CpuBackend, CpuTensor, CpuWeight};
-use specula_tensor::{Backend, QType, WeightDesc};
+use specula_cpu::{CpuBackend, CpuIndex, CpuKv, CpuTensor, CpuWeight};
+use specula_tensor::{AttentionParams, Backend, QType, WeightDesc};
 
 /// xorshift64* — deterministic test inputs without a dependency.
 pub struct Rng(u64);
@@ -124,3 +124,21 @@ pub fn bits(v: &[f32]) -> Vec<u32> {
 pub const THREADS: [usize; 3] = [1, 2, 3];
 /// The batch sizes every invariance test runs with.
 pub const BATCHES: [usize; 4] = [1, 3, 8, 17];
+
+/// Cells (or rows) as an index tensor of `be`.
+pub fn ix(be: &CpuBackend, c: &[usize]) -> CpuIndex {
+    let v: Vec<u32> = c.iter().map(|&i| u32::try_from(i).unwrap()).collect();
+    be.index(&v)
+}
+
+/// `be.attention` of host-side parameters, their positions made index tensors of `be`.
+pub fn attend(
+    be: &CpuBackend,
+    q: &CpuTensor,
+    kv: &CpuKv,
+    p: &AttentionParams<'_>,
+    out: &mut CpuTensor,
+) {
+    let (qi, ki) = (be.index(p.q_pos), be.index(p.kv_pos));
+    be.attention(q, kv, &p.with_positions(&qi, &ki), out);
+}
