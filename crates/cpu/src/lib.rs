@@ -58,6 +58,7 @@
 mod attention;
 mod gemm;
 mod matmul;
+mod moe;
 mod ops;
 mod pool;
 mod recurrent;
@@ -74,6 +75,7 @@ pub use attention::CpuKv;
 /// The softmax's `e^x` (glibc's `__expf_fma` operations) and its constants, for backends that
 /// reproduce the CPU attention's bits.
 pub use attention::expf;
+pub use moe::CpuRoutes;
 pub use ops::{gelu_tanh, gelu_tanh_f16, silu};
 pub use rope::angle_table;
 pub use tensor::{CpuIndex, CpuTensor, CpuWeight};
@@ -215,6 +217,7 @@ impl Backend for CpuBackend {
     type Weight = CpuWeight;
     type Kv = CpuKv;
     type Index = CpuIndex;
+    type Routes = CpuRoutes;
 
     fn name(&self) -> &'static str {
         "cpu"
@@ -367,6 +370,43 @@ impl Backend for CpuBackend {
 
     fn add_rows_scaled(&self, dst: &mut CpuTensor, rows: &CpuIndex, src: &CpuTensor, w: &[f32]) {
         ops::add_rows_scaled(dst, rows.as_usize(), src, w);
+    }
+
+    fn routes(&self) -> CpuRoutes {
+        CpuRoutes::default()
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CpuTensor,
+        p: &specula_tensor::MoeRoute,
+        bias: Option<&CpuWeight>,
+        out: &mut CpuRoutes,
+    ) {
+        moe::route(logits, p, bias, out);
+    }
+
+    fn routes_to_host(&self, r: &CpuRoutes, ids: &mut Vec<u32>, w: &mut Vec<f32>) {
+        ids.clear();
+        ids.extend_from_slice(r.ids());
+        w.clear();
+        w.extend_from_slice(r.weights());
+    }
+
+    fn matmul_id(
+        &self,
+        x: &CpuTensor,
+        experts: &[CpuWeight],
+        scales: Option<&[f32]>,
+        r: &CpuRoutes,
+        per_pair: bool,
+        out: &mut CpuTensor,
+    ) {
+        moe::matmul_id(self, x, experts, scales, r, per_pair, out);
+    }
+
+    fn moe_combine(&self, y: &CpuTensor, r: &CpuRoutes, out: &mut CpuTensor) {
+        moe::combine(y, r, out);
     }
 
     fn put_cols(&self, src: &CpuTensor, col0: usize, dst: &mut CpuTensor) {

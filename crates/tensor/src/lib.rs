@@ -207,6 +207,78 @@ pub fn block_conv_rows(
     }
 }
 
+/// How a mixture of experts weighs its experts ([`Backend::moe_route`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MoeRoute {
+    /// Experts per row.
+    pub n_used: usize,
+    /// Each expert's score is the sigmoid of its logit (else a softmax over the row).
+    pub sigmoid: bool,
+    /// The chosen experts' weights are divided by their sum.
+    pub norm: bool,
+    /// Every weight is multiplied by this (`expert_weights_scale`; 1 for none).
+    pub scale: f32,
+}
+
+/// Routes one row of router logits `x` ([`Backend::moe_route`] on the host): each expert's
+/// score (softmax over the row: `m` the maximum, `e^(x − m)` each, times `1 / Σ` summed in
+/// expert order; or the sigmoid `1 / (1 + e^−x)`); the `n_used` experts of highest selection
+/// score (the score plus `bias`, where given) in [`f32::total_cmp`] order, equal ones by lower
+/// expert first; each one's weight its score, divided by the chosen scores' sum (added in
+/// selection order) when `p.norm`, times `p.scale`. Appends the chosen experts to `ids` and
+/// their weights to `w` by increasing expert id. `scratch` is reused between rows.
+pub fn route_row(
+    x: &[f32],
+    p: &MoeRoute,
+    bias: Option<&[f32]>,
+    scratch: &mut Vec<f32>,
+    ids: &mut Vec<u32>,
+    w: &mut Vec<f32>,
+) {
+    let probs = scratch;
+    probs.clear();
+    if p.sigmoid {
+        probs.extend(x.iter().map(|&v| 1.0 / (1.0 + (-v).exp())));
+    } else {
+        let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        probs.extend(x.iter().map(|&v| (v - m).exp()));
+        let sum: f32 = probs.iter().sum();
+        let inv = 1.0 / sum;
+        for v in probs.iter_mut() {
+            *v *= inv;
+        }
+    }
+    let sel = |e: usize| probs[e] + bias.map_or(0.0, |b| b[e]);
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    let k = p.n_used.min(order.len());
+    order.sort_by(|&a, &b| sel(b).total_cmp(&sel(a)).then(a.cmp(&b)));
+    order.truncate(k);
+    let mut sum = 0.0f32;
+    for &e in &order {
+        sum += probs[e];
+    }
+    let start = ids.len();
+    for &e in &order {
+        let mut v = probs[e];
+        if p.norm {
+            v /= sum;
+        }
+        ids.push(u32::try_from(e).unwrap_or(u32::MAX));
+        w.push(v * p.scale);
+    }
+    // By increasing expert id: the order [`Backend::moe_combine`] adds them in.
+    let mut pairs: Vec<(u32, f32)> = ids[start..]
+        .iter()
+        .copied()
+        .zip(w[start..].iter().copied())
+        .collect();
+    pairs.sort_by_key(|&(e, _)| e);
+    for (i, (e, v)) in pairs.into_iter().enumerate() {
+        ids[start + i] = e;
+        w[start + i] = v;
+    }
+}
+
 /// Memory that weights can borrow from for as long as they live (a model file's memory map, a
 /// test's byte vector). It must return the same bytes on every call.
 pub trait ByteSource: Send + Sync {
@@ -629,6 +701,9 @@ pub trait Backend: Send + Sync {
     /// numbers. A forward builds each of its index tensors once from the host and every layer
     /// and op that reads them shares it, so a layer uploads nothing.
     type Index: Send + Sync + std::fmt::Debug + 'static;
+    /// A mixture of experts' routing of a batch on the device ([`Backend::moe_route`]): each
+    /// row's experts and their weights.
+    type Routes: Send + Sync + std::fmt::Debug + 'static;
 
     /// A short name (`cpu`, `cuda`).
     fn name(&self) -> &'static str;
@@ -818,6 +893,88 @@ pub trait Backend: Send + Sync {
         src: &Self::Tensor,
         w: &[f32],
     );
+
+    /// Makes one weight per range of rows of the matrix `desc` (`dims = [n_in, rows]`; a
+    /// stack of experts is its experts' rows one after the other): the experts of a mixture,
+    /// which [`Backend::matmul_id`] reads by id. A backend may keep them as views of one copy
+    /// of `desc`. The default makes each from its bytes with [`Backend::weight`].
+    ///
+    /// # Errors
+    /// As [`Backend::weight`]; a range past the matrix's rows.
+    fn weight_views(
+        &self,
+        desc: &WeightDesc<'_>,
+        rows: &[std::ops::Range<usize>],
+    ) -> Result<Vec<Self::Weight>> {
+        let (n_in, n_rows) = match desc.dims {
+            &[n_in, n_rows] => (n_in, n_rows),
+            d => {
+                return Err(TensorError::Shape {
+                    op: "weight_views",
+                    detail: format!("`{}` has dims {d:?}, not a matrix", desc.name),
+                });
+            }
+        };
+        let per = desc.ty.row_bytes(n_in).map_err(|e| TensorError::Shape {
+            op: "weight_views",
+            detail: format!("`{}`: {e}", desc.name),
+        })?;
+        rows.iter()
+            .map(|r| {
+                if r.start > r.end || r.end > n_rows || desc.data.len() < r.end * per {
+                    return Err(TensorError::Shape {
+                        op: "weight_views",
+                        detail: format!("rows {r:?} of `{}`, which has {n_rows} rows", desc.name),
+                    });
+                }
+                self.weight(WeightDesc {
+                    name: desc.name,
+                    ty: desc.ty,
+                    dims: &[n_in, r.end - r.start],
+                    data: &desc.data[r.start * per..r.end * per],
+                    owner: Arc::clone(&desc.owner),
+                })
+            })
+            .collect()
+    }
+
+    /// An empty routing, for [`Backend::moe_route`] to fill.
+    fn routes(&self) -> Self::Routes;
+    /// Routes every row of `logits` (`[n, n_expert]` router logits) as [`route_row`] does,
+    /// with `bias` (a vector of `n_expert`) as the selection's correction: `n_used` experts
+    /// per row and their weights, on the backend.
+    fn moe_route(
+        &self,
+        logits: &Self::Tensor,
+        p: &MoeRoute,
+        bias: Option<&Self::Weight>,
+        out: &mut Self::Routes,
+    );
+    /// The routing's expert ids and weights (`n · n_used` each, row after row, each row's by
+    /// increasing id), downloaded.
+    fn routes_to_host(&self, r: &Self::Routes, ids: &mut Vec<u32>, w: &mut Vec<f32>);
+    /// The experts of a routing over their rows: row `p = i · n_used + j` of `out`
+    /// (`[n · n_used, n_out]`) is row `per_pair ? p : i` of `x` times expert `e = ids[p]`
+    /// (`experts[e]`, all of one shape), then times `scales[e]` where given — with the bits
+    /// [`Backend::matmul`] (and [`Backend::scale`]) give that row alone, so a row's result does
+    /// not depend on how many rows chose the same expert.
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the product's operands and the routing"
+    )]
+    fn matmul_id(
+        &self,
+        x: &Self::Tensor,
+        experts: &[Self::Weight],
+        scales: Option<&[f32]>,
+        r: &Self::Routes,
+        per_pair: bool,
+        out: &mut Self::Tensor,
+    );
+    /// `out[i] = ((0 + w[i,0] · y[i·n_used]) + w[i,1] · y[i·n_used + 1]) + …` over a row's
+    /// experts in increasing id order, each product rounded, then added: the weighted sum of
+    /// the experts' outputs (`y`, `[n · n_used, cols]`), `out` `[n, cols]`.
+    fn moe_combine(&self, y: &Self::Tensor, r: &Self::Routes, out: &mut Self::Tensor);
 
     /// Allocates the cache.
     ///

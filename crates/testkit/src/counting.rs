@@ -1,15 +1,17 @@
 //! A backend that counts what crosses between host and device: every op goes to the backend
 //! it wraps, and each transfer is tallied — floats downloaded by `to_host` (logits rows,
-//! hidden-state taps, router logits), ids downloaded by `argmax_rows` and `top1_rows` (with
-//! one probability per row), floats uploaded by
-//! `from_host` (and a mixture's routing weights by `add_rows_scaled`), index tensors uploaded by
-//! `index` and `set_index`. Tests run a generation on it and read the tallies, to show what a round moves
+//! hidden-state taps), ids downloaded by `argmax_rows` and `top1_rows` (with one probability
+//! per row), a mixture's routing downloaded by `routes_to_host` (a download of its ids and
+//! weights), floats uploaded by `from_host` (and a mixture's routing weights by
+//! `add_rows_scaled`, its expert scales by `matmul_id`), index tensors uploaded by `index` and
+//! `set_index`. Tests run a generation on it and read the tallies, to show what a round moves
 //! (issue 16's counting test backend).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use specula_tensor::{
-    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Result, RopeConfig, WeightDesc,
+    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, MoeRoute, Result, RopeConfig,
+    WeightDesc,
 };
 
 /// What crossed so far ([`Counting::tally`]).
@@ -98,6 +100,7 @@ impl<B: Backend> Backend for Counting<B> {
     type Weight = B::Weight;
     type Kv = B::Kv;
     type Index = B::Index;
+    type Routes = B::Routes;
 
     fn name(&self) -> &'static str {
         self.inner.name()
@@ -242,6 +245,46 @@ impl<B: Backend> Backend for Counting<B> {
     ) {
         add(&self.floats_up, w.len());
         self.inner.add_rows_scaled(dst, rows, src, w);
+    }
+    fn weight_views(
+        &self,
+        desc: &WeightDesc<'_>,
+        rows: &[std::ops::Range<usize>],
+    ) -> Result<Vec<Self::Weight>> {
+        self.inner.weight_views(desc, rows)
+    }
+    fn routes(&self) -> Self::Routes {
+        self.inner.routes()
+    }
+    fn moe_route(
+        &self,
+        logits: &Self::Tensor,
+        p: &MoeRoute,
+        bias: Option<&Self::Weight>,
+        out: &mut Self::Routes,
+    ) {
+        self.inner.moe_route(logits, p, bias, out);
+    }
+    fn routes_to_host(&self, r: &Self::Routes, ids: &mut Vec<u32>, w: &mut Vec<f32>) {
+        self.inner.routes_to_host(r, ids, w);
+        add(&self.downloads, 1);
+        add(&self.ids_down, ids.len());
+        add(&self.floats_down, w.len());
+    }
+    fn matmul_id(
+        &self,
+        x: &Self::Tensor,
+        experts: &[Self::Weight],
+        scales: Option<&[f32]>,
+        r: &Self::Routes,
+        per_pair: bool,
+        out: &mut Self::Tensor,
+    ) {
+        add(&self.floats_up, scales.map_or(0, <[f32]>::len));
+        self.inner.matmul_id(x, experts, scales, r, per_pair, out);
+    }
+    fn moe_combine(&self, y: &Self::Tensor, r: &Self::Routes, out: &mut Self::Tensor) {
+        self.inner.moe_combine(y, r, out);
     }
     fn kv_new(&self, shape: KvShape) -> Result<Self::Kv> {
         self.inner.kv_new(shape)
