@@ -14,7 +14,9 @@
 //!   logits;
 //! - the server's batched forward capturing taps into backend tensors moves nothing more.
 //!
-//! A mixture of experts downloads its router logits: not checked here.
+//! Targets with a mixture of experts (qwen3moe, laguna's sigmoid router with its correction
+//! bias, gemma4's) route on the backend: their greedy steps and rounds download the same ids
+//! and nothing else — no router logits, no routing.
 
 use std::sync::Arc;
 
@@ -142,9 +144,18 @@ impl Drafter for Truth {
     }
 }
 
+/// The tiny targets these tests run: a dense one, and each kind of mixture of experts.
+const ARCHS: [&str; 4] = ["llama", "qwen3moe", "laguna", "gemma4"];
+
 #[test]
 fn greedy_decoding_downloads_one_id_per_step_and_no_logits() {
-    let e = engine("llama");
+    for arch in ARCHS {
+        greedy_decoding_downloads(arch);
+    }
+}
+
+fn greedy_decoding_downloads(arch: &str) {
+    let e = engine(arch);
     let n_vocab = e.model.hparams().n_vocab;
     let prompt: Vec<u32> = (0..9u32).map(|i| (i * 5 + 2) % 32).collect();
     let n = 12;
@@ -155,9 +166,9 @@ fn greedy_decoding_downloads_one_id_per_step_and_no_logits() {
     let fast = e.generate(&mut s, &prompt, &opts, |_| {}).unwrap();
     let t = since(&e, before);
     assert_eq!(fast.generated_ids.len(), n);
-    assert_eq!(t.floats_down, 0, "{t:?}");
-    assert_eq!(t.downloads, 0, "{t:?}");
-    assert_eq!(t.ids_down, n as u64, "one id per step: {t:?}");
+    assert_eq!(t.floats_down, 0, "{arch}: {t:?}");
+    assert_eq!(t.downloads, 0, "{arch}: {t:?}");
+    assert_eq!(t.ids_down, n as u64, "{arch}: one id per step: {t:?}");
 
     // Asking for top logits takes the logits path: the same tokens, a row per step.
     let mut s = e.session(64, QType::F16, QType::F16).unwrap();
@@ -177,7 +188,13 @@ fn greedy_decoding_downloads_one_id_per_step_and_no_logits() {
 
 #[test]
 fn a_greedy_speculative_round_downloads_only_its_verify_rows_ids() {
-    let e = engine("llama");
+    for arch in ARCHS {
+        speculative_round_downloads(arch);
+    }
+}
+
+fn speculative_round_downloads(arch: &str) {
+    let e = engine(arch);
     let prompt: Vec<u32> = (0..9u32).map(|i| (i * 5 + 2) % 32).collect();
     let n = 20;
     let opts = GenerateOptions::greedy(n);
@@ -203,17 +220,17 @@ fn a_greedy_speculative_round_downloads_only_its_verify_rows_ids() {
         .generate_speculative(&mut s, &prompt, &opts, &mut d, &spec, |_| {})
         .unwrap();
     let t = since(&e, before);
-    assert_eq!(g.generated_ids, truth, "lossless");
+    assert_eq!(g.generated_ids, truth, "{arch}: lossless");
     let stats = g.spec.unwrap();
     assert!(
         stats.drafted > stats.accepted,
         "some drafts rejected: {stats:?}"
     );
-    assert_eq!(t.floats_down, 0, "no logits, no features: {t:?}");
-    assert_eq!(t.downloads, 0, "{t:?}");
+    assert_eq!(t.floats_down, 0, "{arch}: no logits, no features: {t:?}");
+    assert_eq!(t.downloads, 0, "{arch}: {t:?}");
     // Every round's verify rows: its draft and the anchor.
     let rows = stats.drafted + stats.rounds;
-    assert_eq!(t.ids_down, rows as u64, "{t:?} for {stats:?}");
+    assert_eq!(t.ids_down, rows as u64, "{arch}: {t:?} for {stats:?}");
     assert_eq!(t.argmax_calls, stats.rounds as u64, "{t:?}");
 }
 

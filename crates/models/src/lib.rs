@@ -863,36 +863,28 @@ impl<'a, B: Backend> Loader<'a, B> {
         vector_scaled_router: bool,
     ) -> Result<moe::MoeWeights<B::Weight>> {
         let n = |s: &str| format!("blk.{il}.{s}");
-        let fused = n("ffn_gate_up_exps.weight");
-        let (gate, up) = if let Some(info) = self.file.tensor(&fused) {
-            let got: Vec<usize> = crate::dims_of(info);
-            let want = [e, 2 * m.n_ff, m.n_expert];
-            if got != want {
-                return Err(ModelError::BadShape {
-                    name: fused,
-                    expected: want.to_vec(),
-                    got,
-                });
-            }
-            let scales =
-                self.scales
-                    .read_per_expert(self.file, &n("ffn_gate_up_exps"), m.n_expert)?;
-            let mut gate = Vec::with_capacity(m.n_expert);
-            let mut up = Vec::with_capacity(m.n_expert);
-            for x in 0..m.n_expert {
-                let (g, u) = self.split_rows(&fused, x, e, m.n_ff)?;
-                let scale = scales.as_ref().map(|s| s[x]);
-                gate.push(Linear { w: g, scale });
-                up.push(Linear { w: u, scale });
-            }
-            (gate, up)
+        let f = m.n_ff;
+        let (gate, up) = if self.file.tensor(&n("ffn_gate_up_exps.weight")).is_some() {
+            // Fused, gate rows first in each expert.
+            let base = n("ffn_gate_up_exps");
+            let scales = self.scales.read_per_expert(self.file, &base, m.n_expert)?;
+            let mut v = self.expert_views(&base, e, 2 * f, m.n_expert, &[0..f, f..2 * f])?;
+            let up = v.pop().unwrap_or_default();
+            let gate = v.pop().unwrap_or_default();
+            (
+                moe::Experts {
+                    w: gate,
+                    scales: scales.clone(),
+                },
+                moe::Experts { w: up, scales },
+            )
         } else {
             (
-                self.experts(&n("ffn_gate_exps"), e, m.n_ff, m.n_expert)?,
-                self.experts(&n("ffn_up_exps"), e, m.n_ff, m.n_expert)?,
+                self.experts(&n("ffn_gate_exps"), e, f, m.n_expert)?,
+                self.experts(&n("ffn_up_exps"), e, f, m.n_expert)?,
             )
         };
-        let down = self.experts(&n("ffn_down_exps"), m.n_ff, e, m.n_expert)?;
+        let down = self.experts(&n("ffn_down_exps"), f, e, m.n_expert)?;
         let shared = match &m.shared {
             Some(sh) => Some(moe::SharedWeights {
                 gate: self.linear(&n("ffn_gate_shexp"), &[e, sh.n_ff])?,
@@ -916,7 +908,7 @@ impl<'a, B: Backend> Loader<'a, B> {
         };
         let bias = match m.gating {
             Gating::Sigmoid { bias: true } => {
-                Some(self.host_vector(&n("exp_probs_b.bias"), m.n_expert)?)
+                Some(self.req(&n("exp_probs_b.bias"), &[m.n_expert])?)
             }
             _ => None,
         };
@@ -932,45 +924,11 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(moe::MoeWeights {
             router,
             bias,
-            experts: gate
-                .into_iter()
-                .zip(up)
-                .zip(down)
-                .map(|((gate, up), down)| moe::Expert { gate, up, down })
-                .collect(),
+            gate,
+            up,
+            down,
             shared,
         })
-    }
-
-    /// Expert `x` of the fused `[n_in, 2·n_ff, n_expert]` tensor `name` as two matrices of
-    /// `n_ff` rows each (its first rows, the gate; the next, the up projection), over the
-    /// file's bytes.
-    fn split_rows(
-        &self,
-        name: &str,
-        x: usize,
-        n_in: usize,
-        n_ff: usize,
-    ) -> Result<(B::Weight, B::Weight)> {
-        let (idx, ty) = self.find(name)?;
-        let half = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
-            name: name.to_owned(),
-            source,
-        })? * n_ff;
-        let data = &self.file.tensor_data(idx)[2 * half * x..2 * half * (x + 1)];
-        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
-        let part = |bytes: &[u8]| -> Result<B::Weight> {
-            let mut w = self.backend.weight(WeightDesc {
-                name,
-                ty,
-                dims: &[n_in, n_ff],
-                data: bytes,
-                owner: Arc::clone(&owner),
-            })?;
-            self.backend.prepare_matmul(&mut w);
-            Ok(w)
-        };
-        Ok((part(&data[..half])?, part(&data[half..])?))
     }
 
     /// An attention mixer's tensors. Biases are read when the file has them (llama.cpp's
@@ -1230,50 +1188,69 @@ impl<'a, B: Backend> Loader<'a, B> {
         Ok(w)
     }
 
-    /// The `n_expert` matrices `[n_in] → [n_out]` stacked in `<base>.weight` (ggml dims
-    /// `[n_in, n_out, n_expert]`), each a weight of its own over its slice of the file, with
-    /// the per-expert scales `<base>.scale` (`[n_expert]`) when the file has them.
+    /// One projection of a stack of experts: the `[n_in, n_out, n_expert]` tensor
+    /// `{base}.weight` as one matrix per expert, and the per-expert scales the file has.
     fn experts(
         &self,
         base: &str,
         n_in: usize,
         n_out: usize,
         n_expert: usize,
-    ) -> Result<Vec<Linear<B::Weight>>> {
+    ) -> Result<moe::Experts<B::Weight>> {
+        let scales = self.scales.read_per_expert(self.file, base, n_expert)?;
+        let w = self
+            .expert_views(base, n_in, n_out, n_expert, &[0..n_out])?
+            .pop()
+            .unwrap_or_default();
+        Ok(moe::Experts { w, scales })
+    }
+
+    /// Views of the stacked `[n_in, n_rows, n_expert]` tensor `{base}.weight`
+    /// ([`Backend::weight_views`]: one copy of the stack on a device): for each range of
+    /// `parts` (rows inside an expert: all of them, or a fused tensor's gate and up halves),
+    /// that range of every expert, by expert id.
+    fn expert_views(
+        &self,
+        base: &str,
+        n_in: usize,
+        n_rows: usize,
+        n_expert: usize,
+        parts: &[std::ops::Range<usize>],
+    ) -> Result<Vec<Vec<B::Weight>>> {
         let name = format!("{base}.weight");
         let (idx, ty) = self.find(&name)?;
-        let info = &self.file.tensors()[idx];
-        let got: Vec<usize> = crate::dims_of(info);
-        if got != [n_in, n_out, n_expert] {
+        let got: Vec<usize> = crate::dims_of(&self.file.tensors()[idx]);
+        if got != [n_in, n_rows, n_expert] {
             return Err(ModelError::BadShape {
                 name,
-                expected: vec![n_in, n_out, n_expert],
+                expected: vec![n_in, n_rows, n_expert],
                 got,
             });
         }
-        let per = ty.row_bytes(n_in).map_err(|source| ModelError::Rows {
-            name: name.clone(),
-            source,
-        })? * n_out;
-        let scales = self.scales.read_per_expert(self.file, base, n_expert)?;
-        let data = self.file.tensor_data(idx);
-        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
-        (0..n_expert)
-            .map(|x| {
-                let mut w = self.backend.weight(WeightDesc {
-                    name: &name,
-                    ty,
-                    dims: &[n_in, n_out],
-                    data: &data[x * per..(x + 1) * per],
-                    owner: Arc::clone(&owner),
-                })?;
-                self.backend.prepare_matmul(&mut w);
-                Ok(Linear {
-                    w,
-                    scale: scales.as_ref().map(|s| s[x]),
-                })
+        let ranges: Vec<std::ops::Range<usize>> = (0..n_expert)
+            .flat_map(|x| {
+                parts
+                    .iter()
+                    .map(move |p| x * n_rows + p.start..x * n_rows + p.end)
             })
-            .collect()
+            .collect();
+        let owner: Arc<dyn ByteSource> = Arc::new(FileBytes(Arc::clone(self.file)));
+        let views = self.backend.weight_views(
+            &WeightDesc {
+                name: &name,
+                ty,
+                dims: &[n_in, n_rows * n_expert],
+                data: self.file.tensor_data(idx),
+                owner,
+            },
+            &ranges,
+        )?;
+        let mut out: Vec<Vec<B::Weight>> = parts.iter().map(|_| Vec::new()).collect();
+        for (i, mut w) in views.into_iter().enumerate() {
+            self.backend.prepare_matmul(&mut w);
+            out[i % parts.len()].push(w);
+        }
+        Ok(out)
     }
 
     fn req(&self, name: &str, dims: &[usize]) -> Result<B::Weight> {

@@ -1,11 +1,14 @@
-//! Mixture-of-experts FFN: the router, top-k selection, and the experts run grouped by expert.
+//! Mixture-of-experts FFN: the router, top-k selection, and the experts over each row's
+//! choices, all on the backend.
 //!
-//! For a batch of `n` rows, the router's logits `[n, n_expert]` come to the host, where each
-//! row's scores (softmax), its top `n_used` experts and their weights (renormalized, scaled)
-//! are computed in f32. The rows are then grouped by expert: each expert with at least one row
-//! gathers its rows ([`Backend::copy_rows`]), runs its gated MLP over them as one matmul per
-//! projection, and adds its output, weighted, to those rows ([`Backend::add_rows_scaled`]).
-//! A prefill batch thus costs one matmul per used expert and projection, not one per token.
+//! For a batch of `n` rows, the router's logits `[n, n_expert]` are routed where they are
+//! ([`Backend::moe_route`]): each row's scores (softmax or sigmoid), its top `n_used` experts
+//! and their weights (renormalized, scaled), in f32. Each projection then runs over the
+//! `n · n_used` (row, expert) pairs ([`Backend::matmul_id`]) — a backend groups the pairs by
+//! expert so a prefill batch costs one matmul per used expert and projection, not one per
+//! token, and a decode step reads its experts by id without the routing reaching the host —
+//! and each row's expert outputs are added, weighted, in increasing expert order
+//! ([`Backend::moe_combine`]).
 //!
 //! A row's result depends only on the row: its scores, its experts and their weights are its
 //! own, the matmul kernels give a row the bits it would have alone, and its expert outputs are
@@ -13,7 +16,7 @@
 //! continuous batching stay lossless).
 
 use specula_gguf::Metadata;
-use specula_tensor::Backend;
+use specula_tensor::{Backend, MoeRoute};
 
 use crate::hparams::per_layer;
 use crate::spec::{Act, Gating, MoeSpec};
@@ -125,24 +128,40 @@ impl ExpertKeys {
     }
 }
 
-/// One expert's gated MLP.
-#[derive(Debug)]
-pub(crate) struct Expert<W> {
-    pub(crate) gate: Linear<W>,
-    pub(crate) up: Linear<W>,
-    pub(crate) down: Linear<W>,
-}
-
 /// The weights of a mixture-of-experts FFN.
 #[derive(Debug)]
 pub(crate) struct MoeWeights<W> {
     /// `ffn_gate_inp`: `[n_embd] → [n_expert]` router logits.
     pub(crate) router: Linear<W>,
-    /// `exp_probs_b.bias`: the selection's correction per expert ([`Gating::Sigmoid`]), on
-    /// the host where the routing runs.
-    pub(crate) bias: Option<Vec<f32>>,
-    pub(crate) experts: Vec<Expert<W>>,
+    /// `exp_probs_b.bias`: the selection's correction per expert ([`Gating::Sigmoid`]).
+    pub(crate) bias: Option<W>,
+    /// Each expert's projections, by expert id: views of the stacked tensors
+    /// ([`Backend::weight_views`]), which [`Backend::matmul_id`] reads by id.
+    pub(crate) gate: Experts<W>,
+    pub(crate) up: Experts<W>,
+    pub(crate) down: Experts<W>,
     pub(crate) shared: Option<SharedWeights<W>>,
+}
+
+/// One projection of every expert, and its per-expert scales where the file has them.
+#[derive(Debug)]
+pub(crate) struct Experts<W> {
+    pub(crate) w: Vec<W>,
+    pub(crate) scales: Option<Vec<f32>>,
+}
+
+impl<W> Experts<W> {
+    /// `out = experts(x)` over the routing's pairs ([`Backend::matmul_id`]).
+    fn matmul_id<B: Backend<Weight = W>>(
+        &self,
+        be: &B,
+        x: &B::Tensor,
+        r: &B::Routes,
+        per_pair: bool,
+        out: &mut B::Tensor,
+    ) {
+        be.matmul_id(x, &self.w, self.scales.as_deref(), r, per_pair, out);
+    }
 }
 
 /// A shared expert and its optional gate (`ffn_gate_inp_shexp`, `[n_embd] → [1]`).
@@ -154,84 +173,15 @@ pub(crate) struct SharedWeights<W> {
     pub(crate) gate_inp: Option<W>,
 }
 
-/// The routing of one batch: for each expert, the rows that chose it and their weights, rows in
-/// increasing order.
-#[derive(Debug, Default)]
-pub(crate) struct Routing {
-    rows: Vec<Vec<usize>>,
-    weights: Vec<Vec<f32>>,
-    /// One row's scores, and its experts by decreasing score.
-    probs: Vec<f32>,
-    order: Vec<usize>,
-}
-
-impl Routing {
-    /// Routes the `n = logits.len() / n_expert` rows of `logits` (row-major router logits).
-    pub(crate) fn route(&mut self, spec: &MoeSpec, logits: &[f32], bias: Option<&[f32]>) {
-        let ne = spec.n_expert;
-        self.rows.resize_with(ne, Vec::new);
-        self.weights.resize_with(ne, Vec::new);
-        for (r, w) in self.rows.iter_mut().zip(&mut self.weights) {
-            r.clear();
-            w.clear();
-        }
-        for (row, x) in logits.chunks_exact(ne).enumerate() {
-            self.probs.clear();
-            match spec.gating {
-                Gating::Softmax => {
-                    let m = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    self.probs.extend(x.iter().map(|&v| (v - m).exp()));
-                    let sum: f32 = self.probs.iter().sum();
-                    let inv = 1.0 / sum;
-                    for p in &mut self.probs {
-                        *p *= inv;
-                    }
-                }
-                Gating::Sigmoid { .. } => {
-                    self.probs
-                        .extend(x.iter().map(|&v| 1.0 / (1.0 + (-v).exp())));
-                }
-            }
-            self.order.clear();
-            self.order.extend(0..ne);
-            // Decreasing selection score (the score, plus the correction where there is one);
-            // equal ones keep the lower expert first.
-            let probs = &self.probs;
-            let sel = |e: usize| probs[e] + bias.map_or(0.0, |b| b[e]);
-            self.order
-                .sort_by(|&a, &b| sel(b).total_cmp(&sel(a)).then(a.cmp(&b)));
-            let chosen = &self.order[..spec.n_used];
-            let mut sum = 0.0f32;
-            for &e in chosen {
-                sum += probs[e];
-            }
-            for &e in chosen {
-                let mut w = probs[e];
-                if spec.norm_weights {
-                    w /= sum;
-                }
-                w *= spec.weights_scale;
-                self.rows[e].push(row);
-                self.weights[e].push(w);
-            }
-        }
-    }
-}
-
 /// Buffers of one MoE FFN call.
 #[derive(Debug)]
 pub(crate) struct MoeScratch<B: Backend> {
     logits: B::Tensor,
-    host: Vec<f32>,
-    x: B::Tensor,
+    routes: B::Routes,
     gate: B::Tensor,
     up: B::Tensor,
     act: B::Tensor,
     y: B::Tensor,
-    routing: Routing,
-    /// One expert's rows as an index tensor, and where it is staged.
-    rows: B::Index,
-    stage: Vec<u32>,
 }
 
 impl<B: Backend> MoeScratch<B> {
@@ -239,21 +189,28 @@ impl<B: Backend> MoeScratch<B> {
         let z = || be.zeros(0, 0);
         Self {
             logits: z(),
-            host: Vec::new(),
-            x: z(),
+            routes: be.routes(),
             gate: z(),
             up: z(),
             act: z(),
             y: z(),
-            routing: Routing::default(),
-            rows: be.index(&[]),
-            stage: Vec::new(),
         }
     }
 }
 
+/// The routing a spec asks for.
+fn route(spec: &MoeSpec) -> MoeRoute {
+    MoeRoute {
+        n_used: spec.n_used,
+        sigmoid: matches!(spec.gating, Gating::Sigmoid { .. }),
+        norm: spec.norm_weights,
+        scale: spec.weights_scale,
+    }
+}
+
 /// `out = MoE(x)` for every row of `x` (`[n, n_embd]`), routed on `router_in` (Gemma 4's
-/// router reads another input than its experts), else on `x`.
+/// router reads another input than its experts), else on `x`. Everything stays on the
+/// backend: the routing, the experts over each row's pairs, their weighted sum.
 pub(crate) fn forward<B: Backend>(
     be: &B,
     spec: &MoeSpec,
@@ -263,28 +220,16 @@ pub(crate) fn forward<B: Backend>(
     s: &mut MoeScratch<B>,
     out: &mut B::Tensor,
 ) {
-    let (n, cols) = be.shape(x);
     w.router.matmul(be, router_in.unwrap_or(x), &mut s.logits);
-    be.to_host(&s.logits, &mut s.host);
-    s.routing.route(spec, &s.host, w.bias.as_deref());
-    *out = be.zeros(n, cols);
-    for (e, expert) in w.experts.iter().enumerate() {
-        let rows = &s.routing.rows[e];
-        if rows.is_empty() {
-            continue;
-        }
-        let at = crate::index::index_of;
-        crate::index::stage(be, &mut s.rows, &mut s.stage, rows.iter().map(|&r| at(r)));
-        be.copy_rows(x, &s.rows, &mut s.x);
-        expert.gate.matmul(be, &s.x, &mut s.gate);
-        expert.up.matmul(be, &s.x, &mut s.up);
-        match spec.act {
-            Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
-            Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
-        }
-        expert.down.matmul(be, &s.act, &mut s.y);
-        be.add_rows_scaled(out, &s.rows, &s.y, &s.routing.weights[e]);
+    be.moe_route(&s.logits, &route(spec), w.bias.as_ref(), &mut s.routes);
+    w.gate.matmul_id(be, x, &s.routes, false, &mut s.gate);
+    w.up.matmul_id(be, x, &s.routes, false, &mut s.up);
+    match spec.act {
+        Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
+        Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
     }
+    w.down.matmul_id(be, &s.act, &s.routes, true, &mut s.y);
+    be.moe_combine(&s.y, &s.routes, out);
     if let Some(sh) = &w.shared {
         sh.gate.matmul(be, x, &mut s.gate);
         sh.up.matmul(be, x, &mut s.up);
@@ -298,57 +243,5 @@ pub(crate) fn forward<B: Backend>(
             be.gate_mul(&mut s.y, &s.logits, specula_tensor::GateAct::Sigmoid);
         }
         be.add(out, &s.y);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn spec(n_used: usize, norm: bool) -> MoeSpec {
-        MoeSpec {
-            n_expert: 4,
-            n_used,
-            n_ff: 1,
-            gating: Gating::Softmax,
-            norm_weights: norm,
-            weights_scale: 1.0,
-            act: Act::Silu,
-            shared: None,
-        }
-    }
-
-    /// Top-2 of a softmax, renormalized: the two largest logits win, their weights are their
-    /// softmax shares of the pair (`e^a / (e^a + e^b)`), and each row is routed on its own.
-    #[test]
-    fn top_k_softmax_renormalized() {
-        let mut r = Routing::default();
-        let logits = [0.0, 2.0, 1.0, -1.0, /* row 1 */ 3.0, 3.0, 0.0, 0.0];
-        r.route(&spec(2, true), &logits, None);
-        assert_eq!(r.rows, [vec![1], vec![0, 1], vec![0], vec![]]);
-        let w1 = 1.0 / (1.0 + (-1.0f32).exp());
-        assert!((r.weights[1][0] - w1).abs() < 1e-6);
-        assert!((r.weights[2][0] - (1.0 - w1)).abs() < 1e-6);
-        // Equal logits: equal weights, the lower expert first.
-        assert!((r.weights[0][0] - 0.5).abs() < 1e-6 && (r.weights[1][1] - 0.5).abs() < 1e-6);
-        // Without renormalization the weights are the softmax scores over all experts.
-        r.route(&spec(1, false), &logits[..4], None);
-        let z: f32 = logits[..4].iter().map(|v| v.exp()).sum();
-        assert!((r.weights[1][0] - 2.0f32.exp() / z).abs() < 1e-6);
-    }
-
-    /// Sigmoid routing with a correction bias: the bias moves the choice, not the weights.
-    #[test]
-    fn a_correction_bias_chooses_but_does_not_weigh() {
-        let mut r = Routing::default();
-        let mut sp = spec(1, false);
-        sp.gating = Gating::Sigmoid { bias: true };
-        let logits = [2.0, 0.0, 1.0, -1.0];
-        r.route(&sp, &logits, Some(&[0.0, 0.0, 0.0, 5.0]));
-        assert_eq!(r.rows, [vec![], vec![], vec![], vec![0]]);
-        let s = 1.0 / (1.0 + 1.0f32.exp());
-        assert!((r.weights[3][0] - s).abs() < 1e-6);
-        r.route(&sp, &logits, None);
-        assert_eq!(r.rows[0], vec![0]);
     }
 }

@@ -1106,6 +1106,66 @@ mod tests {
         assert_eq!(argmax_row(&[]), NO_ARGMAX);
     }
 
+    fn route(p: &MoeRoute, x: &[f32], bias: Option<&[f32]>) -> (Vec<u32>, Vec<f32>) {
+        let (mut ids, mut w) = (Vec::new(), Vec::new());
+        for row in x.chunks_exact(4) {
+            route_row(row, p, bias, &mut Vec::new(), &mut ids, &mut w);
+        }
+        (ids, w)
+    }
+
+    /// Top-2 of a softmax, renormalized: the two largest logits win, their weights are their
+    /// softmax shares of the pair (`e^a / (e^a + e^b)`), listed by increasing expert, and
+    /// each row is routed on its own.
+    #[test]
+    fn top_k_softmax_renormalized() {
+        let p = MoeRoute {
+            n_used: 2,
+            sigmoid: false,
+            norm: true,
+            scale: 1.0,
+        };
+        let logits = [0.0, 2.0, 1.0, -1.0, /* row 1 */ 3.0, 3.0, 0.0, 0.0];
+        let (ids, w) = route(&p, &logits, None);
+        assert_eq!(ids, [1, 2, 0, 1]);
+        let w1 = 1.0 / (1.0 + (-1.0f32).exp());
+        assert!((w[0] - w1).abs() < 1e-6 && (w[1] - (1.0 - w1)).abs() < 1e-6);
+        // Equal logits: equal weights.
+        assert!((w[2] - 0.5).abs() < 1e-6 && (w[3] - 0.5).abs() < 1e-6);
+        // Without renormalization the weights are the softmax scores over all experts, times
+        // the scale.
+        let p1 = MoeRoute {
+            n_used: 1,
+            norm: false,
+            scale: 2.5,
+            ..p
+        };
+        let (ids, w) = route(&p1, &logits[..4], None);
+        let z: f32 = logits[..4].iter().map(|v| v.exp()).sum();
+        assert_eq!(ids, [1]);
+        assert!((w[0] - 2.5 * 2.0f32.exp() / z).abs() < 1e-5);
+        // A tie for the last place goes to the lower expert.
+        let (ids, _) = route(&p1, &[1.0, 4.0, 4.0, 0.0], None);
+        assert_eq!(ids, [1]);
+    }
+
+    /// Sigmoid routing with a correction bias: the bias moves the choice, not the weights.
+    #[test]
+    fn a_correction_bias_chooses_but_does_not_weigh() {
+        let p = MoeRoute {
+            n_used: 1,
+            sigmoid: true,
+            norm: false,
+            scale: 1.0,
+        };
+        let logits = [2.0, 0.0, 1.0, -1.0];
+        let (ids, w) = route(&p, &logits, Some(&[0.0, 0.0, 0.0, 5.0]));
+        assert_eq!(ids, [3]);
+        let s = 1.0 / (1.0 + 1.0f32.exp());
+        assert!((w[0] - s).abs() < 1e-6);
+        assert_eq!(route(&p, &logits, None).0, [0]);
+    }
+
     /// A weight may only borrow bytes its owner keeps alive: a slice from elsewhere is refused,
     /// so backends can re-borrow by range without `unsafe`.
     #[test]
