@@ -128,6 +128,7 @@ impl Steps {
             }
             Err(e) => {
                 println!("===== {name}: FAILED after {} =====", secs(dt));
+                disk_report();
                 self.summary();
                 Err(e.context(format!(
                     "step {n}/{} `{name}` failed after {}",
@@ -145,6 +146,24 @@ impl Steps {
             println!("  {name:<12} {:>8}", secs(*dt));
         }
         println!("  {:<12} {:>8}", "total", secs(self.started.elapsed()));
+    }
+}
+
+/// Prints the free space where builds write (the target directory and the temporary one):
+/// a compiler that fails for want of disk says little more than its exit status.
+fn disk_report() {
+    let target = repo_root().join("target");
+    let tmp = std::env::temp_dir();
+    let mut df = Command::new("df");
+    df.arg("-h").arg(&target).arg(&tmp);
+    match df.output() {
+        Ok(o) if o.status.success() => {
+            println!(
+                "free disk where builds write:\n{}",
+                String::from_utf8_lossy(&o.stdout)
+            );
+        }
+        _ => println!("(`df` could not report the free disk)"),
     }
 }
 

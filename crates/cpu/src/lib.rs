@@ -368,10 +368,6 @@ impl Backend for CpuBackend {
         ops::scale(self, a, s);
     }
 
-    fn add_rows_scaled(&self, dst: &mut CpuTensor, rows: &CpuIndex, src: &CpuTensor, w: &[f32]) {
-        ops::add_rows_scaled(dst, rows.as_usize(), src, w);
-    }
-
     fn routes(&self) -> CpuRoutes {
         CpuRoutes::default()
     }

@@ -460,29 +460,6 @@ pub(crate) fn add(be: &CpuBackend, a: &mut CpuTensor, b: &CpuTensor) {
     });
 }
 
-/// `dst[rows[i]] += w[i] · src[i]`, row after row (one multiply and one add per value, so a
-/// row's result depends only on the additions made to it, in their order).
-pub(crate) fn add_rows_scaled(dst: &mut CpuTensor, rows: &[usize], src: &CpuTensor, w: &[f32]) {
-    let cols = dst.cols();
-    assert_eq!(
-        (src.rows(), src.cols()),
-        (rows.len(), cols),
-        "add_rows_scaled: src must be [{}, {cols}]",
-        rows.len()
-    );
-    assert_eq!(w.len(), rows.len(), "add_rows_scaled: one weight per row");
-    for (i, (&r, &wi)) in rows.iter().zip(w).enumerate() {
-        assert!(
-            r < dst.rows(),
-            "add_rows_scaled: row {r} of a {}-row tensor",
-            dst.rows()
-        );
-        for (o, &x) in dst.row_mut(r).iter_mut().zip(src.row(i)) {
-            *o += wi * x;
-        }
-    }
-}
-
 /// `x = c · tanh(x / c)`, as ggml computes it (scale by `1/c`, tanh, scale by `c`).
 pub(crate) fn softcap(be: &CpuBackend, x: &mut CpuTensor, c: f32) {
     let cols = x.cols();

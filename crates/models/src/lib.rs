@@ -1199,7 +1199,13 @@ impl<'a, B: Backend> Loader<'a, B> {
     ) -> Result<moe::Experts<B::Weight>> {
         let scales = self.scales.read_per_expert(self.file, base, n_expert)?;
         let w = self
-            .expert_views(base, n_in, n_out, n_expert, &[0..n_out])?
+            .expert_views(
+                base,
+                n_in,
+                n_out,
+                n_expert,
+                std::slice::from_ref(&(0..n_out)),
+            )?
             .pop()
             .unwrap_or_default();
         Ok(moe::Experts { w, scales })

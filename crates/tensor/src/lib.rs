@@ -883,16 +883,6 @@ pub trait Backend: Send + Sync {
         range: std::ops::Range<usize>,
         out: &mut Self::Tensor,
     );
-    /// `dst[rows[i]] += w[i] · src[i]` for each row `i` of `src`, in order: a mixture of
-    /// experts adds each expert's output rows, weighted, to the tokens that chose it. Rows of
-    /// `rows` may repeat (each addition then happens in the order given).
-    fn add_rows_scaled(
-        &self,
-        dst: &mut Self::Tensor,
-        rows: &Self::Index,
-        src: &Self::Tensor,
-        w: &[f32],
-    );
 
     /// Makes one weight per range of rows of the matrix `desc` (`dims = [n_in, rows]`; a
     /// stack of experts is its experts' rows one after the other): the experts of a mixture,

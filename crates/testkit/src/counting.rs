@@ -2,9 +2,8 @@
 //! it wraps, and each transfer is tallied — floats downloaded by `to_host` (logits rows,
 //! hidden-state taps), ids downloaded by `argmax_rows` and `top1_rows` (with one probability
 //! per row), a mixture's routing downloaded by `routes_to_host` (a download of its ids and
-//! weights), floats uploaded by `from_host` (and a mixture's routing weights by
-//! `add_rows_scaled`, its expert scales by `matmul_id`), index tensors uploaded by `index` and
-//! `set_index`. Tests run a generation on it and read the tallies, to show what a round moves
+//! weights), floats uploaded by `from_host` (and a mixture's expert scales by `matmul_id`),
+//! index tensors uploaded by `index` and `set_index`. Tests run a generation on it and read the tallies, to show what a round moves
 //! (issue 16's counting test backend).
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -27,7 +26,7 @@ pub struct Tally {
     pub ids_down: u64,
     /// Probabilities `top1_rows` downloaded (one per row), and values `topk_rows` downloaded.
     pub probs_down: u64,
-    /// f32 values `from_host` and `add_rows_scaled` uploaded.
+    /// f32 values `from_host` and `matmul_id` (a mixture's expert scales) uploaded.
     pub floats_up: u64,
     /// `index` and `set_index` calls with at least one index: index tensors built from the
     /// host.
@@ -235,16 +234,6 @@ impl<B: Backend> Backend for Counting<B> {
     }
     fn clamp_finite(&self, x: &mut Self::Tensor, limit: f32) {
         self.inner.clamp_finite(x, limit);
-    }
-    fn add_rows_scaled(
-        &self,
-        dst: &mut Self::Tensor,
-        rows: &Self::Index,
-        src: &Self::Tensor,
-        w: &[f32],
-    ) {
-        add(&self.floats_up, w.len());
-        self.inner.add_rows_scaled(dst, rows, src, w);
     }
     fn weight_views(
         &self,
