@@ -16,4 +16,4 @@ pub mod conformance;
 pub mod kernels;
 pub mod layout;
 
-pub use backend::{CubeBackend, CubeIndex, CubeKv, CubeTensor, CubeWeight};
+pub use backend::{CubeBackend, CubeIndex, CubeKv, CubeRoutes, CubeTensor, CubeWeight};
