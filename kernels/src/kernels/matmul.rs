@@ -9,6 +9,10 @@
 //! One cube computes one output column for a tile of `tile` rows; its `units` units take
 //! the groups of the row in turn and reduce their partial sums in shared memory in a fixed
 //! tree. A row's result therefore depends only on its own activations: batch invariance.
+//!
+//! The same kernels run a mixture's experts (`Backend::matmul_id`) in one launch: compiled
+//! with `by_id`, a cube takes one (row, expert) pair and reads the expert's weight rows by
+//! the id the routing left on the device, with the bits a plain product gives that row.
 
 use cubecl::prelude::*;
 
@@ -262,7 +266,7 @@ pub fn matmul_blocks(
     let k_min = comptime![term == 4];
     let nb = n_in / comptime![block as usize];
     let ng = n_in / gsz;
-    let wn = weight_row(ids, n, r0, rows, row0, stride, by_id);
+    let wn = weight_row(ids, n, r0, row0, stride, by_id);
     let mut gi_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
     let mut ga_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
     let mut terms = Shared::<[f32]>::new_slice(comptime![tile * seg]);
@@ -419,7 +423,7 @@ pub fn matmul_f32(
     let u = UNIT_POS_X as usize;
     let n_in = n_in as usize;
     let rows = rows as usize;
-    let wn = weight_row(ids, n, r0, rows, row0, stride, by_id);
+    let wn = weight_row(ids, n, r0, row0, stride, by_id);
     let mut acc = Array::<f64>::new(tile);
     #[unroll]
     for t in 0..tile {
@@ -468,23 +472,20 @@ pub fn matmul_f32(
 }
 
 /// The weight row output column `n` of a matmul cube reads: row `n` of the view at `row0`,
-/// or, in a routed product (`by_id`, one output row `r0` per cube), of the view of expert
-/// `ids[r0]` at `row0 + ids[r0] · stride`.
+/// or, in a routed product (`by_id`: one output row `r0` per cube, every cube's a pair), of
+/// the view of expert `ids[r0]` at `row0 + ids[r0] · stride`.
 #[cube]
 fn weight_row(
     ids: &[u32],
     n: usize,
     r0: usize,
-    rows: usize,
     row0: u32,
     stride: u32,
     #[comptime] by_id: bool,
 ) -> usize {
     let mut wn = row0 as usize + n;
     if comptime![by_id] {
-        if r0 < rows {
-            wn += ids[r0] as usize * stride as usize;
-        }
+        wn += ids[r0] as usize * stride as usize;
     }
     wn
 }

@@ -9,14 +9,14 @@ use super::elementwise::order_key;
 use super::matmul::exact;
 
 /// Routes row `r` of `logits` (`[n, ne]`) as `specula_tensor::route_row` does, one unit per
-/// row: the scores into `probs` (the softmax: the maximum, `e^(x − m)` per expert summed in
-/// expert order, times `1 / Σ`; or the sigmoid `1 / (1 + e^−x)`; `e^x` by glibc's operations
-/// from `tab`, as the CPU backend's `f32::exp`), then `n_used` passes each taking the best
-/// selection score (`score + bias[e]`, `has_bias`) after the previous pass's in
-/// `(total_cmp` key descending, expert ascending`)` order, adding the chosen scores in that
-/// order. The chosen experts are then exactly those at or before the last pick in that
-/// order, so one scan in expert order writes them by increasing id: `ids`, and `w` = the
-/// score, `/ Σ` when `norm`, `· scale`.
+/// row. The scores go to `probs`: the softmax (the maximum, `e^(x − m)` per expert summed in
+/// expert order, each times `1 / Σ`) or the sigmoid `1 / (1 + e^−x)`, `e^x` by glibc's
+/// operations from `tab` as the CPU backend's `f32::exp` computes it. Then `n_used` passes
+/// each take the best selection score (the score plus `bias[e]` when `has_bias`) after the
+/// previous pass's pick, in the order of `total_cmp` keys descending and experts ascending,
+/// and add the chosen scores up in that order. The chosen experts are exactly those at or
+/// before the last pick in that order, so one scan in expert order writes them by increasing
+/// id, with no list of them kept: `ids`, and `w` = the score, `/ Σ` when `norm`, `· scale`.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn moe_route(
