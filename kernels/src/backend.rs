@@ -6,12 +6,12 @@ use cubecl::prelude::*;
 use cubecl::server::Handle;
 use specula_quant::QType;
 use specula_tensor::{
-    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, RecurrentShape, Result,
-    RopeConfig, RopeKind, StateSource, StateTimeline, TensorError, WeightDesc,
+    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, MoeRoute, RecurrentShape,
+    Result, RopeConfig, RopeKind, StateSource, StateTimeline, TensorError, WeightDesc,
 };
 
 use crate::kernels::{
-    attention as at, elementwise as ew, kv as kq, matmul as mm, recurrent as rec,
+    attention as at, elementwise as ew, kv as kq, matmul as mm, moe, recurrent as rec,
 };
 use crate::layout::{self, ActQuant, GroupFormat};
 
@@ -21,6 +21,12 @@ const SEG_GROUPS: usize = 128;
 
 /// Attention's chunk states are cut into launches of at most this many f32 values.
 const MAX_SCORES: usize = 1 << 26;
+
+/// The most (row, expert) pairs [`Backend::matmul_id`] runs as one routed launch, reading the
+/// routing on the device (a decode step's few tokens). Past it (a prefill) one launch per
+/// pair would read each expert's weights once per pair; grouping the pairs by expert on the
+/// host, one tiled matmul per expert, reads them once per tile of rows.
+const ROUTED_PAIRS: usize = 64;
 
 /// The CubeCL backend on one device.
 pub struct CubeBackend {
@@ -39,6 +45,11 @@ pub struct CubeBackend {
     iota: Mutex<(usize, Handle)>,
     /// The id of the next index tensor.
     next_index: std::sync::atomic::AtomicU64,
+    /// The id of the next upload shared by weight views ([`Backend::weight_views`]).
+    next_stack: std::sync::atomic::AtomicU64,
+    /// One zero word: the operand a kernel is passed where its variant reads none (a plain
+    /// matmul's expert ids and scales).
+    unused: Handle,
     /// The table of the softmax's `e^x` ([`specula_cpu::expf::TAB`]).
     exp_tab: Handle,
     /// The codebooks of the codebook weight formats ([`layout::Table::all`]).
@@ -87,17 +98,64 @@ pub struct CubeTensor {
     cap: usize,
 }
 
-/// A weight on the device: f32 values, or the group layout of an integer block format.
+/// A weight on the device: f32 values, or the group layout of an integer block format; or a
+/// view of rows `row0..row0 + n_out` of such an upload, sharing its buffers with the other
+/// views of it ([`Backend::weight_views`]: a mixture's experts).
 #[derive(Debug)]
 pub struct CubeWeight {
     name: String,
     ty: QType,
     n_in: usize,
     n_out: usize,
+    /// The first row of the buffers this weight is (0 but for a view).
+    row0: usize,
+    /// The upload this weight is a view of (`None`: a weight of its own), which tells
+    /// [`Backend::matmul_id`] that a list of experts lies in one set of buffers.
+    stack: Option<u64>,
     data: WeightData,
 }
 
+impl CubeWeight {
+    /// The f32 values of a weight whose values start its buffer: vectors and convolution
+    /// taps, which their kernels read from the start (not a view past the first row).
+    fn floats(&self) -> Option<&Handle> {
+        match &self.data {
+            WeightData::F32(h) if self.row0 == 0 => Some(h),
+            _ => None,
+        }
+    }
+}
+
+/// The CubeCL backend's routing of a batch ([`Backend::moe_route`]): the expert and the
+/// weight of every (row, slot) pair on the device, row after row, each row's by increasing
+/// expert; the sizes on the host, so that reading them never waits for the device.
 #[derive(Debug)]
+pub struct CubeRoutes {
+    /// `n · n_used` expert ids (u32).
+    ids: Handle,
+    /// `n · n_used` weights (f32).
+    w: Handle,
+    /// Rows.
+    n: usize,
+    /// Experts per row.
+    n_used: usize,
+    /// Experts routed over (every id is below it).
+    n_expert: usize,
+    /// Pairs the buffers hold.
+    cap: usize,
+}
+
+/// A routed matmul's operands ([`CubeBackend::launch_matmul`]): output row `p` is activation
+/// row `p / div` times the view of expert `ids[p]` at `row0 + ids[p] · stride`, times
+/// `scales[ids[p]]` where given.
+struct Routed {
+    ids: Handle,
+    scales: Option<Handle>,
+    stride: usize,
+    div: usize,
+}
+
+#[derive(Clone, Debug)]
 #[allow(
     clippy::large_enum_variant,
     reason = "one per weight matrix: five handles beside one are not worth a box"
@@ -390,6 +448,23 @@ fn u(n: usize) -> u32 {
     u32::try_from(n).expect("device sizes fit in u32")
 }
 
+/// The row stride of experts that are views of one upload at evenly spaced rows (view `e`
+/// at `row0 + e · stride`: a stack of experts, or one half of each expert of a fused
+/// gate-and-up stack), which one routed launch reads by id; `None` for any other list.
+fn one_stack(experts: &[CubeWeight]) -> Option<usize> {
+    let first = experts.first()?;
+    let stack = first.stack?;
+    let stride = match experts.get(1) {
+        Some(w) => w.row0.checked_sub(first.row0)?,
+        None => 0,
+    };
+    experts
+        .iter()
+        .enumerate()
+        .all(|(e, w)| w.stack == Some(stack) && w.row0 == first.row0 + e * stride)
+        .then_some(stride)
+}
+
 impl std::fmt::Debug for CubeBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CubeBackend")
@@ -417,6 +492,7 @@ impl CubeBackend {
         let nl_tab = client.create_from_slice(i32::as_bytes(&layout::Table::all()));
         let turbo_tab = client.create_from_slice(f32::as_bytes(&kq::turbo_tables()));
         let iota = client.empty(4);
+        let unused = client.create_from_slice(u32::as_bytes(&[0]));
         Self {
             client,
             name,
@@ -425,6 +501,8 @@ impl CubeBackend {
             rope: Mutex::new(Vec::new()),
             iota: Mutex::new((0, iota)),
             next_index: std::sync::atomic::AtomicU64::new(0),
+            next_stack: std::sync::atomic::AtomicU64::new(0),
+            unused,
             exp_tab,
             nl_tab,
             turbo_tab,
@@ -614,6 +692,7 @@ impl Backend for CubeBackend {
     type Weight = CubeWeight;
     type Kv = CubeKv;
     type Index = CubeIndex;
+    type Routes = CubeRoutes;
 
     fn name(&self) -> &'static str {
         self.name
@@ -681,8 +760,50 @@ impl Backend for CubeBackend {
             ty: desc.ty,
             n_in,
             n_out,
+            row0: 0,
+            stack: None,
             data,
         })
+    }
+
+    fn weight_views(
+        &self,
+        desc: &WeightDesc<'_>,
+        rows: &[std::ops::Range<usize>],
+    ) -> Result<Vec<CubeWeight>> {
+        let (n_in, n_rows) = match desc.dims {
+            &[n_in, n_rows] => (n_in, n_rows),
+            d => {
+                return Err(TensorError::Shape {
+                    op: "weight_views",
+                    detail: format!("`{}` has dims {d:?}, not a matrix", desc.name),
+                });
+            }
+        };
+        if let Some(r) = rows.iter().find(|r| r.start > r.end || r.end > n_rows) {
+            return Err(TensorError::Shape {
+                op: "weight_views",
+                detail: format!("rows {r:?} of `{}`, which has {n_rows} rows", desc.name),
+            });
+        }
+        // One upload of the whole matrix (its size checked there); every view shares its
+        // buffers and reads its own rows of them.
+        let whole = self.weight(desc.clone())?;
+        let stack = self
+            .next_stack
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(rows
+            .iter()
+            .map(|r| CubeWeight {
+                name: format!("{} rows {r:?}", desc.name),
+                ty: desc.ty,
+                n_in,
+                n_out: r.len(),
+                row0: r.start,
+                stack: Some(stack),
+                data: whole.data.clone(),
+            })
+            .collect())
     }
 
     fn zeros(&self, rows: usize, cols: usize) -> CubeTensor {
@@ -947,7 +1068,18 @@ impl Backend for CubeBackend {
             table.name
         );
         match &table.data {
-            WeightData::F32(h) => self.gather(h, cols, &ids.h, n_ids, &out.h, cols, cols, cols, 0),
+            // A view's rows start `row0` rows into the buffer.
+            WeightData::F32(h) => self.gather(
+                h,
+                cols,
+                &ids.h,
+                n_ids,
+                &out.h,
+                cols,
+                cols,
+                cols,
+                table.row0 * cols,
+            ),
             WeightData::Groups {
                 fmt,
                 codes,
@@ -976,6 +1108,7 @@ impl Backend for CubeBackend {
                         BufferArg::from_raw_parts(out.h.clone(), n),
                         u(n),
                         u(cols),
+                        u(table.row0),
                         0,
                         fmt.bits,
                         fmt.group,
@@ -995,115 +1128,14 @@ impl Backend for CubeBackend {
             "matmul: x has {} columns, `{}` takes {}",
             x.cols, w.name, w.n_in
         );
-        let rows = x.rows;
-        self.resize(out, rows, w.n_out);
-        if rows == 0 || w.n_out == 0 {
-            return;
-        }
-        let tile = match rows {
-            1 => 1,
-            2 => 2,
-            3 | 4 => 4,
-            _ => 8,
-        };
-        let count = CubeCount::Static(u(w.n_out), u(rows.div_ceil(tile)), 1);
-        let dim = CubeDim::new_1d(u(self.units));
-        match &w.data {
-            WeightData::F32(h) => {
-                // SAFETY: `x` is `[rows, n_in]`, `h` `[n_out, n_in]`, `out` `[rows, n_out]`.
-                unsafe {
-                    mm::matmul_f32::launch(
-                        &self.client,
-                        count,
-                        dim,
-                        BufferArg::from_raw_parts(x.h.clone(), rows * w.n_in),
-                        BufferArg::from_raw_parts(h.clone(), w.n_in * w.n_out),
-                        BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
-                        u(w.n_in),
-                        u(w.n_out),
-                        u(rows),
-                        0,
-                        self.units,
-                        tile,
-                    );
-                }
-            }
-            WeightData::Groups {
-                fmt,
-                codes,
-                bd,
-                bm,
-                gsc,
-                gmn,
-            } => {
-                let ablk = fmt.act.block();
-                let n_blocks = rows * w.n_in / ablk;
-                let qa = self.client.empty(rows * w.n_in * 4);
-                let da = self.empty_f32(n_blocks);
-                let sa = self.empty_f32(n_blocks);
-                let kind = match fmt.act {
-                    ActQuant::Q8_0 => 0,
-                    ActQuant::Q8_1 => 1,
-                    ActQuant::Q8K => 2,
-                };
-                // SAFETY: `x` holds `n_blocks` whole activation blocks (`n_in` is a multiple
-                // of the format's block); the code and scale buffers hold `n_blocks` blocks.
-                unsafe {
-                    let qunits = self.units.min(ablk);
-                    mm::quantize_act::launch(
-                        &self.client,
-                        CubeCount::Static(u(n_blocks), 1, 1),
-                        CubeDim::new_1d(u(qunits)),
-                        BufferArg::from_raw_parts(x.h.clone(), rows * w.n_in),
-                        BufferArg::from_raw_parts(qa.clone(), rows * w.n_in),
-                        BufferArg::from_raw_parts(da.clone(), n_blocks),
-                        BufferArg::from_raw_parts(sa.clone(), n_blocks),
-                        u(w.n_in),
-                        0,
-                        kind,
-                        fmt.group,
-                        qunits,
-                    );
-                    // SAFETY: the weight's groups cover `[n_out, n_in]`; activations as
-                    // above; `out` is `[rows, n_out]`.
-                    mm::matmul_blocks::launch(
-                        &self.client,
-                        count,
-                        dim,
-                        BufferArg::from_raw_parts(qa, rows * w.n_in),
-                        BufferArg::from_raw_parts(da, n_blocks),
-                        BufferArg::from_raw_parts(sa, n_blocks),
-                        BufferArg::from_raw_parts(codes.clone(), 1),
-                        BufferArg::from_raw_parts(bd.clone(), 1),
-                        BufferArg::from_raw_parts(bm.clone(), 1),
-                        BufferArg::from_raw_parts(gsc.clone(), 1),
-                        BufferArg::from_raw_parts(gmn.clone(), 1),
-                        BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
-                        BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
-                        u(w.n_in),
-                        u(w.n_out),
-                        u(rows),
-                        0,
-                        fmt.bits,
-                        fmt.group,
-                        fmt.block,
-                        fmt.offset,
-                        fmt.term.code(),
-                        fmt.table.code(),
-                        u(ablk),
-                        self.units,
-                        tile,
-                        SEG_GROUPS / (fmt.block / fmt.group) as usize,
-                    );
-                }
-            }
-        }
+        self.resize(out, x.rows, w.n_out);
+        self.launch_matmul(x, w, None, out);
     }
 
     fn add_vector(&self, x: &mut CubeTensor, b: &CubeWeight) {
-        let WeightData::F32(bh) = &b.data else {
+        let Some(bh) = b.floats() else {
             panic!(
-                "add_vector: bias `{}` is {}, not a float vector",
+                "add_vector: bias `{}` is {} (or a view), not a float vector",
                 b.name, b.ty
             );
         };
@@ -1113,19 +1145,19 @@ impl Backend for CubeBackend {
 
     fn rms_norm(&self, x: &CubeTensor, w: Option<&CubeWeight>, eps: f32, out: &mut CubeTensor) {
         self.resize(out, x.rows, x.cols);
-        let wh = match w {
-            Some(w) => match &w.data {
-                WeightData::F32(h) => Some(h.clone()),
-                WeightData::Groups { .. } => panic!("rms_norm: weight `{}` is {}", w.name, w.ty),
-            },
-            None => None,
-        };
+        let wh = w.map(|w| match w.floats() {
+            Some(h) => h.clone(),
+            None => panic!("rms_norm: weight `{}` is {} (or a view)", w.name, w.ty),
+        });
         self.norm(&x.h, wh, &out.h, x.rows, x.cols, eps);
     }
 
     fn rms_norm_groups(&self, x: &mut CubeTensor, group: usize, w: &CubeWeight, eps: f32) {
-        let WeightData::F32(h) = &w.data else {
-            panic!("rms_norm_groups: weight `{}` is {}", w.name, w.ty);
+        let Some(h) = w.floats() else {
+            panic!(
+                "rms_norm_groups: weight `{}` is {} (or a view)",
+                w.name, w.ty
+            );
         };
         assert!(
             group > 0 && x.cols.is_multiple_of(group),
@@ -1332,6 +1364,202 @@ impl Backend for CubeBackend {
                 BufferArg::from_raw_parts(wh, n_rows),
                 u(n_rows),
                 u(dst.cols),
+            );
+        }
+    }
+
+    fn routes(&self) -> CubeRoutes {
+        CubeRoutes {
+            ids: self.client.empty(4),
+            w: self.empty_f32(1),
+            n: 0,
+            n_used: 0,
+            n_expert: 0,
+            cap: 1,
+        }
+    }
+
+    fn moe_route(
+        &self,
+        logits: &CubeTensor,
+        p: &MoeRoute,
+        bias: Option<&CubeWeight>,
+        out: &mut CubeRoutes,
+    ) {
+        let (n, ne) = (logits.rows, logits.cols);
+        assert!(
+            p.n_used >= 1 && p.n_used <= ne,
+            "moe_route: {} experts used of {ne}",
+            p.n_used
+        );
+        let bh = bias.map(|b| match b.floats() {
+            Some(h) if b.n_in * b.n_out == ne => h.clone(),
+            _ => panic!(
+                "moe_route: bias `{}` must be a float vector of {ne} values",
+                b.name
+            ),
+        });
+        let pairs = n * p.n_used;
+        if pairs > out.cap {
+            out.ids = self.client.empty(pairs * 4);
+            out.w = self.empty_f32(pairs);
+            out.cap = pairs;
+        }
+        (out.n, out.n_used, out.n_expert) = (n, p.n_used, ne);
+        if n == 0 {
+            return;
+        }
+        let probs = self.empty_f32(n * ne);
+        let has_bias = bh.is_some();
+        // SAFETY: `logits` and `probs` are `[n, ne]`, the bias `ne` values where read, the
+        // routing's buffers hold `n · n_used` pairs (`n_used ≤ ne`, checked).
+        unsafe {
+            moe::moe_route::launch(
+                &self.client,
+                self.ew_count(n),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(logits.h.clone(), n * ne),
+                BufferArg::from_raw_parts(bh.unwrap_or_else(|| self.unused.clone()), 1),
+                BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
+                BufferArg::from_raw_parts(probs, n * ne),
+                BufferArg::from_raw_parts(out.ids.clone(), pairs),
+                BufferArg::from_raw_parts(out.w.clone(), pairs),
+                u(n),
+                u(ne),
+                u(p.n_used),
+                p.scale,
+                0,
+                p.sigmoid,
+                p.norm,
+                has_bias,
+            );
+        }
+    }
+
+    fn routes_to_host(&self, r: &CubeRoutes, ids: &mut Vec<u32>, w: &mut Vec<f32>) {
+        ids.clear();
+        w.clear();
+        let pairs = r.n * r.n_used;
+        if pairs == 0 {
+            return;
+        }
+        let read = |h: &Handle| {
+            self.client
+                .read_one(h.clone())
+                .unwrap_or_else(|e| panic!("{} backend: a kernel failed: {e:?}", self.name))
+        };
+        ids.extend_from_slice(&u32::from_bytes(&read(&r.ids))[..pairs]);
+        w.extend_from_slice(&f32::from_bytes(&read(&r.w))[..pairs]);
+    }
+
+    fn matmul_id(
+        &self,
+        x: &CubeTensor,
+        experts: &[CubeWeight],
+        scales: Option<&[f32]>,
+        r: &CubeRoutes,
+        per_pair: bool,
+        out: &mut CubeTensor,
+    ) {
+        let pairs = r.n * r.n_used;
+        let n_used = r.n_used.max(1);
+        let want = if per_pair { pairs } else { r.n };
+        assert_eq!(
+            x.rows, want,
+            "matmul_id: x has {} rows for {pairs} pairs of {n_used}",
+            x.rows
+        );
+        let Some(first) = experts.first() else {
+            assert_eq!(pairs, 0, "matmul_id: pairs routed to no expert");
+            self.resize(out, 0, 0);
+            return;
+        };
+        let (n_in, n_out) = (first.n_in, first.n_out);
+        assert_eq!(x.cols, n_in, "matmul_id: x has {} columns", x.cols);
+        for w in experts {
+            assert_eq!(
+                (w.n_in, w.n_out),
+                (n_in, n_out),
+                "matmul_id: expert `{}` has another shape",
+                w.name
+            );
+        }
+        // Every id the routing holds is below `n_expert`: checked here, on the host, so the
+        // routed launch reads no id back.
+        assert!(
+            r.n_expert <= experts.len(),
+            "matmul_id: a routing over {} experts, {} given",
+            r.n_expert,
+            experts.len()
+        );
+        if let Some(s) = scales {
+            assert_eq!(s.len(), experts.len(), "matmul_id: one scale per expert");
+        }
+        self.resize(out, pairs, n_out);
+        if pairs == 0 || n_out == 0 {
+            return;
+        }
+        if pairs <= ROUTED_PAIRS
+            && let Some(stride) = one_stack(experts)
+        {
+            let route = Routed {
+                ids: r.ids.clone(),
+                scales: scales.map(|s| self.upload_f32(s)),
+                stride,
+                div: if per_pair { 1 } else { n_used },
+            };
+            self.launch_matmul(x, first, Some(&route), out);
+            return;
+        }
+        // Each expert's pairs as one tiled matmul over its rows: the matmul gives a row the
+        // bits it has alone, so these are the routed launch's.
+        let (mut ids, mut w) = (Vec::new(), Vec::new());
+        self.routes_to_host(r, &mut ids, &mut w);
+        let mut by: Vec<Vec<u32>> = vec![Vec::new(); experts.len()];
+        for (p, &e) in (0u32..).zip(&ids) {
+            by[e as usize].push(p);
+        }
+        let div = u(if per_pair { 1 } else { n_used });
+        let (mut xs, mut ys) = (self.zeros(0, 0), self.zeros(0, 0));
+        for (e, ps) in by.iter().enumerate() {
+            if ps.is_empty() {
+                continue;
+            }
+            let src: Vec<u32> = ps.iter().map(|&p| p / div).collect();
+            self.copy_rows(x, &self.index(&src), &mut xs);
+            self.matmul(&xs, &experts[e], &mut ys);
+            if let Some(s) = scales {
+                self.scale(&mut ys, s[e]);
+            }
+            self.put_rows(&ys, &self.index(ps), out);
+        }
+    }
+
+    fn moe_combine(&self, y: &CubeTensor, r: &CubeRoutes, out: &mut CubeTensor) {
+        let pairs = r.n * r.n_used;
+        assert_eq!(
+            y.rows, pairs,
+            "moe_combine: y has {} rows for {pairs} pairs",
+            y.rows
+        );
+        self.resize(out, r.n, y.cols);
+        let total = r.n * y.cols;
+        if total == 0 {
+            return;
+        }
+        // SAFETY: `y` is `[n · n_used, cols]`, the weights `n · n_used`, `out` `[n, cols]`.
+        unsafe {
+            moe::moe_combine::launch(
+                &self.client,
+                self.ew_count(total),
+                CubeDim::new_1d(self.ew),
+                BufferArg::from_raw_parts(y.h.clone(), pairs * y.cols),
+                BufferArg::from_raw_parts(r.w.clone(), pairs),
+                BufferArg::from_raw_parts(out.h.clone(), total),
+                u(total),
+                u(y.cols),
+                u(r.n_used),
+                0,
             );
         }
     }
@@ -1649,9 +1877,9 @@ impl Backend for CubeBackend {
             "ssm_conv: weight `{}` must be [{kernel}, {ch}]",
             w.name
         );
-        let WeightData::F32(wh) = &w.data else {
+        let Some(wh) = w.floats() else {
             panic!(
-                "ssm_conv: weight `{}` is {}: convolution taps are float ({kernel} per channel is not a whole block)",
+                "ssm_conv: weight `{}` is {} (or a view): convolution taps are float ({kernel} per channel is not a whole block)",
                 w.name, w.ty
             )
         };
@@ -1715,8 +1943,8 @@ impl Backend for CubeBackend {
                 && beta.cols == hv,
             "gated_delta_net: q, k [n, {hk}·{d}], v [n, {hv}·{d}], alpha and beta [n, {hv}]"
         );
-        let vector = |w: &CubeWeight| match &w.data {
-            WeightData::F32(h) if w.n_in * w.n_out == hv => h.clone(),
+        let vector = |w: &CubeWeight| match w.floats() {
+            Some(h) if w.n_in * w.n_out == hv => h.clone(),
             _ => panic!(
                 "gated_delta_net: `{}` must be a float vector of {hv} values",
                 w.name
@@ -2170,6 +2398,157 @@ impl Backend for CubeBackend {
 }
 
 impl CubeBackend {
+    /// `out = x · wᵀ` into the `out.rows` rows of `out` (`[rows, w.n_out]`, sized by the
+    /// caller): one output row per row of `x`, or a routed product (`route`, tile 1) whose
+    /// output row `p` reads activation row `p / div` and the weight rows of its expert. The
+    /// activations are quantized once, as they are, for an integer format.
+    #[allow(
+        clippy::too_many_lines,
+        reason = "two formats' launches with one set of operands"
+    )]
+    fn launch_matmul(
+        &self,
+        x: &CubeTensor,
+        w: &CubeWeight,
+        route: Option<&Routed>,
+        out: &CubeTensor,
+    ) {
+        let rows = out.rows;
+        if rows == 0 || w.n_out == 0 {
+            return;
+        }
+        let tile = match (route, rows) {
+            (Some(_), _) | (None, 1) => 1,
+            (None, 2) => 2,
+            (None, 3 | 4) => 4,
+            (None, _) => 8,
+        };
+        let count = CubeCount::Static(u(w.n_out), u(rows.div_ceil(tile)), 1);
+        let dim = CubeDim::new_1d(u(self.units));
+        let (ids, scales, stride, div) = match route {
+            Some(r) => (
+                r.ids.clone(),
+                r.scales.clone().unwrap_or_else(|| self.unused.clone()),
+                r.stride,
+                r.div,
+            ),
+            None => (self.unused.clone(), self.unused.clone(), 0, 1),
+        };
+        let (by_id, scaled) = (route.is_some(), route.is_some_and(|r| r.scales.is_some()));
+        let x_len = x.rows * w.n_in;
+        match &w.data {
+            WeightData::F32(h) => {
+                // SAFETY: `x` is `[x.rows, n_in]` and every activation row read is below
+                // `x.rows` (a routed product's `p / div`, checked by `matmul_id`); the rows
+                // read of `h` are the view's (or its experts' views'), inside the upload;
+                // `ids` holds one expert per output row and `scales` one value per expert
+                // where read; `out` is `[rows, n_out]`.
+                unsafe {
+                    mm::matmul_f32::launch(
+                        &self.client,
+                        count,
+                        dim,
+                        BufferArg::from_raw_parts(x.h.clone(), x_len),
+                        BufferArg::from_raw_parts(h.clone(), 1),
+                        BufferArg::from_raw_parts(ids, 1),
+                        BufferArg::from_raw_parts(scales, 1),
+                        BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
+                        u(w.n_in),
+                        u(w.n_out),
+                        u(rows),
+                        u(w.row0),
+                        u(stride),
+                        u(div),
+                        0,
+                        by_id,
+                        scaled,
+                        self.units,
+                        tile,
+                    );
+                }
+            }
+            WeightData::Groups {
+                fmt,
+                codes,
+                bd,
+                bm,
+                gsc,
+                gmn,
+            } => {
+                let ablk = fmt.act.block();
+                let n_blocks = x_len / ablk;
+                let qa = self.client.empty(x_len * 4);
+                let da = self.empty_f32(n_blocks);
+                let sa = self.empty_f32(n_blocks);
+                let kind = match fmt.act {
+                    ActQuant::Q8_0 => 0,
+                    ActQuant::Q8_1 => 1,
+                    ActQuant::Q8K => 2,
+                };
+                // SAFETY: `x` holds `n_blocks` whole activation blocks (`n_in` is a multiple
+                // of the format's block); the code and scale buffers hold `n_blocks` blocks.
+                unsafe {
+                    let qunits = self.units.min(ablk);
+                    mm::quantize_act::launch(
+                        &self.client,
+                        CubeCount::Static(u(n_blocks), 1, 1),
+                        CubeDim::new_1d(u(qunits)),
+                        BufferArg::from_raw_parts(x.h.clone(), x_len),
+                        BufferArg::from_raw_parts(qa.clone(), x_len),
+                        BufferArg::from_raw_parts(da.clone(), n_blocks),
+                        BufferArg::from_raw_parts(sa.clone(), n_blocks),
+                        u(w.n_in),
+                        0,
+                        kind,
+                        fmt.group,
+                        qunits,
+                    );
+                }
+                // SAFETY: the rows read of the weight's groups are the view's (or its
+                // experts' views'), inside the upload; activation rows as for f32 weights;
+                // `ids` and `scales` as there; `out` is `[rows, n_out]`.
+                unsafe {
+                    mm::matmul_blocks::launch(
+                        &self.client,
+                        count,
+                        dim,
+                        BufferArg::from_raw_parts(qa, x_len),
+                        BufferArg::from_raw_parts(da, n_blocks),
+                        BufferArg::from_raw_parts(sa, n_blocks),
+                        BufferArg::from_raw_parts(codes.clone(), 1),
+                        BufferArg::from_raw_parts(bd.clone(), 1),
+                        BufferArg::from_raw_parts(bm.clone(), 1),
+                        BufferArg::from_raw_parts(gsc.clone(), 1),
+                        BufferArg::from_raw_parts(gmn.clone(), 1),
+                        BufferArg::from_raw_parts(self.nl_tab.clone(), 32),
+                        BufferArg::from_raw_parts(ids, 1),
+                        BufferArg::from_raw_parts(scales, 1),
+                        BufferArg::from_raw_parts(out.h.clone(), rows * w.n_out),
+                        u(w.n_in),
+                        u(w.n_out),
+                        u(rows),
+                        u(w.row0),
+                        u(stride),
+                        u(div),
+                        0,
+                        by_id,
+                        scaled,
+                        fmt.bits,
+                        fmt.group,
+                        fmt.block,
+                        fmt.offset,
+                        fmt.term.code(),
+                        fmt.table.code(),
+                        u(ablk),
+                        self.units,
+                        tile,
+                        SEG_GROUPS / (fmt.block / fmt.group) as usize,
+                    );
+                }
+            }
+        }
+    }
+
     /// Appends the first `bytes` bytes of `h` to `out`.
     fn read_prefix(&self, h: &Handle, bytes: usize, out: &mut Vec<u8>) {
         if bytes == 0 {

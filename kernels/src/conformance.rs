@@ -75,6 +75,27 @@ fn exact_bound(ty: QType) -> f64 {
     }
 }
 
+/// The weight formats of the matmul checks: every format of a model file the device holds.
+const FORMATS: [QType; 17] = [
+    QType::F32,
+    QType::F16,
+    QType::BF16,
+    QType::Q8_0,
+    QType::Q4_0,
+    QType::Q4_1,
+    QType::Q5_0,
+    QType::Q5_1,
+    QType::Q4_K,
+    QType::Q5_K,
+    QType::Q6_K,
+    QType::Q2_K,
+    QType::Q3_K,
+    QType::IQ4_XS,
+    QType::IQ4_NL,
+    QType::MXFP4,
+    QType::NVFP4,
+];
+
 /// A weight of `ty` with `n_out` rows of `n_in` random values, made by each backend from
 /// the same bytes.
 #[derive(Debug)]
@@ -178,25 +199,7 @@ pub fn conformance<B: Backend>(be: &B) {
     let cpu = &p.cpu;
 
     // Matmul: every weight format, odd row counts and output widths.
-    for ty in [
-        QType::F32,
-        QType::F16,
-        QType::BF16,
-        QType::Q8_0,
-        QType::Q4_0,
-        QType::Q4_1,
-        QType::Q5_0,
-        QType::Q5_1,
-        QType::Q4_K,
-        QType::Q5_K,
-        QType::Q6_K,
-        QType::Q2_K,
-        QType::Q3_K,
-        QType::IQ4_XS,
-        QType::IQ4_NL,
-        QType::MXFP4,
-        QType::NVFP4,
-    ] {
+    for ty in FORMATS {
         for &(rows, n_in, n_out) in &[(1, 256, 37), (3, 512, 64), (13, 256, 9), (40, 256, 33)] {
             let w = Weights::new(ty, n_in, n_out, 7 + rows as u64);
             let (wb, wc) = (w.on(be, true), w.on(cpu, true));
@@ -653,6 +656,7 @@ pub fn conformance<B: Backend>(be: &B) {
         }
     }
     recurrent(&p);
+    moe(&p);
     let failed = FAILED.swap(0, std::sync::atomic::Ordering::Relaxed);
     assert!(failed == 0, "{failed} checks failed (printed above)");
 }
@@ -805,4 +809,246 @@ fn recurrent<B: Backend>(p: &Pair<'_, B>) {
         same(&whole.1, &apart.1),
         "gated_delta_net: rows in one batch differ from rows alone"
     );
+}
+
+/// One `matmul_id` check: its rows, whether each pair has its own row of `x`, whether the
+/// experts are scaled, and the experts on the backend and on the CPU backend.
+struct IdCase<'a, B: Backend> {
+    what: &'static str,
+    rows: usize,
+    per_pair: bool,
+    scaled: bool,
+    eb: &'a [B::Weight],
+    ec: &'a [specula_cpu::CpuWeight],
+}
+
+impl<'a, B: Backend> IdCase<'a, B> {
+    fn new(
+        what: &'static str,
+        rows: usize,
+        per_pair: bool,
+        scaled: bool,
+        eb: &'a [B::Weight],
+        ec: &'a [specula_cpu::CpuWeight],
+    ) -> Self {
+        Self {
+            what,
+            rows,
+            per_pair,
+            scaled,
+            eb,
+            ec,
+        }
+    }
+}
+
+/// Bit equality of two rows.
+fn same_bits(a: &[f32], b: &[f32]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits())
+}
+
+/// A mixture of experts' ops: the routing against the host's `route_row` (softmax and
+/// sigmoid, with and without a selection bias, normalized or not, scaled, equal scores, one
+/// and many experts per row, one and many rows); `matmul_id` over the views of a fused
+/// gate-and-up stack and over experts of their own, in every weight format, few pairs (the
+/// device's routed launch) and many (grouped by expert), each pair's row with the bits of a
+/// `matmul` of that row alone; the weighted sum.
+#[allow(
+    clippy::too_many_lines,
+    reason = "one family of ops, check after check"
+)]
+fn moe<B: Backend>(p: &Pair<'_, B>) {
+    use specula_tensor::{MoeRoute, route_row};
+    let (be, cpu) = (p.be, &p.cpu);
+    let (mut rb, mut rc) = (be.routes(), cpu.routes());
+    let (mut ib, mut wb, mut ic, mut wc) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let route = |n_used, sigmoid, norm, scale| MoeRoute {
+        n_used,
+        sigmoid,
+        norm,
+        scale,
+    };
+    // (rows, experts, the routing, the bias's seed).
+    let cases = [
+        (1, 8, route(1, false, false, 1.0), None),
+        (1, 8, route(8, false, true, 1.0), None),
+        (6, 16, route(4, false, true, 1.0), None),
+        (6, 16, route(2, true, false, 2.5), None),
+        (9, 32, route(8, true, true, 2.5), Some(61)),
+        (9, 64, route(6, false, false, 1.0), Some(62)),
+        (70, 128, route(8, true, true, 1.0), Some(63)),
+        (70, 60, route(4, false, true, 16.0), Some(64)),
+    ];
+    for (rows, ne, mp, bias) in cases {
+        let n_used = mp.n_used;
+        let what = format!(
+            "{rows}×{ne}, {n_used} used, {mp:?}, bias {}",
+            bias.is_some()
+        );
+        // Equal scores: a row of one value, and a row of pairs of equal values.
+        let mut logits = values(60, rows * ne, 4.0);
+        logits[..ne].fill(0.25);
+        if rows > 1 {
+            for (e, v) in (0u16..).zip(&mut logits[ne..2 * ne]) {
+                *v = f32::from(e / 2) * 0.5 - 1.0;
+            }
+        }
+        let bias_v = bias.map(|s| values(s, ne, 1.0));
+        let bias_w = bias.map(|s| Weights::new(QType::F32, ne, 1, s));
+        let (bb, bc) = (
+            bias_w.as_ref().map(|w| w.on(be, false)),
+            bias_w.as_ref().map(|w| w.on(cpu, false)),
+        );
+        be.moe_route(&be.from_host(rows, ne, &logits), &mp, bb.as_ref(), &mut rb);
+        cpu.moe_route(&cpu.from_host(rows, ne, &logits), &mp, bc.as_ref(), &mut rc);
+        let (mut wi, mut ww, mut scratch) = (Vec::new(), Vec::new(), Vec::new());
+        for row in logits.chunks_exact(ne) {
+            route_row(row, &mp, bias_v.as_deref(), &mut scratch, &mut wi, &mut ww);
+        }
+        if bias.is_none() {
+            let first: Vec<u32> = (0..u32::try_from(n_used).unwrap()).collect();
+            assert_eq!(
+                wi[..n_used],
+                first,
+                "route_row: equal scores by lower expert"
+            );
+        }
+        be.routes_to_host(&rb, &mut ib, &mut wb);
+        cpu.routes_to_host(&rc, &mut ic, &mut wc);
+        assert_eq!(ib, wi, "moe_route {what}: experts");
+        assert_eq!(ic, wi, "moe_route {what} (cpu): experts");
+        check(&format!("moe_route {what}: weights"), &wb, &ww, 0.0);
+        check(&format!("moe_route {what} (cpu): weights"), &wc, &ww, 0.0);
+    }
+
+    // The weighted sum over the last routing (70 rows of 4), and over one of 1 per row.
+    for (rows, n_used) in [(70, 4), (3, 1)] {
+        if n_used == 1 {
+            let mp = route(n_used, false, false, 0.75);
+            let (lb, lc) = p.tensors(rows, 10, 65, 3.0);
+            be.moe_route(&lb, &mp, None, &mut rb);
+            cpu.moe_route(&lc, &mp, None, &mut rc);
+        }
+        let (yb, yc) = p.tensors(rows * n_used, 37, 66, 2.0);
+        let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+        be.moe_combine(&yb, &rb, &mut ob);
+        cpu.moe_combine(&yc, &rc, &mut oc);
+        assert_eq!(be.shape(&ob), (rows, 37), "moe_combine: shape");
+        check(
+            &format!("moe_combine {rows} rows of {n_used}"),
+            &host(be, &ob),
+            &host(cpu, &oc),
+            0.0,
+        );
+    }
+
+    // The experts' products. `ne` experts of `f` rows; the gate and up halves of expert `e`
+    // are rows `[e·2f, e·2f + f)` and `[e·2f + f, (e + 1)·2f)` of one stack.
+    let (ne, n_used, f, n_in) = (8, 3, 24, 256);
+    let scales = values(70, ne, 2.0);
+    let gate: Vec<std::ops::Range<usize>> = (0..ne).map(|e| e * 2 * f..e * 2 * f + f).collect();
+    let up: Vec<std::ops::Range<usize>> = (0..ne).map(|e| e * 2 * f + f..(e + 1) * 2 * f).collect();
+    for ty in FORMATS {
+        let stack = Weights::new(ty, n_in, ne * 2 * f, 71);
+        let desc = WeightDesc {
+            name: "blk.0.ffn_gate_up_exps.weight",
+            ty,
+            dims: &stack.dims,
+            data: &stack.bytes,
+            owner: stack.bytes.clone(),
+        };
+        let mut gb = be.weight_views(&desc, &gate).unwrap();
+        let mut ub = be.weight_views(&desc, &up).unwrap();
+        let mut gc = cpu.weight_views(&desc, &gate).unwrap();
+        let mut uc = cpu.weight_views(&desc, &up).unwrap();
+        for w in gb.iter_mut().chain(&mut ub) {
+            be.prepare_matmul(w);
+        }
+        for w in gc.iter_mut().chain(&mut uc) {
+            cpu.prepare_matmul(w);
+        }
+        let own: Vec<Weights> = (0..ne as u64)
+            .map(|e| Weights::new(ty, n_in, f, 80 + e))
+            .collect();
+        let ob_: Vec<B::Weight> = own.iter().map(|w| w.on(be, true)).collect();
+        let oc_: Vec<specula_cpu::CpuWeight> = own.iter().map(|w| w.on(cpu, true)).collect();
+
+        // A view alone: rows of the stack past its first, by matmul and by get_rows.
+        let (xb, xc) = p.tensors(3, n_in, 72, 1.0);
+        let (mut ob, mut oc) = (be.zeros(0, 0), cpu.zeros(0, 0));
+        be.matmul(&xb, &ub[5], &mut ob);
+        cpu.matmul(&xc, &uc[5], &mut oc);
+        check(
+            &format!("matmul {ty}, a view"),
+            &host(be, &ob),
+            &host(cpu, &oc),
+            exact_bound(ty),
+        );
+        let ids = [0u32, u32::try_from(f - 1).unwrap(), 2];
+        be.get_rows(&ub[5], &be.index(&ids), &mut ob);
+        cpu.get_rows(&uc[5], &cpu.index(&ids), &mut oc);
+        check(
+            &format!("get_rows {ty}, a view"),
+            &host(be, &ob),
+            &host(cpu, &oc),
+            0.0,
+        );
+
+        // (what, rows, per pair, scaled, experts): 15 pairs run as the device's routed
+        // launch, 90 grouped by expert, and experts of their own grouped whatever their
+        // number.
+        let lists = [
+            IdCase::<B>::new("gate views", 5, false, true, &gb, &gc),
+            IdCase::new("up views, per pair", 5, true, false, &ub, &uc),
+            IdCase::new("gate views, 90 pairs", 30, false, true, &gb, &gc),
+            IdCase::new("own experts, per pair", 4, true, true, &ob_, &oc_),
+        ];
+        for IdCase {
+            what,
+            rows,
+            per_pair,
+            scaled,
+            eb,
+            ec,
+        } in lists
+        {
+            let what = format!("matmul_id {ty}, {what}");
+            let mp = route(n_used, false, true, 1.0);
+            let (lb, lc) = p.tensors(rows, ne, 73 + rows as u64, 3.0);
+            be.moe_route(&lb, &mp, None, &mut rb);
+            cpu.moe_route(&lc, &mp, None, &mut rc);
+            let xrows = if per_pair { rows * n_used } else { rows };
+            let (xb, xc) = p.tensors(xrows, n_in, 74, 1.0);
+            let s = scaled.then_some(&scales[..]);
+            be.matmul_id(&xb, eb, s, &rb, per_pair, &mut ob);
+            cpu.matmul_id(&xc, ec, s, &rc, per_pair, &mut oc);
+            assert_eq!(be.shape(&ob), (rows * n_used, f), "{what}: shape");
+            let got = host(be, &ob);
+            check(&what, &got, &host(cpu, &oc), exact_bound(ty));
+
+            // Each pair's row is `matmul` (then `scale`) of its row alone with its expert.
+            be.routes_to_host(&rb, &mut ib, &mut wb);
+            let xs = host(be, &xb);
+            let pairs = rows * n_used;
+            let some: Vec<usize> = if pairs <= 16 {
+                (0..pairs).collect()
+            } else {
+                vec![0, pairs / 2, pairs - 1]
+            };
+            for pr in some {
+                let src = if per_pair { pr } else { pr / n_used };
+                let e = ib[pr] as usize;
+                let x1 = be.from_host(1, n_in, &xs[src * n_in..(src + 1) * n_in]);
+                let mut o1 = be.zeros(0, 0);
+                be.matmul(&x1, &eb[e], &mut o1);
+                if scaled {
+                    be.scale(&mut o1, scales[e]);
+                }
+                assert!(
+                    same_bits(&host(be, &o1), &got[pr * f..(pr + 1) * f]),
+                    "{what}: pair {pr} (expert {e}) differs from its row alone"
+                );
+            }
+        }
+    }
 }

@@ -7,8 +7,8 @@ use super::kv::{
 };
 use super::matmul::exact;
 
-/// `out[r] = table[ids[r]]` for a table in the device layout (`cols` values per row): one
-/// unit per output value, dequantized by ggml's formula for the format (`layout::value`);
+/// `out[r] = table[row0 + ids[r]]` for a table in the device layout (`cols` values per row;
+/// a view of a stack starts at row `row0`): one unit per output value, dequantized by ggml's formula for the format (`layout::value`);
 /// codes of a codebook format (`table` > 0, `layout::Table::code`) index `nl`
 /// (`layout::Table::all`).
 #[cube(launch)]
@@ -24,6 +24,7 @@ pub fn get_rows_blocks(
     out: &mut [f32],
     n: u32,
     cols: u32,
+    row0: u32,
     zero: u32,
     #[comptime] bits: u32,
     #[comptime] group: u32,
@@ -37,9 +38,9 @@ pub fn get_rows_blocks(
         let r = id / cols as usize;
         let c = id % cols as usize;
         let gsz = comptime![group as usize];
-        let g = ids[r] as usize * (cols as usize / gsz) + c / gsz;
-        let b = ids[r] as usize * (cols as usize / comptime![block as usize])
-            + c / comptime![block as usize];
+        let row = row0 as usize + ids[r] as usize;
+        let g = row * (cols as usize / gsz) + c / gsz;
+        let b = row * (cols as usize / comptime![block as usize]) + c / comptime![block as usize];
         let words = comptime![(group * bits / 32) as usize];
         let at = (c % gsz) * comptime![bits as usize];
         let w = at / 32;

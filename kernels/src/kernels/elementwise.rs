@@ -380,7 +380,7 @@ pub fn top1_rows(
 /// The key of `v` whose unsigned order is `f32::total_cmp`'s
 /// (`specula_tensor::total_order_key`).
 #[cube]
-fn order_key(v: f32) -> u32 {
+pub(crate) fn order_key(v: f32) -> u32 {
     let b = u32::reinterpret(v);
     if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
 }

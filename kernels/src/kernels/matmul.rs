@@ -9,6 +9,10 @@
 //! One cube computes one output column for a tile of `tile` rows; its `units` units take
 //! the groups of the row in turn and reduce their partial sums in shared memory in a fixed
 //! tree. A row's result therefore depends only on its own activations: batch invariance.
+//!
+//! The same kernels run a mixture's experts (`Backend::matmul_id`) in one launch: compiled
+//! with `by_id`, a cube takes one (row, expert) pair and reads the expert's weight rows by
+//! the id the routing left on the device, with the bits a plain product gives that row.
 
 use cubecl::prelude::*;
 
@@ -204,6 +208,12 @@ pub(crate) fn exact(x: f32, zero: u32) -> f32 {
 /// integer sums, then each block's term, then one unit per activation row adds the terms in
 /// order. Weights: `codes`, `bd` (`d` per block), `bm` (`m` / `dmin`), `gsc`, `gmn` (integer
 /// scale and min per group); activations: `qa`, `da`, `sa` from [`quantize_act()`].
+///
+/// Output column `n` reads weight row `row0 + n` (a view of a stack of experts starts at row
+/// `row0`). A routed product (`by_id`, a mixture's `matmul_id`; `tile` 1) computes output row
+/// `p` from activation row `p / div` and the weight rows of expert `ids[p]`, the view at
+/// `row0 + ids[p] · stride`; `scaled` multiplies the sum by `scales[ids[p]]` as the `scale`
+/// op does. Plain products pass any one-value `ids` and `scales`.
 #[cube(launch)]
 #[allow(
     clippy::too_many_arguments,
@@ -220,11 +230,18 @@ pub fn matmul_blocks(
     gsc: &[i32],
     gmn: &[i32],
     nl: &[i32],
+    ids: &[u32],
+    scales: &[f32],
     out: &mut [f32],
     n_in: u32,
     n_out: u32,
     rows: u32,
+    row0: u32,
+    stride: u32,
+    div: u32,
     zero: u32,
+    #[comptime] by_id: bool,
+    #[comptime] scaled: bool,
     #[comptime] bits: u32,
     #[comptime] group: u32,
     #[comptime] block: u32,
@@ -249,6 +266,7 @@ pub fn matmul_blocks(
     let k_min = comptime![term == 4];
     let nb = n_in / comptime![block as usize];
     let ng = n_in / gsz;
+    let wn = weight_row(ids, n, r0, row0, stride, by_id);
     let mut gi_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
     let mut ga_sum = Shared::<[i32]>::new_slice(comptime![tile * seg * gpb]);
     let mut terms = Shared::<[f32]>::new_slice(comptime![tile * seg]);
@@ -264,7 +282,7 @@ pub fn matmul_blocks(
         let mut c = u;
         while c < nseg * gpb {
             let g = s0 * gpb + c;
-            let wg = n * ng + g;
+            let wg = wn * ng + g;
             let mut isum = Array::<i32>::new(tile);
             let mut asum = Array::<i32>::new(tile);
             #[unroll]
@@ -289,7 +307,7 @@ pub fn matmul_blocks(
                 for t in 0..tile {
                     let r = r0 + t;
                     if r < rows {
-                        let a = qa[r * n_in + i * ng + g];
+                        let a = qa[act_row(r, div, by_id) * n_in + i * ng + g];
                         isum[t] += q * a;
                         if k_min {
                             asum[t] += a;
@@ -309,7 +327,7 @@ pub fn matmul_blocks(
         let mut bl = u;
         while bl < nseg {
             let b = s0 + bl;
-            let wb = n * nb + b;
+            let wb = wn * nb + b;
             let dw = bd[wb];
             #[unroll]
             for t in 0..tile {
@@ -322,9 +340,9 @@ pub fn matmul_blocks(
                     #[unroll]
                     for j in 0..gpb {
                         if k_scales {
-                            isum += gsc[n * ng + b * gpb + j] * gi_sum[base + j];
+                            isum += gsc[wn * ng + b * gpb + j] * gi_sum[base + j];
                             if k_min {
-                                summs += gmn[n * ng + b * gpb + j] * ga_sum[base + j];
+                                summs += gmn[wn * ng + b * gpb + j] * ga_sum[base + j];
                             }
                         } else {
                             isum += gi_sum[base + j];
@@ -332,7 +350,7 @@ pub fn matmul_blocks(
                     }
                     // The activation block holding this weight block (NVFP4's 16-value
                     // blocks read halves of Q8_0's 32).
-                    let ab = r * (n_in / comptime![ablock as usize])
+                    let ab = act_row(r, div, by_id) * (n_in / comptime![ablock as usize])
                         + b * comptime![block as usize] / comptime![ablock as usize];
                     let dav = da[ab];
                     let fi = f32::cast_from(isum);
@@ -370,7 +388,7 @@ pub fn matmul_blocks(
     while t < tile {
         let r = r0 + t;
         if r < rows {
-            out[r * n_out as usize + n] = sumf[t];
+            out[r * n_out as usize + n] = scaled_sum(sumf[t], ids, scales, r, scaled);
         }
         t += units;
     }
@@ -378,18 +396,25 @@ pub fn matmul_blocks(
 
 /// `out = x · wᵀ` for f32 weights (f16 and bf16 weights are widened at upload): each
 /// product rounded to f32 and summed in f64, rounded once at the end — specula-quant's
-/// scalar float dot product. Same tiling as [`matmul_blocks()`], the units' partial sums
-/// added by a fixed tree.
+/// scalar float dot product. Same tiling, weight views and routed products (`by_id`,
+/// `scaled`) as [`matmul_blocks()`], the units' partial sums added by a fixed tree.
 #[cube(launch)]
 #[allow(clippy::too_many_arguments, reason = "a kernel's buffers and sizes")]
 pub fn matmul_f32(
     x: &[f32],
     w: &[f32],
+    ids: &[u32],
+    scales: &[f32],
     out: &mut [f32],
     n_in: u32,
     n_out: u32,
     rows: u32,
+    row0: u32,
+    stride: u32,
+    div: u32,
     zero: u32,
+    #[comptime] by_id: bool,
+    #[comptime] scaled: bool,
     #[comptime] units: usize,
     #[comptime] tile: usize,
 ) {
@@ -398,6 +423,7 @@ pub fn matmul_f32(
     let u = UNIT_POS_X as usize;
     let n_in = n_in as usize;
     let rows = rows as usize;
+    let wn = weight_row(ids, n, r0, row0, stride, by_id);
     let mut acc = Array::<f64>::new(tile);
     #[unroll]
     for t in 0..tile {
@@ -405,12 +431,13 @@ pub fn matmul_f32(
     }
     let mut i = u;
     while i < n_in {
-        let wv = w[n * n_in + i];
+        let wv = w[wn * n_in + i];
         #[unroll]
         for t in 0..tile {
             let r = r0 + t;
             if r < rows {
-                acc[t] += f64::cast_from(exact(wv * x[r * n_in + i], zero));
+                let xv = x[act_row(r, div, by_id) * n_in + i];
+                acc[t] += f64::cast_from(exact(wv * xv, zero));
             }
         }
         i += units;
@@ -437,8 +464,50 @@ pub fn matmul_f32(
     while t < tile {
         let r = r0 + t;
         if r < rows {
-            out[r * n_out as usize + n] = f32::cast_from(sm[t * units]);
+            let v = f32::cast_from(sm[t * units]);
+            out[r * n_out as usize + n] = scaled_sum(v, ids, scales, r, scaled);
         }
         t += units;
     }
+}
+
+/// The weight row output column `n` of a matmul cube reads: row `n` of the view at `row0`,
+/// or, in a routed product (`by_id`: one output row `r0` per cube, every cube's a pair), of
+/// the view of expert `ids[r0]` at `row0 + ids[r0] · stride`.
+#[cube]
+fn weight_row(
+    ids: &[u32],
+    n: usize,
+    r0: usize,
+    row0: u32,
+    stride: u32,
+    #[comptime] by_id: bool,
+) -> usize {
+    let mut wn = row0 as usize + n;
+    if comptime![by_id] {
+        wn += ids[r0] as usize * stride as usize;
+    }
+    wn
+}
+
+/// The activation row of output row `r`: itself, or in a routed product the row `r / div`
+/// (`div` the experts per token when the pairs of a token share its row, else 1).
+#[cube]
+fn act_row(r: usize, div: u32, #[comptime] by_id: bool) -> usize {
+    let mut a = r;
+    if comptime![by_id] {
+        a = r / div as usize;
+    }
+    a
+}
+
+/// A matmul's sum for output row `r`, times its expert's scale in a `scaled` routed product
+/// (one rounded product, as the `scale` op gives it).
+#[cube]
+fn scaled_sum(v: f32, ids: &[u32], scales: &[f32], r: usize, #[comptime] scaled: bool) -> f32 {
+    let mut o = v;
+    if comptime![scaled] {
+        o = v * scales[ids[r] as usize];
+    }
+    o
 }

@@ -7,4 +7,5 @@ pub mod attention;
 pub mod elementwise;
 pub mod kv;
 pub mod matmul;
+pub mod moe;
 pub mod recurrent;
