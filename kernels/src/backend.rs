@@ -1337,37 +1337,6 @@ impl Backend for CubeBackend {
         );
     }
 
-    fn add_rows_scaled(&self, dst: &mut CubeTensor, rows: &CubeIndex, src: &CubeTensor, w: &[f32]) {
-        let n_rows = rows.host.len();
-        assert_eq!(n_rows, src.rows, "add_rows_scaled: rows");
-        assert_eq!(w.len(), src.rows, "add_rows_scaled: weights");
-        assert_eq!(dst.cols, src.cols, "add_rows_scaled: columns");
-        if n_rows == 0 || dst.cols == 0 {
-            return;
-        }
-        assert!(
-            rows.below(dst.rows),
-            "add_rows_scaled: row {:?} of {}",
-            rows.max,
-            dst.rows
-        );
-        let (ih, wh) = (rows.h.clone(), self.upload_f32(w));
-        // SAFETY: destination rows are checked; `src` is `[rows.len(), cols]`.
-        unsafe {
-            ew::add_rows_scaled::launch(
-                &self.client,
-                self.ew_count(dst.cols),
-                CubeDim::new_1d(self.ew),
-                BufferArg::from_raw_parts(dst.h.clone(), dst.rows * dst.cols),
-                BufferArg::from_raw_parts(ih, n_rows),
-                BufferArg::from_raw_parts(src.h.clone(), src.rows * src.cols),
-                BufferArg::from_raw_parts(wh, n_rows),
-                u(n_rows),
-                u(dst.cols),
-            );
-        }
-    }
-
     fn routes(&self) -> CubeRoutes {
         CubeRoutes {
             ids: self.client.empty(4),

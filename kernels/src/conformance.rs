@@ -377,13 +377,6 @@ pub fn conformance<B: Backend>(be: &B) {
         cpu.copy_rows(&ac, &cpu.index(&[2, 0, 2]), &mut oc);
         check("copy_rows", &host(be, &ob), &host(cpu, &oc), 0.0);
 
-        let (sb, sc) = p.tensors(4, cols, 26, 1.0);
-        let (mut db, mut dc) = p.tensors(3, cols, 27, 1.0);
-        let w = [0.5, 2.0, -1.0, 0.25];
-        be.add_rows_scaled(&mut db, &be.index(&[1, 0, 1, 2]), &sb, &w);
-        cpu.add_rows_scaled(&mut dc, &cpu.index(&[1, 0, 1, 2]), &sc, &w);
-        check("add_rows_scaled", &host(be, &db), &host(cpu, &dc), 0.0);
-
         // Two of the four rows scattered into the middle of a five-row tensor, the rest kept.
         let (mut pb, mut pc) = p.tensors(5, cols, 28, 1.0);
         let (rb, rc) = p.tensors(2, cols, 29, 1.0);

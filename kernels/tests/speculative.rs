@@ -53,11 +53,21 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
         ("qwen3", QType::Q8_0, QType::Q4_1),
         // Recurrent layers: a rejected tail taken back by a kept state, or replayed.
         ("qwen35", QType::F16, QType::F16),
+        // A mixture of experts: its prompt (over 64 routed pairs) grouped by expert after
+        // the routing is read back, its verify rows reading the experts by id on the device.
+        ("qwen3moe", QType::F16, QType::F16),
     ] {
+        let long: Vec<u32> = PROMPT
+            .iter()
+            .cycle()
+            .take(4 * PROMPT.len())
+            .copied()
+            .collect();
+        let prompt: &[u32] = if arch == "qwen3moe" { &long } else { PROMPT };
         let e = engine(&tiny::target(arch));
         let mut s = e.session(N_CTX, kt, vt).expect("session");
         let want = e
-            .generate(&mut s, PROMPT, &opts, |_| {})
+            .generate(&mut s, prompt, &opts, |_| {})
             .expect("plain greedy")
             .generated_ids;
         let drafters = || -> Vec<(&str, Box<dyn Drafter>)> {
@@ -105,7 +115,7 @@ fn every_drafter_is_lossless_on_the_cubecl_backend() {
                     s.force_replay();
                 }
                 let got = e
-                    .generate_speculative(&mut s, PROMPT, &opts, d.as_mut(), &so, |_| {})
+                    .generate_speculative(&mut s, prompt, &opts, d.as_mut(), &so, |_| {})
                     .unwrap_or_else(|err| panic!("{arch} {name}: {err}"));
                 assert_eq!(
                     got.generated_ids, want,

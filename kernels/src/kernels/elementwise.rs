@@ -261,19 +261,6 @@ pub fn put_cols(src: &[f32], dst: &mut [f32], n: u32, cols: u32, dst_cols: u32, 
     }
 }
 
-/// `dst[rows[i]] += w[i] · src[i]` for each `i` in order: one unit per column, walking the
-/// rows in order (so repeated destination rows add in the order given).
-#[cube(launch)]
-pub fn add_rows_scaled(dst: &mut [f32], rows: &[u32], src: &[f32], w: &[f32], n: u32, cols: u32) {
-    let c = ABSOLUTE_POS;
-    if c < cols as usize {
-        for i in 0..n as usize {
-            let d = rows[i] as usize * cols as usize + c;
-            dst[d] += w[i] * src[i * cols as usize + c];
-        }
-    }
-}
-
 /// The first maximum of row `r` (`cols` values): each unit scans its columns `u, u + units,
 /// …` in order (keeping the first of equal values; NaN never wins), then a fixed tree keeps
 /// the larger value, or the lower column of equal ones, in `(s_val[0], s_idx[0])` — index
