@@ -401,6 +401,16 @@ impl Backend for CpuBackend {
         moe::matmul_id(self, x, experts, scales, r, per_pair, out);
     }
 
+    fn moe_ffn(
+        &self,
+        x: &CpuTensor,
+        experts: &specula_tensor::MoeExperts<'_, CpuWeight>,
+        r: &CpuRoutes,
+        out: &mut CpuTensor,
+    ) {
+        moe::ffn(self, x, experts, r, out);
+    }
+
     fn moe_combine(&self, y: &CpuTensor, r: &CpuRoutes, out: &mut CpuTensor) {
         moe::combine(y, r, out);
     }

@@ -2,7 +2,9 @@
 //! tensors are), each expert's pairs run as one matmul over its gathered rows, and the
 //! weighted sum in increasing expert order.
 
-use specula_tensor::{MoeRoute, route_row};
+use std::cell::RefCell;
+
+use specula_tensor::{MoeExperts, MoeRoute, route_row};
 
 use crate::{CpuBackend, CpuTensor, CpuWeight, matmul, ops};
 
@@ -94,43 +96,146 @@ pub(crate) fn matmul_id(
     if let Some(s) = scales {
         assert_eq!(s.len(), experts.len(), "matmul_id: one scale per expert");
     }
-    // Pairs by expert, in pair order within an expert.
-    let mut by: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
-    for (p, &e) in r.ids.iter().enumerate() {
-        let e = e as usize;
-        assert!(
-            e < experts.len(),
-            "matmul_id: expert {e} of {}",
-            experts.len()
-        );
-        by[e].push(p);
+    BUFS.with(|cell| {
+        let bufs = &mut *cell.borrow_mut();
+        let (by, xs, ys) = (&mut bufs.by, &mut bufs.xs, &mut bufs.ys);
+        // Pairs by expert, in pair order within an expert.
+        by.resize_with(experts.len(), Vec::new);
+        for ps in by.iter_mut() {
+            ps.clear();
+        }
+        for (p, &e) in r.ids.iter().enumerate() {
+            let e = e as usize;
+            assert!(
+                e < experts.len(),
+                "matmul_id: expert {e} of {}",
+                experts.len()
+            );
+            by[e].push(p);
+        }
+        for (e, ps) in by.iter().enumerate() {
+            if ps.is_empty() {
+                continue;
+            }
+            let w = &experts[e];
+            assert_eq!(
+                (w.row_len(), w.n_rows()),
+                (n_in, n_out),
+                "matmul_id: expert `{}` has another shape",
+                w.name()
+            );
+            xs.resize(ps.len(), n_in);
+            for (i, &p) in ps.iter().enumerate() {
+                let src = if per_pair { p } else { p / n_used };
+                xs.row_mut(i).copy_from_slice(x.row(src));
+            }
+            matmul::matmul(be, xs, w, ys);
+            if let Some(s) = scales {
+                ops::scale(be, ys, s[e]);
+            }
+            for (i, &p) in ps.iter().enumerate() {
+                out.row_mut(p).copy_from_slice(ys.row(i));
+            }
+        }
+    });
+}
+
+/// What [`matmul_id`] reuses from call to call on a thread: fresh buffers of this size would
+/// be new pages to fault in on every call of every layer.
+#[derive(Default)]
+struct Bufs {
+    by: Vec<Vec<usize>>,
+    xs: CpuTensor,
+    ys: CpuTensor,
+    gate: CpuTensor,
+    up: CpuTensor,
+    act: CpuTensor,
+}
+
+thread_local! {
+    static BUFS: RefCell<Bufs> = RefCell::new(Bufs::default());
+}
+
+/// [`specula_tensor::Backend::moe_ffn`]: each expert's MLP over the rows that chose it, as
+/// one gather, three matmuls and one activation, its output added, weighted, to those rows;
+/// experts in increasing id order, so a row's sum has [`combine`]'s order and bits.
+pub(crate) fn ffn(
+    be: &CpuBackend,
+    x: &CpuTensor,
+    ex: &MoeExperts<'_, CpuWeight>,
+    r: &CpuRoutes,
+    out: &mut CpuTensor,
+) {
+    let pairs = r.ids.len();
+    let n_used = r.n_used.max(1);
+    let n = pairs / n_used;
+    assert_eq!(
+        x.rows(),
+        n,
+        "moe_ffn: x has {} rows for {n} routed",
+        x.rows()
+    );
+    let n_expert = ex.gate.len();
+    assert!(
+        ex.up.len() == n_expert && ex.down.len() == n_expert,
+        "moe_ffn: {} gate, {} up, {} down experts",
+        n_expert,
+        ex.up.len(),
+        ex.down.len()
+    );
+    let cols = ex.down.first().map_or(0, CpuWeight::n_rows);
+    out.resize(n, cols);
+    out.as_mut_slice().fill(0.0);
+    for s in [ex.gate_scales, ex.up_scales, ex.down_scales]
+        .into_iter()
+        .flatten()
+    {
+        assert_eq!(s.len(), n_expert, "moe_ffn: one scale per expert");
     }
-    let mut xs = CpuTensor::zeros(0, 0);
-    let mut ys = CpuTensor::zeros(0, 0);
-    for (e, ps) in by.iter().enumerate() {
-        if ps.is_empty() {
-            continue;
+    BUFS.with(|cell| {
+        let b = &mut *cell.borrow_mut();
+        b.by.resize_with(n_expert, Vec::new);
+        for ps in &mut b.by {
+            ps.clear();
         }
-        let w = &experts[e];
-        assert_eq!(
-            (w.row_len(), w.n_rows()),
-            (n_in, n_out),
-            "matmul_id: expert `{}` has another shape",
-            w.name()
-        );
-        xs.resize(ps.len(), n_in);
-        for (i, &p) in ps.iter().enumerate() {
-            let src = if per_pair { p } else { p / n_used };
-            xs.row_mut(i).copy_from_slice(x.row(src));
+        for (p, &e) in r.ids.iter().enumerate() {
+            let e = e as usize;
+            assert!(e < n_expert, "moe_ffn: expert {e} of {n_expert}");
+            b.by[e].push(p);
         }
-        matmul::matmul(be, &xs, w, &mut ys);
-        if let Some(s) = scales {
-            ops::scale(be, &mut ys, s[e]);
+        for e in 0..n_expert {
+            let ps = &b.by[e];
+            if ps.is_empty() {
+                continue;
+            }
+            b.xs.resize(ps.len(), x.cols());
+            for (i, &p) in ps.iter().enumerate() {
+                b.xs.row_mut(i).copy_from_slice(x.row(p / n_used));
+            }
+            let scaled = |be: &CpuBackend, t: &mut CpuTensor, s: Option<&[f32]>| {
+                if let Some(s) = s {
+                    ops::scale(be, t, s[e]);
+                }
+            };
+            matmul::matmul(be, &b.xs, &ex.gate[e], &mut b.gate);
+            scaled(be, &mut b.gate, ex.gate_scales);
+            matmul::matmul(be, &b.xs, &ex.up[e], &mut b.up);
+            scaled(be, &mut b.up, ex.up_scales);
+            if ex.geglu {
+                ops::geglu(be, &b.gate, &b.up, &mut b.act);
+            } else {
+                ops::swiglu(be, &b.gate, &b.up, &mut b.act);
+            }
+            matmul::matmul(be, &b.act, &ex.down[e], &mut b.ys);
+            scaled(be, &mut b.ys, ex.down_scales);
+            for (k, &p) in ps.iter().enumerate() {
+                let wi = r.w[p];
+                for (o, &v) in out.row_mut(p / n_used).iter_mut().zip(b.ys.row(k)) {
+                    *o += wi * v;
+                }
+            }
         }
-        for (i, &p) in ps.iter().enumerate() {
-            out.row_mut(p).copy_from_slice(ys.row(i));
-        }
-    }
+    });
 }
 
 /// [`specula_tensor::Backend::moe_combine`].

@@ -190,3 +190,105 @@ fn attention_is_batch_invariant() {
         }
     }
 }
+
+/// A mixture of experts: each row's experts and their weighted sum have the bits of the row
+/// routed alone, whatever else is in its batch, with the experts as views of one stacked
+/// tensor (GGUF's `ffn_*_exps`); and the CPU backend's one-pass `moe_ffn` (each expert's
+/// whole MLP over its rows) has the bits of the contract's default, the pair ops
+/// (`matmul_id` per projection, the gated activation, `moe_combine`).
+#[test]
+fn a_mixture_of_experts_is_batch_invariant_and_its_one_pass_is_the_pair_ops() {
+    use specula_tensor::{MoeExperts, MoeRoute, WeightDesc};
+    let one = CpuBackend::new(1);
+    let mut rng = Rng::new(300);
+    let (n_expert, n_in, n_ff) = (6, 256, 256);
+    let x = rng.values(N_ROWS * n_in, 1.0);
+    let logits = rng.values(N_ROWS * n_expert, 2.0);
+    for (ty, scaled, geglu, sigmoid) in [
+        (QType::Q8_0, false, false, false),
+        (QType::F32, true, true, true),
+        (QType::Q4_K, false, false, false),
+    ] {
+        // The stacks: `[n_in, n_ff, n_expert]` gate and up, `[n_ff, n_in, n_expert]` down.
+        let stack = |be: &CpuBackend, rng: &mut Rng, k: usize, m: usize| {
+            let bytes = common::encode(ty, &rng.values(k * m * n_expert, 1.0), k);
+            let owner = std::sync::Arc::new(bytes);
+            let rows: Vec<_> = (0..n_expert).map(|e| e * m..(e + 1) * m).collect();
+            let mut ws = be
+                .weight_views(
+                    &WeightDesc {
+                        name: "exps",
+                        ty,
+                        dims: &[k, m * n_expert],
+                        data: &owner[..],
+                        owner: owner.clone(),
+                    },
+                    &rows,
+                )
+                .expect("views of a stack");
+            for w in &mut ws {
+                be.prepare_matmul(w);
+            }
+            ws
+        };
+        let mut wr = Rng::new(301);
+        let (gate, up, down) = (
+            stack(&one, &mut wr, n_in, n_ff),
+            stack(&one, &mut wr, n_in, n_ff),
+            stack(&one, &mut wr, n_ff, n_in),
+        );
+        let sc: Vec<f32> = (0..n_expert).map(|e| 0.5 + 0.25 * e as f32).collect();
+        let scales = scaled.then_some(&sc[..]);
+        let experts = MoeExperts {
+            gate: &gate,
+            up: &up,
+            down: &down,
+            gate_scales: scales,
+            up_scales: scales,
+            down_scales: scales,
+            geglu,
+        };
+        let route = MoeRoute {
+            n_used: 2,
+            sigmoid,
+            norm: true,
+            scale: 1.5,
+        };
+        let run = |be: &CpuBackend, r: std::ops::Range<usize>| {
+            let mut routes = be.routes();
+            be.moe_route(
+                &rows_of(&logits, n_expert, r.clone()),
+                &route,
+                None,
+                &mut routes,
+            );
+            let mut out = be.zeros(0, 0);
+            be.moe_ffn(&rows_of(&x, n_in, r), &experts, &routes, &mut out);
+            (out, routes)
+        };
+        let alone: Vec<Vec<u32>> = (0..N_ROWS)
+            .map(|r| bits(run(&one, r..r + 1).0.as_slice()))
+            .collect();
+        check(&format!("moe_ffn {ty:?}"), &alone, |be, r| run(be, r).0);
+
+        // The pair ops over all rows give the one pass's bits.
+        let be = CpuBackend::new(2);
+        let (fused, routes) = run(&be, 0..N_ROWS);
+        let xs = rows_of(&x, n_in, 0..N_ROWS);
+        let z = || be.zeros(0, 0);
+        let (mut g, mut u, mut a, mut y, mut out) = (z(), z(), z(), z(), z());
+        be.matmul_id(&xs, &gate, scales, &routes, false, &mut g);
+        be.matmul_id(&xs, &up, scales, &routes, false, &mut u);
+        if geglu {
+            be.geglu(&g, &u, &mut a);
+        } else {
+            be.swiglu(&g, &u, &mut a);
+        }
+        be.matmul_id(&a, &down, scales, &routes, true, &mut y);
+        be.moe_combine(&y, &routes, &mut out);
+        assert!(
+            bits(out.as_slice()) == bits(fused.as_slice()),
+            "moe_ffn {ty:?}: the one pass differs from the pair ops"
+        );
+    }
+}

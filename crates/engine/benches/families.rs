@@ -11,8 +11,9 @@
 //!   measured as the next one-token forward's time minus a plain one-token forward's.
 //!   Goal: replay ≥ 3× the snapshot's cost.
 //!
-//! `cargo bench -p specula-engine --bench families [-- --threads N]`: prints Markdown tables
-//! (medians of several repetitions) for `docs/perf.md`.
+//! `cargo bench -p specula-engine --bench families [-- --threads N] [--only ARCH[:TYPE]]`:
+//! prints Markdown tables (medians of several repetitions) for `docs/perf.md`; `--only` keeps
+//! the MoE prefill rows of one architecture (and weight type), for timing one side by side.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -73,7 +74,7 @@ fn session(e: &Engine<CpuBackend>, n_ctx: usize) -> Session<CpuBackend> {
 }
 
 #[allow(clippy::cast_precision_loss, reason = "token counts")]
-fn moe_prefill(threads: usize) {
+fn moe_prefill(threads: usize, only: Option<&str>) {
     use specula_gguf::GgmlType;
     println!(
         "\n### MoE prefill: one 512-token forward vs one-token decodes (hidden 1024, {threads} threads)\n"
@@ -90,6 +91,9 @@ fn moe_prefill(threads: usize) {
         ("gemma4", GgmlType::Q8_0),
     ];
     for (arch, ty) in runs {
+        if only.is_some_and(|o| o != arch && o != format!("{arch}:{ty:?}")) {
+            continue;
+        }
         let e = engine(arch, ty, threads);
         let prompt = ids(512, 1);
         let mut out = Vec::new();
@@ -207,6 +211,13 @@ fn main() {
         println!("families: run with `cargo bench` to measure");
         return;
     }
-    moe_prefill(threads);
-    hybrid_rollback(threads);
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1))
+        .map(String::as_str);
+    moe_prefill(threads, only);
+    if only.is_none() {
+        hybrid_rollback(threads);
+    }
 }

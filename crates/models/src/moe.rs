@@ -3,12 +3,13 @@
 //!
 //! For a batch of `n` rows, the router's logits `[n, n_expert]` are routed where they are
 //! ([`Backend::moe_route`]): each row's scores (softmax or sigmoid), its top `n_used` experts
-//! and their weights (renormalized, scaled), in f32. Each projection then runs over the
-//! `n · n_used` (row, expert) pairs ([`Backend::matmul_id`]) — a backend groups the pairs by
-//! expert so a prefill batch costs one matmul per used expert and projection, not one per
-//! token, and a decode step reads its experts by id without the routing reaching the host —
-//! and each row's expert outputs are added, weighted, in increasing expert order
-//! ([`Backend::moe_combine`]).
+//! and their weights (renormalized, scaled), in f32. The experts' MLPs then run over the
+//! routing ([`Backend::moe_ffn`]): by default each projection over the `n · n_used` (row,
+//! expert) pairs ([`Backend::matmul_id`]) and each row's expert outputs added, weighted, in
+//! increasing expert order ([`Backend::moe_combine`]). A backend groups the pairs by expert so
+//! a prefill batch costs one matmul per used expert and projection, not one per token (the
+//! CPU backend runs each expert's whole MLP over its rows), and a device reads a decode
+//! step's experts by id without the routing reaching the host.
 //!
 //! A row's result depends only on the row: its scores, its experts and their weights are its
 //! own, the matmul kernels give a row the bits it would have alone, and its expert outputs are
@@ -16,7 +17,7 @@
 //! continuous batching stay lossless).
 
 use specula_gguf::Metadata;
-use specula_tensor::{Backend, MoeRoute};
+use specula_tensor::{Backend, MoeExperts, MoeRoute};
 
 use crate::hparams::per_layer;
 use crate::spec::{Act, Gating, MoeSpec};
@@ -150,20 +151,6 @@ pub(crate) struct Experts<W> {
     pub(crate) scales: Option<Vec<f32>>,
 }
 
-impl<W> Experts<W> {
-    /// `out = experts(x)` over the routing's pairs ([`Backend::matmul_id`]).
-    fn matmul_id<B: Backend<Weight = W>>(
-        &self,
-        be: &B,
-        x: &B::Tensor,
-        r: &B::Routes,
-        per_pair: bool,
-        out: &mut B::Tensor,
-    ) {
-        be.matmul_id(x, &self.w, self.scales.as_deref(), r, per_pair, out);
-    }
-}
-
 /// A shared expert and its optional gate (`ffn_gate_inp_shexp`, `[n_embd] → [1]`).
 #[derive(Debug)]
 pub(crate) struct SharedWeights<W> {
@@ -222,14 +209,16 @@ pub(crate) fn forward<B: Backend>(
 ) {
     w.router.matmul(be, router_in.unwrap_or(x), &mut s.logits);
     be.moe_route(&s.logits, &route(spec), w.bias.as_ref(), &mut s.routes);
-    w.gate.matmul_id(be, x, &s.routes, false, &mut s.gate);
-    w.up.matmul_id(be, x, &s.routes, false, &mut s.up);
-    match spec.act {
-        Act::Silu => be.swiglu(&s.gate, &s.up, &mut s.act),
-        Act::GeluTanh => be.geglu(&s.gate, &s.up, &mut s.act),
-    }
-    w.down.matmul_id(be, &s.act, &s.routes, true, &mut s.y);
-    be.moe_combine(&s.y, &s.routes, out);
+    let experts = MoeExperts {
+        gate: &w.gate.w,
+        up: &w.up.w,
+        down: &w.down.w,
+        gate_scales: w.gate.scales.as_deref(),
+        up_scales: w.up.scales.as_deref(),
+        down_scales: w.down.scales.as_deref(),
+        geglu: matches!(spec.act, Act::GeluTanh),
+    };
+    be.moe_ffn(x, &experts, &s.routes, out);
     if let Some(sh) = &w.shared {
         sh.gate.matmul(be, x, &mut s.gate);
         sh.up.matmul(be, x, &mut s.up);

@@ -220,6 +220,27 @@ pub struct MoeRoute {
     pub scale: f32,
 }
 
+/// A mixture's experts for [`Backend::moe_ffn`]: each projection's weights by expert id
+/// (views of one stack, [`Backend::weight_views`]) and its per-expert scales where the file has
+/// them.
+#[derive(Debug)]
+pub struct MoeExperts<'a, W> {
+    /// `ffn_gate_exps`, one matrix per expert.
+    pub gate: &'a [W],
+    /// `ffn_up_exps`.
+    pub up: &'a [W],
+    /// `ffn_down_exps`.
+    pub down: &'a [W],
+    /// The gate projection's scale per expert.
+    pub gate_scales: Option<&'a [f32]>,
+    /// The up projection's.
+    pub up_scales: Option<&'a [f32]>,
+    /// The down projection's.
+    pub down_scales: Option<&'a [f32]>,
+    /// GeGLU (tanh GELU of the gate) rather than SwiGLU.
+    pub geglu: bool,
+}
+
 /// Routes one row of router logits `x` ([`Backend::moe_route`] on the host): each expert's
 /// score (softmax over the row: `m` the maximum, `e^(x − m)` each, times `1 / Σ` summed in
 /// expert order; or the sigmoid `1 / (1 + e^−x)`); the `n_used` experts of highest selection
@@ -965,6 +986,32 @@ pub trait Backend: Send + Sync {
     /// experts in increasing id order, each product rounded, then added: the weighted sum of
     /// the experts' outputs (`y`, `[n · n_used, cols]`), `out` `[n, cols]`.
     fn moe_combine(&self, y: &Self::Tensor, r: &Self::Routes, out: &mut Self::Tensor);
+
+    /// `out = Σ_j w[i,j] · down(act(gate(x_i)) ⊙ up(x_i))` over each row's routed experts: a
+    /// mixture's expert MLPs for every row of `x`, with the bits of the default — the three
+    /// projections by [`Backend::matmul_id`], the gated activation over all pairs, the weighted
+    /// sum by [`Backend::moe_combine`]. A backend may run it otherwise (the CPU backend runs
+    /// each expert's MLP over its rows as one pass, without the pairs' intermediate tensors)
+    /// as long as every row gets those bits.
+    fn moe_ffn(
+        &self,
+        x: &Self::Tensor,
+        experts: &MoeExperts<'_, Self::Weight>,
+        r: &Self::Routes,
+        out: &mut Self::Tensor,
+    ) {
+        let z = || self.zeros(0, 0);
+        let (mut gate, mut up, mut act, mut y) = (z(), z(), z(), z());
+        self.matmul_id(x, experts.gate, experts.gate_scales, r, false, &mut gate);
+        self.matmul_id(x, experts.up, experts.up_scales, r, false, &mut up);
+        if experts.geglu {
+            self.geglu(&gate, &up, &mut act);
+        } else {
+            self.swiglu(&gate, &up, &mut act);
+        }
+        self.matmul_id(&act, experts.down, experts.down_scales, r, true, &mut y);
+        self.moe_combine(&y, r, out);
+    }
 
     /// Allocates the cache.
     ///

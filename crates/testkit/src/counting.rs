@@ -9,8 +9,8 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use specula_tensor::{
-    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, MoeRoute, Result, RopeConfig,
-    WeightDesc,
+    AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, MoeExperts, MoeRoute, Result,
+    RopeConfig, WeightDesc,
 };
 
 /// What crossed so far ([`Counting::tally`]).
@@ -271,6 +271,20 @@ impl<B: Backend> Backend for Counting<B> {
     ) {
         add(&self.floats_up, scales.map_or(0, <[f32]>::len));
         self.inner.matmul_id(x, experts, scales, r, per_pair, out);
+    }
+    fn moe_ffn(
+        &self,
+        x: &Self::Tensor,
+        experts: &MoeExperts<'_, Self::Weight>,
+        r: &Self::Routes,
+        out: &mut Self::Tensor,
+    ) {
+        let scales = [experts.gate_scales, experts.up_scales, experts.down_scales];
+        add(
+            &self.floats_up,
+            scales.iter().flatten().map(|s| s.len()).sum(),
+        );
+        self.inner.moe_ffn(x, experts, r, out);
     }
     fn moe_combine(&self, y: &Self::Tensor, r: &Self::Routes, out: &mut Self::Tensor) {
         self.inner.moe_combine(y, r, out);
