@@ -771,21 +771,7 @@ impl Backend for CubeBackend {
         desc: &WeightDesc<'_>,
         rows: &[std::ops::Range<usize>],
     ) -> Result<Vec<CubeWeight>> {
-        let (n_in, n_rows) = match desc.dims {
-            &[n_in, n_rows] => (n_in, n_rows),
-            d => {
-                return Err(TensorError::Shape {
-                    op: "weight_views",
-                    detail: format!("`{}` has dims {d:?}, not a matrix", desc.name),
-                });
-            }
-        };
-        if let Some(r) = rows.iter().find(|r| r.start > r.end || r.end > n_rows) {
-            return Err(TensorError::Shape {
-                op: "weight_views",
-                detail: format!("rows {r:?} of `{}`, which has {n_rows} rows", desc.name),
-            });
-        }
+        let (n_in, _) = desc.view_rows(rows)?;
         // One upload of the whole matrix (its size checked there); every view shares its
         // buffers and reads its own rows of them.
         let whole = self.weight(desc.clone())?;

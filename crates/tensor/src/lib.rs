@@ -355,6 +355,27 @@ impl WeightDesc<'_> {
         }
         Ok(start..end)
     }
+
+    /// `(n_in, n_rows)` of this matrix, with every range of `rows` inside its rows: what
+    /// [`Backend::weight_views`] checks before it makes any view.
+    ///
+    /// # Errors
+    /// [`TensorError::Shape`] when `dims` is not a matrix's or a range is past its rows.
+    pub fn view_rows(&self, rows: &[std::ops::Range<usize>]) -> Result<(usize, usize)> {
+        let &[n_in, n_rows] = self.dims else {
+            return Err(TensorError::Shape {
+                op: "weight_views",
+                detail: format!("`{}` has dims {:?}, not a matrix", self.name, self.dims),
+            });
+        };
+        if let Some(r) = rows.iter().find(|r| r.start > r.end || r.end > n_rows) {
+            return Err(TensorError::Shape {
+                op: "weight_views",
+                detail: format!("rows {r:?} of `{}`, which has {n_rows} rows", self.name),
+            });
+        }
+        Ok((n_in, n_rows))
+    }
 }
 
 impl std::fmt::Debug for WeightDesc<'_> {
@@ -917,25 +938,21 @@ pub trait Backend: Send + Sync {
         desc: &WeightDesc<'_>,
         rows: &[std::ops::Range<usize>],
     ) -> Result<Vec<Self::Weight>> {
-        let (n_in, n_rows) = match desc.dims {
-            &[n_in, n_rows] => (n_in, n_rows),
-            d => {
-                return Err(TensorError::Shape {
-                    op: "weight_views",
-                    detail: format!("`{}` has dims {d:?}, not a matrix", desc.name),
-                });
-            }
-        };
+        let (n_in, _) = desc.view_rows(rows)?;
         let per = desc.ty.row_bytes(n_in).map_err(|e| TensorError::Shape {
             op: "weight_views",
             detail: format!("`{}`: {e}", desc.name),
         })?;
         rows.iter()
             .map(|r| {
-                if r.start > r.end || r.end > n_rows || desc.data.len() < r.end * per {
+                if r.end.checked_mul(per).is_none_or(|b| desc.data.len() < b) {
                     return Err(TensorError::Shape {
                         op: "weight_views",
-                        detail: format!("rows {r:?} of `{}`, which has {n_rows} rows", desc.name),
+                        detail: format!(
+                            "rows {r:?} of `{}`: {} bytes hold fewer",
+                            desc.name,
+                            desc.data.len()
+                        ),
                     });
                 }
                 self.weight(WeightDesc {
