@@ -1371,15 +1371,14 @@ impl Backend for CubeBackend {
         unsafe {
             moe::moe_route::launch(
                 &self.client,
-                self.ew_count(n),
-                CubeDim::new_1d(self.ew),
+                CubeCount::Static(u(n), 1, 1),
+                CubeDim::new_1d(u(self.units)),
                 BufferArg::from_raw_parts(logits.h.clone(), n * ne),
                 BufferArg::from_raw_parts(bh.unwrap_or_else(|| self.unused.clone()), 1),
                 BufferArg::from_raw_parts(self.exp_tab.clone(), 32),
                 BufferArg::from_raw_parts(probs, n * ne),
                 BufferArg::from_raw_parts(out.ids.clone(), pairs),
                 BufferArg::from_raw_parts(out.w.clone(), pairs),
-                u(n),
                 u(ne),
                 u(p.n_used),
                 p.scale,
@@ -1387,6 +1386,7 @@ impl Backend for CubeBackend {
                 p.sigmoid,
                 p.norm,
                 has_bias,
+                self.units,
             );
         }
     }

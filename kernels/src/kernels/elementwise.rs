@@ -375,7 +375,7 @@ pub(crate) fn order_key(v: f32) -> u32 {
 /// `(key[0], idx[0])` = the first in order of `(key[0..], idx[0..])`: the larger key, or the
 /// lower index of equal keys, by a fixed tree; every unit calls it after writing its own.
 #[cube]
-fn tree_first_key(key: &mut Shared<[u32]>, idx: &mut Shared<[u32]>, u: usize) {
+pub(crate) fn tree_first_key(key: &mut Shared<[u32]>, idx: &mut Shared<[u32]>, u: usize) {
     sync_cube();
     let mut stride = CUBE_DIM_X as usize / 2;
     while stride > 0 {
