@@ -270,33 +270,43 @@ pub fn route_row(
         }
     }
     let sel = |e: usize| probs[e] + bias.map_or(0.0, |b| b[e]);
-    let mut order: Vec<usize> = (0..x.len()).collect();
-    let k = p.n_used.min(order.len());
-    order.sort_by(|&a, &b| sel(b).total_cmp(&sel(a)).then(a.cmp(&b)));
-    order.truncate(k);
-    let mut sum = 0.0f32;
-    for &e in &order {
-        sum += probs[e];
-    }
+    // `n_used` passes, each taking the first expert after the previous pick in (selection
+    // score descending by `total_cmp`, expert ascending) order: no sort and no allocation
+    // per row of a decode step.
+    let k = p.n_used.min(x.len());
     let start = ids.len();
-    for &e in &order {
-        let mut v = probs[e];
+    let mut prev: Option<(f32, usize)> = None;
+    let mut sum = 0.0f32;
+    for _ in 0..k {
+        let mut best: Option<(f32, usize)> = None;
+        for e in 0..x.len() {
+            let v = sel(e);
+            let after = prev.is_none_or(|(pv, pe)| v.total_cmp(&pv).then(pe.cmp(&e)).is_lt());
+            if after && best.is_none_or(|(bv, _)| v.total_cmp(&bv).is_gt()) {
+                best = Some((v, e));
+            }
+        }
+        let Some((_, e)) = best else { break };
+        sum += probs[e];
+        ids.push(u32::try_from(e).unwrap_or(u32::MAX));
+        prev = best;
+    }
+    for i in start..ids.len() {
+        let mut v = probs[ids[i] as usize];
         if p.norm {
             v /= sum;
         }
-        ids.push(u32::try_from(e).unwrap_or(u32::MAX));
         w.push(v * p.scale);
     }
-    // By increasing expert id: the order [`Backend::moe_combine`] adds them in.
-    let mut pairs: Vec<(u32, f32)> = ids[start..]
-        .iter()
-        .copied()
-        .zip(w[start..].iter().copied())
-        .collect();
-    pairs.sort_by_key(|&(e, _)| e);
-    for (i, (e, v)) in pairs.into_iter().enumerate() {
-        ids[start + i] = e;
-        w[start + i] = v;
+    // By increasing expert id (an insertion sort of `n_used` pairs): the order
+    // [`Backend::moe_combine`] adds them in.
+    for i in start + 1..ids.len() {
+        let mut j = i;
+        while j > start && ids[j - 1] > ids[j] {
+            ids.swap(j - 1, j);
+            w.swap(j - 1, j);
+            j -= 1;
+        }
     }
 }
 
