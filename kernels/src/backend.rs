@@ -7,7 +7,8 @@ use cubecl::server::Handle;
 use specula_quant::QType;
 use specula_tensor::{
     AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, Mask, MoeRoute, RecurrentShape,
-    Result, RopeConfig, RopeKind, StateSource, StateTimeline, TensorError, WeightDesc,
+    Result, RopeConfig, RopeKind, SeqAttention, StateSource, StateTimeline, TensorError,
+    WeightDesc,
 };
 
 use crate::kernels::{
@@ -2348,6 +2349,72 @@ impl Backend for CubeBackend {
                     u(group),
                 );
             }
+        }
+    }
+
+    fn attention_seqs(
+        &self,
+        q: &CubeTensor,
+        k: &CubeTensor,
+        v: &CubeTensor,
+        seqs: &mut [SeqAttention<'_, CubeKv, CubeIndex>],
+        out: &mut CubeTensor,
+    ) {
+        // Each sequence's rows read and written in place, through views of the batch's
+        // tensors: two launches' worth of work per sequence (the write, the attention), no
+        // gathers or scatters.
+        let total = q.rows;
+        let mut width = None;
+        for s in seqs.iter() {
+            assert!(
+                s.rows.start <= s.rows.end && s.rows.end <= total,
+                "attention_seqs: rows {:?} of a {total}-row batch",
+                s.rows
+            );
+            let l = &s.kv.layers[s.params.layer];
+            let w = s.params.n_head * l.hd_v;
+            assert!(
+                *width.get_or_insert(w) == w,
+                "attention_seqs: every sequence must have the same output width"
+            );
+        }
+        self.resize(out, total, width.unwrap_or(0));
+        for s in seqs.iter_mut() {
+            if let Some(cells) = s.cells {
+                assert_eq!(
+                    (k.rows, v.rows),
+                    (total, total),
+                    "attention_seqs: K and V must have the batch's {total} rows"
+                );
+                self.kv_write(
+                    s.kv,
+                    s.params.layer,
+                    cells,
+                    &k.row_view(s.rows.clone()),
+                    &v.row_view(s.rows.clone()),
+                );
+            }
+            let mut o = out.row_view(s.rows.clone());
+            // The view holds exactly the rows the attention writes, so it writes in place.
+            self.attention(&q.row_view(s.rows.clone()), s.kv, &s.params, &mut o);
+        }
+    }
+}
+
+impl CubeTensor {
+    /// Rows `rows` of this tensor as a tensor of their own, sharing its buffer (a handle
+    /// offset, no copy): an op that writes it, within its size, writes these rows.
+    fn row_view(&self, rows: std::ops::Range<usize>) -> CubeTensor {
+        let start = rows.start * self.cols;
+        let n = rows.len() * self.cols;
+        CubeTensor {
+            h: self
+                .h
+                .clone()
+                .offset_start(u64::try_from(start * 4).expect("a buffer's size fits u64")),
+            rows: rows.len(),
+            cols: self.cols,
+            cap: n,
         }
     }
 }

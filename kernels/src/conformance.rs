@@ -648,10 +648,128 @@ pub fn conformance<B: Backend>(be: &B) {
             );
         }
     }
+    attention_seqs(&p);
     recurrent(&p);
     moe(&p);
     let failed = FAILED.swap(0, std::sync::atomic::Ordering::Relaxed);
     assert!(failed == 0, "{failed} checks failed (printed above)");
+}
+
+/// The attention of several sequences as one op (`attention_seqs`) against the CPU backend's
+/// definition of it (each sequence gathered, written, attended, scattered): caches of
+/// different formats and depths (split-K decode rows, prefill rows, a sliding window), a
+/// layer that writes its cells and one that only reads them; and on the backend itself, the
+/// op's bits are its definition's.
+fn attention_seqs<B: Backend>(p: &Pair<'_, B>) {
+    use specula_tensor::{SeqAttention, attention_seqs_apart};
+    let (be, cpu) = (p.be, &p.cpu);
+    let (n_head, n_kv, hd) = (4, 2, 64);
+    // (K type, V type, depth already cached, rows, mask)
+    let seqs = [
+        (QType::F16, QType::F16, 300, 1, Mask::Causal),
+        (QType::Q8_0, QType::Q4_0, 21, 6, Mask::SlidingWindow(16)),
+        (QType::Turbo4, QType::Turbo3, 40, 1, Mask::Causal),
+        (QType::F32, QType::F32, 0, 9, Mask::Causal),
+    ];
+    /// One backend's run: the op (or its definition) on fresh caches over a writing layer and
+    /// a reading one; the outputs of both.
+    fn run<C: Backend>(
+        be: &C,
+        seqs: &[(QType, QType, usize, usize, Mask)],
+        (n_head, n_kv, hd): (usize, usize, usize),
+        apart: bool,
+    ) -> Vec<Vec<f32>> {
+        let (kw, cols) = (n_kv * hd, n_head * hd);
+        let total: usize = seqs.iter().map(|s| s.3).sum();
+        let u = |r: std::ops::Range<usize>| -> Vec<u32> {
+            r.map(|i| u32::try_from(i).unwrap()).collect()
+        };
+        let mut caches: Vec<C::Kv> = seqs
+            .iter()
+            .enumerate()
+            .map(|(i, &(kt, vt, depth, _, _))| {
+                let mut kv = be
+                    .kv_new(KvShape::uniform(1, 400, n_kv, hd, kt, vt))
+                    .unwrap();
+                if depth > 0 {
+                    let seed = 200 + 2 * i as u64;
+                    let kk = be.from_host(depth, kw, &values(seed, depth * kw, 1.0));
+                    let vv = be.from_host(depth, kw, &values(seed + 1, depth * kw, 1.0));
+                    be.kv_write(&mut kv, 0, &be.index(&u(0..depth)), &kk, &vv);
+                }
+                kv
+            })
+            .collect();
+        let q = be.from_host(total, cols, &values(210, total * cols, 1.0));
+        let k = be.from_host(total, kw, &values(211, total * kw, 1.0));
+        let v = be.from_host(total, kw, &values(212, total * kw, 1.0));
+        let mut ixs = Vec::new();
+        let mut off = 0;
+        for &(_, _, depth, n, _) in seqs {
+            ixs.push((
+                be.index(&u(off..off + n)),
+                be.index(&u(depth..depth + n)),
+                be.index(&u(depth..depth + n)),
+                be.index(&u(0..depth + n)),
+            ));
+            off += n;
+        }
+        let mut outs = Vec::new();
+        for write in [true, false] {
+            let mut off = 0;
+            let mut att: Vec<SeqAttention<'_, C::Kv, C::Index>> = caches
+                .iter_mut()
+                .zip(&ixs)
+                .zip(seqs)
+                .map(|((kv, (rows, cells, qp, kp)), &(_, _, _, n, mask))| {
+                    let a = SeqAttention {
+                        kv,
+                        rows: off..off + n,
+                        row_index: rows,
+                        cells: write.then_some(cells),
+                        params: AttentionParams {
+                            layer: 0,
+                            n_head,
+                            q_pos: qp,
+                            kv_pos: kp,
+                            scale: 0.125,
+                            mask,
+                            softcap: None,
+                        },
+                    };
+                    off += n;
+                    a
+                })
+                .collect();
+            let mut out = be.zeros(0, 0);
+            if apart {
+                attention_seqs_apart(be, &q, &k, &v, &mut att, &mut out);
+            } else {
+                be.attention_seqs(&q, &k, &v, &mut att, &mut out);
+            }
+            assert_eq!(
+                be.shape(&out),
+                (total, cols),
+                "attention_seqs: output shape"
+            );
+            outs.push(host(be, &out));
+        }
+        outs
+    }
+    let dims = (n_head, n_kv, hd);
+    let want = run(cpu, &seqs, dims, true);
+    let got = run(be, &seqs, dims, false);
+    let mine = run(be, &seqs, dims, true);
+    for (l, what) in ["writing layer", "reading layer"].iter().enumerate() {
+        check(&format!("attention_seqs, {what}"), &got[l], &want[l], 0.0);
+        assert!(
+            got[l]
+                .iter()
+                .zip(&mine[l])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "attention_seqs, {what}: the op's bits differ from its definition's"
+        );
+    }
 }
 
 /// The recurrent ops (causal convolution, gated delta rule) over a forward of several rows,

@@ -69,7 +69,9 @@ mod tensor;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use specula_quant::dot::{Kernels, SimdLevel};
-use specula_tensor::{AttentionParams, Backend, KvShape, Result, RopeConfig, WeightDesc};
+use specula_tensor::{
+    AttentionParams, Backend, KvShape, Result, RopeConfig, SeqAttention, WeightDesc,
+};
 
 pub use attention::CpuKv;
 /// The softmax's `e^x` (glibc's `__expf_fma` operations) and its constants, for backends that
@@ -516,5 +518,16 @@ impl Backend for CpuBackend {
     ) {
         let host = params.with_positions(params.q_pos.as_u32(), params.kv_pos.as_u32());
         attention::attention(self, q, kv, &host, out);
+    }
+
+    fn attention_seqs(
+        &self,
+        q: &CpuTensor,
+        k: &CpuTensor,
+        v: &CpuTensor,
+        seqs: &mut [SeqAttention<'_, CpuKv, CpuIndex>],
+        out: &mut CpuTensor,
+    ) {
+        attention::attention_seqs(self, q, k, v, seqs, out);
     }
 }

@@ -292,3 +292,145 @@ fn a_mixture_of_experts_is_batch_invariant_and_its_one_pass_is_the_pair_ops() {
         );
     }
 }
+
+/// The attention of several sequences as one op (`attention_seqs`: each sequence's K/V rows
+/// written from the batch's rows, every sequence's work in one parallel region) gives every
+/// sequence's rows the bits of the op's definition — the sequence's rows gathered, written,
+/// attended and scattered (`attention_seqs_apart`) — and leaves each cache as the definition
+/// does: caches of different formats, depths past one chunk (split-K decode rows) and not,
+/// prefill rows, a sliding window and a layer that only reads its cells.
+#[test]
+fn attention_of_several_sequences_is_each_sequence_alone() {
+    use specula_tensor::{SeqAttention, attention_seqs_apart};
+    let (n_head, n_kv_head, hd) = (6, 2, 64);
+    let (kw, cols) = (n_kv_head * hd, n_head * hd);
+    // (K type, V type, depth already cached, rows of the batch, mask)
+    let seqs = [
+        (QType::F16, QType::F16, 600, 1, Mask::Causal),
+        (QType::Q8_0, QType::Q4_0, 37, 5, Mask::SlidingWindow(24)),
+        (QType::Turbo4, QType::Turbo4, 300, 1, Mask::Causal),
+        (QType::F32, QType::F16, 0, 19, Mask::Causal),
+    ];
+    let total: usize = seqs.iter().map(|s| s.3).sum();
+    let mut rng = Rng::new(410);
+    let (q, k, v) = (
+        rng.values(total * cols, 2.0),
+        rng.values(total * kw, 1.0),
+        rng.values(total * kw, 1.0),
+    );
+    // Layer 0 writes its cells, layer 1 reads layer 0's (a K/V-shared layer's call).
+    let fresh = |be: &CpuBackend, rng: &mut Rng| -> Vec<specula_cpu::CpuKv> {
+        seqs.iter()
+            .map(|&(kt, vt, depth, _, _)| {
+                let shape = KvShape::uniform(2, 700, n_kv_head, hd, kt, vt);
+                let mut kv = be.kv_new(shape).unwrap();
+                if depth > 0 {
+                    let cells: Vec<usize> = (0..depth).collect();
+                    let kk = tensor(depth, kw, rng.values(depth * kw, 1.0));
+                    let vv = tensor(depth, kw, rng.values(depth * kw, 1.0));
+                    be.kv_write(&mut kv, 0, &ix(be, &cells), &kk, &vv);
+                }
+                kv
+            })
+            .collect()
+    };
+    for threads in THREADS {
+        let be = CpuBackend::new(threads);
+        let (qt, kt, vt) = (
+            tensor(total, cols, q.clone()),
+            tensor(total, kw, k.clone()),
+            tensor(total, kw, v.clone()),
+        );
+        let mut runs = Vec::new();
+        for apart in [true, false] {
+            let mut caches = fresh(&be, &mut Rng::new(411));
+            let mut outs = Vec::new();
+            for (layer, write) in [(0, true), (1, false)] {
+                let mut off = 0;
+                let mut ix_rows = Vec::new();
+                let mut ix_cells = Vec::new();
+                let mut pos = Vec::new();
+                for &(_, _, depth, n, _) in &seqs {
+                    let rows: Vec<usize> = (off..off + n).collect();
+                    let cells: Vec<usize> = (depth..depth + n).collect();
+                    let q_pos: Vec<u32> = (depth..depth + n)
+                        .map(|p| u32::try_from(p).unwrap())
+                        .collect();
+                    let kv_pos: Vec<u32> =
+                        (0..depth + n).map(|p| u32::try_from(p).unwrap()).collect();
+                    ix_rows.push(ix(&be, &rows));
+                    ix_cells.push(ix(&be, &cells));
+                    pos.push((be.index(&q_pos), be.index(&kv_pos)));
+                    off += n;
+                }
+                let mut off = 0;
+                let mut att: Vec<SeqAttention<'_, _, _>> = caches
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(i, kv)| {
+                        let n = seqs[i].3;
+                        let a = SeqAttention {
+                            kv,
+                            rows: off..off + n,
+                            row_index: &ix_rows[i],
+                            cells: write.then_some(&ix_cells[i]),
+                            params: AttentionParams {
+                                layer: 0,
+                                n_head,
+                                q_pos: &pos[i].0,
+                                kv_pos: &pos[i].1,
+                                scale: 0.125,
+                                mask: seqs[i].4,
+                                softcap: None,
+                            },
+                        };
+                        off += n;
+                        a
+                    })
+                    .collect();
+                let mut out = be.zeros(0, 0);
+                if apart {
+                    attention_seqs_apart(&be, &qt, &kt, &vt, &mut att, &mut out);
+                } else {
+                    be.attention_seqs(&qt, &kt, &vt, &mut att, &mut out);
+                }
+                assert_eq!((out.rows(), out.cols()), (total, cols), "layer {layer}");
+                outs.push(bits(out.as_slice()));
+            }
+            // What the caches hold: every cell as attention reads it.
+            let mut state = Vec::new();
+            for (kv, &(_, _, depth, n, _)) in caches.iter().zip(&seqs) {
+                let all: Vec<u32> = (0..depth + n).map(|p| u32::try_from(p).unwrap()).collect();
+                let eye: Vec<f32> = (0..n_head * hd)
+                    .map(|i| if i % hd == 0 { 1.0 } else { 0.0 })
+                    .collect();
+                let p = AttentionParams {
+                    layer: 0,
+                    n_head,
+                    q_pos: &all[all.len() - 1..],
+                    kv_pos: &all[..],
+                    scale: 0.125,
+                    mask: Mask::Causal,
+                    softcap: None,
+                };
+                let mut o = be.zeros(0, 0);
+                attend(&be, &tensor(1, cols, eye), kv, &p, &mut o);
+                state.push(bits(o.as_slice()));
+            }
+            runs.push((outs, state));
+        }
+        let names = ["layer 0 (writes)", "layer 1 (reads only)"];
+        for (l, name) in names.iter().enumerate() {
+            let (a, b) = (&runs[0].0[l], &runs[1].0[l]);
+            let row = a.chunks(cols).zip(b.chunks(cols)).position(|(x, y)| x != y);
+            assert!(
+                row.is_none(),
+                "{name}: row {row:?} differs from the sequences apart on {threads} threads"
+            );
+        }
+        assert!(
+            runs[0].1 == runs[1].1,
+            "the caches differ from the sequences apart on {threads} threads"
+        );
+    }
+}

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use specula_gguf::Gguf;
 use specula_quant::QType;
 use specula_tensor::{
-    AttentionParams, Backend, ByteSource, GateAct, KvShape, TensorError, WeightDesc,
+    AttentionParams, Backend, ByteSource, GateAct, KvShape, SeqAttention, TensorError, WeightDesc,
 };
 
 use spec::{Act, AttnGate, AttnSpec, DeltaNetSpec, FfnSpec, Gating, LayerSpec, MixerSpec, MoeSpec};
@@ -555,12 +555,7 @@ pub struct Scratch<B: Backend> {
     argmax: bool,
     /// The argmax of each logits row of the last forward, when `argmax`.
     ids: Vec<u32>,
-    /// [`Model::forward_multi`]: one sequence's q/k/v/attention rows, the batch's tokens,
-    /// positions and logits rows.
-    seq_q: B::Tensor,
-    seq_k: B::Tensor,
-    seq_v: B::Tensor,
-    seq_attn: B::Tensor,
+    /// [`Model::forward_multi`]: the batch's tokens, positions and logits rows.
     all_tokens: Vec<u32>,
     all_pos: Vec<u32>,
     all_logits_rows: Vec<usize>,
@@ -1662,10 +1657,6 @@ impl<B: Backend> Model<B> {
             host: Vec::new(),
             argmax: false,
             ids: Vec::new(),
-            seq_q: z(),
-            seq_k: z(),
-            seq_v: z(),
-            seq_attn: z(),
             all_tokens: Vec::new(),
             all_pos: Vec::new(),
             all_logits_rows: Vec::new(),
@@ -2111,30 +2102,27 @@ impl<B: Backend> Model<B> {
                 }
                 return;
             }
-            for (i, (q, qi)) in seqs.iter_mut().zip(seq_ix).enumerate() {
-                be.copy_rows(&s.q, &qi.rows, &mut s.seq_q);
-                let own = self.kv_layer(il) == il;
-                if own {
-                    be.copy_rows(&s.k, &qi.rows, &mut s.seq_k);
-                    be.copy_rows(&s.v, &qi.rows, &mut s.seq_v);
-                }
-                let (cells, kv_pos) = qi.cells(q.ring.is_some() && hp.is_swa(il));
-                if own {
-                    be.kv_write(q.kv, il, cells, &s.seq_k, &s.seq_v);
-                }
-                be.attention(
-                    &s.seq_q,
-                    q.kv,
-                    &self.attn_params(il, &qi.pos, kv_pos),
-                    &mut s.seq_attn,
-                );
-                // Into the batch's rows, on the backend (sized by the first sequence).
-                if i == 0 {
-                    let cols = be.shape(&s.seq_attn).1;
-                    be.resize(&mut s.attn, total, cols);
-                }
-                be.put_rows(&s.seq_attn, &qi.rows, &mut s.attn);
-            }
+            // Every sequence's K/V write and attention, as one op over the batch's rows.
+            let own = self.kv_layer(il) == il;
+            let mut off = 0;
+            let mut att: Vec<SeqAttention<'_, B::Kv, B::Index>> = seqs
+                .iter_mut()
+                .zip(seq_ix)
+                .map(|(q, qi)| {
+                    let n = q.tokens.len();
+                    let (cells, kv_pos) = qi.cells(q.ring.is_some() && hp.is_swa(il));
+                    let a = SeqAttention {
+                        kv: &mut *q.kv,
+                        rows: off..off + n,
+                        row_index: &qi.rows,
+                        cells: own.then_some(cells),
+                        params: self.attn_params(il, &qi.pos, kv_pos),
+                    };
+                    off += n;
+                    a
+                })
+                .collect();
+            be.attention_seqs(&s.q, &s.k, &s.v, &mut att, &mut s.attn);
         });
         s.ix = Some(ix);
         s.all_tokens = all_tokens;

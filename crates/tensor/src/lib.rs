@@ -739,6 +739,24 @@ impl<'a, I: ?Sized> AttentionParams<'a, I> {
     }
 }
 
+/// One sequence of a batch's attention ([`Backend::attention_seqs`]): consecutive rows of the
+/// batch that attend over the sequence's own cache. `Kv` and `I` are a backend's
+/// [`Backend::Kv`] and [`Backend::Index`].
+#[derive(Debug)]
+pub struct SeqAttention<'a, Kv, I: ?Sized> {
+    /// The sequence's cache.
+    pub kv: &'a mut Kv,
+    /// Its rows of the batch (of `q`, `k`, `v` and the output).
+    pub rows: std::ops::Range<usize>,
+    /// The same rows as an index tensor, for a backend that gathers them.
+    pub row_index: &'a I,
+    /// The cells its K and V rows are written to before it attends (layer `params.layer`),
+    /// or `None` when the layer reads cells another layer wrote (K/V sharing).
+    pub cells: Option<&'a I>,
+    /// Its attention: the layer read, the heads, its rows' and its cells' positions, the mask.
+    pub params: AttentionParams<'a, I>,
+}
+
 /// The op set. Shapes are `[rows, cols]` of f32 activations; weights are `[n_out, n_in]` in
 /// ggml order `dims = [n_in, n_out]`. Ops write into caller-provided outputs so a forward pass
 /// can reuse its buffers across tokens.
@@ -1143,6 +1161,60 @@ pub trait Backend: Send + Sync {
         params: &AttentionParams<'_, Self::Index>,
         out: &mut Self::Tensor,
     );
+
+    /// The attention of a batch of several sequences, each over its own cache, as one op: for
+    /// every sequence, its rows of `k` and `v` are written to its `cells` ([`Backend::kv_write`])
+    /// and its rows of `q` attend over its cache ([`Backend::attention`]) into its rows of
+    /// `out` (`[rows of q, n_head · head_dim_v]`; every sequence has the same heads). A
+    /// sequence's rows get the bits those two ops give its rows alone, so the batch changes no
+    /// sequence's output. The sequences' rows are disjoint; rows of `out` no sequence covers
+    /// are unspecified. The default is that definition, a gather and a scatter of each
+    /// sequence's rows around the two ops; a backend answers it with fewer passes (no gathers,
+    /// one parallel region over every sequence's work).
+    fn attention_seqs(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        seqs: &mut [SeqAttention<'_, Self::Kv, Self::Index>],
+        out: &mut Self::Tensor,
+    ) {
+        attention_seqs_apart(self, q, k, v, seqs, out);
+    }
+}
+
+/// [`Backend::attention_seqs`] by its definition, the default of the op: each sequence's
+/// rows gathered ([`Backend::copy_rows`]), written to its cache ([`Backend::kv_write`]),
+/// attended ([`Backend::attention`]) and scattered into `out` ([`Backend::put_rows`]).
+pub fn attention_seqs_apart<B: Backend + ?Sized>(
+    be: &B,
+    q: &B::Tensor,
+    k: &B::Tensor,
+    v: &B::Tensor,
+    seqs: &mut [SeqAttention<'_, B::Kv, B::Index>],
+    out: &mut B::Tensor,
+) {
+    let (mut sq, mut sk, mut sv, mut so) = (
+        be.zeros(0, 0),
+        be.zeros(0, 0),
+        be.zeros(0, 0),
+        be.zeros(0, 0),
+    );
+    let total = be.shape(q).0;
+    for (i, s) in seqs.iter_mut().enumerate() {
+        be.copy_rows(q, s.row_index, &mut sq);
+        if let Some(cells) = s.cells {
+            be.copy_rows(k, s.row_index, &mut sk);
+            be.copy_rows(v, s.row_index, &mut sv);
+            be.kv_write(s.kv, s.params.layer, cells, &sk, &sv);
+        }
+        be.attention(&sq, s.kv, &s.params, &mut so);
+        if i == 0 {
+            let cols = be.shape(&so).1;
+            be.resize(out, total, cols);
+        }
+        be.put_rows(&so, s.row_index, out);
+    }
 }
 
 #[cfg(test)]

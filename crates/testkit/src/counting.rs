@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use specula_tensor::{
     AttentionParams, Backend, DeltaNetParams, GateAct, KvShape, MoeExperts, MoeRoute, Result,
-    RopeConfig, WeightDesc,
+    RopeConfig, SeqAttention, WeightDesc,
 };
 
 /// What crossed so far ([`Counting::tally`]).
@@ -346,5 +346,15 @@ impl<B: Backend> Backend for Counting<B> {
         out: &mut Self::Tensor,
     ) {
         self.inner.attention(q, kv, params, out);
+    }
+    fn attention_seqs(
+        &self,
+        q: &Self::Tensor,
+        k: &Self::Tensor,
+        v: &Self::Tensor,
+        seqs: &mut [SeqAttention<'_, Self::Kv, Self::Index>],
+        out: &mut Self::Tensor,
+    ) {
+        self.inner.attention_seqs(q, k, v, seqs, out);
     }
 }

@@ -384,13 +384,13 @@ pub(crate) fn kv_write(
     k: &CpuTensor,
     v: &CpuTensor,
 ) {
-    let h = kv.layout.shape.layer_heads(layer);
-    let (kw, vw) = (h.n_kv_head * h.head_dim_k, h.n_kv_head * h.head_dim_v);
     assert!(
         layer < kv.layers.len(),
         "kv_write: layer {layer} of a {}-layer cache",
         kv.layers.len()
     );
+    let h = kv.layout.shape.layer_heads(layer);
+    let (kw, vw) = (h.n_kv_head * h.head_dim_k, h.n_kv_head * h.head_dim_v);
     assert_eq!(
         (k.rows(), k.cols()),
         (cells.len(), kw),
@@ -403,13 +403,37 @@ pub(crate) fn kv_write(
         "kv_write: V must be [{}, {vw}]",
         cells.len()
     );
+    kv_write_rows(be, kv, layer, cells, k.as_slice(), v.as_slice());
+}
+
+/// [`kv_write`] of the rows `k` and `v` (one per cell, the layer's K and V widths).
+pub(crate) fn kv_write_rows(
+    be: &CpuBackend,
+    kv: &mut CpuKv,
+    layer: usize,
+    cells: &[usize],
+    k: &[f32],
+    v: &[f32],
+) {
+    assert!(
+        layer < kv.layers.len(),
+        "kv_write: layer {layer} of a {}-layer cache",
+        kv.layers.len()
+    );
+    let h = kv.layout.shape.layer_heads(layer);
+    let (kw, vw) = (h.n_kv_head * h.head_dim_k, h.n_kv_head * h.head_dim_v);
+    assert_eq!(
+        (k.len(), v.len()),
+        (cells.len() * kw, cells.len() * vw),
+        "kv_write: K and V must be [{}, {kw}] and [{}, {vw}]",
+        cells.len(),
+        cells.len()
+    );
     if cells.is_empty() {
         return;
     }
     let l = &mut kv.layers[layer];
-    let calibrated =
-        l.k.calibrate(k.as_slice())
-            .and_then(|()| l.v.calibrate(v.as_slice()));
+    let calibrated = l.k.calibrate(k).and_then(|()| l.v.calibrate(v));
     if let Err(e) = calibrated {
         panic!("kv_write: {e}");
     }
@@ -435,9 +459,9 @@ pub(crate) fn kv_write(
         .collect();
     let write = |(t, is_v, dst): &mut WriteItem<'_>, pad: &mut Vec<f32>| {
         let r = if *is_v {
-            ev.encode_heads(v.row(*t), dst, pad)
+            ev.encode_heads(&v[*t * vw..(*t + 1) * vw], dst, pad)
         } else {
-            ek.encode_heads(k.row(*t), dst, pad)
+            ek.encode_heads(&k[*t * kw..(*t + 1) * kw], dst, pad)
         };
         if let Err(e) = r {
             panic!("kv_write: {}: {e}", if *is_v { "V" } else { "K" });
@@ -720,8 +744,10 @@ fn widened<'b>(
 
 /// Everything a task reads.
 struct Ctx<'a> {
-    q: &'a CpuTensor,
-    p: &'a AttentionParams<'a>,
+    /// The query rows of the sequence, `q_w` values each.
+    q: &'a [f32],
+    q_w: usize,
+    p: AttentionParams<'a>,
     k: &'a Plane,
     v: &'a Plane,
     kernels: &'static Kernels,
@@ -816,7 +842,7 @@ impl<'a> Ctx<'a> {
         fit(&mut q.qm, nq);
         let k_center = self.k.center(kvh);
         for (ri, r) in rows.clone().enumerate() {
-            let qrow = self.q.row(r);
+            let qrow = &self.q[r * self.q_w..(r + 1) * self.q_w];
             for (hi, h) in heads.clone().enumerate() {
                 let i = ri * nh + hi;
                 let src = &qrow[h * hd_k..(h + 1) * hd_k];
@@ -1247,141 +1273,144 @@ impl<'a> Ctx<'a> {
     }
 }
 
-/// Attention of every query head of every row of `q` over the cells of one layer.
-pub(crate) fn attention(
-    be: &CpuBackend,
-    q: &CpuTensor,
-    kv: &CpuKv,
-    p: &AttentionParams<'_>,
-    out: &mut CpuTensor,
-) {
-    let s = &kv.layout.shape;
-    let h = s.layer_heads(p.layer);
-    let (hd_k, hd_v, n_kv_head, n_head) = (h.head_dim_k, h.head_dim_v, h.n_kv_head, p.n_head);
-    let n_q = q.rows();
-    let kv_len = p.kv_pos.len();
-    assert!(
-        p.layer < kv.layers.len(),
-        "attention: layer {} of a {}-layer cache",
-        p.layer,
-        kv.layers.len()
-    );
-    assert!(
-        n_kv_head > 0 && n_head.is_multiple_of(n_kv_head),
-        "attention: {n_head} query heads are not a multiple of {n_kv_head} K/V heads"
-    );
-    assert_eq!(
-        q.cols(),
-        n_head * hd_k,
-        "attention: q rows must have n_head · head_dim_k = {} values",
-        n_head * hd_k
-    );
-    assert_eq!(p.q_pos.len(), n_q, "attention: one position per query row");
-    assert!(
-        kv_len <= s.n_ctx,
-        "attention: {kv_len} positions in a {}-position cache",
-        s.n_ctx
-    );
-    out.resize(n_q, n_head * hd_v);
-    let group = n_head / n_kv_head;
-    let layer = &kv.layers[p.layer];
-    let ly = &kv.layout.layers[p.layer];
-    let ctx = Ctx {
-        q,
-        p,
-        k: &layer.k,
-        v: &layer.v,
-        kernels: be.kernels(),
-        attn: be.attn_kernels(),
-        key: key_dot(ly.types.k),
-        hd_k,
-        hd_v,
-        k_dim: read_dim(&layer.k),
-        v_dim: read_dim(&layer.v),
-        k_two: two_stage(&layer.k),
-        v_two: two_stage(&layer.v),
-        n_cells: s.layer_cells(p.layer),
-    };
-    let v_dim = ctx.v_dim;
-    let nth = be.n_threads();
-    let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
-    let rows_per = n_q.div_ceil(n_rb).max(1);
-    let n_chunks = kv_len.div_ceil(CHUNK).max(1);
-    let row_w = n_head * hd_v;
-    let dst = Disjoint::new(out.as_mut_slice());
-    // Split-K (flash decoding): when the row blocks alone give each thread fewer than two
-    // tasks (decode, short verify batches) and the cache spans several chunks, every
-    // (row block, K/V head, chunk) is a task that leaves its chunk's softmax state in `parts`,
-    // and the states are merged in chunk order afterwards — the same merges, in the same order,
-    // that a task over all chunks does, so the split changes no bit.
-    // A single row block (decode) always splits: one thread then still reads each K/V head's
-    // cells once, where a split of the group's query heads would read them once per slice.
-    if n_chunks > 1 && (n_rb * n_kv_head < 2 * nth || n_rb == 1) {
-        let nq_task = rows_per * group;
-        let stride = nq_task * (v_dim + 2);
-        let n_tasks = n_rb * n_kv_head * n_chunks;
-        let mut parts = vec![0.0f32; n_tasks * stride];
-        let pd = Disjoint::new(&mut parts);
-        // The queries of each (row block, K/V head), prepared once for all its chunks.
-        let preps: Vec<Queries> = (0..n_rb * n_kv_head)
-            .map(|i| {
-                let (rb, kvh) = (i / n_kv_head, i % n_kv_head);
-                let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
-                let mut q = Queries::default();
-                if !rows.is_empty() {
-                    ctx.prepare(rows, kvh, kvh * group..(kvh + 1) * group, &mut q);
-                }
-                q
-            })
-            .collect();
-        let work = |t: usize| {
-            BUFS.with(|cell| {
-                let mut b = cell.borrow_mut();
-                for i in split(n_tasks, nth, t) {
-                    let rb = i / (n_kv_head * n_chunks);
-                    let kvh = (i / n_chunks) % n_kv_head;
-                    let c = i % n_chunks;
-                    let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
-                    if rows.is_empty() {
-                        continue;
-                    }
-                    let heads = kvh * group..(kvh + 1) * group;
-                    let nq = rows.len() * group;
-                    let pre = &preps[rb * n_kv_head + kvh];
-                    ctx.task(rows, kvh, heads, c..c + 1, Some(pre), &mut b);
-                    // SAFETY: task i writes only its own `stride` slot of `parts`, and each
-                    // task belongs to exactly one thread of the split.
-                    let slot = unsafe { pd.slice(i * stride..(i + 1) * stride) };
-                    let (ml, acc) = slot.split_at_mut(2 * nq_task);
-                    ml[..nq].copy_from_slice(&b.m[..nq]);
-                    ml[nq_task..nq_task + nq].copy_from_slice(&b.l[..nq]);
-                    acc[..nq * v_dim].copy_from_slice(&b.acc[..nq * v_dim]);
-                }
-            });
-        };
-        if nth == 1 || n_tasks < 2 {
-            for t in 0..nth {
-                work(t);
-            }
-        } else {
-            be.pool().run(&work);
+/// One sequence's attention, planned: what its tasks read, how its work splits into tasks,
+/// and where its rows go in the output.
+struct Job<'a> {
+    ctx: Ctx<'a>,
+    /// Its first row in the output.
+    row0: usize,
+    n_q: usize,
+    n_kv_head: usize,
+    group: usize,
+    rows_per: usize,
+    n_rb: usize,
+    n_chunks: usize,
+    split: Split,
+}
+
+/// How a job's work is cut into tasks.
+enum Split {
+    /// Split-K (flash decoding): every (row block, K/V head, chunk) is a task that leaves its
+    /// chunk's softmax state in the job's part of `parts` (from `part0`, `stride` values per
+    /// task); the states are merged in chunk order afterwards. The queries of each (row
+    /// block, K/V head) are prepared once for all its chunks.
+    Chunks {
+        nq_task: usize,
+        stride: usize,
+        part0: usize,
+        preps: Vec<Queries>,
+    },
+    /// Row blocks × K/V heads × slices of `heads_per` query heads of a group, each over every
+    /// chunk, written straight into place.
+    Heads { n_sub: usize, heads_per: usize },
+}
+
+impl Job<'_> {
+    fn n_tasks(&self) -> usize {
+        match &self.split {
+            Split::Chunks { .. } => self.n_rb * self.n_kv_head * self.n_chunks,
+            Split::Heads { n_sub, .. } => self.n_rb * self.n_kv_head * n_sub,
         }
-        // Merge in chunk order and normalize (small: rows × heads × chunks × v_dim).
+    }
+
+    fn rows(&self, rb: usize) -> std::ops::Range<usize> {
+        rb * self.rows_per..((rb + 1) * self.rows_per).min(self.n_q)
+    }
+
+    /// Task `i` of the job, on this thread's buffers.
+    fn run(&self, i: usize, b: &mut TaskBufs, dst: &Disjoint<'_, f32>, parts: &Disjoint<'_, f32>) {
+        let (ctx, n_kv_head, group) = (&self.ctx, self.n_kv_head, self.group);
+        let (hd_v, v_dim) = (ctx.hd_v, ctx.v_dim);
+        let row_w = ctx.p.n_head * hd_v;
+        match &self.split {
+            Split::Chunks {
+                nq_task,
+                stride,
+                part0,
+                preps,
+            } => {
+                let n_chunks = self.n_chunks;
+                let rb = i / (n_kv_head * n_chunks);
+                let kvh = (i / n_chunks) % n_kv_head;
+                let c = i % n_chunks;
+                let rows = self.rows(rb);
+                if rows.is_empty() {
+                    return;
+                }
+                let heads = kvh * group..(kvh + 1) * group;
+                let nq = rows.len() * group;
+                let pre = &preps[rb * n_kv_head + kvh];
+                ctx.task(rows, kvh, heads, c..c + 1, Some(pre), b);
+                let at = part0 + i * stride;
+                // SAFETY: task i of this job writes only its own `stride` slot of the job's
+                // part of `parts`; jobs have disjoint parts and each task belongs to exactly
+                // one thread of the split.
+                let slot = unsafe { parts.slice(at..at + stride) };
+                let (ml, acc) = slot.split_at_mut(2 * nq_task);
+                ml[..nq].copy_from_slice(&b.m[..nq]);
+                ml[*nq_task..nq_task + nq].copy_from_slice(&b.l[..nq]);
+                acc[..nq * v_dim].copy_from_slice(&b.acc[..nq * v_dim]);
+            }
+            Split::Heads { n_sub, heads_per } => {
+                let rb = i / (n_kv_head * n_sub);
+                let kvh = (i / n_sub) % n_kv_head;
+                let sub = i % n_sub;
+                let rows = self.rows(rb);
+                let h0 = kvh * group + sub * heads_per;
+                let heads = h0..(h0 + heads_per).min((kvh + 1) * group);
+                if rows.is_empty() || heads.is_empty() {
+                    return;
+                }
+                let w = heads.len() * hd_v;
+                let nq = rows.len() * heads.len();
+                let mut tmp = std::mem::take(&mut b.out);
+                tmp.clear();
+                tmp.resize(rows.len() * w, 0.0);
+                ctx.task(rows.clone(), kvh, heads.clone(), 0..self.n_chunks, None, b);
+                ctx.finish(kvh, &b.l[..nq], &mut b.acc[..nq * v_dim], &mut tmp);
+                for (ri, r) in rows.enumerate() {
+                    let start = (self.row0 + r) * row_w + heads.start * hd_v;
+                    // SAFETY: task i writes only row r's heads `heads` of its own rows; tasks
+                    // cover disjoint (row block, head range) pairs, jobs disjoint rows, and
+                    // each task belongs to exactly one thread of the split.
+                    let o = unsafe { dst.slice(start..start + w) };
+                    o.copy_from_slice(&tmp[ri * w..(ri + 1) * w]);
+                }
+                b.out = tmp;
+            }
+        }
+    }
+
+    /// A split-K job's chunk states merged in chunk order, normalized and put in place (small:
+    /// rows × heads × chunks × v_dim).
+    fn merge(&self, parts: &[f32], out: &mut [f32]) {
+        let Split::Chunks {
+            nq_task,
+            stride,
+            part0,
+            ..
+        } = &self.split
+        else {
+            return;
+        };
+        let (ctx, n_kv_head, group, n_chunks) =
+            (&self.ctx, self.n_kv_head, self.group, self.n_chunks);
+        let (hd_v, v_dim, nq_task) = (ctx.hd_v, ctx.v_dim, *nq_task);
+        let row_w = ctx.p.n_head * hd_v;
         let mut m = vec![f32::NEG_INFINITY; nq_task];
         let mut l = vec![0.0f32; nq_task];
         let mut acc = vec![0.0f32; nq_task * v_dim];
         let mut tmp = vec![0.0f32; nq_task * hd_v];
-        for rb in 0..n_rb {
-            let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
+        for rb in 0..self.n_rb {
+            let rows = self.rows(rb);
             let nq = rows.len() * group;
             for kvh in 0..n_kv_head {
                 m[..nq].fill(f32::NEG_INFINITY);
                 l[..nq].fill(0.0);
                 acc[..nq * v_dim].fill(0.0);
                 for c in 0..n_chunks {
-                    let i = (rb * n_kv_head + kvh) * n_chunks + c;
-                    let slot = &parts[i * stride..(i + 1) * stride];
-                    let (ml, cacc) = slot.split_at(2 * nq_task);
+                    let at = part0 + ((rb * n_kv_head + kvh) * n_chunks + c) * stride;
+                    let (ml, cacc) = parts[at..at + stride].split_at(2 * nq_task);
                     for q in 0..nq {
                         merge_state(
                             (&mut m[q], &mut l[q], &mut acc[q * v_dim..(q + 1) * v_dim]),
@@ -1392,20 +1421,125 @@ pub(crate) fn attention(
                 ctx.finish(kvh, &l[..nq], &mut acc[..nq * v_dim], &mut tmp[..nq * hd_v]);
                 let w = group * hd_v;
                 for (ri, r) in rows.clone().enumerate() {
-                    let start = r * row_w + kvh * w;
-                    // SAFETY: the pool has finished; this is the only writer.
-                    let o = unsafe { dst.slice(start..start + w) };
-                    o.copy_from_slice(&tmp[ri * w..(ri + 1) * w]);
+                    let start = (self.row0 + r) * row_w + kvh * w;
+                    out[start..start + w].copy_from_slice(&tmp[ri * w..(ri + 1) * w]);
                 }
             }
         }
-        return;
     }
-    // Tasks: row blocks × K/V heads × slices of the query heads of a group, each over every
-    // chunk. Every task decodes the K/V tiles it reads: for block and turbo formats, where
-    // decoding costs about as much as a head's arithmetic, a group is split only as far as it
-    // takes to give each thread a task; float tiles are cheap to convert, so the split aims
-    // at four tasks per thread for balance. The split changes no result (see the module docs).
+}
+
+/// Plans the attention of the query rows `q` (`n_q · n_head · head_dim_k` values) of one
+/// sequence over the cells of one layer of `kv`, its output rows from `row0`; `part0` is where
+/// a split-K job's chunk states start in the shared `parts` (it returns how many it takes).
+fn plan<'a>(
+    be: &CpuBackend,
+    q: &'a [f32],
+    q_w: usize,
+    kv: &'a CpuKv,
+    p: AttentionParams<'a>,
+    row0: usize,
+    part0: usize,
+) -> (Job<'a>, usize) {
+    let s = &kv.layout.shape;
+    assert!(
+        p.layer < kv.layers.len(),
+        "attention: layer {} of a {}-layer cache",
+        p.layer,
+        kv.layers.len()
+    );
+    let h = s.layer_heads(p.layer);
+    let (hd_k, n_kv_head, n_head) = (h.head_dim_k, h.n_kv_head, p.n_head);
+    let kv_len = p.kv_pos.len();
+    assert!(
+        n_kv_head > 0 && n_head.is_multiple_of(n_kv_head),
+        "attention: {n_head} query heads are not a multiple of {n_kv_head} K/V heads"
+    );
+    assert_eq!(
+        q_w,
+        n_head * hd_k,
+        "attention: q rows must have n_head · head_dim_k = {} values",
+        n_head * hd_k
+    );
+    let n_q = q.len() / q_w.max(1);
+    assert_eq!(p.q_pos.len(), n_q, "attention: one position per query row");
+    assert!(
+        kv_len <= s.n_ctx,
+        "attention: {kv_len} positions in a {}-position cache",
+        s.n_ctx
+    );
+    let group = n_head / n_kv_head;
+    let layer = &kv.layers[p.layer];
+    let ly = &kv.layout.layers[p.layer];
+    let ctx = Ctx {
+        q,
+        q_w,
+        p,
+        k: &layer.k,
+        v: &layer.v,
+        kernels: be.kernels(),
+        attn: be.attn_kernels(),
+        key: key_dot(ly.types.k),
+        hd_k,
+        hd_v: h.head_dim_v,
+        k_dim: read_dim(&layer.k),
+        v_dim: read_dim(&layer.v),
+        k_two: two_stage(&layer.k),
+        v_two: two_stage(&layer.v),
+        n_cells: s.layer_cells(p.layer),
+    };
+    let nth = be.n_threads();
+    let n_rb = n_q.div_ceil(ROWS_PER_TASK).max(1);
+    let rows_per = n_q.div_ceil(n_rb).max(1);
+    let n_chunks = kv_len.div_ceil(CHUNK).max(1);
+    let mut job = Job {
+        ctx,
+        row0,
+        n_q,
+        n_kv_head,
+        group,
+        rows_per,
+        n_rb,
+        n_chunks,
+        split: Split::Heads {
+            n_sub: 1,
+            heads_per: group,
+        },
+    };
+    // Split-K (flash decoding): when the row blocks alone give each thread fewer than two
+    // tasks (decode, short verify batches) and the cache spans several chunks — the same
+    // merges, in the same order, that a task over all chunks does, so the split changes no
+    // bit. A single row block (decode) always splits: one thread then still reads each K/V
+    // head's cells once, where a split of the group's query heads would read them once per
+    // slice.
+    if n_chunks > 1 && (n_rb * n_kv_head < 2 * nth || n_rb == 1) {
+        let nq_task = rows_per * group;
+        let stride = nq_task * (job.ctx.v_dim + 2);
+        let preps: Vec<Queries> = (0..n_rb * n_kv_head)
+            .map(|i| {
+                let (rb, kvh) = (i / n_kv_head, i % n_kv_head);
+                let rows = job.rows(rb);
+                let mut q = Queries::default();
+                if !rows.is_empty() {
+                    job.ctx
+                        .prepare(rows, kvh, kvh * group..(kvh + 1) * group, &mut q);
+                }
+                q
+            })
+            .collect();
+        job.split = Split::Chunks {
+            nq_task,
+            stride,
+            part0,
+            preps,
+        };
+        let n = job.n_tasks() * stride;
+        return (job, n);
+    }
+    // Every task decodes the K/V tiles it reads: for block and turbo formats, where decoding
+    // costs about as much as a head's arithmetic, a group is split only as far as it takes to
+    // give each thread a task; float tiles are cheap to convert, so the split aims at four
+    // tasks per thread for balance. The split changes no result (see the module docs).
     let float = |t: QType| matches!(t, QType::F32 | QType::F16 | QType::BF16);
     let per_thread = if float(ly.types.k) && float(ly.types.v) {
         4
@@ -1416,56 +1550,129 @@ pub(crate) fn attention(
         .div_ceil(n_rb * n_kv_head)
         .clamp(1, group);
     let heads_per = group.div_ceil(n_sub);
-    let n_sub = group.div_ceil(heads_per);
-    let n_tasks = n_rb * n_kv_head * n_sub;
-
-    let work = |t: usize| {
-        BUFS.with(|cell| {
-            let mut bufs = cell.borrow_mut();
-            let mut tmp = std::mem::take(&mut bufs.out);
-            for i in split(n_tasks, nth, t) {
-                let rb = i / (n_kv_head * n_sub);
-                let kvh = (i / n_sub) % n_kv_head;
-                let sub = i % n_sub;
-                let rows = rb * rows_per..((rb + 1) * rows_per).min(n_q);
-                let h0 = kvh * group + sub * heads_per;
-                let heads = h0..(h0 + heads_per).min((kvh + 1) * group);
-                if rows.is_empty() || heads.is_empty() {
-                    continue;
-                }
-                let w = heads.len() * hd_v;
-                let nq = rows.len() * heads.len();
-                tmp.clear();
-                tmp.resize(rows.len() * w, 0.0);
-                ctx.task(
-                    rows.clone(),
-                    kvh,
-                    heads.clone(),
-                    0..n_chunks,
-                    None,
-                    &mut bufs,
-                );
-                let b = &mut *bufs;
-                ctx.finish(kvh, &b.l[..nq], &mut b.acc[..nq * v_dim], &mut tmp);
-                for (ri, r) in rows.enumerate() {
-                    let start = r * row_w + heads.start * hd_v;
-                    // SAFETY: task i writes only row r's heads `heads` for its rows; tasks
-                    // cover disjoint (row block, head range) pairs and each task belongs to
-                    // exactly one thread of the split.
-                    let o = unsafe { dst.slice(start..start + w) };
-                    o.copy_from_slice(&tmp[ri * w..(ri + 1) * w]);
-                }
-            }
-            bufs.out = tmp;
-        });
+    job.split = Split::Heads {
+        n_sub: group.div_ceil(heads_per),
+        heads_per,
     };
-    if nth == 1 || n_tasks < 2 {
-        for t in 0..nth {
-            work(t);
+    (job, 0)
+}
+
+/// Runs the tasks of every job in one parallel region of the pool, then merges the split-K
+/// jobs' chunk states; `parts` values hold every split-K job's chunk states.
+fn run_jobs(be: &CpuBackend, jobs: &[Job<'_>], parts: usize, out: &mut [f32]) {
+    let starts: Vec<usize> = jobs
+        .iter()
+        .scan(0, |acc, j| {
+            let s = *acc;
+            *acc += j.n_tasks();
+            Some(s)
+        })
+        .collect();
+    let n_tasks: usize = jobs.iter().map(Job::n_tasks).sum();
+    let mut parts = vec![0.0f32; parts];
+    {
+        let pd = Disjoint::new(&mut parts);
+        let dst = Disjoint::new(out);
+        let nth = be.n_threads();
+        let work = |t: usize| {
+            BUFS.with(|cell| {
+                let mut b = cell.borrow_mut();
+                let range = split(n_tasks, nth, t);
+                // The job of the first task, then the next jobs in order.
+                let mut j = starts
+                    .partition_point(|&s| s <= range.start)
+                    .saturating_sub(1);
+                for i in range {
+                    while j + 1 < jobs.len() && starts[j + 1] <= i {
+                        j += 1;
+                    }
+                    jobs[j].run(i - starts[j], &mut b, &dst, &pd);
+                }
+            });
+        };
+        if nth == 1 || n_tasks < 2 {
+            for t in 0..nth {
+                work(t);
+            }
+        } else {
+            be.pool().run(&work);
         }
-    } else {
-        be.pool().run(&work);
     }
+    for j in jobs {
+        j.merge(&parts, out);
+    }
+}
+
+/// Attention of every query head of every row of `q` over the cells of one layer.
+pub(crate) fn attention(
+    be: &CpuBackend,
+    q: &CpuTensor,
+    kv: &CpuKv,
+    p: &AttentionParams<'_>,
+    out: &mut CpuTensor,
+) {
+    let (job, parts) = plan(be, q.as_slice(), q.cols(), kv, *p, 0, 0);
+    out.resize(job.n_q, p.n_head * job.ctx.hd_v);
+    run_jobs(be, std::slice::from_ref(&job), parts, out.as_mut_slice());
+}
+
+/// [`specula_tensor::Backend::attention_seqs`]: every sequence's K/V rows written from the
+/// batch's rows (no gathers), then every sequence's attention in one parallel region, written
+/// into its rows of `out`.
+pub(crate) fn attention_seqs(
+    be: &CpuBackend,
+    q: &CpuTensor,
+    k: &CpuTensor,
+    v: &CpuTensor,
+    seqs: &mut [specula_tensor::SeqAttention<'_, CpuKv, crate::CpuIndex>],
+    out: &mut CpuTensor,
+) {
+    let total = q.rows();
+    for s in seqs.iter_mut() {
+        assert!(
+            s.rows.start <= s.rows.end && s.rows.end <= total,
+            "attention_seqs: rows {:?} of a {total}-row batch",
+            s.rows
+        );
+        if let Some(cells) = s.cells {
+            let (kw, vw) = (k.cols(), v.cols());
+            assert_eq!(
+                (k.rows(), v.rows()),
+                (total, total),
+                "attention_seqs: K and V must have the batch's {total} rows"
+            );
+            kv_write_rows(
+                be,
+                s.kv,
+                s.params.layer,
+                cells.as_usize(),
+                &k.as_slice()[s.rows.start * kw..s.rows.end * kw],
+                &v.as_slice()[s.rows.start * vw..s.rows.end * vw],
+            );
+        }
+    }
+    let q_w = q.cols();
+    let mut parts = 0;
+    let mut row_w = None;
+    let jobs: Vec<Job<'_>> = seqs
+        .iter()
+        .map(|s| {
+            let p = s
+                .params
+                .with_positions(s.params.q_pos.as_u32(), s.params.kv_pos.as_u32());
+            let rows = &q.as_slice()[s.rows.start * q_w..s.rows.end * q_w];
+            let (job, n) = plan(be, rows, q_w, s.kv, p, s.rows.start, parts);
+            let w = p.n_head * job.ctx.hd_v;
+            assert!(
+                *row_w.get_or_insert(w) == w,
+                "attention_seqs: every sequence must have the same output width"
+            );
+            parts += n;
+            job
+        })
+        .collect();
+    out.resize(total, row_w.unwrap_or(0));
+    run_jobs(be, &jobs, parts, out.as_mut_slice());
 }
 
 #[cfg(test)]
