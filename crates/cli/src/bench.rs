@@ -129,6 +129,17 @@ pub struct Args {
         value_parser = clap::value_parser!(u8).range(0..=1)
     )]
     pub dflash_defer_injection: u8,
+    /// Sequences run together (llama-batched-bench's `-npl`): with N > 1 a test runs N
+    /// sequences, each with its own cache at the test's depth, as one batch per step — `pp P`
+    /// the N prompts of P tokens together, `tg T` T steps of one token from each — as the
+    /// server's continuous batching runs its slots; t/s counts the tokens of all N.
+    #[arg(
+        long = "parallel",
+        visible_alias = "npl",
+        value_delimiter = ',',
+        default_value = "1"
+    )]
+    pub parallel: Vec<usize>,
     /// Before each `tg` test, measure this machine's memory read bandwidth on `-t` threads (a
     /// summing loop over 1 GiB) and report the test's bytes read per second as a share of it.
     #[arg(long = "bandwidth-probe")]
@@ -203,7 +214,7 @@ pub(crate) struct Record {
     /// Bytes of KV cache per token (one cell of every layer, K and V).
     kv_bytes_per_token: usize,
     /// Bytes of KV cache holding depth + test tokens (a sliding-window ring at most its
-    /// size).
+    /// size), of all the test's sequences.
     kv_bytes_used: usize,
     /// Bytes of weights a decode step reads ([`crate::bandwidth::weight_bytes_per_token`]).
     weight_bytes_per_token: u64,
@@ -217,6 +228,8 @@ pub(crate) struct Record {
     /// just before the test, GB/s.
     #[serde(skip_serializing_if = "Option::is_none")]
     bandwidth_probe_gbs: Option<f64>,
+    /// Sequences run together (`--parallel`); t/s counts the tokens of all of them.
+    n_parallel: usize,
     /// With `-md`: the drafter and the draft length of its rounds (`tg` counts rounds).
     #[serde(skip_serializing_if = "Option::is_none")]
     spec: Option<String>,
@@ -501,6 +514,53 @@ fn run_once<B: Backend>(
     Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
 }
 
+/// One timed repetition of `n` sequences run together after `depth` positions each:
+/// `pp` — their prompts as one batch (the last row's logits of each), `tg` — steps of one
+/// token from each. Returns its nanoseconds.
+fn run_once_multi<B: Backend>(
+    e: &Engine<B>,
+    sessions: &mut [Session<B>],
+    scratch: &mut specula_models::Scratch<B>,
+    (pp, tg, depth): (usize, usize, usize),
+    seed: &mut u64,
+) -> Result<u64> {
+    let n_vocab = e.model.hparams().n_vocab;
+    let bos = e.tokenizer.special_tokens().bos;
+    for s in sessions.iter_mut() {
+        s.truncate(depth);
+    }
+    let (rows, steps) = if pp > 0 { (pp, 1) } else { (1, tg) };
+    let mut toks: Vec<Vec<u32>> = sessions
+        .iter()
+        .map(|_| {
+            let mut t = ids(rows, n_vocab, seed);
+            if let (0, Some(b), true) = (depth, bos, pp == 0 || e.tokenizer.add_bos()) {
+                t[0] = b;
+            }
+            t
+        })
+        .collect();
+    let mut out = specula_engine::Readout::default();
+    let t = Instant::now();
+    for _ in 0..steps {
+        let mut entries: Vec<specula_engine::BatchEntry<'_, B>> = sessions
+            .iter_mut()
+            .zip(&toks)
+            .map(|(s, t)| specula_engine::BatchEntry {
+                session: s,
+                tokens: t,
+                logits_from: t.len() - 1,
+                capture: None,
+            })
+            .collect();
+        e.decode_multi(&mut entries, scratch, &mut out)?;
+        for t in &mut toks {
+            t[0] = ids(1, n_vocab, seed)[0];
+        }
+    }
+    Ok(u64::try_from(t.elapsed().as_nanos()).unwrap_or(u64::MAX))
+}
+
 #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
 fn stats(v: &[f64]) -> (f64, f64) {
     let n = v.len() as f64;
@@ -612,9 +672,15 @@ fn run_on<B: Backend + 'static>(
         + args.n_depth.iter().copied().max().unwrap_or(0);
     engine.kv_overrides = overrides;
     let mut attached = attach(args, spec, &engine, n_ctx + 64, drafter_backend)?;
+    if args.parallel.contains(&0) {
+        bail!("--parallel must be positive");
+    }
     if let Some(a) = &attached {
         if args.n_depth.iter().any(|&d| d > 0) {
             bail!("-d is not supported with -md yet");
+        }
+        if args.parallel.iter().any(|&n| n > 1) {
+            bail!("--parallel is not supported with -md yet");
         }
         // Rounds need room for their context, the verify batch and one token per round.
         let rounds = args.n_gen.iter().copied().max().unwrap_or(0);
@@ -639,120 +705,149 @@ fn run_on<B: Backend + 'static>(
         .map(|&n| (n, 0))
         .chain(args.n_gen.iter().filter(|&&n| n > 0).map(|&n| (0, n)))
         .collect();
+    // The sequences of `--parallel` tests (made for the first such test, kept for the rest).
+    let mut multi: Vec<Session<B>> = Vec::new();
+    let mut scratch = engine.scratch();
     for &depth in &args.n_depth {
-        for &(pp, tg) in &tests {
-            let once = |session: &mut Session<B>,
-                        attached: &mut Option<Attached<B>>,
-                        seed: &mut u64| match attached.as_mut() {
-                Some(a) => run_once_spec(&engine, session, a, (pp, tg), seed),
-                None => run_once(&engine, session, (pp, tg, depth), seed),
-            };
-            prefill_depth(&engine, &mut session, depth, &mut seed)?;
-            // llama-bench stamps a test when it is set up, before its warm-up.
-            let test_time = rfc3339(std::time::SystemTime::now());
-            once(&mut session, &mut attached, &mut seed)?; // warm-up
-            if let Some(a) = attached.as_mut() {
-                (a.draft_ns, a.rounds) = (0, 0);
+        for &n_par in &args.parallel {
+            if n_par > 1 {
+                while multi.len() < n_par {
+                    multi.push(engine.session(n_ctx, k_type, v_type)?);
+                }
             }
-            // The machine's bandwidth just before the timed part: it moves with what else
-            // runs on the host.
-            let probe_gbs = (args.bandwidth_probe && tg > 0 && attached.is_none())
-                .then(|| crate::bandwidth::probe(args.threads))
-                .transpose()?;
-            let mut samples_ns = Vec::with_capacity(args.repetitions);
-            for _ in 0..args.repetitions {
-                samples_ns.push(once(&mut session, &mut attached, &mut seed)?);
+            for &(pp, tg) in &tests {
+                let mut once =
+                    |session: &mut Session<B>,
+                     multi: &mut [Session<B>],
+                     attached: &mut Option<Attached<B>>,
+                     seed: &mut u64| match attached.as_mut() {
+                        Some(a) => run_once_spec(&engine, session, a, (pp, tg), seed),
+                        None if n_par > 1 => run_once_multi(
+                            &engine,
+                            &mut multi[..n_par],
+                            &mut scratch,
+                            (pp, tg, depth),
+                            seed,
+                        ),
+                        None => run_once(&engine, session, (pp, tg, depth), seed),
+                    };
+                if n_par > 1 {
+                    for s in &mut multi[..n_par] {
+                        prefill_depth(&engine, s, depth, &mut seed)?;
+                    }
+                } else {
+                    prefill_depth(&engine, &mut session, depth, &mut seed)?;
+                }
+                // llama-bench stamps a test when it is set up, before its warm-up.
+                let test_time = rfc3339(std::time::SystemTime::now());
+                once(&mut session, &mut multi, &mut attached, &mut seed)?; // warm-up
+                if let Some(a) = attached.as_mut() {
+                    (a.draft_ns, a.rounds) = (0, 0);
+                }
+                // The machine's bandwidth just before the timed part: it moves with what else
+                // runs on the host.
+                let probe_gbs = (args.bandwidth_probe && tg > 0 && attached.is_none())
+                    .then(|| crate::bandwidth::probe(args.threads))
+                    .transpose()?;
+                let mut samples_ns = Vec::with_capacity(args.repetitions);
+                for _ in 0..args.repetitions {
+                    samples_ns.push(once(&mut session, &mut multi, &mut attached, &mut seed)?);
+                }
+                #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
+                let samples_ts: Vec<f64> = samples_ns
+                    .iter()
+                    .map(|&ns| ((pp + tg) * n_par) as f64 * 1e9 / ns as f64)
+                    .collect();
+                #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
+                let ns_f: Vec<f64> = samples_ns.iter().map(|&v| v as f64).collect();
+                let (avg_ns, sd_ns) = stats(&ns_f);
+                let (avg_ts, stddev_ts) = stats(&samples_ts);
+                #[allow(
+                    clippy::cast_possible_truncation,
+                    clippy::cast_sign_loss,
+                    reason = "non-negative nanosecond statistics"
+                )]
+                let (avg_ns, stddev_ns) = (avg_ns as u64, sd_ns as u64);
+                // A decode step at position p attends to p + 1 cells (of each layer's ring at most).
+                let kv_read = (tg > 0 && attached.is_none()).then(|| {
+                    let total: usize = (0..tg).map(|i| layout.bytes_for(depth + i + 1)).sum();
+                    (total / tg) as u64
+                });
+                // A step reads the weights once and every sequence's cells.
+                #[allow(clippy::cast_precision_loss, reason = "a byte rate")]
+                let read_gbs = kv_read.map(|kv| {
+                    (weight_bytes + n_par as u64 * kv) as f64 * avg_ts / n_par as f64 / 1e9
+                });
+                let (build_commit, build_number) = build_info();
+                records.push(Record {
+                    build_commit,
+                    build_number,
+                    cpu_info: cpu_info.clone(),
+                    gpu_info: if engine.backend.name() == "cpu" {
+                        ""
+                    } else {
+                        engine.backend.name()
+                    },
+                    backends: if engine.backend.name() == "cpu" {
+                        "CPU"
+                    } else {
+                        "CUDA"
+                    },
+                    model_filename: path.display().to_string(),
+                    model_type: model_type.clone(),
+                    model_size: size,
+                    model_n_params: params,
+                    n_batch: args.batch_size,
+                    n_ubatch: args.batch_size,
+                    n_threads: args.threads,
+                    cpu_mask: "0x0",
+                    cpu_strict: false,
+                    poll: 50,
+                    type_k: k_type.name().to_owned(),
+                    type_v: v_type.name().to_owned(),
+                    n_gpu_layers: 0,
+                    n_cpu_moe: 0,
+                    split_mode: "none",
+                    main_gpu: 0,
+                    no_kv_offload: false,
+                    flash_attn: 1,
+                    devices: "CPU",
+                    tensor_split: "0.00",
+                    tensor_buft_overrides: "none",
+                    load_mode: "mmap",
+                    lazy_mode: "off",
+                    embeddings: false,
+                    no_op_offload: 0,
+                    no_host: false,
+                    repack: true,
+                    fit_target: 0,
+                    fit_min_ctx: 0,
+                    n_prompt: pp,
+                    n_gen: tg,
+                    n_depth: depth,
+                    n_parallel: n_par,
+                    test_time,
+                    avg_ns,
+                    stddev_ns,
+                    avg_ts,
+                    stddev_ts,
+                    samples_ns,
+                    samples_ts,
+                    kv_bytes_per_token: layout.bytes_per_token(),
+                    kv_bytes_used: n_par * layout.bytes_for(depth + pp + tg),
+                    weight_bytes_per_token: weight_bytes,
+                    kv_read_bytes_per_token: kv_read,
+                    read_gbs,
+                    bandwidth_probe_gbs: probe_gbs,
+                    spec: attached
+                        .as_ref()
+                        .map(|a| format!("{} n_max {}", a.kind, a.n_max)),
+                    draft_ns_per_round: attached
+                        .as_ref()
+                        .filter(|a| a.rounds > 0)
+                        .map(|a| u64::try_from(a.draft_ns / a.rounds).unwrap_or(u64::MAX)),
+                });
             }
-            #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
-            let samples_ts: Vec<f64> = samples_ns
-                .iter()
-                .map(|&ns| (pp + tg) as f64 * 1e9 / ns as f64)
-                .collect();
-            #[allow(clippy::cast_precision_loss, reason = "timing statistics")]
-            let ns_f: Vec<f64> = samples_ns.iter().map(|&v| v as f64).collect();
-            let (avg_ns, sd_ns) = stats(&ns_f);
-            let (avg_ts, stddev_ts) = stats(&samples_ts);
-            #[allow(
-                clippy::cast_possible_truncation,
-                clippy::cast_sign_loss,
-                reason = "non-negative nanosecond statistics"
-            )]
-            let (avg_ns, stddev_ns) = (avg_ns as u64, sd_ns as u64);
-            // A decode step at position p attends to p + 1 cells (of each layer's ring at most).
-            let kv_read = (tg > 0 && attached.is_none()).then(|| {
-                let total: usize = (0..tg).map(|i| layout.bytes_for(depth + i + 1)).sum();
-                (total / tg) as u64
-            });
-            #[allow(clippy::cast_precision_loss, reason = "a byte rate")]
-            let read_gbs = kv_read.map(|kv| (weight_bytes + kv) as f64 * avg_ts / 1e9);
-            let (build_commit, build_number) = build_info();
-            records.push(Record {
-                build_commit,
-                build_number,
-                cpu_info: cpu_info.clone(),
-                gpu_info: if engine.backend.name() == "cpu" {
-                    ""
-                } else {
-                    engine.backend.name()
-                },
-                backends: if engine.backend.name() == "cpu" {
-                    "CPU"
-                } else {
-                    "CUDA"
-                },
-                model_filename: path.display().to_string(),
-                model_type: model_type.clone(),
-                model_size: size,
-                model_n_params: params,
-                n_batch: args.batch_size,
-                n_ubatch: args.batch_size,
-                n_threads: args.threads,
-                cpu_mask: "0x0",
-                cpu_strict: false,
-                poll: 50,
-                type_k: k_type.name().to_owned(),
-                type_v: v_type.name().to_owned(),
-                n_gpu_layers: 0,
-                n_cpu_moe: 0,
-                split_mode: "none",
-                main_gpu: 0,
-                no_kv_offload: false,
-                flash_attn: 1,
-                devices: "CPU",
-                tensor_split: "0.00",
-                tensor_buft_overrides: "none",
-                load_mode: "mmap",
-                lazy_mode: "off",
-                embeddings: false,
-                no_op_offload: 0,
-                no_host: false,
-                repack: true,
-                fit_target: 0,
-                fit_min_ctx: 0,
-                n_prompt: pp,
-                n_gen: tg,
-                n_depth: depth,
-                test_time,
-                avg_ns,
-                stddev_ns,
-                avg_ts,
-                stddev_ts,
-                samples_ns,
-                samples_ts,
-                kv_bytes_per_token: layout.bytes_per_token(),
-                kv_bytes_used: layout.bytes_for(depth + pp + tg),
-                weight_bytes_per_token: weight_bytes,
-                kv_read_bytes_per_token: kv_read,
-                read_gbs,
-                bandwidth_probe_gbs: probe_gbs,
-                spec: attached
-                    .as_ref()
-                    .map(|a| format!("{} n_max {}", a.kind, a.n_max)),
-                draft_ns_per_round: attached
-                    .as_ref()
-                    .filter(|a| a.rounds > 0)
-                    .map(|a| u64::try_from(a.draft_ns / a.rounds).unwrap_or(u64::MAX)),
-            });
         }
     }
     render(&records, args.output)
@@ -790,6 +885,9 @@ fn render(records: &[Record], output: Output) -> Result<String> {
                     #[allow(clippy::cast_precision_loss, reason = "display")]
                     let ms = ns as f64 / 1e6;
                     let _ = write!(test, " (drafter {ms:.1} ms/round)");
+                }
+                if r.n_parallel > 1 {
+                    let _ = write!(test, " ×{}", r.n_parallel);
                 }
                 if r.n_depth > 0 {
                     let _ = write!(test, " @ d{}", r.n_depth);
