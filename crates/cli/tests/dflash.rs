@@ -538,6 +538,104 @@ fn bench_json_has_llama_bench_fields_and_draft_kind_flags() {
     bad(&["-md", &t], "attaches DFlash or EAGLE-3 drafters");
 }
 
+/// `specula bench --parallel 1,3` runs each test with one sequence and with three stepped
+/// as one batch (`n_parallel` in its records, the tokens of all three counted), and refuses
+/// zero sequences and a drafter.
+#[test]
+fn bench_parallel_runs_sequences_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let (t, d) = files(dir.path());
+    let args = [
+        "bench",
+        "-m",
+        &t,
+        "-p",
+        "8",
+        "-n",
+        "4",
+        "-d",
+        "0,5",
+        "-r",
+        "2",
+        "-t",
+        "1",
+        "--parallel",
+        "1,3",
+        "-o",
+        "jsonl",
+    ];
+    let out = specula(&args);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    let text = String::from_utf8(out.stdout).unwrap();
+    let records: Vec<Json> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one object per line"))
+        .collect();
+    let got: Vec<(u64, u64, u64, u64)> = records
+        .iter()
+        .map(|r| {
+            let n = |k: &str| r[k].as_u64().unwrap();
+            (n("n_depth"), n("n_parallel"), n("n_prompt"), n("n_gen"))
+        })
+        .collect();
+    let want: Vec<(u64, u64, u64, u64)> = [0, 5]
+        .iter()
+        .flat_map(|&d| {
+            [1, 3]
+                .iter()
+                .flat_map(move |&p| [(d, p, 8, 0), (d, p, 0, 4)])
+        })
+        .collect();
+    assert_eq!(got, want, "{text}");
+    for r in &records {
+        // t/s counts every sequence's tokens: samples_ts = tokens · n_parallel / seconds.
+        let tokens = r["n_prompt"].as_f64().unwrap() + r["n_gen"].as_f64().unwrap();
+        let par = r["n_parallel"].as_f64().unwrap();
+        for (ns, ts) in r["samples_ns"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(r["samples_ts"].as_array().unwrap())
+        {
+            let want = tokens * par * 1e9 / ns.as_f64().unwrap();
+            assert!((ts.as_f64().unwrap() - want).abs() <= 1e-6 * want, "{r}");
+        }
+    }
+    let md = specula(&[
+        "bench",
+        "-m",
+        &t,
+        "-p",
+        "8",
+        "-n",
+        "0",
+        "-r",
+        "1",
+        "-t",
+        "1",
+        "--parallel",
+        "2",
+    ]);
+    assert!(String::from_utf8_lossy(&md.stdout).contains("| pp8 ×2 |"));
+    for (extra, needle) in [
+        (vec!["--parallel", "0"], "--parallel must be positive"),
+        (
+            vec!["--parallel", "2", "-md", &d, "--dflash"],
+            "--parallel is not supported with -md",
+        ),
+    ] {
+        let mut args = vec![
+            "bench", "-m", &t, "-p", "8", "-n", "0", "-r", "1", "-t", "1",
+        ];
+        args.extend(extra);
+        let out = specula(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(needle), "expected `{needle}` in: {err}");
+    }
+}
+
 /// A draft model's error from below the engine reaches the user with every layer of its
 /// chain: the draft's own K cache (`-ctkd q4_0`) cannot hold the model's 16-value heads; `run`
 /// names the draft model, `serve` the slot, and both the cache's own error.

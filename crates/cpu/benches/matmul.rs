@@ -22,6 +22,8 @@ const SHAPES: &[(&str, usize, usize)] = &[("1024x4864", 1024, 4864), ("4864x1024
 const TYPES: &[QType] = &[QType::Q4_K, QType::Q8_0, QType::Q4_1];
 const THREADS: &[usize] = &[1, 2];
 const GEMM_ROWS: usize = 64;
+/// Row counts of a speculative verify batch (a draft of 4 or 7 tokens and its anchor).
+const SMALL_ROWS: &[usize] = &[5, 8];
 
 fn weight(be: &CpuBackend, ty: QType, n_in: usize, n_out: usize) -> (CpuWeight, usize) {
     let rb = ty.row_bytes(n_in).expect("whole blocks");
@@ -32,7 +34,7 @@ fn weight(be: &CpuBackend, ty: QType, n_in: usize, n_out: usize) -> (CpuWeight, 
     }
     let len = bytes.len();
     let owner = Arc::new(bytes);
-    let w = be
+    let mut w = be
         .weight(WeightDesc {
             name: "w",
             ty,
@@ -41,6 +43,8 @@ fn weight(be: &CpuBackend, ty: QType, n_in: usize, n_out: usize) -> (CpuWeight, 
             owner: owner.clone(),
         })
         .expect("valid weight");
+    // Packed for the matmul's kernels, as a model's matrices are at load.
+    be.prepare_matmul(&mut w);
     (w, len)
 }
 
@@ -63,15 +67,17 @@ fn bench(c: &mut Criterion) {
                 });
                 g.finish();
 
-                let mut g = c.benchmark_group("gemm64");
-                let flops = 2 * GEMM_ROWS * n_in * n_out;
-                g.throughput(Throughput::Elements(u64::try_from(flops).expect("fits")));
-                let x = be.from_host(GEMM_ROWS, n_in, &values(GEMM_ROWS * n_in, 3));
-                let mut out = be.zeros(GEMM_ROWS, n_out);
-                g.bench_function(BenchmarkId::from_parameter(&id), |b| {
-                    b.iter(|| be.matmul(black_box(&x), &w, &mut out));
-                });
-                g.finish();
+                for rows in SMALL_ROWS.iter().copied().chain([GEMM_ROWS]) {
+                    let mut g = c.benchmark_group(format!("gemm{rows}"));
+                    let flops = 2 * rows * n_in * n_out;
+                    g.throughput(Throughput::Elements(u64::try_from(flops).expect("fits")));
+                    let x = be.from_host(rows, n_in, &values(rows * n_in, 3));
+                    let mut out = be.zeros(rows, n_out);
+                    g.bench_function(BenchmarkId::from_parameter(&id), |b| {
+                        b.iter(|| be.matmul(black_box(&x), &w, &mut out));
+                    });
+                    g.finish();
+                }
             }
         }
     }

@@ -241,6 +241,10 @@ fn every_output_is_the_bits_of_the_single_row_dot_product() {
             (3 * block, 13, 6),
             (5 * block, 4, 1),
             (3 * block, 37, 5),
+            // Two and three activation rows left after the groups of four (packed groups of
+            // sixteen weight rows, and one plain row).
+            (2 * block, 33, 7),
+            (block, 17, 2),
         ];
         for ((n_in, n_out, rows), threads, prepared) in shapes
             .into_iter()

@@ -213,12 +213,23 @@ pub(crate) unsafe fn run<const NR: usize>(
     a: [&[u8]; NR],
     sums: [&[u8]; NR],
 ) -> [[f32; ROWS]; NR] {
+    // One row (decode): each block sum in four independent accumulators, so that its dot
+    // products overlap instead of waiting on each other; several rows already overlap.
+    macro_rules! k {
+        ($f:literal) => {
+            if NR == 1 {
+                kernel::<NR, $f, 4>(group, nb, a, sums)
+            } else {
+                kernel::<NR, $f, 1>(group, nb, a, sums)
+            }
+        };
+    }
     match fmt {
-        Fmt::Q4_0 => kernel::<NR, 0>(group, nb, a, sums),
-        Fmt::Q4_1 => kernel::<NR, 1>(group, nb, a, sums),
-        Fmt::Q5_0 => kernel::<NR, 2>(group, nb, a, sums),
-        Fmt::Q5_1 => kernel::<NR, 3>(group, nb, a, sums),
-        Fmt::Q8_0 => kernel::<NR, 4>(group, nb, a, sums),
+        Fmt::Q4_0 => k!(0),
+        Fmt::Q4_1 => k!(1),
+        Fmt::Q5_0 => k!(2),
+        Fmt::Q5_1 => k!(3),
+        Fmt::Q8_0 => k!(4),
         // SAFETY: the caller's CPU runs these kernels.
         Fmt::Q4K => unsafe { run_q4k::<NR>(group, nb, a) },
         // SAFETY: as above.
@@ -227,10 +238,12 @@ pub(crate) unsafe fn run<const NR: usize>(
 }
 
 /// [`run`] for the format numbered `F` (the order of [`Fmt`]), so that every format test
-/// folds away.
+/// folds away, with each row's block sum in `C` accumulators: products `2t` and `2t + 1` of
+/// the nibble formats, or unit `t` of Q8_0, go to accumulator `(2t or t) mod C`, and they are
+/// added at the end — exact integers, so the sum is the same for every `C`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-fn kernel<const NR: usize, const F: u8>(
+fn kernel<const NR: usize, const F: u8, const C: usize>(
     group: &[u8],
     nb: usize,
     a: [&[u8]; NR],
@@ -263,15 +276,16 @@ fn kernel<const NR: usize, const F: u8>(
             // SAFETY: see above.
             unsafe { ap[j].add(at).cast::<i32>().read_unaligned() }
         };
-        let mut acc = [_mm512_setzero_si512(); NR];
+        let mut acc = [[_mm512_setzero_si512(); C]; NR];
         for t in 0..fmt.units() {
             // SAFETY: see above.
             let w = unsafe { _mm512_loadu_si512(gp.add(fmt.off_codes() + 64 * t).cast()) };
             if fmt == Fmt::Q8_0 {
                 // Signed codes as unsigned `w + 128` (zero point 128).
                 let u = _mm512_xor_si512(w, x80);
+                let c = t % C;
                 for (j, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm512_dpbusd_epi32(*acc, u, _mm512_set1_epi32(y(j, 4 * t)));
+                    acc[c] = _mm512_dpbusd_epi32(acc[c], u, _mm512_set1_epi32(y(j, 4 * t)));
                 }
                 continue;
             }
@@ -289,9 +303,10 @@ fn kernel<const NR: usize, const F: u8>(
                 lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(ml, x10));
                 hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mh, x10));
             }
+            let (cl, ch) = ((2 * t) % C, (2 * t + 1) % C);
             for (j, acc) in acc.iter_mut().enumerate() {
-                *acc = _mm512_dpbusd_epi32(*acc, lo, _mm512_set1_epi32(y(j, 4 * t)));
-                *acc = _mm512_dpbusd_epi32(*acc, hi, _mm512_set1_epi32(y(j, 16 + 4 * t)));
+                acc[cl] = _mm512_dpbusd_epi32(acc[cl], lo, _mm512_set1_epi32(y(j, 4 * t)));
+                acc[ch] = _mm512_dpbusd_epi32(acc[ch], hi, _mm512_set1_epi32(y(j, 16 + 4 * t)));
             }
         }
         // SAFETY: reads the 32 bytes of the group's d (16 f16).
@@ -303,7 +318,10 @@ fn kernel<const NR: usize, const F: u8>(
             _mm512_setzero_ps()
         };
         for j in 0..NR {
-            let mut isum = acc[j];
+            let mut isum = acc[j][0];
+            for &c in &acc[j][1..] {
+                isum = _mm512_add_epi32(isum, c);
+            }
             if fmt.needs_sums() {
                 let zy = fmt.zero() * word(sums[j], 4 * b);
                 isum = _mm512_sub_epi32(isum, _mm512_set1_epi32(zy));

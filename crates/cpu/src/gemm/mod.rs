@@ -266,12 +266,32 @@ impl Gemm {
                     }
                     j += 4;
                 }
-                for j in j..n_a {
-                    // SAFETY: as above.
-                    let v = unsafe { lanes::run::<1>(fmt, group, nb, [ar(j)], [sr(j)]) };
-                    for (k, &v) in v[0].iter().enumerate() {
-                        put(j, g0 + k, v);
-                    }
+                // The last one to three rows in one pass (a pass per row would re-run the
+                // group's codes for each).
+                macro_rules! rest {
+                    ($($d:literal),+) => {{
+                        // SAFETY: as above.
+                        let v = unsafe {
+                            lanes::run::<{ [$($d),+].len() }>(
+                                fmt,
+                                group,
+                                nb,
+                                [$(ar(j + $d)),+],
+                                [$(sr(j + $d)),+],
+                            )
+                        };
+                        for (dj, v) in v.iter().enumerate() {
+                            for (k, &v) in v.iter().enumerate() {
+                                put(j + dj, g0 + k, v);
+                            }
+                        }
+                    }};
+                }
+                match n_a - j {
+                    3 => rest!(0, 1, 2),
+                    2 => rest!(0, 1),
+                    1 => rest!(0),
+                    _ => {}
                 }
             }
             // The rows after the last whole group are plain.
