@@ -384,24 +384,10 @@ pub(crate) fn kv_write(
     k: &CpuTensor,
     v: &CpuTensor,
 ) {
-    assert!(
-        layer < kv.layers.len(),
-        "kv_write: layer {layer} of a {}-layer cache",
-        kv.layers.len()
-    );
-    let h = kv.layout.shape.layer_heads(layer);
-    let (kw, vw) = (h.n_kv_head * h.head_dim_k, h.n_kv_head * h.head_dim_v);
     assert_eq!(
-        (k.rows(), k.cols()),
-        (cells.len(), kw),
-        "kv_write: K must be [{}, {kw}]",
-        cells.len()
-    );
-    assert_eq!(
-        (v.rows(), v.cols()),
-        (cells.len(), vw),
-        "kv_write: V must be [{}, {vw}]",
-        cells.len()
+        (k.rows(), v.rows()),
+        (cells.len(), cells.len()),
+        "kv_write: one K row and one V row per cell"
     );
     kv_write_rows(be, kv, layer, cells, k.as_slice(), v.as_slice());
 }
@@ -423,10 +409,15 @@ pub(crate) fn kv_write_rows(
     let h = kv.layout.shape.layer_heads(layer);
     let (kw, vw) = (h.n_kv_head * h.head_dim_k, h.n_kv_head * h.head_dim_v);
     assert_eq!(
-        (k.len(), v.len()),
-        (cells.len() * kw, cells.len() * vw),
-        "kv_write: K and V must be [{}, {kw}] and [{}, {vw}]",
-        cells.len(),
+        k.len(),
+        cells.len() * kw,
+        "kv_write: K must be [{}, {kw}]",
+        cells.len()
+    );
+    assert_eq!(
+        v.len(),
+        cells.len() * vw,
+        "kv_write: V must be [{}, {vw}]",
         cells.len()
     );
     if cells.is_empty() {
