@@ -1551,14 +1551,6 @@ fn plan<'a>(
 /// Runs the tasks of every job in one parallel region of the pool, then merges the split-K
 /// jobs' chunk states; `parts` values hold every split-K job's chunk states.
 fn run_jobs(be: &CpuBackend, jobs: &[Job<'_>], parts: usize, out: &mut [f32]) {
-    let starts: Vec<usize> = jobs
-        .iter()
-        .scan(0, |acc, j| {
-            let s = *acc;
-            *acc += j.n_tasks();
-            Some(s)
-        })
-        .collect();
     let n_tasks: usize = jobs.iter().map(Job::n_tasks).sum();
     let mut parts = vec![0.0f32; parts];
     {
@@ -1569,15 +1561,14 @@ fn run_jobs(be: &CpuBackend, jobs: &[Job<'_>], parts: usize, out: &mut [f32]) {
             BUFS.with(|cell| {
                 let mut b = cell.borrow_mut();
                 let range = split(n_tasks, nth, t);
-                // The job of the first task, then the next jobs in order.
-                let mut j = starts
-                    .partition_point(|&s| s <= range.start)
-                    .saturating_sub(1);
-                for i in range {
-                    while j + 1 < jobs.len() && starts[j + 1] <= i {
-                        j += 1;
+                // The jobs' tasks numbered one after another: each job's share of the range.
+                let mut start = 0;
+                for job in jobs {
+                    let end = start + job.n_tasks();
+                    for i in range.start.max(start)..range.end.min(end) {
+                        job.run(i - start, &mut b, &dst, &pd);
                     }
-                    jobs[j].run(i - starts[j], &mut b, &dst, &pd);
+                    start = end;
                 }
             });
         };
