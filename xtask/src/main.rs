@@ -112,6 +112,12 @@ struct ExpSpecArgs {
     /// out one context position among hundreds until the gains grow.
     #[arg(long, default_value_t = 2.0)]
     dflash_qk_norm_init: f32,
+    /// Where the DFlash draft starts (`specula train --init`): `random`, or `copy` — a draft
+    /// that already looks the anchor's token up in the context and drafts what the target
+    /// predicted after it (it reads the target's output as a tap, so the DFlash taps gain the
+    /// last layer).
+    #[arg(long, default_value = "random", value_parser = ["random", "copy"])]
+    dflash_init: String,
     /// EAGLE-3 training steps.
     #[arg(long, default_value_t = 400)]
     eagle_steps: usize,

@@ -93,6 +93,12 @@ pub struct Args {
     /// dominating its updates).
     #[arg(long = "raw-features")]
     pub raw_features: bool,
+    /// DFlash: where the parameters start — `random` (the DFlash recipe) or `copy`, a draft
+    /// that already looks the anchor's token up in the context and drafts what the target
+    /// predicted after it (needs taps 0 and the target's last layer; training continues from
+    /// it).
+    #[arg(long = "init", default_value = "random", value_parser = ["random", "copy"])]
+    pub init: String,
     /// What rows learn (features with --top-k for the first two): `greedy`, the target's
     /// next token while the corpus after the anchor is the target's greedy path (DFlash; as
     /// `target` for EAGLE-3); `target`, its next token everywhere; `corpus`, the corpus's.
@@ -152,7 +158,7 @@ mod imp {
     use anyhow::{Context, Result, bail};
     use indicatif::{ProgressBar, ProgressStyle};
     use specula_train::accel::Accel;
-    use specula_train::dflash::{DflashConfig, Labels, Run, StepLog, ValLog};
+    use specula_train::dflash::{DflashConfig, Init, Labels, Run, StepLog, ValLog};
     use specula_train::eagle3::{Eagle3Config, Eagle3Run};
     use specula_train::export::{ExportType, write_dflash, write_eagle3};
     use specula_train::features::FeatureSet;
@@ -213,6 +219,11 @@ mod imp {
                 cfg.qk_norm_init = args.qk_norm_init;
                 cfg.standardize = !args.raw_features;
                 cfg.labels = labels;
+                cfg.init = if args.init == "copy" {
+                    Init::Copy
+                } else {
+                    Init::Random
+                };
                 cfg.mask = args.mask_token;
                 cfg.seed = args.seed;
                 cfg.optim.lr = args.lr;

@@ -49,6 +49,17 @@ fn one() -> f32 {
     1.0
 }
 
+/// Where a DFlash run's parameters start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Init {
+    /// Small random matrices, unit norms (the DFlash recipe).
+    #[default]
+    Random,
+    /// The copy circuit of [`crate::circuit`]: the anchor row looks its token up in the
+    /// context, the block rows draft what the target predicted after it.
+    Copy,
+}
+
 /// Everything that decides a DFlash training run (saved in its checkpoint; a resume must
 /// match it).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -101,6 +112,9 @@ pub struct DflashConfig {
     pub standardize: bool,
     /// What the block rows predict.
     pub labels: Labels,
+    /// Where the parameters start.
+    #[serde(default)]
+    pub init: Init,
     /// The MASK token (default: the target's padding token, else its end of sequence).
     pub mask: Option<u32>,
     /// Every random draw of the run (initialisation, sampling).
@@ -130,6 +144,7 @@ impl DflashConfig {
             qk_norm_init: 1.0,
             standardize: true,
             labels: Labels::Greedy,
+            init: Init::Random,
             mask: None,
             seed: 42,
             optim: AdamW {
@@ -491,6 +506,17 @@ impl Run {
             if let Some(p) = at.and_then(|i| params.get_mut(i)) {
                 p.clone_from(norm);
             }
+        }
+        if cfg.init == Init::Copy {
+            crate::circuit::copy_init(
+                &shape,
+                target,
+                feats,
+                &train,
+                &feat_scale,
+                cfg.seed,
+                &mut params,
+            )?;
         }
         let moments = vec![Moments::default(); params.len()];
         Ok(Self {

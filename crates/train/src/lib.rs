@@ -2,6 +2,7 @@
 
 pub mod accel;
 pub mod checkpoint;
+pub mod circuit;
 pub mod dflash;
 pub mod eagle3;
 pub mod export;
