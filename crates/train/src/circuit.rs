@@ -40,6 +40,8 @@ use crate::{Result, TrainError};
 const ROWS: usize = 8192;
 /// Rotary pairs the lookup's queries and keys use (the most slowly turning ones).
 const PAIRS: usize = 12;
+/// The widest target the eigendecomposition is written for (its cost grows with the cube).
+const MAX_WIDTH: usize = 1024;
 /// Value dimensions of a K/V head left out of the compressed prediction (one carries the flag).
 const SPARE: usize = 4;
 
@@ -202,6 +204,12 @@ pub fn copy_init(
     }
     if e != et {
         return Err(bad(format!("draft width {e} is not the target's {et}")));
+    }
+    if e > MAX_WIDTH {
+        return Err(bad(format!(
+            "width {e}: the principal directions come from a full eigendecomposition of an \
+             {e} × {e} matrix (cyclic Jacobi), written for targets up to {MAX_WIDTH} wide"
+        )));
     }
     let slot = |t: usize| shape.taps.iter().position(|&x| x == t);
     let (Some(s_emb), Some(s_out)) = (slot(0), slot(n_layer)) else {
