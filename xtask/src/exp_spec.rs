@@ -403,6 +403,9 @@ pub fn run(args: &ExpSpecArgs) -> Result<()> {
         .args(["--qk-norm-init", &args.dflash_qk_norm_init.to_string()])
         .args(["--init", &args.dflash_init])
         .args(["--steps", &args.steps.to_string(), "--export", "f16,q8_0"]);
+    if args.dflash_kv_heads > 0 {
+        cmd.args(["--kv-heads", &args.dflash_kv_heads.to_string()]);
+    }
     if dflash_dir.join("checkpoint.bin").exists() {
         cmd.arg("--resume");
     }
@@ -607,7 +610,7 @@ fn table(
     let _ = writeln!(
         s,
         "# Drafters on {}: what each speculative method saves\n\n\
-         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --dflash-qk-norm-init {} --dflash-init {} --eagle-steps {} --shards {} \
+         `cargo xtask exp spec --target {} --steps {} --dflash-layers {} --dflash-anchor-loss {} --dflash-qk-norm-init {} --dflash-init {} --dflash-kv-heads {} --eagle-steps {} --shards {} \
          -n {} --generate {} --dflash-labels {} --prompts-per-file {} --prompt-chars {} --reps {}{}` \
          ({} prompts: held-out code {:?} and prose from {PROSE_PKG}; {} tokens each; \
          {} threads; each cell's time the median of {} runs).\n\n\
@@ -622,6 +625,7 @@ fn table(
         args.dflash_anchor_loss,
         args.dflash_qk_norm_init,
         args.dflash_init,
+        args.dflash_kv_heads,
         args.eagle_steps,
         args.shards,
         args.n,

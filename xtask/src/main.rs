@@ -118,6 +118,11 @@ struct ExpSpecArgs {
     /// last layer).
     #[arg(long, default_value = "random", value_parser = ["random", "copy"])]
     dflash_init: String,
+    /// K/V heads of the DFlash draft (`specula train --kv-heads`; 0: the target's). The copy
+    /// circuit's value path is K/V heads × head_dim wide: more heads carry more of the
+    /// target's prediction through a lookup.
+    #[arg(long, default_value_t = 0)]
+    dflash_kv_heads: usize,
     /// EAGLE-3 training steps.
     #[arg(long, default_value_t = 400)]
     eagle_steps: usize,

@@ -99,6 +99,10 @@ pub struct Args {
     /// it).
     #[arg(long = "init", default_value = "random", value_parser = ["random", "copy"])]
     pub init: String,
+    /// DFlash: K/V heads of the draft (a divisor of the target's query heads; default the
+    /// target's). More widen what an attention layer carries from the context.
+    #[arg(long = "kv-heads")]
+    pub kv_heads: Option<usize>,
     /// What rows learn (features with --top-k for the first two): `greedy`, the target's
     /// next token while the corpus after the anchor is the target's greedy path (DFlash; as
     /// `target` for EAGLE-3); `target`, its next token everywhere; `corpus`, the corpus's.
@@ -224,6 +228,7 @@ mod imp {
                 } else {
                     Init::Random
                 };
+                cfg.kv_heads = args.kv_heads;
                 cfg.mask = args.mask_token;
                 cfg.seed = args.seed;
                 cfg.optim.lr = args.lr;

@@ -9,19 +9,27 @@
 //! parameters — nothing new at inference, the file is an ordinary DFlash drafter — and
 //! training continues from there:
 //!
-//! - **`fc` lays the context out in three parts.** For K/V head `h`, `nc` columns hold a random
-//!   orthonormal projection of the token's embedding (tap 0) with the embeddings' mean
-//!   direction removed; then `n_kv · nv` columns hold the target's final hidden state (the
-//!   last tap, the target's output) projected on its `n_kv · nv` principal directions — what the
-//!   target predicts next, compressed; then one column holds a feature column of constant sign
-//!   (a *flag*: "this value came from the context").
+//! - **`fc` lays the context out in three parts.** For K/V head `h` (up to three; more heads
+//!   share those three), `nc` columns hold a random orthonormal projection of the token's
+//!   embedding (tap 0) with the embeddings' mean direction removed; then `n_kv · nv` columns
+//!   hold the target's final hidden state (the last tap, the target's output) projected on its
+//!   `n_kv · nv` principal directions — what the target predicts next, compressed; then one
+//!   column holds a feature column of constant sign (a *flag*: "this value came from the
+//!   context").
 //! - **Layer 1: the anchor row looks its token up.** Queries and keys live on the `nc` most
 //!   slowly rotating RoPE dimensions (over a few thousand positions they barely turn), so a
 //!   score is the cosine of two embedding projections: the anchor row's query meets the
 //!   context positions holding the same token. The values are the compressed predictions and
 //!   the flag; the output projection expands them back into the residual. MASK rows, whose
 //!   query is the MASK embedding, meet each other instead and read a zero value with a
-//!   negative flag.
+//!   negative flag. A mid-frequency rotary pair adds a bias towards recent positions (see
+//!   [`recency`]): a code prompt holds `(` or `self` many times over, and what followed the
+//!   latest one is the better draft.
+//! - **The value path is `K/V heads × head_dim` wide** (less a few spare dimensions), and it is
+//!   what limits the circuit on real prompts: a lookup that blends a few positions keeps the
+//!   target's argmax far better through more principal directions. A draft may have more K/V
+//!   heads than its target (`--kv-heads`); beyond three they share the key projections and
+//!   spend their width on values.
 //! - **Layer 2: every block row reads the anchor row.** Its key is the flag coordinate of the
 //!   residual (positive only where layer 1 found the token; zero for the context), its value
 //!   the compressed prediction again, so row 1 drafts what followed the anchor's token last
@@ -44,6 +52,14 @@ const PAIRS: usize = 12;
 const MAX_WIDTH: usize = 1024;
 /// Value dimensions of a K/V head left out of the compressed prediction (one carries the flag).
 const SPARE: usize = 4;
+/// Score amplitude of the lookup's recency bias `ρ · cos(θ·Δ)` at the median anchor.
+const REC_RHO: f64 = 6.0;
+/// Positions over which the recency pair turns half a circle (its bias falls from `+ρ` at the
+/// anchor to `−ρ` this far back).
+const REC_SPAN: f64 = 256.0;
+/// Distinct key projections of the lookup at most; K/V head `h` uses projection
+/// `h mod KEY_GROUPS`, so a draft with more K/V heads spends its extra width on values.
+const KEY_GROUPS: usize = 3;
 
 /// Gains of the circuit, in the units the construction notes give.
 #[derive(Clone, Copy, Debug)]
@@ -171,6 +187,149 @@ fn f(x: f64) -> f32 {
     x as f32
 }
 
+/// What the recency bias is computed from (see [`recency`]).
+struct Recency<'a> {
+    shape: &'a DraftShape,
+    rows: &'a [Vec<f32>],
+    s_emb: usize,
+    s_out: usize,
+    flag_col: usize,
+    /// The first key group's projections.
+    proj: &'a [Vec<f64>],
+    pcs: &'a [Vec<f64>],
+    out_norm: &'a [f64],
+    um: &'a [f64],
+    ke: f64,
+    kf: f64,
+    pairs: usize,
+}
+
+/// The lookup's recency bias, as layer 1 holds it.
+struct RecencyBias {
+    /// The rotary pair (its first dimension) that carries it.
+    pair: usize,
+    /// The query's direction (the anchors' mean normalised embedding, orthogonal to MASK's).
+    dir: Vec<f64>,
+    lambda: f64,
+    kappa: f64,
+    /// The query/key norm gain that keeps the content scores where they were.
+    gain: f32,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v.get(v.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// A bias `ρ · cos(θ·Δ)` towards recent context positions in the anchor row's lookup: when a
+/// token stood at several earlier positions, what followed it most recently is the better
+/// draft (a code prompt repeats `(`, `self` or `return` with every continuation). A rotary
+/// pair turning half a circle over [`REC_SPAN`] positions carries it: the query's part is a
+/// near-constant of the anchor's embedding (its component along the mean embedding of the
+/// training tokens, taken orthogonal to MASK's so MASK rows get none), the key's the
+/// context's flag. Both share their head's norm with the content, so the gain grows to keep
+/// the content scores as they were. `None` when the lookup leaves no free pair.
+fn recency(c: &Recency<'_>) -> Option<RecencyBias> {
+    let (e, hd) = (c.shape.n_embd, c.shape.head_dim);
+    let et = c.shape.n_embd_target;
+    #[allow(clippy::cast_precision_loss, reason = "head dims are small")]
+    let span = |i: usize| {
+        std::f64::consts::PI / f64::from(c.shape.rope_base).powf(-2.0 * i as f64 / hd as f64)
+    };
+    let pair = (0..(hd / 2).saturating_sub(c.pairs)).min_by(|&a, &b| {
+        (span(a) / REC_SPAN)
+            .ln()
+            .abs()
+            .total_cmp(&(span(b) / REC_SPAN).ln().abs())
+    })?;
+    #[allow(clippy::cast_precision_loss, reason = "widths are small")]
+    let sqrt_e = (e as f64).sqrt();
+    let normed = |v: &[f32]| -> Vec<f64> {
+        let k = 1.0 / rms(v).max(1e-12);
+        v.iter().map(|&x| f64::from(x) * k).collect()
+    };
+    let sample = &c.rows[..c.rows.len().min(2048)];
+    let mut mean = vec![0f64; e];
+    for r in sample {
+        for (m, x) in mean
+            .iter_mut()
+            .zip(normed(&r[c.s_emb * et..(c.s_emb + 1) * et]))
+        {
+            *m += x;
+        }
+    }
+    let d_um = dot(&mean, c.um);
+    let dir = unit(mean.iter().zip(c.um).map(|(m, u)| m - d_um * u).collect());
+    let (mut cq, mut rq, mut ck, mut rk) = (vec![], vec![], vec![], vec![]);
+    for r in sample {
+        let emb = &r[c.s_emb * et..(c.s_emb + 1) * et];
+        let h = normed(emb);
+        let h_um = dot(&h, c.um);
+        let hm: Vec<f64> = h.iter().zip(c.um).map(|(x, u)| x - h_um * u).collect();
+        cq.push(
+            c.proj
+                .iter()
+                .map(|a| dot(a, &hm).powi(2))
+                .sum::<f64>()
+                .sqrt(),
+        );
+        rq.push(dot(&dir, &h));
+        // The context row as `fc` lays it out, then the encoder's norm.
+        let keys: Vec<f64> = c
+            .proj
+            .iter()
+            .map(|a| {
+                c.ke * a
+                    .iter()
+                    .zip(emb)
+                    .map(|(x, &y)| x * f64::from(y))
+                    .sum::<f64>()
+            })
+            .collect();
+        let out = &r[c.s_out * et..(c.s_out + 1) * et];
+        let vals: f64 = c
+            .pcs
+            .iter()
+            .map(|pc| {
+                pc.iter()
+                    .zip(out)
+                    .zip(c.out_norm)
+                    .map(|((x, &y), wn)| x * f64::from(y) * wn)
+                    .sum::<f64>()
+                    .powi(2)
+            })
+            .sum();
+        let flag = c.kf * f64::from(r[c.flag_col]);
+        // Every key group holds about as much as the first.
+        #[allow(clippy::cast_precision_loss, reason = "group counts are small")]
+        let groups = (c.shape.n_head_kv.clamp(1, KEY_GROUPS)) as f64;
+        let kss: f64 = keys.iter().map(|k| k * k).sum();
+        let row_rms = ((groups * kss + vals + flag * flag) / (sqrt_e * sqrt_e)).sqrt();
+        ck.push(kss.sqrt() / row_rms.max(1e-300));
+        rk.push(flag / row_rms.max(1e-300));
+    }
+    // The embeddings must share a direction: nine anchors in ten on its positive side.
+    let mut sorted = rq.clone();
+    sorted.sort_by(f64::total_cmp);
+    if sorted.get(sorted.len() / 10).is_none_or(|&x| x <= 0.0) {
+        return None;
+    }
+    let (cq, rq, ck, rk) = (median(cq), median(rq), median(ck), median(rk));
+    if rk <= 0.0 {
+        return None;
+    }
+    let g0 = f64::from(GAINS.lookup);
+    // Equal shares on both sides: α·β·8·g0² = ρ.
+    let ab = (REC_RHO / (8.0 * g0 * g0)).sqrt();
+    Some(RecencyBias {
+        pair,
+        dir,
+        lambda: ab * cq / rq,
+        kappa: ab * ck / rk,
+        gain: f(g0 * (1.0 + ab * ab).sqrt()),
+    })
+}
+
 /// Writes the copy circuit into `params` (in [`DraftShape::params`] order, already holding a
 /// random initialisation): see the module notes. `feat_scale` is what the trainer divides
 /// feature columns by (empty: nothing); `train` the training sequences its statistics read.
@@ -220,8 +379,13 @@ pub fn copy_init(
     };
     let pairs = PAIRS.min(hd / 2);
     let nc = 2 * pairs;
-    let nv = hd.saturating_sub(SPARE);
-    let (kpart, vpart) = (nkv * nc, nkv * nv);
+    let kg = nkv.clamp(1, KEY_GROUPS);
+    let kpart = kg * nc;
+    // Value dimensions per K/V head: what a head holds, or what the context row has room for.
+    let nv = hd
+        .saturating_sub(SPARE)
+        .min(e.saturating_sub(kpart + 2) / nkv.max(1));
+    let vpart = nkv * nv;
     let flag_at = kpart + vpart;
     if nv == 0 || flag_at + 2 > e || nh % nkv != 0 {
         return Err(bad(format!(
@@ -302,6 +466,7 @@ pub fn copy_init(
                 .collect()
         })
         .collect();
+    let embd_all = &target.embd;
     // The flag's residual coordinate: past the context layout, where the prediction varies least.
     let mut m2 = vec![0f64; e * e];
     for p in &preds {
@@ -317,15 +482,44 @@ pub fn copy_init(
             m2[j * e + i] = m2[i * e + j];
         }
     }
+    // … and where the block rows' embeddings are quiet: a MASK or anchor row carries its
+    // embedding there, and layer 2 reads only the coordinate's sign (a one-dimensional key
+    // under the head's norm), so the flag has to outweigh every embedding's value.
+    let mut emb_max = vec![0f64; e];
+    let mask_row = &embd_all[shape.mask as usize * e..(shape.mask as usize + 1) * e];
+    for r in rows
+        .iter()
+        .map(|r| &r[s_emb * et..(s_emb + 1) * et])
+        .chain([mask_row])
+    {
+        for (m, &x) in emb_max.iter_mut().zip(r) {
+            *m = m.max(f64::from(x).abs());
+        }
+    }
     let fcoord = (flag_at + 1..e)
-        .min_by(|&a, &b| m2[a * e + a].total_cmp(&m2[b * e + b]))
+        .min_by(|&a, &b| {
+            emb_max[a]
+                .total_cmp(&emb_max[b])
+                .then(m2[a * e + a].total_cmp(&m2[b * e + b]))
+        })
         .unwrap_or(e - 1);
+    // The flag's weight into that coordinate: a context flag (≈ `GAINS.flag` under the
+    // encoder's norm) lands there at four times the largest embedding value, at least once.
+    let flag_w = (4.0 * emb_max[fcoord] / GAINS.flag).max(1.0);
     for k in 0..e {
         m2[fcoord * e + k] = 0.0;
         m2[k * e + fcoord] = 0.0;
     }
-    let (_, vecs) = sym_eig(m2, e);
-    let pcs: Vec<Vec<f64>> = vecs.into_iter().take(vpart).collect();
+    let (vals, vecs) = sym_eig(m2, e);
+    // Directions the prediction does not vary along carry nothing of it, only what else the
+    // residual holds there (layer 2 reads the anchor row's residual through them): left out.
+    let top = vals.first().copied().unwrap_or(0.0);
+    let pcs: Vec<Vec<f64>> = vecs
+        .into_iter()
+        .zip(vals)
+        .take(vpart)
+        .map(|(v, l)| if l > 1e-6 * top { v } else { vec![0.0; e] })
+        .collect();
 
     // The lookup's projections: random, orthonormal, blind to the embeddings' mean direction.
     let embd = &target.embd;
@@ -375,6 +569,20 @@ pub fn copy_init(
     #[allow(clippy::cast_precision_loss, reason = "widths are small")]
     let rms_y = (2.0 * val_ss / (2048f64.min(n_rows) * e as f64)).sqrt();
     let kf = GAINS.flag * rms_y / flag_mean.abs().max(1e-12) * flag_mean.signum();
+    let rec = recency(&Recency {
+        shape,
+        rows: &rows,
+        s_emb,
+        s_out,
+        flag_col,
+        proj: &proj[..nc],
+        pcs: &pcs,
+        out_norm: &out_norm,
+        um: &um,
+        ke,
+        kf,
+        pairs,
+    });
 
     let names: Vec<String> = shape.params().into_iter().map(|(n, _)| n).collect();
     let at = |name: &str| names.iter().position(|n| n == name);
@@ -427,12 +635,13 @@ pub fn copy_init(
         match l {
             0 => {
                 for h in 0..nkv {
+                    let kc0 = (h % kg) * nc;
                     for (i, &d) in content.iter().enumerate() {
-                        let a = &proj[h * nc + i];
+                        let a = &proj[kc0 + i];
                         // The query: the anchor's projection with the MASK direction taken
                         // out, plus a pull of the MASK rows towards their own keys.
                         let a_um = dot(a, &um);
-                        let b = sqrt_e * um[h * nc + i];
+                        let b = sqrt_e * um[kc0 + i];
                         for hq in h * g..(h + 1) * g {
                             let row = &mut wq[(hq * hd + d) * e..(hq * hd + d + 1) * e];
                             for (k, x) in row.iter_mut().enumerate() {
@@ -440,7 +649,7 @@ pub fn copy_init(
                                     f(a[k] - a_um * um[k] + f64::from(GAINS.mask_pull) * b * um[k]);
                             }
                         }
-                        wk[(h * hd + d) * e + h * nc + i] = 1.0;
+                        wk[(h * hd + d) * e + kc0 + i] = 1.0;
                     }
                     for dv in 0..nv {
                         let c = kpart + h * nv + dv;
@@ -462,11 +671,30 @@ pub fn copy_init(
                     }
                     row[flag_at] += 1.0;
                     for hq in h * g..(h + 1) * g {
-                        wo[fcoord * q_w + hq * hd + nv] = f(per_q);
+                        wo[fcoord * q_w + hq * hd + nv] = f(per_q * flag_w);
                     }
                 }
-                set(&n("attn_q_norm"), vec![GAINS.lookup; hd]);
-                set(&n("attn_k_norm"), vec![GAINS.lookup; hd]);
+                let mut gain = GAINS.lookup;
+                if let Some(r) = &rec {
+                    // The recency pair: a near-constant of the anchor's embedding against the
+                    // context's flag (zero for MASK rows on both sides).
+                    for hq in 0..nh {
+                        let row = &mut wq[(hq * hd + r.pair) * e..(hq * hd + r.pair + 1) * e];
+                        for (x, &v) in row.iter_mut().zip(&r.dir) {
+                            *x = f(r.lambda * v);
+                        }
+                    }
+                    for h in 0..nkv {
+                        let row = &mut wk[(h * hd + r.pair) * e..(h * hd + r.pair + 1) * e];
+                        for (k, x) in row.iter_mut().enumerate() {
+                            *x = f(-r.kappa * um[flag_at] * um[k]);
+                        }
+                        row[flag_at] += f(r.kappa);
+                    }
+                    gain = r.gain;
+                }
+                set(&n("attn_q_norm"), vec![gain; hd]);
+                set(&n("attn_k_norm"), vec![gain; hd]);
             }
             1 => {
                 for hq in 0..nh {
@@ -508,6 +736,169 @@ pub fn copy_init(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::dflash::{DflashConfig, Init, Run};
+    use crate::net;
+    use burn::tensor::{Device, Tensor, TensorData};
+    use specula_testkit::tiny;
+    use std::path::Path;
+
+    /// A features directory as `specula extract` writes it, taps `[0, 1, last]`: tap 0 the
+    /// token's embedding, tap 1 noise but one column of constant sign, the last tap the
+    /// target "predicting" the sequence's next token (its output head's row), top-1 that
+    /// token.
+    fn write_features(dir: &Path, target: &Path, t: &Target, last: usize, seqs: &[Vec<u32>]) {
+        std::fs::create_dir_all(dir).expect("a features directory");
+        let e = t.hp.n_embd;
+        let emb = |tok: u32| &t.embd[tok as usize * e..(tok as usize + 1) * e];
+        let tokens: usize = seqs.iter().map(Vec::len).sum();
+        let u32_of = |v: usize| u32::try_from(v).expect("small");
+        let mut b = Vec::new();
+        b.extend_from_slice(b"SPECFEAT");
+        b.extend_from_slice(&1u32.to_le_bytes());
+        b.extend_from_slice(&u32_of(seqs.len()).to_le_bytes());
+        b.extend_from_slice(&(tokens as u64).to_le_bytes());
+        b.extend_from_slice(&u32_of(3 * e).to_le_bytes());
+        b.extend_from_slice(&1u32.to_le_bytes());
+        for s in seqs {
+            b.extend_from_slice(&u32_of(s.len()).to_le_bytes());
+        }
+        for &tok in seqs.iter().flatten() {
+            b.extend_from_slice(&tok.to_le_bytes());
+        }
+        let mut rng = Rng::new(11, 2);
+        let next = |s: &[u32], i: usize| s[(i + 1) % s.len()];
+        for s in seqs {
+            for (i, &tok) in s.iter().enumerate() {
+                let mut row: Vec<f32> = emb(tok).to_vec();
+                row.extend((0..e).map(|c| {
+                    #[allow(clippy::cast_possible_truncation, reason = "f32 features")]
+                    let x = rng.normal() as f32;
+                    if c == 5 { 4.0 + 0.2 * x } else { x }
+                }));
+                row.extend(t.head_rows(&[next(s, i)]).iter().map(|&x| 8.0 * x));
+                for x in row {
+                    b.extend_from_slice(&half::f16::from_f32(x).to_le_bytes());
+                }
+            }
+        }
+        for s in seqs {
+            for i in 0..s.len() {
+                b.extend_from_slice(&next(s, i).to_le_bytes());
+                b.extend_from_slice(&1.0f32.to_le_bytes());
+            }
+        }
+        let shard = dir.join("shard-00000.bin");
+        std::fs::write(&shard, &b).expect("a shard");
+        let manifest = serde_json::json!({
+            "format": "specula-features",
+            "target": {
+                "sha256": crate::sha256_file(target).expect("hashed"),
+                "n_embd": e,
+                "n_vocab": t.hp.n_vocab,
+            },
+            "taps": [0, 1, last],
+            "held_out": [],
+            "shards": [{
+                "file": "shard-00000.bin",
+                "sha256": crate::sha256_file(&shard).expect("hashed"),
+            }],
+        });
+        std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
+    }
+
+    /// Sequences that repeat a cycle of distinct tokens: the copy circuit, untrained, drafts
+    /// the token that followed the anchor's token in the cycle (row 1) once the cycle has been
+    /// seen — with the target's K/V heads and with more of them.
+    #[test]
+    fn the_copy_circuit_drafts_what_followed_the_anchor_s_token_before() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let dims = tiny::Dims {
+            n_embd: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 64,
+            ..tiny::Dims::TINY
+        };
+        let bytes = tiny::target_sized("llama", &dims)
+            .to_bytes()
+            .expect("a tiny target");
+        let tpath = dir.path().join("target.gguf");
+        std::fs::write(&tpath, &bytes).expect("written");
+        let target = Target::load(&tpath).expect("the tiny target loads");
+        let (e, n_vocab) = (target.hp.n_embd, target.hp.n_vocab);
+        let last = target.hp.n_layer;
+        let mut cfg = DflashConfig::new(1);
+        cfg.n_layer = 2;
+        cfg.block = 4;
+        cfg.draft_vocab = 0;
+        cfg.val_seqs = 1;
+        cfg.init = Init::Copy;
+        let mask = target.default_mask.expect("a MASK token");
+        // Twenty sequences, each a cycle of 12 distinct tokens (not MASK) three times over.
+        let mut rng = Rng::new(4, 4);
+        let pool: Vec<u32> = (0..u32::try_from(n_vocab).expect("small"))
+            .filter(|&t| t != mask)
+            .collect();
+        let seqs: Vec<Vec<u32>> = (0..20)
+            .map(|_| {
+                let mut p = pool.clone();
+                for i in (1..p.len()).rev() {
+                    p.swap(i, rng.below(i + 1));
+                }
+                p[..12].repeat(3)
+            })
+            .collect();
+        let fdir = dir.path().join("features");
+        write_features(&fdir, &tpath, &target, last, &seqs);
+        let feats = crate::features::FeatureSet::open(&fdir).expect("the features open");
+        for kv in [None, Some(4)] {
+            cfg.kv_heads = kv;
+            let out = dir.path().join(format!("run-{kv:?}"));
+            std::fs::create_dir_all(&out).expect("an output directory");
+            let run = Run::start(&cfg, &target, &feats, &out, false).expect("a circuit");
+            let shape = &run.shape;
+            let d2t = run.vocab.ids();
+            let dev = Device::flex();
+            let w = net::Weights::new(shape, &run.export_params(), &dev, false);
+            let head = Tensor::<2>::from_data(
+                TensorData::new(target.head_rows(&d2t), [d2t.len(), e]),
+                &dev,
+            );
+            let (mut right, mut n) = (0, 0);
+            for (i, s) in seqs.iter().enumerate() {
+                let ctx = feats.features(i).expect("features");
+                // Anchors in the second and third cycle: their token stood 12 positions back.
+                for a in 14..s.len() - 1 {
+                    let mut block_embd = target.embd[s[a] as usize * e..][..e].to_vec();
+                    for _ in 1..cfg.block {
+                        block_embd.extend_from_slice(&target.embd[mask as usize * e..][..e]);
+                    }
+                    let ex = net::Example {
+                        ctx: ctx[..a * shape.width()].to_vec(),
+                        n_ctx: a,
+                        anchors: vec![a],
+                        window: None,
+                        block_embd,
+                        targets: Vec::new(),
+                    };
+                    let logits = net::logits(net::forward_hidden(shape, &w, &ex, &dev), &head)
+                        .to_data()
+                        .try_to_vec::<f32>()
+                        .expect("logits");
+                    let row1 = &logits[d2t.len()..2 * d2t.len()];
+                    let best = (0..d2t.len())
+                        .max_by(|&x, &y| row1[x].total_cmp(&row1[y]))
+                        .expect("a vocabulary");
+                    right += usize::from(d2t[best] == s[a + 1]);
+                    n += 1;
+                }
+            }
+            assert!(
+                right * 10 >= n * 9,
+                "K/V heads {kv:?}: row 1 right {right} of {n}"
+            );
+        }
+    }
 
     #[test]
     fn jacobi_recovers_a_known_spectrum() {

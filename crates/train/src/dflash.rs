@@ -115,6 +115,12 @@ pub struct DflashConfig {
     /// Where the parameters start.
     #[serde(default)]
     pub init: Init,
+    /// K/V heads of the draft (a divisor of the target's query heads); `None`: the target's.
+    /// More K/V heads widen what one attention layer can carry from the context — the copy
+    /// circuit's value path is `K/V heads × head_dim` wide, and the target's prediction needs
+    /// more than SmolLM2's 3 × 64 to keep its argmax once a lookup blends a few positions.
+    #[serde(default)]
+    pub kv_heads: Option<usize>,
     /// The MASK token (default: the target's padding token, else its end of sequence).
     pub mask: Option<u32>,
     /// Every random draw of the run (initialisation, sampling).
@@ -145,6 +151,7 @@ impl DflashConfig {
             standardize: true,
             labels: Labels::Greedy,
             init: Init::Random,
+            kv_heads: None,
             mask: None,
             seed: 42,
             optim: AdamW {
@@ -243,12 +250,19 @@ pub fn shape_for(target: &Target, taps: &[usize], cfg: &DflashConfig) -> Result<
             hp.n_vocab
         )));
     }
+    let n_head_kv = cfg.kv_heads.unwrap_or(hp.n_head_kv);
+    if n_head_kv == 0 || !hp.n_head.is_multiple_of(n_head_kv) {
+        return Err(bad(format!(
+            "{n_head_kv} K/V heads do not divide the target's {} query heads",
+            hp.n_head
+        )));
+    }
     Ok(DraftShape {
         n_layer: cfg.n_layer,
         n_embd: hp.n_embd,
         n_ff: hp.n_ff,
         n_head: hp.n_head,
-        n_head_kv: hp.n_head_kv,
+        n_head_kv,
         head_dim: hp.head_dim_k,
         rope_base: hp.rope_freq_base,
         rms_eps: hp.rms_eps,
