@@ -95,8 +95,8 @@ pub struct Args {
     pub raw_features: bool,
     /// DFlash: where the parameters start — `random` (the DFlash recipe) or `copy`, a draft
     /// that already looks the anchor's token up in the context and drafts what the target
-    /// predicted after it (needs taps 0 and the target's last layer; training continues from
-    /// it).
+    /// predicted after it (needs tap 0 and the target's output or its last layer's input —
+    /// the latter loads in llama.cpp too; training continues from it).
     #[arg(long = "init", default_value = "random", value_parser = ["random", "copy"])]
     pub init: String,
     /// DFlash: K/V heads of the draft (a divisor of the target's query heads; default the
@@ -280,6 +280,15 @@ mod imp {
                     run.steps.last().map_or(f32::NAN, |s| s.loss)
                 );
                 summary(&mut out, &run.vals);
+                if run.shape.taps.contains(&target.hp.n_layer) {
+                    let _ = writeln!(
+                        out,
+                        "note: the drafter reads tap {} (the target's output); llama.cpp's DFlash \
+                         captures layer inputs only (taps 0..{}), so it loads in specula, not there",
+                        target.hp.n_layer,
+                        target.hp.n_layer.saturating_sub(1)
+                    );
+                }
             }
             Kind::Eagle3 => {
                 if args.layers != 1 {

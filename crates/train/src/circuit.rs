@@ -12,7 +12,8 @@
 //! - **`fc` lays the context out in three parts.** For K/V head `h` (up to three; more heads
 //!   share those three), `nc` columns hold a random orthonormal projection of the token's
 //!   embedding (tap 0) with the embeddings' mean direction removed; then `n_kv · nv` columns
-//!   hold the target's final hidden state (the last tap, the target's output) projected on its
+//!   hold the target's final hidden state (tap `n_layer`, or the last layer's input where
+//!   the drafter must load in llama.cpp, which captures layer inputs only) projected on its
 //!   `n_kv · nv` principal directions — what the target predicts next, compressed; then one
 //!   column holds a feature column of constant sign (a *flag*: "this value came from the
 //!   context").
@@ -23,7 +24,7 @@
 //!   the flag; the output projection expands them back into the residual. MASK rows, whose
 //!   query is the MASK embedding, meet each other instead and read a zero value with a
 //!   negative flag. A mid-frequency rotary pair adds a bias towards recent positions (see
-//!   [`recency`]): a code prompt holds `(` or `self` many times over, and what followed the
+//!   `recency`): a code prompt holds `(` or `self` many times over, and what followed the
 //!   latest one is the better draft.
 //! - **The value path is `K/V heads × head_dim` wide** (less a few spare dimensions), and it is
 //!   what limits the circuit on real prompts: a lookup that blends a few positions keeps the
@@ -371,10 +372,15 @@ pub fn copy_init(
         )));
     }
     let slot = |t: usize| shape.taps.iter().position(|&x| x == t);
-    let (Some(s_emb), Some(s_out)) = (slot(0), slot(n_layer)) else {
+    // The prediction: the target's output (tap `n_layer`), else its last layer's input (tap
+    // `n_layer − 1`, the deepest one llama.cpp's DFlash captures — it records layer inputs).
+    let s_out = slot(n_layer).or_else(|| slot(n_layer.saturating_sub(1)).filter(|_| n_layer > 1));
+    let (Some(s_emb), Some(s_out)) = (slot(0), s_out) else {
         return Err(bad(format!(
-            "taps {:?} must include 0 (the embedding) and {n_layer} (the target's output)",
-            shape.taps
+            "taps {:?} must include 0 (the embedding) and {n_layer} (the target's output) or \
+             {} (its last layer's input)",
+            shape.taps,
+            n_layer.saturating_sub(1)
         )));
     };
     let pairs = PAIRS.min(hd / 2);
