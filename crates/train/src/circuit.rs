@@ -753,63 +753,32 @@ mod tests {
     /// target "predicting" the sequence's next token (its output head's row), top-1 that
     /// token.
     fn write_features(dir: &Path, target: &Path, t: &Target, last: usize, seqs: &[Vec<u32>]) {
-        std::fs::create_dir_all(dir).expect("a features directory");
         let e = t.hp.n_embd;
-        let emb = |tok: u32| &t.embd[tok as usize * e..(tok as usize + 1) * e];
-        let tokens: usize = seqs.iter().map(Vec::len).sum();
-        let u32_of = |v: usize| u32::try_from(v).expect("small");
-        let mut b = Vec::new();
-        b.extend_from_slice(b"SPECFEAT");
-        b.extend_from_slice(&1u32.to_le_bytes());
-        b.extend_from_slice(&u32_of(seqs.len()).to_le_bytes());
-        b.extend_from_slice(&(tokens as u64).to_le_bytes());
-        b.extend_from_slice(&u32_of(3 * e).to_le_bytes());
-        b.extend_from_slice(&1u32.to_le_bytes());
-        for s in seqs {
-            b.extend_from_slice(&u32_of(s.len()).to_le_bytes());
-        }
-        for &tok in seqs.iter().flatten() {
-            b.extend_from_slice(&tok.to_le_bytes());
-        }
         let mut rng = Rng::new(11, 2);
         let next = |s: &[u32], i: usize| s[(i + 1) % s.len()];
+        let (mut rows, mut top1) = (Vec::new(), Vec::new());
         for s in seqs {
             for (i, &tok) in s.iter().enumerate() {
-                let mut row: Vec<f32> = emb(tok).to_vec();
-                row.extend((0..e).map(|c| {
+                rows.extend_from_slice(&t.embd[tok as usize * e..(tok as usize + 1) * e]);
+                rows.extend((0..e).map(|c| {
                     #[allow(clippy::cast_possible_truncation, reason = "f32 features")]
                     let x = rng.normal() as f32;
                     if c == 5 { 4.0 + 0.2 * x } else { x }
                 }));
-                row.extend(t.head_rows(&[next(s, i)]).iter().map(|&x| 8.0 * x));
-                for x in row {
-                    b.extend_from_slice(&half::f16::from_f32(x).to_le_bytes());
-                }
+                rows.extend(t.head_rows(&[next(s, i)]).iter().map(|&x| 8.0 * x));
+                top1.push(next(s, i));
             }
         }
-        for s in seqs {
-            for i in 0..s.len() {
-                b.extend_from_slice(&next(s, i).to_le_bytes());
-                b.extend_from_slice(&1.0f32.to_le_bytes());
-            }
-        }
-        let shard = dir.join("shard-00000.bin");
-        std::fs::write(&shard, &b).expect("a shard");
-        let manifest = serde_json::json!({
-            "format": "specula-features",
-            "target": {
-                "sha256": crate::sha256_file(target).expect("hashed"),
-                "n_embd": e,
-                "n_vocab": t.hp.n_vocab,
-            },
-            "taps": [0, 1, last],
-            "held_out": [],
-            "shards": [{
-                "file": "shard-00000.bin",
-                "sha256": crate::sha256_file(&shard).expect("hashed"),
-            }],
-        });
-        std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
+        crate::features::write_test_features(
+            dir,
+            target,
+            e,
+            t.hp.n_vocab,
+            &[0, 1, last],
+            seqs,
+            &rows,
+            &top1,
+        );
     }
 
     /// Sequences that repeat a cycle of distinct tokens: the copy circuit, untrained, drafts

@@ -1521,47 +1521,20 @@ mod tests {
     /// A features directory as `specula extract` writes it: `seqs` with random features and
     /// the target's top-1 `next(token)`.
     fn write_features(dir: &Path, target: &Path, seqs: &[Vec<u32>], next: impl Fn(u32) -> u32) {
-        std::fs::create_dir_all(dir).expect("a features directory");
-        let width = N_TAPS * tiny::N_EMBD;
         let tokens: usize = seqs.iter().map(Vec::len).sum();
-        let mut b = Vec::new();
-        b.extend_from_slice(b"SPECFEAT");
-        b.extend_from_slice(&1u32.to_le_bytes());
-        b.extend_from_slice(&to_u32(seqs.len()).to_le_bytes());
-        b.extend_from_slice(&(tokens as u64).to_le_bytes());
-        b.extend_from_slice(&to_u32(width).to_le_bytes());
-        b.extend_from_slice(&1u32.to_le_bytes());
-        for s in seqs {
-            b.extend_from_slice(&to_u32(s.len()).to_le_bytes());
-        }
-        for &t in seqs.iter().flatten() {
-            b.extend_from_slice(&t.to_le_bytes());
-        }
         let mut rng = Rng::new(5, 5);
-        for x in normals(&mut rng, tokens * width, 1.0) {
-            b.extend_from_slice(&half::f16::from_f32(x).to_le_bytes());
-        }
-        for &t in seqs.iter().flatten() {
-            b.extend_from_slice(&next(t).to_le_bytes());
-            b.extend_from_slice(&1.0f32.to_le_bytes());
-        }
-        let shard = dir.join("shard-00000.bin");
-        std::fs::write(&shard, &b).expect("a shard");
-        let manifest = serde_json::json!({
-            "format": "specula-features",
-            "target": {
-                "sha256": crate::sha256_file(target).expect("hashed"),
-                "n_embd": tiny::N_EMBD,
-                "n_vocab": tiny::N_VOCAB,
-            },
-            "taps": [0, 1, 2],
-            "held_out": [],
-            "shards": [{
-                "file": "shard-00000.bin",
-                "sha256": crate::sha256_file(&shard).expect("hashed"),
-            }],
-        });
-        std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
+        let rows = normals(&mut rng, tokens * N_TAPS * tiny::N_EMBD, 1.0);
+        let top1: Vec<u32> = seqs.iter().flatten().map(|&t| next(t)).collect();
+        crate::features::write_test_features(
+            dir,
+            target,
+            tiny::N_EMBD,
+            tiny::N_VOCAB,
+            &[0, 1, 2],
+            seqs,
+            &rows,
+            &top1,
+        );
     }
 
     /// Tap 0 derived from the ids is, to f16, the layer-0 input the target's own forward

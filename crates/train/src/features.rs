@@ -487,3 +487,68 @@ fn read_at(path: &Path, at: u64, n: usize) -> Result<Vec<u8>> {
     f.read_exact(&mut buf).map_err(io)?;
     Ok(buf)
 }
+
+/// A features directory as `specula extract` writes it, for tests: one shard of `seqs`, their
+/// feature rows (`tokens × taps.len() · n_embd`, stored as f16) and the target's top-1 per
+/// token, and a manifest naming `target`'s file.
+///
+/// # Panics
+/// When the files cannot be written.
+#[cfg(test)]
+#[allow(
+    clippy::too_many_arguments,
+    reason = "a test helper laid out as the shard is"
+)]
+pub(crate) fn write_test_features(
+    dir: &Path,
+    target: &Path,
+    n_embd: usize,
+    n_vocab: usize,
+    taps: &[usize],
+    seqs: &[Vec<u32>],
+    rows: &[f32],
+    top1: &[u32],
+) {
+    let u32_of = |v: usize| u32::try_from(v).expect("small");
+    std::fs::create_dir_all(dir).expect("a features directory");
+    let tokens: usize = seqs.iter().map(Vec::len).sum();
+    let width = taps.len() * n_embd;
+    assert_eq!((rows.len(), top1.len()), (tokens * width, tokens));
+    let mut b = Vec::new();
+    b.extend_from_slice(b"SPECFEAT");
+    b.extend_from_slice(&1u32.to_le_bytes());
+    b.extend_from_slice(&u32_of(seqs.len()).to_le_bytes());
+    b.extend_from_slice(&(tokens as u64).to_le_bytes());
+    b.extend_from_slice(&u32_of(width).to_le_bytes());
+    b.extend_from_slice(&1u32.to_le_bytes());
+    for s in seqs {
+        b.extend_from_slice(&u32_of(s.len()).to_le_bytes());
+    }
+    for &t in seqs.iter().flatten() {
+        b.extend_from_slice(&t.to_le_bytes());
+    }
+    for &x in rows {
+        b.extend_from_slice(&half::f16::from_f32(x).to_le_bytes());
+    }
+    for &t in top1 {
+        b.extend_from_slice(&t.to_le_bytes());
+        b.extend_from_slice(&1.0f32.to_le_bytes());
+    }
+    let shard = dir.join("shard-00000.bin");
+    std::fs::write(&shard, &b).expect("a shard");
+    let manifest = serde_json::json!({
+        "format": "specula-features",
+        "target": {
+            "sha256": crate::sha256_file(target).expect("hashed"),
+            "n_embd": n_embd,
+            "n_vocab": n_vocab,
+        },
+        "taps": taps,
+        "held_out": [],
+        "shards": [{
+            "file": "shard-00000.bin",
+            "sha256": crate::sha256_file(&shard).expect("hashed"),
+        }],
+    });
+    std::fs::write(dir.join("manifest.json"), manifest.to_string()).expect("a manifest");
+}
