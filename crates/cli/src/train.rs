@@ -297,6 +297,12 @@ mod imp {
                         args.layers
                     );
                 }
+                if args.init != "random" || args.kv_heads.is_some() {
+                    bail!(
+                        "--init copy and --kv-heads shape a DFlash draft; an EAGLE-3 head starts \
+                         random and keeps the target's K/V heads"
+                    );
+                }
                 let mut cfg = Eagle3Config::new(args.steps);
                 cfg.draft_vocab = args.draft_vocab;
                 cfg.ttt_steps = args.ttt_steps;

@@ -221,6 +221,9 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
     );
     eargs.extend(["--layers", "2"]);
     bad(specula(&eargs), "one decoder layer");
+    eargs.truncate(eargs.len() - 2);
+    eargs.extend(["--kv-heads", "3"]);
+    bad(specula(&eargs), "shape a DFlash draft");
     for ty in ["f16", "q8_0"] {
         let d = e.join(format!("drafter-{ty}.gguf"));
         let got = run(&[

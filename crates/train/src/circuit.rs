@@ -229,7 +229,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// near-constant of the anchor's embedding (its component along the mean embedding of the
 /// training tokens, taken orthogonal to MASK's so MASK rows get none), the key's the
 /// context's flag. Both share their head's norm with the content, so the gain grows to keep
-/// the content scores as they were. `None` when the lookup leaves no free pair.
+/// the content scores as they were. `None` when the lookup leaves no free pair, or when the
+/// embeddings share no direction (fewer than nine anchors in ten on its positive side).
 fn recency(c: &Recency<'_>) -> Option<RecencyBias> {
     let (e, hd) = (c.shape.n_embd, c.shape.head_dim);
     let et = c.shape.n_embd_target;
