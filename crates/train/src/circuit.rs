@@ -827,6 +827,11 @@ mod tests {
         let fdir = dir.path().join("features");
         write_features(&fdir, &tpath, &target, last, &seqs);
         let feats = crate::features::FeatureSet::open(&fdir).expect("the features open");
+        cfg.kv_heads = Some(3);
+        let Err(e3) = Run::start(&cfg, &target, &feats, dir.path(), false) else {
+            panic!("3 K/V heads for 4 query heads were taken");
+        };
+        assert!(e3.to_string().contains("do not divide"), "{e3}");
         for kv in [None, Some(4)] {
             cfg.kv_heads = kv;
             let out = dir.path().join(format!("run-{kv:?}"));
