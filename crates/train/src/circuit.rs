@@ -22,8 +22,9 @@
 //!   score is the cosine of two embedding projections: the anchor row's query meets the
 //!   context positions holding the same token. The values are the compressed predictions and
 //!   the flag; the output projection expands them back into the residual. MASK rows, whose
-//!   query is the MASK embedding, meet each other instead and read a zero value with a
-//!   negative flag. A mid-frequency rotary pair adds a bias towards recent positions (see
+//!   query is the MASK embedding, meet each other instead (through a pull along the
+//!   embeddings' quietest direction through MASK's, which anchors barely see) and read a zero
+//!   value with a negative flag. A mid-frequency rotary pair adds a bias towards recent positions (see
 //!   `recency`): a code prompt holds `(` or `self` many times over, and what followed the
 //!   latest one is the better draft.
 //! - **The value path is `K/V heads × head_dim` wide** (less a few spare dimensions), and it is
@@ -58,6 +59,11 @@ const REC_RHO: f64 = 6.0;
 /// Positions over which the recency pair turns half a circle (its bias falls from `+ρ` at the
 /// anchor to `−ρ` this far back).
 const REC_SPAN: f64 = 256.0;
+/// Floor of the embedding covariance's eigenvalues, relative to the largest, where
+/// [`quiet_direction`] inverts it.
+const EMB_FLOOR: f64 = 0.01;
+/// Embedding rows [`quiet_direction`] reads at most (every `n/EMB_ROWS`-th row).
+const EMB_ROWS: usize = 12_288;
 /// Distinct key projections of the lookup at most; K/V head `h` uses projection
 /// `h mod KEY_GROUPS`, so a draft with more K/V heads spends its extra width on values.
 const KEY_GROUPS: usize = 3;
@@ -147,6 +153,65 @@ fn sym_eig(mut a: Vec<f64>, n: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
         .map(|&i| (0..n).map(|k| v[k * n + i]).collect())
         .collect();
     (vals, vecs)
+}
+
+/// The direction `p` with `p·u = 1` that is quietest over the token embeddings: `M⁻¹u`
+/// normalised, `M = C + μμᵀ` their uncentred second moment (`C` their covariance over every
+/// `n/EMB_ROWS`-th row, eigenvalues floored at [`EMB_FLOOR`] of the largest; the mean
+/// folded in by Sherman–Morrison). Every embedding has a large component along `u` when `u`
+/// is itself an embedding — they share the mean direction — while along `p` only `u`'s own
+/// token is large.
+fn quiet_direction(embd: &[f32], e: usize, u: &[f64]) -> Vec<f64> {
+    let n = embd.len() / e.max(1);
+    let stride = n.div_ceil(EMB_ROWS).max(1);
+    let rows: Vec<&[f32]> = embd.chunks_exact(e).step_by(stride).collect();
+    #[allow(clippy::cast_precision_loss, reason = "row counts are small")]
+    let m = rows.len().max(1) as f64;
+    let mut mean = vec![0f64; e];
+    for r in &rows {
+        for (a, &x) in mean.iter_mut().zip(*r) {
+            *a += f64::from(x) / m;
+        }
+    }
+    let mut cov = vec![0f64; e * e];
+    let mut c = vec![0f64; e];
+    for r in &rows {
+        for ((ci, &x), mu) in c.iter_mut().zip(*r).zip(&mean) {
+            *ci = f64::from(x) - mu;
+        }
+        for i in 0..e {
+            let ci = c[i];
+            for (o, &cj) in cov[i * e + i..(i + 1) * e].iter_mut().zip(&c[i..]) {
+                *o += ci * cj;
+            }
+        }
+    }
+    for i in 0..e {
+        for j in i..e {
+            cov[i * e + j] /= m;
+            cov[j * e + i] = cov[i * e + j];
+        }
+    }
+    let (vals, vecs) = sym_eig(cov, e);
+    let floor = EMB_FLOOR * vals.first().copied().unwrap_or(0.0).max(1e-300);
+    // `C⁻¹x = Σ v (v·x) / λ`.
+    let inv = |x: &[f64]| -> Vec<f64> {
+        let mut out = vec![0f64; e];
+        for (v, &l) in vecs.iter().zip(&vals) {
+            let s = dot(v, x) / l.max(floor);
+            for (o, &vi) in out.iter_mut().zip(v) {
+                *o += s * vi;
+            }
+        }
+        out
+    };
+    let a = inv(u);
+    let b = inv(&mean);
+    let k = dot(&mean, &a) / (1.0 + dot(&mean, &b));
+    let p: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - k * y).collect();
+    let pu = dot(&p, u);
+    let pu = if pu.abs() < 1e-300 { 1e-300 } else { pu };
+    p.iter().map(|x| x / pu).collect()
 }
 
 /// `count` orthonormal vectors of `n` values, Gaussian then Gram–Schmidt.
@@ -551,6 +616,11 @@ pub fn copy_init(
             .map(|&x| f64::from(x))
             .collect(),
     );
+    // The MASK rows' pull towards their own keys reads `p·x` along the embeddings' quietest
+    // direction with `p·u_M = 1`: one on MASK's embedding, as `u_M` is, but near zero on
+    // other tokens', where `u_M·x` is about a third of `|x|` and would tilt every anchor's
+    // query off its own key (a third of row 1's drafts were lost to that).
+    let pull_dir = quiet_direction(embd, e, &um);
 
     // Scales: the key part as large as the value part in the context row, the flag a few
     // times its RMS.
@@ -652,8 +722,8 @@ pub fn copy_init(
                         for hq in h * g..(h + 1) * g {
                             let row = &mut wq[(hq * hd + d) * e..(hq * hd + d + 1) * e];
                             for (k, x) in row.iter_mut().enumerate() {
-                                *x =
-                                    f(a[k] - a_um * um[k] + f64::from(GAINS.mask_pull) * b * um[k]);
+                                *x = f(a[k] - a_um * um[k]
+                                    + f64::from(GAINS.mask_pull) * b * pull_dir[k]);
                             }
                         }
                         wk[(h * hd + d) * e + kc0 + i] = 1.0;
@@ -879,6 +949,46 @@ mod tests {
                 "K/V heads {kv:?}: row 1 right {right} of {n}"
             );
         }
+    }
+
+    #[test]
+    fn the_quiet_direction_is_large_on_its_token_only() {
+        // Embeddings that share a large mean direction, as trained ones do: every token's
+        // normalised embedding has a component of about 0.7 along any other's.
+        let (e, n) = (32, 400);
+        let mut rng = Rng::new(5, 9);
+        let shared: Vec<f64> = (0..e).map(|_| rng.normal()).collect();
+        #[allow(clippy::cast_possible_truncation, reason = "f32 embeddings")]
+        let embd: Vec<f32> = (0..n * e)
+            .map(|i| (shared[i % e] + 0.7 * rng.normal()) as f32)
+            .collect();
+        let row = |t: usize| {
+            unit(
+                embd[t * e..(t + 1) * e]
+                    .iter()
+                    .map(|&x| f64::from(x))
+                    .collect(),
+            )
+        };
+        let u = row(7);
+        let p = quiet_direction(&embd, e, &u);
+        assert!((dot(&p, &u) - 1.0).abs() < 1e-9);
+        let (mut along_u, mut along_p) = (0f64, 0f64);
+        for t in (0..n).filter(|&t| t != 7) {
+            let x = row(t);
+            along_u += dot(&u, &x).abs();
+            along_p += dot(&p, &x).abs();
+        }
+        #[allow(clippy::cast_precision_loss, reason = "small counts")]
+        let (along_u, along_p) = (along_u / (n - 1) as f64, along_p / (n - 1) as f64);
+        assert!(
+            along_u > 0.5,
+            "the test's embeddings share too little: {along_u}"
+        );
+        assert!(
+            along_p < 0.25 * along_u,
+            "|p·x| {along_p} against |u·x| {along_u}"
+        );
     }
 
     #[test]
