@@ -94,7 +94,8 @@ struct ExpSpecArgs {
     /// What DFlash's block rows learn (`specula train --labels`: greedy, target, corpus).
     #[arg(long, default_value = "greedy")]
     dflash_labels: String,
-    /// DFlash training steps.
+    /// DFlash training steps (0 with `--dflash-init copy`: the copy circuit as built,
+    /// untrained — training from it has so far cost row 1 more than it gave the later rows).
     #[arg(long, default_value_t = 1200)]
     steps: usize,
     /// DFlash draft layers (`specula train --layers`). With one layer the MASK rows' queries

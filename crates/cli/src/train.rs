@@ -53,7 +53,8 @@ pub struct Args {
     /// vocabulary, the head borrowed).
     #[arg(long = "draft-vocab", default_value_t = 8192)]
     pub draft_vocab: usize,
-    /// Optimiser steps.
+    /// Optimiser steps. 0 (DFlash with `--init copy` only): the draft as the initialisation
+    /// builds it, validated and written untrained.
     #[arg(long = "steps", default_value_t = 2000)]
     pub steps: usize,
     /// Peak learning rate (AdamW; linear warm-up over 5 % of the steps, cosine to 10 %).
@@ -178,8 +179,11 @@ mod imp {
             .iter()
             .map(|t| ExportType::parse(t).map(|e| (t.to_ascii_lowercase(), e)))
             .collect::<Result<Vec<_>, _>>()?;
-        if args.steps == 0 {
-            bail!("--steps must be at least 1");
+        if args.steps == 0 && !(matches!(args.kind, Kind::Dflash) && args.init == "copy") {
+            bail!(
+                "--steps must be at least 1 (0 writes a DFlash draft as --init copy builds it, \
+                 untrained; a random start is not worth writing)"
+            );
         }
         let accel = Accel::parse(&args.device)?;
         // Checked before the target and the features are read: a device that cannot run
@@ -250,7 +254,12 @@ mod imp {
                     run.shape.block,
                     run.vocab.len()
                 );
-                write_plot(&title, &run.steps, &run.vals, &args.out.join("loss.svg"))?;
+                if run.steps.is_empty() {
+                    // Nothing trained (`--steps 0`): no curve to draw.
+                    std::fs::remove_file(args.out.join("loss.svg")).ok();
+                } else {
+                    write_plot(&title, &run.steps, &run.vals, &args.out.join("loss.svg"))?;
+                }
                 if stopped(&mut out, run.step, args) {
                     return Ok(out);
                 }

@@ -8,8 +8,8 @@
 //! - an EAGLE-3 head trained on the same features (its loss going down too) and exported;
 //! - every exported drafter gives the plain run's greedy output through `specula run --dflash`,
 //!   drafting in every round;
-//! - a resumed run with other settings, a subset of taps the features lack and an unknown
-//!   export type are refused by name.
+//! - a resumed run with other settings, a subset of taps the features lack, an unknown
+//!   export type and no steps from a random start are refused by name.
 
 #![cfg(feature = "train")]
 
@@ -162,6 +162,14 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
         train(m, &feats, &dir.path().join("c"), &["--export", "q4_k"]),
         "export type `q4_k`",
     );
+    // No steps writes an untrained draft only where the copy circuit built it.
+    let c = dir.path().join("c");
+    let no_steps = ["--features", feats.to_str().unwrap(), "-o", c.to_str().unwrap()];
+    for kind in ["dflash", "eagle3"] {
+        let mut args = vec!["train", kind, "-m", m, "--steps", "0"];
+        args.extend_from_slice(&no_steps);
+        bad(specula(&args), "--steps must be at least 1");
+    }
 
     // Each drafter: the plain greedy output, drafting in every round.
     let run = |extra: &[&str]| -> serde_json::Value {

@@ -949,6 +949,21 @@ mod tests {
                 "K/V heads {kv:?}: row 1 right {right} of {n}"
             );
         }
+
+        // No steps (`specula train --steps 0`): the circuit validated once, left as built.
+        cfg.kv_heads = None;
+        cfg.optim.steps = 0;
+        let out = dir.path().join("untrained");
+        std::fs::create_dir_all(&out).expect("an output directory");
+        let mut run = Run::start(&cfg, &target, &feats, &out, false).expect("a circuit");
+        let built = run.export_params();
+        run.train(&target, &feats, &out, None, |_, _| panic!("a step ran"))
+            .expect("validated");
+        assert_eq!((run.step, run.vals.len()), (0, 1));
+        assert_eq!(run.export_params(), built);
+        let row1 = run.vals[0].accuracy[0];
+        assert!(row1 > 0.5, "validation row 1 {row1}");
+        assert!(out.join(crate::checkpoint::FILE).exists());
     }
 
     #[test]

@@ -578,6 +578,13 @@ impl Run {
         let decay = decays(&self.shape);
         let cfg = self.config.clone();
         let end = stop_at.map_or(cfg.optim.steps, |s| s.min(cfg.optim.steps));
+        if cfg.optim.steps == 0 && self.vals.is_empty() {
+            // No steps: the draft as its initialisation built it, validated once.
+            if let Some(v) = self.validate(target, feats, &val, &dev)? {
+                self.vals.push(v);
+            }
+            checkpoint::write(&out.join(checkpoint::FILE), &self.snapshot())?;
+        }
         while self.step < end {
             let t0 = Instant::now();
             let mut rng = Rng::new(cfg.seed, self.step as u64);
