@@ -279,14 +279,18 @@ mod imp {
                 }
                 let _ = writeln!(
                     out,
-                    "dflash: {} layers, block {}, draft vocabulary {}, taps {:?}; steps {before}..{} (of {}), final loss {:.4}",
+                    "dflash: {} layers, block {}, draft vocabulary {}, taps {:?}; {}",
                     run.shape.n_layer,
                     run.shape.block,
                     run.vocab.len(),
                     run.shape.taps,
-                    run.step,
-                    args.steps,
-                    run.steps.last().map_or(f32::NAN, |s| s.loss)
+                    run.steps.last().map_or_else(
+                        || "untrained (the draft as --init built it)".to_owned(),
+                        |s| format!(
+                            "steps {before}..{} (of {}), final loss {:.4}",
+                            run.step, args.steps, s.loss
+                        )
+                    )
                 );
                 summary(&mut out, &run.vals);
                 if run.shape.taps.contains(&target.hp.n_layer) {

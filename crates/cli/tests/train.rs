@@ -164,7 +164,12 @@ fn a_trained_drafter_loads_and_drafts_losslessly() {
     );
     // No steps writes an untrained draft only where the copy circuit built it.
     let c = dir.path().join("c");
-    let no_steps = ["--features", feats.to_str().unwrap(), "-o", c.to_str().unwrap()];
+    let no_steps = [
+        "--features",
+        feats.to_str().unwrap(),
+        "-o",
+        c.to_str().unwrap(),
+    ];
     for kind in ["dflash", "eagle3"] {
         let mut args = vec!["train", kind, "-m", m, "--steps", "0"];
         args.extend_from_slice(&no_steps);
